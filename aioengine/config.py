@@ -1,0 +1,114 @@
+"""Frozen configuration of one engine, and EngineArgs that builds it."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+class ConfigError(ValueError):
+    """An engine setting is invalid."""
+
+
+def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """"auto" means float32 on CPU (bf16 matmul is ~70x slower there) and bf16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ConfigError(f"unsupported dtype {dtype}; supported: {sorted(set(_DTYPES))}")
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ConfigError(f"unsupported dtype {dtype!r}; supported: auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Exactly one of these sizes the KV cache; both None = sized to the machine.
+    kv_cache_memory: int | None = None  # bytes
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # "fcfs" or "priority" (lower value first, then arrival)
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Flat user-facing settings, vLLM's names. `model=None` is the bundled SmolLM2."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineArgs:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            return torch.device(self.device)
+        except RuntimeError as e:
+            raise ConfigError(f"bad device {self.device!r}: {e}") from e
+
+    def validate(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ConfigError(f"block_size must be a power of two <= 128, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.kv_cache_memory is not None and self.num_kv_blocks is not None:
+            raise ConfigError("set kv_cache_memory or num_kv_blocks, not both")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ConfigError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
+
+
+def default_kv_cache_memory(device: torch.device) -> int:
+    """A quarter of available host memory on CPU (capped at 4 GiB); 80% of free GPU memory."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.8)
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        avail = 8 << 30
+    return int(min(avail // 4, 4 << 30))

@@ -1,0 +1,285 @@
+"""Per-request block tables on top of the BlockPool: prefix-cache lookup, slot allocation,
+fork with copy-on-write, and release.
+
+A request's block table maps logical block i (tokens [i*B, (i+1)*B), B = block_size) to a
+physical block. With C = num_computed_tokens and N new tokens scheduled this step:
+
+    tokens   0 ........ C ......... C+N
+    blocks   [ full | full | part ][ new | new ]
+                             ^ first written block, index C // B: copied first if shared
+
+Blocks wholly before C // B are only read, so they may be shared freely (prefix hits,
+forks). Every block at or after C // B receives writes this step and must be private.
+"""
+from __future__ import annotations
+
+from aioengine.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from aioengine.request import Request
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Owns the block tables of all requests that hold KV blocks.
+
+    Invariants (checked by `check_integrity`): each block's ref_cnt equals the number of
+    request tables holding it; `num_cached_block[r]` leading blocks of request r have been
+    offered to the prefix cache and carry either no hash or `r.block_hashes[i]`.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request have been passed to cache_full_block.
+        self.num_cached_block: dict[str, int] = {}
+        self._requests: dict[str, Request] = {}
+        # Pending (src_block_id, dst_block_id) copies; must run, in order, before the forward
+        # of the step that queued them (a later op may target an earlier op's source).
+        self._copy_ops: list[tuple[int, int]] = []
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    # ---------------------------------------------------------------- queries
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref_cnt 0, cached or not: all of them can be allocated."""
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        if not self.prefix_cache_queries:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return _cdiv(num_tokens, self.block_size)
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        return self.req_to_blocks.get(request_id, [])
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (empty if it holds no blocks)."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def take_copy_ops(self) -> list[tuple[int, int]]:
+        """Pending copy-on-write copies (src, dst), in the order they must be applied."""
+        ops, self._copy_ops = self._copy_ops, []
+        return ops
+
+    # ---------------------------------------------------------------- prefix cache
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached full-block prefix of `request.all_token_ids`.
+
+        At most num_tokens - 1 tokens may hit: the last token is always recomputed because
+        sampling needs its logits. Ref counts are untouched; pass the blocks to
+        `allocate_slots`, which takes the references.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_hit_blocks = max(request.num_tokens - 1, 0) // self.block_size
+        self._ensure_block_hashes(request, max_hit_blocks)
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break  # the chain is broken: no later block can be a valid hit
+            hits.append(block)
+        num_computed_tokens = len(hits) * self.block_size
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_computed_tokens
+        return hits, num_computed_tokens
+
+    def reset_prefix_cache(self) -> bool:
+        """Drops every cached hash; False (nothing done) while any block is in use."""
+        return self.block_pool.reset_prefix_cache()
+
+    def _ensure_block_hashes(self, request: Request, num_blocks: int) -> None:
+        """Extends request.block_hashes to cover its first `num_blocks` full blocks.
+        Hashes depend only on tokens and salt, so computed ones never go stale."""
+        hashes, size = request.block_hashes, self.block_size
+        assert num_blocks * size <= request.num_tokens, "hashing a block that is not full"
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_blocks):
+            parent = hash_block_tokens(
+                parent, request.all_token_ids[i * size:(i + 1) * size], request.cache_salt)
+            hashes.append(parent)
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
+                           num_tokens: int) -> None:
+        """Offers to the cache every block full of known tokens once `num_tokens` tokens
+        are computed. Speculative tokens beyond all_token_ids are never hashed."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        start = self.num_cached_block.get(rid, 0)
+        if num_full <= start:
+            return
+        self._ensure_block_hashes(request, num_full)
+        for i in range(start, num_full):
+            self.block_pool.cache_full_block(blocks[i], request.block_hashes[i])
+        self.num_cached_block[rid] = num_full
+
+    # ---------------------------------------------------------------- allocation
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] | None = None,
+                       ) -> list[KVCacheBlock] | None:
+        """Makes room for `num_new_tokens` more tokens after the computed ones (those of
+        request.num_computed_tokens plus the prefix hits `new_computed_blocks`).
+
+        Returns the blocks newly taken from the pool (copy-on-write replacements first,
+        in table order, then appended blocks), or None, with nothing changed, if the pool
+        is short. Hits must directly follow the request's existing full blocks.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        hits = new_computed_blocks or []
+        rid, size = request.request_id, self.block_size
+        blocks = self.req_to_blocks.get(rid, [])
+        if hits and request.num_computed_tokens != len(blocks) * size:
+            raise ValueError(f"request {rid}: prefix hits must follow full blocks, but "
+                             f"{request.num_computed_tokens} tokens are computed in "
+                             f"{len(blocks)} blocks")
+        num_computed = request.num_computed_tokens + len(hits) * size
+        total = num_computed + num_new_tokens
+        num_append = max(0, _cdiv(total, size) - len(blocks) - len(hits))
+        cow = self._shared_written_indices(blocks, num_computed, total)
+        # Touching a free cached hit pulls it out of the free queue: it cannot also be
+        # handed out as a new block.
+        num_free_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        if len(cow) + num_append > self.block_pool.get_num_free_blocks() - num_free_hits:
+            return None
+
+        self._requests[rid] = request
+        blocks = self.req_to_blocks.setdefault(rid, [])
+        self.block_pool.touch(hits)
+        blocks.extend(hits)
+        new_blocks = self.block_pool.get_new_blocks(len(cow) + num_append)
+        self._copy_on_write(blocks, cow, new_blocks[:len(cow)], num_computed)
+        blocks.extend(new_blocks[len(cow):])
+        self._cache_full_blocks(request, blocks, total)
+        return new_blocks
+
+    def _shared_written_indices(self, blocks: list[KVCacheBlock], num_computed: int,
+                                total: int) -> list[int]:
+        """Indices of existing blocks that receive writes this step while shared."""
+        if total <= num_computed:
+            return []
+        first = num_computed // self.block_size
+        end = min(_cdiv(total, self.block_size), len(blocks))
+        return [i for i in range(first, end) if blocks[i].ref_cnt > 1]
+
+    def _copy_on_write(self, blocks: list[KVCacheBlock], indices: list[int],
+                       fresh: list[KVCacheBlock], num_computed: int) -> None:
+        """Swaps each shared block at `indices` for a private fresh one. Only a block that
+        already holds computed tokens of this request needs its contents copied; later
+        ones hold nothing this request will read before writing it."""
+        if not indices:
+            return
+        released: list[KVCacheBlock] = []
+        for i, dst in zip(indices, fresh):
+            src = blocks[i]
+            if i * self.block_size < num_computed:
+                self._copy_ops.append((src.block_id, dst.block_id))
+            blocks[i] = dst
+            released.append(src)
+        # ref_cnt > 1 for each, so none reaches the free queue here. No replaced block was
+        # hashed by this request: hashed blocks lie wholly before num_computed.
+        self.block_pool.free_blocks(released)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child shares every block of the parent (ref_cnt += 1). The child's tokens
+        must equal the parent's over the parent's computed tokens; the caller sets
+        child.num_computed_tokens (normally to the parent's). The first write by either
+        into a shared block copies it (see allocate_slots)."""
+        cid, n = child.request_id, parent.num_computed_tokens
+        if self.req_to_blocks.get(cid):
+            raise ValueError(f"fork: child {cid} already holds blocks")
+        if child.all_token_ids[:n] != parent.all_token_ids[:n]:
+            raise ValueError(f"fork: child {cid} differs from parent {parent.request_id} "
+                             f"within its {n} computed tokens")
+        if child.cache_salt != parent.cache_salt:
+            raise ValueError("fork: parent and child must have the same cache_salt")
+        blocks = self.req_to_blocks.get(parent.request_id, [])
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[cid] = list(blocks)
+        self._requests[cid] = child
+        # Hashes of blocks inside the shared computed prefix are valid for the child too.
+        num_shared_full = n // self.block_size
+        if len(child.block_hashes) < num_shared_full:
+            child.block_hashes[:] = parent.block_hashes[:num_shared_full]
+        self.num_cached_block[cid] = min(self.num_cached_block.get(parent.request_id, 0),
+                                         num_shared_full)
+
+    def free(self, request: Request, discard_cache: bool = False) -> None:
+        """Releases the request's blocks in reverse, so its tail blocks (the least
+        shareable part of a prefix) are evicted before its head.
+
+        `discard_cache` (a failed forward, or a request freed between allocate_slots and
+        its forward) also drops the hashes of blocks that reach ref_cnt 0: their KV may
+        never have been written.
+        """
+        rid = request.request_id
+        blocks = self.req_to_blocks.pop(rid, [])
+        self.num_cached_block.pop(rid, None)
+        self._requests.pop(rid, None)
+        self.block_pool.free_blocks(reversed(blocks), discard_cache=discard_cache)
+        if self._copy_ops:
+            # A copy into a block that is now free would only clobber its next owner.
+            dead = {b.block_id for b in blocks if b.ref_cnt == 0}
+            self._copy_ops = [op for op in self._copy_ops if op[1] not in dead]
+
+    # ---------------------------------------------------------------- checks
+
+    def check_integrity(self) -> None:
+        """Pool invariants, plus: every table entry is a live pool block held once per
+        table, and each block's ref_cnt equals the number of tables holding it."""
+        pool = self.block_pool
+        pool.check_integrity()
+        refs = [0] * pool.num_blocks
+        for rid, blocks in self.req_to_blocks.items():
+            ids = [b.block_id for b in blocks]
+            assert len(set(ids)) == len(ids), f"request {rid} holds a block twice: {ids}"
+            for block in blocks:
+                assert pool.owns(block), f"request {rid} holds foreign block {block.block_id}"
+                assert block.ref_cnt >= 1, (
+                    f"request {rid} holds block {block.block_id} with ref_cnt {block.ref_cnt}")
+                refs[block.block_id] += 1
+            self._check_cached_prefix(rid, blocks)
+        for block in pool.blocks:
+            assert block.ref_cnt == refs[block.block_id], (
+                f"block {block.block_id} has ref_cnt {block.ref_cnt} but "
+                f"{refs[block.block_id]} request(s) hold it")
+        for src, dst in self._copy_ops:
+            assert pool.blocks[dst].ref_cnt >= 1, f"pending copy {src}->{dst} into a free block"
+
+    def _check_cached_prefix(self, rid: str, blocks: list[KVCacheBlock]) -> None:
+        num_cached = self.num_cached_block.get(rid, 0)
+        assert num_cached <= len(blocks), (
+            f"request {rid}: {num_cached} cached blocks but only {len(blocks)} held")
+        if not num_cached:
+            return
+        request = self._requests[rid]
+        assert len(request.block_hashes) >= num_cached, (
+            f"request {rid}: {num_cached} cached blocks but {len(request.block_hashes)} hashes")
+        for i in range(num_cached):
+            h = blocks[i].block_hash
+            assert h is None or h == request.block_hashes[i], (
+                f"request {rid}: block {blocks[i].block_id} at index {i} carries a foreign hash")

@@ -1,0 +1,306 @@
+"""The token-budget scheduler (vLLM v1's single rule).
+
+There are no prefill or decode phases. Every running request has `num_computed_tokens`
+that catches up with `num_tokens`; a step hands out `{request_id: num_new_tokens}` under
+`max_num_batched_tokens` and `max_num_seqs`. A long prompt is thereby chunked and mixed
+with the decodes of other requests, a prefix-cache hit just starts `num_computed_tokens`
+further along, and a preempted request is recomputed the same way.
+
+    running requests first (they already hold blocks), then waiting ones (FCFS/priority):
+
+    request  |<---- num_computed_tokens ---->|<-- num_new_tokens -->|... num_tokens
+             |  KV in cache (or cache hits)   |  computed this step  |
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from aioengine.config import SchedulerConfig
+from aioengine.core.kv_cache_manager import KVCacheManager
+from aioengine.outputs import PositionLogprobs
+from aioengine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """A snapshot of one request's share of a step, so the forward (which runs off the
+    event loop) never reads request state the loop may change meanwhile."""
+
+    request: Request
+    num_computed_tokens: int  # before this step
+    token_ids: list[int]  # the tokens computed this step
+    block_ids: list[int]
+    # Rows to sample: 0 for a prompt chunk that does not reach the end, 1 normally, and
+    # 1 + pending forks when the first sample of an n > 1 request finishes its prompt.
+    num_samples: int
+    # Prompt positions whose next-token logprobs are wanted (prompt_logprobs).
+    want_prompt_logprobs: bool = False
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class ModelRunnerOutput:
+    # request_id -> the tokens sampled from its last row: 1, or 1 + pending forks.
+    sampled_token_ids: dict[str, list[int]]
+    # request_id -> logprobs of each sampled token (aligned with sampled_token_ids).
+    logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    # request_id -> logprobs of the prompt tokens this chunk predicts (positions 1.. of the prompt).
+    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step did to one sample: the detokenizer and streams take it from here."""
+
+    request: Request
+    new_token_ids: list[int]
+    new_logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs] | None = None
+    # For a fork, the request it was forked from (its stream belongs to the same caller).
+    forked_from: Request | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.request.is_finished
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # single-token (decode) requests first
+    total_num_scheduled_tokens: int
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.waiting: list[Request] = []  # kept in policy order; index 0 is next
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        # Requests the scheduler itself failed (they can never fit); drained by the engine.
+        self.newly_failed: list[Request] = []
+
+    # ---- queue management --------------------------------------------------------------
+
+    def _queue_key(self, request: Request) -> tuple:
+        if self.config.policy == "priority":
+            return (request.priority, request.arrival_time)
+        return (request.arrival_time,)
+
+    def _enqueue_waiting(self, request: Request) -> None:
+        """Inserts by (priority,) arrival time: a preempted request keeps its arrival time,
+        so it goes back in front of everything that arrived after it."""
+        keys = [self._queue_key(r) for r in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, self._queue_key(request)), request)
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self._enqueue_waiting(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus,
+                        discard_cache: bool = False) -> list[Request]:
+        """Ends requests (abort, error, stop string) and releases their blocks at once."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            if request in self.running:
+                self.running.remove(request)
+            elif request in self.waiting:
+                self.waiting.remove(request)
+            request.status = status
+            self.kv_cache_manager.free(request, discard_cache=discard_cache)
+            finished.append(request)
+        return finished
+
+    # ---- the step --------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        if self.config.policy == "priority":
+            self.running.sort(key=self._queue_key)
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            if not self._allocate_or_preempt(request, num_new, preempted):
+                break  # the request itself was preempted: nothing after it fits either
+            scheduled.append((request, num_new))
+            budget -= num_new
+            i += 1
+
+        # Admit waiting requests only when nobody had to be preempted this step.
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            num_new = self._admit(request, budget)
+            if num_new is None:
+                break
+            scheduled.append((request, num_new))
+            budget -= num_new
+
+        if not scheduled and not self.running and self.waiting:
+            self._fail_unfittable(self.waiting[0])
+        return self._make_output(scheduled, preempted)
+
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        num_new = request.num_tokens - num_computed
+        if not self.config.enable_chunked_prefill and num_new > budget:
+            return 0
+        return min(num_new, budget)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int,
+                             preempted: list[Request]) -> bool:
+        """Allocates slots, preempting the lowest-priority running request (the last one in
+        `running`, never one already scheduled this step) until they fit."""
+        while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _admit(self, request: Request, budget: int) -> int | None:
+        computed_blocks, num_hit = [], 0
+        if request.sampling_params.prompt_logprobs is None:
+            computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+        num_new = self._num_new_tokens(request, num_hit, budget)
+        if num_new == 0:
+            return None
+        if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
+            return None
+        self.waiting.pop(0)
+        request.num_computed_tokens = num_hit
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return num_new
+
+    def _preempt(self, request: Request) -> None:
+        """Preemption by recompute: drop the KV, restart from token 0 (its prefix may still
+        be cached), back to the front of the waiting queue."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue_waiting(request)
+
+    def _fail_unfittable(self, request: Request) -> None:
+        """Nothing runs and the head of the queue still cannot get its blocks: it never will."""
+        needed = self.kv_cache_manager.num_blocks_needed(request.num_tokens)
+        request.error = (f"request needs {needed} KV blocks for {request.num_tokens} tokens but "
+                         f"the cache has {self.kv_cache_manager.num_blocks} blocks")
+        self.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
+        self.newly_failed.append(request)
+
+    def _make_output(self, scheduled: list[tuple[Request, int]],
+                     preempted: list[Request]) -> SchedulerOutput:
+        items = []
+        for request, num_new in scheduled:
+            start = request.num_computed_tokens
+            reaches_end = start + num_new == request.num_tokens
+            items.append(ScheduledRequest(
+                request=request,
+                num_computed_tokens=start,
+                token_ids=request.all_token_ids[start:start + num_new],
+                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                num_samples=(1 + len(request.pending_forks)) if reaches_end else 0,
+                want_prompt_logprobs=(request.sampling_params.prompt_logprobs is not None
+                                      and start < request.num_prompt_tokens),
+            ))
+        # Decodes first: the attention backend batches all single-token rows in one call.
+        items.sort(key=lambda s: s.num_new_tokens != 1)
+        return SchedulerOutput(
+            scheduled=items,
+            total_num_scheduled_tokens=sum(n for _, n in scheduled),
+            blocks_to_copy=self.kv_cache_manager.take_copy_ops(),
+            preempted=preempted,
+        )
+
+    # ---- after the forward -------------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Advances every scheduled request, forks n > 1 samples, applies token-level stop
+        rules (EOS, stop_token_ids, max_tokens, max_model_len) and frees finished requests.
+
+        A request finished while the forward ran (abort, stop string) is skipped: the token
+        computed for it is dropped.
+        """
+        outputs: list[EngineCoreOutput] = []
+        for item in scheduler_output.scheduled:
+            request = item.request
+            if request.is_finished:
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            rid = request.request_id
+            prompt_lps = runner_output.prompt_logprobs.get(rid)
+            tokens = runner_output.sampled_token_ids.get(rid)
+            if not tokens:
+                if prompt_lps:
+                    outputs.append(EngineCoreOutput(request, [], prompt_logprobs=prompt_lps))
+                continue
+            logprobs = runner_output.logprobs.get(rid)
+            samples = [request] + self._fork(request)
+            for i, (sample, token) in enumerate(zip(samples, tokens)):
+                sample.append_output_token_ids([token])
+                self._check_stop(sample)
+                outputs.append(EngineCoreOutput(
+                    sample, [token],
+                    new_logprobs=logprobs[i:i + 1] if logprobs else None,
+                    prompt_logprobs=prompt_lps if i == 0 else None,
+                    forked_from=request if i else None))
+        for out in outputs:
+            if out.finished and out.request.request_id in self.requests:
+                self.running.remove(out.request)
+                del self.requests[out.request.request_id]
+                self.kv_cache_manager.free(out.request)
+        return outputs
+
+    def _fork(self, request: Request) -> list[Request]:
+        """The first sample of an n > 1 request just finished its prompt: the others start
+        here, sharing its blocks (copy-on-write on the last, partial one)."""
+        forks, request.pending_forks = request.pending_forks, []
+        for child in forks:
+            self.kv_cache_manager.fork(request, child)
+            child.num_computed_tokens = request.num_computed_tokens
+            child.num_cached_tokens = request.num_cached_tokens
+            child.status = RequestStatus.RUNNING
+            self.requests[child.request_id] = child
+            self.running.append(child)
+        return forks
+
+    def _check_stop(self, request: Request) -> None:
+        params = request.sampling_params
+        token = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens and token in params.all_stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token if token in params.stop_token_ids else None
+        elif (request.num_output_tokens >= (params.max_tokens or 0)
+              or request.num_tokens >= self.config.max_model_len):
+            request.status = RequestStatus.FINISHED_LENGTH

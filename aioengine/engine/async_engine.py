@@ -1,0 +1,186 @@
+"""AsyncEngine: the embedding API. One background task drives the engine loop:
+
+    loop task:  schedule N ─┬─> forward N (worker thread) ─┬─> update N ─> schedule N+1 ...
+                            └─> detokenize + stream N-1 ───┘   (on the loop, overlapped)
+
+Callers `async for out in engine.generate(...)`; each request has an asyncio.Queue the
+output processor fills. Cancelling the consuming task aborts the request.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator, Union
+
+from aioengine.config import EngineArgs
+from aioengine.core.scheduler import EngineCoreOutput, SchedulerOutput
+from aioengine.engine.core import EngineCore
+from aioengine.engine.output_processor import OutputProcessor
+from aioengine.errors import EngineDeadError, InvalidRequestError
+from aioengine.outputs import RequestOutput
+from aioengine.request import Request, RequestStatus
+from aioengine.sampling_params import SamplingParams
+from aioengine.tokenizer_utils import apply_chat_template, encode_prompt
+
+logger = logging.getLogger("aioengine")
+
+# A prompt: text, token ids, or chat messages ({"role", "content"} dicts).
+PromptType = Union[str, list[int], list[dict]]
+
+
+def render_prompt(tokenizer, prompt: PromptType) -> tuple[str | None, list[int]]:
+    """Prompt -> (text if any, token ids)."""
+    if isinstance(prompt, str):
+        return prompt, encode_prompt(tokenizer, prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        return None, apply_chat_template(tokenizer, prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                        for t in prompt):
+        return None, list(prompt)
+    raise InvalidRequestError(
+        "prompt must be a string, a list of token ids, or a list of chat messages", "prompt")
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.tokenizer = core.tokenizer
+        self.processor = OutputProcessor(core.tokenizer)
+        self._samples: dict[str, list[Request]] = {}
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._wakeup = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aioengine-forward")
+        self._dead: BaseException | None = None
+        self._closing = False
+        self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+
+    @classmethod
+    async def create(cls, model: str | None = None, **engine_args: object) -> AsyncEngine:
+        """Loads the model off the event loop and starts the engine loop."""
+        args = EngineArgs.from_kwargs(model=model, **engine_args)
+        core = await asyncio.to_thread(EngineCore, args)
+        return cls(core)
+
+    async def __aenter__(self) -> AsyncEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None and not self._closing
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None,
+                    priority: int = 0) -> tuple[str, asyncio.Queue[RequestOutput]]:
+        """Validates and queues a request; returns its id and output queue. Raises
+        InvalidRequestError for bad input (nothing is queued then)."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running") from self._dead
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._queues:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        text, token_ids = render_prompt(self.tokenizer, prompt)
+        samples = self.core.add_request(request_id, token_ids, params, priority)
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._samples[request_id] = samples
+        self.processor.add_request(request_id, text, samples, queue.put_nowait)
+        self._wakeup.set()
+        return request_id, queue
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Streams RequestOutputs until the request finishes. Leaving the loop early or
+        cancelling the task aborts the request and frees its KV blocks at once."""
+        request_id, queue = self.add_request(prompt, sampling_params, request_id, priority)
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._abort(request_id)
+            self._forget(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        samples = self._samples.get(request_id)
+        if samples is None:
+            return
+        self.core.finish_requests(samples, RequestStatus.FINISHED_ABORTED)
+        self.processor.abort(request_id, "abort")
+
+    def _forget(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+        self._samples.pop(request_id, None)
+
+    async def shutdown(self) -> None:
+        """Aborts what is in flight and stops the loop; idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        for request_id in list(self._samples):
+            self._abort(request_id)
+        self._wakeup.set()
+        await asyncio.gather(self._loop_task, return_exceptions=True)
+        self._executor.shutdown(wait=True)
+
+    # ---- the engine loop ---------------------------------------------------------------
+
+    async def _run_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        pending: list[EngineCoreOutput] = []
+        try:
+            while not self._closing:
+                if not self.core.has_unfinished_requests():
+                    self._process(pending)
+                    pending = []
+                    if not self.core.has_unfinished_requests():
+                        self._wakeup.clear()
+                        await self._wakeup.wait()
+                    continue
+                scheduler_output = self.core.schedule()
+                self._process([], self.core.take_failed())
+                if scheduler_output.is_empty:
+                    self._process(pending)
+                    pending = []
+                    await asyncio.sleep(0)
+                    continue
+                future = loop.run_in_executor(self._executor, self.core.execute, scheduler_output)
+                # Overlap: stream step N-1 while step N runs on the worker thread.
+                self._process(pending)
+                pending = await self._finish_step(future, scheduler_output)
+            self._process(pending)
+        except BaseException as e:  # the loop itself broke: fail everything, stay dead
+            self._dead = e
+            logger.exception("engine loop died")
+            for request_id in list(self._samples):
+                self.processor.abort(request_id, "error", error=f"engine died: {e!r}")
+            raise
+
+    async def _finish_step(self, future: asyncio.Future,
+                           scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
+        try:
+            runner_output = await future
+        except Exception as e:  # noqa: BLE001 - fail this batch's requests, not the engine
+            logger.exception("forward failed")
+            self._process([], self.core.fail_step(scheduler_output, e))
+            return []
+        return self.core.update(scheduler_output, runner_output)
+
+    def _process(self, outputs: list[EngineCoreOutput], failed: list[Request] = ()) -> None:
+        if not outputs and not failed:
+            return
+        self.core.apply_finish_orders(self.processor.process_outputs(outputs, failed))

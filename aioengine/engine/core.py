@@ -1,0 +1,214 @@
+"""EngineCore: model + KV cache + scheduler + runner, driven one step at a time.
+
+    schedule()  ->  execute(scheduler_output)  ->  update(scheduler_output, runner_output)
+    (event loop)    (off the loop: worker thread)  (event loop)
+
+It is synchronous; AsyncEngine and LLM drive it. Request validation lives here so both
+front ends (and the HTTP server) reject the same inputs with the same messages.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from aioengine.config import (CacheConfig, ConfigError, EngineArgs, SchedulerConfig,
+                              default_kv_cache_memory, parse_dtype)
+from aioengine.core.kv_cache_manager import KVCacheManager
+from aioengine.core.scheduler import (EngineCoreOutput, ModelRunnerOutput, Scheduler,
+                                      SchedulerOutput)
+from aioengine.errors import InvalidRequestError
+from aioengine.model.llama import kv_cache_bytes_per_block
+from aioengine.model.loader import load_model
+from aioengine.request import Request, RequestStatus
+from aioengine.sampling_params import SamplingParams
+from aioengine.tokenizer_utils import get_eos_token_ids
+from aioengine.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("aioengine")
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs) -> None:
+        args.validate()
+        self.args = args
+        self.device = args.resolve_device()
+        self.dtype = parse_dtype(args.dtype, self.device)
+        start = time.perf_counter()
+        self.loaded = load_model(args.model, self.dtype, self.device)
+        self.tokenizer = self.loaded.tokenizer
+        self.vocab_size = self.loaded.arch.vocab_size
+        self.max_model_len = self._resolve_max_model_len(args)
+        if not args.enable_chunked_prefill and args.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"without chunked prefill max_num_batched_tokens ({args.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({self.max_model_len})")
+        self.cache_config = CacheConfig(args.block_size, args.kv_cache_memory, args.num_kv_blocks,
+                                        args.enable_prefix_caching)
+        num_blocks = self._num_kv_blocks()
+        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size,
+                                               enable_caching=args.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            max_model_len=self.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
+            policy=args.scheduling_policy), self.kv_cache_manager)
+        self.runner = ModelRunner(self.loaded, num_blocks, args.block_size, self.device, self.dtype)
+        self.eos_token_ids = get_eos_token_ids(self.tokenizer, self.loaded.hf_config)
+        self.eos_token_ids |= set(self.loaded.arch.eos_token_ids)
+        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, "
+                    "%.1fs", self.loaded.model_path, self.device, str(self.dtype).split(".")[-1],
+                    num_blocks, args.block_size, self.max_model_len, time.perf_counter() - start)
+
+    def _resolve_max_model_len(self, args: EngineArgs) -> int:
+        model_len = self.loaded.max_model_len
+        if args.max_model_len is None:
+            return model_len
+        if not 1 <= args.max_model_len <= model_len:
+            raise ConfigError(f"max_model_len must be in [1, {model_len}] for this model, "
+                              f"got {args.max_model_len}")
+        return args.max_model_len
+
+    def _num_kv_blocks(self) -> int:
+        if self.args.num_kv_blocks is not None:
+            return self.args.num_kv_blocks
+        per_block = kv_cache_bytes_per_block(self.loaded.arch, self.args.block_size, self.dtype)
+        memory = self.args.kv_cache_memory or default_kv_cache_memory(self.device)
+        num_blocks = memory // per_block
+        if num_blocks < 1:
+            raise ConfigError(f"kv_cache_memory {memory} bytes holds no block ({per_block} bytes "
+                              f"per block of {self.args.block_size} tokens)")
+        return num_blocks
+
+    # ---- requests -------------------------------------------------------------------
+
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises InvalidRequestError for anything that could never run; resolves
+        `max_tokens` (None = up to the context) and the stop token set in `params`."""
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt")
+        if num_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt} tokens but the model's context length is "
+                f"{self.max_model_len}, leaving no room to generate", "prompt")
+        if params.max_tokens is None:
+            params.max_tokens = self.max_model_len - num_prompt
+        elif num_prompt + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                f"has {num_prompt} tokens and max_tokens is {params.max_tokens} "
+                f"({num_prompt + params.max_tokens} in total)", "max_tokens")
+        params.validate_vocab(self.vocab_size)
+        needed = params.n * self.kv_cache_manager.num_blocks_needed(num_prompt + params.max_tokens)
+        if needed > self.kv_cache_manager.num_blocks:
+            raise InvalidRequestError(
+                f"the request may need {needed} KV blocks (n={params.n}, {num_prompt} prompt + "
+                f"{params.max_tokens} new tokens) but the cache has only "
+                f"{self.kv_cache_manager.num_blocks}", "max_tokens")
+        params.all_stop_token_ids = set(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            params.all_stop_token_ids |= self.eos_token_ids
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0, arrival_time: float | None = None) -> list[Request]:
+        """Queues one request; returns its samples (n > 1 samples fork from the first once
+        its prompt is computed). Sample i's seed is `seed + i`."""
+        self.validate_prompt(prompt_token_ids, params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        samples = []
+        for i in range(params.n):
+            sample_params = params
+            if params.seed is not None and i > 0:
+                sample_params = _with_seed(params, params.seed + i)
+            samples.append(Request(
+                request_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                prompt_token_ids=list(prompt_token_ids), sampling_params=sample_params,
+                arrival_time=arrival, priority=priority, parent_id=request_id, sample_index=i))
+        samples[0].pending_forks = samples[1:]
+        self.scheduler.add_request(samples[0])
+        return samples
+
+    def finish_requests(self, samples: list[Request], status: RequestStatus) -> None:
+        """Ends samples early (abort, stop string); samples never forked end with them."""
+        for sample in samples:
+            if sample.is_finished:
+                continue
+            if sample.request_id in self.scheduler.requests:
+                self.scheduler.finish_requests([sample.request_id], status)
+            else:  # a fork that has not started yet
+                sample.status = status
+
+    def apply_finish_orders(self, orders: list[tuple[Request, RequestStatus, str | None]]) -> None:
+        """Ends samples the output processor stopped (stop string) or failed."""
+        for request, status, detail in orders:
+            self.finish_requests([request], status)
+            if status == RequestStatus.FINISHED_STOPPED:
+                request.stop_reason = detail
+            else:
+                request.error = detail
+
+    # ---- the step ---------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def schedule(self) -> SchedulerOutput:
+        return self.scheduler.schedule()
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)
+
+    def update(self, scheduler_output: SchedulerOutput,
+               runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def fail_step(self, scheduler_output: SchedulerOutput, error: BaseException) -> list[Request]:
+        """A forward failed: fail every request in it (not the engine). Their blocks may hold
+        unwritten KV, so their prefix-cache entries are dropped too."""
+        failed = []
+        for item in scheduler_output.scheduled:
+            request = item.request
+            if request.is_finished:
+                continue
+            request.error = f"{type(error).__name__}: {error}"
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR,
+                                           discard_cache=True)
+            failed.append(request)
+        return _with_pending_forks(failed)
+
+    def take_failed(self) -> list[Request]:
+        failed, self.scheduler.newly_failed = self.scheduler.newly_failed, []
+        return _with_pending_forks(failed)
+
+    def step(self) -> tuple[list[EngineCoreOutput], list[Request]]:
+        """One synchronous step (for LLM and tests): outputs and newly failed requests."""
+        scheduler_output = self.schedule()
+        failed = self.take_failed()
+        if scheduler_output.is_empty:
+            return [], failed
+        try:
+            runner_output = self.execute(scheduler_output)
+        except Exception as e:  # noqa: BLE001 - one bad batch must not take the engine down
+            logger.exception("forward failed")
+            return [], failed + self.fail_step(scheduler_output, e)
+        return self.update(scheduler_output, runner_output), failed
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    return dataclasses.replace(params, seed=seed)
+
+
+def _with_pending_forks(failed: list[Request]) -> list[Request]:
+    """A failed first sample takes its never-started forks down with it."""
+    out = []
+    for request in failed:
+        out.append(request)
+        for fork in request.pending_forks:
+            fork.status, fork.error = request.status, request.error
+            out.append(fork)
+        request.pending_forks = []
+    return out

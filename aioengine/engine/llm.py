@@ -1,0 +1,68 @@
+"""LLM: a small synchronous front end for scripts and batch jobs, on the same core."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from aioengine.config import EngineArgs
+from aioengine.engine.async_engine import PromptType, render_prompt
+from aioengine.engine.core import EngineCore
+from aioengine.engine.output_processor import OutputProcessor
+from aioengine.outputs import CompletionOutput, RequestOutput
+from aioengine.sampling_params import SamplingParams
+
+
+class LLM:
+    """`LLM(model=None, **engine_args).generate(prompts, params)` -> final outputs, in order."""
+
+    def __init__(self, model: str | None = None, **engine_args: object) -> None:
+        self.core = EngineCore(EngineArgs.from_kwargs(model=model, **engine_args))
+        self.tokenizer = self.core.tokenizer
+        self.processor = OutputProcessor(self.core.tokenizer)
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]  # a single prompt
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        latest: dict[str, dict[int, CompletionOutput]] = {}
+        finals: dict[str, RequestOutput] = {}
+
+        def sink(out: RequestOutput) -> None:
+            per_sample = latest.setdefault(out.request_id, {})
+            for completion in out.outputs:
+                per_sample[completion.index] = completion
+            if out.finished:
+                finals[out.request_id] = out
+
+        ids = []
+        for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+            text, token_ids = render_prompt(self.tokenizer, prompt)
+            request_id = f"llm-{id(self)}-{i}"
+            samples = self.core.add_request(request_id, token_ids, _copy(params))
+            self.processor.add_request(request_id, text, samples, sink)
+            ids.append(request_id)
+        while self.core.has_unfinished_requests():
+            outputs, failed = self.core.step()
+            self.core.apply_finish_orders(self.processor.process_outputs(outputs, failed))
+        return [_whole(finals[rid], latest[rid]) for rid in ids]
+
+
+def _copy(params: SamplingParams) -> SamplingParams:
+    import dataclasses
+
+    return dataclasses.replace(params)  # the engine resolves max_tokens etc. in place
+
+
+def _whole(final: RequestOutput, samples: dict[int, CompletionOutput]) -> RequestOutput:
+    """The final output with every sample's whole text and tokens."""
+    outputs = [CompletionOutput(
+        index=c.index, text=c.cumulative_text, token_ids=c.cumulative_token_ids,
+        cumulative_text=c.cumulative_text, cumulative_token_ids=c.cumulative_token_ids,
+        finished=c.finished, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+        error=c.error) for _, c in sorted(samples.items())]
+    final.outputs = outputs
+    return final

@@ -1,0 +1,177 @@
+"""Turns EngineCoreOutputs into streamed RequestOutputs: detokenizes, finds stop strings,
+groups the samples of an n > 1 request, and hands each update to the caller's sink.
+
+It runs on the event loop while the next forward runs (AsyncEngine), so its cost overlaps
+device work. A stop string found here ends the sample one step late in the scheduler;
+the extra token computed meanwhile is dropped (vLLM v1 does the same).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Callable
+
+from transformers import PreTrainedTokenizerBase
+
+from aioengine.core.scheduler import EngineCoreOutput
+from aioengine.detokenizer import IncrementalDetokenizer
+from aioengine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from aioengine.request import Request, RequestStatus
+
+Sink = Callable[[RequestOutput], None]
+# (sample, status to end it with, stop string or error message)
+FinishOrder = tuple[Request, RequestStatus, "str | None"]
+
+
+@dataclass
+class SampleState:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    num_sent_tokens: int = 0
+    finished: bool = False
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[SampleState]
+    sink: Sink
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+        self._decode_one = lru_cache(maxsize=65536)(
+            lambda tok: tokenizer.decode([tok], skip_special_tokens=False))
+
+    def add_request(self, request_id: str, prompt: str | None, samples: list[Request],
+                    sink: Sink) -> None:
+        first = samples[0]
+        states = [SampleState(s, IncrementalDetokenizer(self.tokenizer, s.prompt_token_ids,
+                                                         s.sampling_params)) for s in samples]
+        self.states[request_id] = RequestState(
+            request_id, prompt, first.prompt_token_ids, states, sink,
+            prompt_logprobs=[None] if first.sampling_params.prompt_logprobs is not None else None)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.states
+
+    def process_outputs(self, outputs: list[EngineCoreOutput],
+                        failed: list[Request] = ()) -> list[FinishOrder]:
+        """Delivers one update per request that advanced. Returns the samples that end
+        here (a stop string in their text, or an error processing them) with the status and
+        stop string / error: the caller ends them in the scheduler."""
+        to_finish: list[FinishOrder] = []
+        updates: dict[str, list[CompletionOutput]] = {}
+        for out in outputs:
+            state = self.states.get(out.request.parent_id or out.request.request_id)
+            if state is None:
+                continue
+            if out.prompt_logprobs and state.prompt_logprobs is not None:
+                state.prompt_logprobs.extend(self._decode_logprobs(out.prompt_logprobs))
+            if not out.new_token_ids:
+                continue
+            try:
+                completion, stop_str = self._advance(state, out)
+            except Exception as e:  # noqa: BLE001 - one broken request must not stop the loop
+                sample = state.samples[out.request.sample_index]
+                error = f"output processing failed: {type(e).__name__}: {e}"
+                completion, stop_str = self._finish_sample(sample, "error", error=error), None
+                to_finish.append((out.request, RequestStatus.FINISHED_ERROR, error))
+            if stop_str is not None:
+                to_finish.append((out.request, RequestStatus.FINISHED_STOPPED, stop_str))
+            if completion is not None:
+                updates.setdefault(state.request_id, []).append(completion)
+        for request in failed:
+            state = self.states.get(request.parent_id or request.request_id)
+            if state is not None:
+                updates.setdefault(state.request_id, []).append(self._finish_sample(
+                    state.samples[request.sample_index], "error", error=request.error))
+        for request_id, completions in updates.items():
+            self._deliver(self.states[request_id], completions)
+        return to_finish
+
+    def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> None:
+        """Ends every unfinished sample of a request with `reason` and delivers it."""
+        state = self.states.get(request_id)
+        if state is None:
+            return
+        completions = [self._finish_sample(s, reason, error=error)
+                       for s in state.samples if not s.finished]
+        self._deliver(state, completions)
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _advance(self, state: RequestState,
+                 out: EngineCoreOutput) -> tuple[CompletionOutput | None, str | None]:
+        sample = state.samples[out.request.sample_index]
+        if sample.finished:
+            return None, None
+        if state.first_token_time is None:
+            state.first_token_time = time.monotonic()
+        request = out.request
+        stop_terminated = (request.status == RequestStatus.FINISHED_STOPPED)
+        stop_str = sample.detokenizer.update(out.new_token_ids, stop_terminated)
+        finished = request.is_finished or stop_str is not None
+        delta = sample.detokenizer.get_next_output_text(finished, delta=True)
+        sample.text += delta
+        token_ids = request.output_token_ids
+        new_ids = token_ids[sample.num_sent_tokens:]
+        sample.num_sent_tokens = len(token_ids)
+        sample.finished = finished
+        if stop_str is not None:
+            reason, stop_reason = "stop", stop_str
+        else:
+            reason, stop_reason = request.status.finish_reason, request.stop_reason
+        return CompletionOutput(
+            index=request.sample_index, text=delta, token_ids=new_ids,
+            cumulative_text=sample.text, cumulative_token_ids=list(token_ids),
+            logprobs=self._decode_logprobs(out.new_logprobs),
+            finished=finished, finish_reason=reason if finished else None,
+            stop_reason=stop_reason if finished else None), stop_str
+
+    def _finish_sample(self, sample: SampleState, reason: str,
+                       error: str | None = None) -> CompletionOutput:
+        sample.finished = True
+        delta = sample.detokenizer.get_next_output_text(True, delta=True)
+        sample.text += delta
+        token_ids = sample.request.output_token_ids
+        new_ids = token_ids[sample.num_sent_tokens:]
+        sample.num_sent_tokens = len(token_ids)
+        return CompletionOutput(
+            index=sample.request.sample_index, text=delta, token_ids=new_ids,
+            cumulative_text=sample.text, cumulative_token_ids=list(token_ids),
+            finished=True, finish_reason=reason, error=error)
+
+    def _deliver(self, state: RequestState, completions: list[CompletionOutput]) -> None:
+        finished = state.finished
+        if finished:
+            del self.states[state.request_id]
+        first = state.samples[0].request
+        metrics = {"arrival_time": state.arrival_time}
+        if state.first_token_time is not None:
+            metrics["first_token_time"] = state.first_token_time
+        state.sink(RequestOutput(
+            request_id=state.request_id, prompt_token_ids=state.prompt_token_ids,
+            outputs=completions, finished=finished, prompt=state.prompt,
+            prompt_logprobs=state.prompt_logprobs,
+            num_cached_tokens=max(first.num_cached_tokens, 0), metrics=metrics))
+
+    def _decode_logprobs(self, logprobs: list[PositionLogprobs] | None
+                         ) -> list[PositionLogprobs] | None:
+        if not logprobs:
+            return None
+        return [{tok: Logprob(lp.logprob, lp.rank, self._decode_one(tok))
+                 for tok, lp in entry.items()} for entry in logprobs]

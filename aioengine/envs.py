@@ -1,0 +1,27 @@
+"""The one registry of environment variables aioengine reads.
+
+Each entry is read when accessed (`envs.AIOENGINE_LOG_LEVEL`), so tests can set them.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+environment_variables: dict[str, Callable[[], Any]] = {
+    # Logging level of the `aioengine` logger.
+    "AIOENGINE_LOG_LEVEL": lambda: os.getenv("AIOENGINE_LOG_LEVEL", "INFO").upper(),
+    # Threads torch uses for intra-op parallelism on CPU (default: all cores).
+    "AIOENGINE_CPU_THREADS": lambda: int(os.getenv("AIOENGINE_CPU_THREADS", "0")),
+    # Path of the default model, overriding the bundled SmolLM2-135M-Instruct GGUF.
+    "AIOENGINE_DEFAULT_MODEL": lambda: os.getenv("AIOENGINE_DEFAULT_MODEL") or None,
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in environment_variables:
+        return environment_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(environment_variables)

@@ -1,0 +1,104 @@
+"""Engine-side state of one sequence being generated."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from aioengine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from aioengine.core.block_pool import BlockHash
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after this is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence. With `n > 1` each sample is its own Request (`sample_index` i of the
+    parent `parent_id`); samples after the first are forked from the first once its
+    prompt is computed, sharing its KV blocks by reference count.
+
+    Invariant: `num_computed_tokens <= num_tokens`; the scheduler's job is to make every
+    running request's `num_computed_tokens` catch up with `num_tokens`.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    # Extra keys mixed into every block hash (e.g. a LoRA adapter id); None = base model.
+    cache_salt: tuple | None = None
+    parent_id: str | None = None
+    sample_index: int = 0
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    # Prompt tokens found in the prefix cache at first scheduling (-1 = not yet looked up).
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    # Full-block hashes of all_token_ids, extended by the KV cache manager as blocks fill.
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    # Samples still to be forked from this one when its prompt is done (n > 1).
+    pending_forks: list[Request] = field(default_factory=list)
+    stop_reason: int | str | None = None
+    error: str | None = None
+    # The sampler's torch.Generator for a seeded request; it lives as long as the request so
+    # that preemption and batch composition never change the random stream.
+    generator: Any = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def is_prefill_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)

@@ -1,0 +1,32 @@
+"""Sampling: logits of the rows that sample this step -> tokens and logprobs."""
+from __future__ import annotations
+
+from aioengine.sample.metadata import (
+    NUM_CANDIDATES,
+    SamplingMetadata,
+    SamplingRow,
+    SparseLogitEdit,
+    make_generator,
+    min_tokens_stop_ids,
+)
+from aioengine.sample.sampler import (
+    Sampler,
+    SamplerOutput,
+    compute_probs,
+    compute_prompt_logprobs,
+    gather_logprobs,
+)
+
+__all__ = [
+    "NUM_CANDIDATES",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "SamplingRow",
+    "SparseLogitEdit",
+    "compute_probs",
+    "compute_prompt_logprobs",
+    "gather_logprobs",
+    "make_generator",
+    "min_tokens_stop_ids",
+]

@@ -1,0 +1,106 @@
+"""Per-request sampling parameters, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aioengine.errors import InvalidRequestError
+
+_MAX_LOGPROBS = 20
+
+
+class SamplingParamsError(InvalidRequestError):
+    """A sampling parameter is out of range. `param` names the offending field."""
+
+
+@dataclass
+class SamplingParams:
+    """What to sample and when to stop, with vLLM's names and defaults.
+
+    `temperature == 0` means greedy. `top_k in (0, -1)` disables top-k. `logprobs`/
+    `prompt_logprobs` ask for that many top alternatives per position (plus the chosen
+    token's own logprob). `seed` makes the request's samples independent of the batch.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # Filled by the engine from the model's generation config (EOS and friends).
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._validate()
+
+    def _validate(self) -> None:
+        def check(ok: bool, param: str, message: str) -> None:
+            if not ok:
+                raise SamplingParamsError(f"{param} {message}", param)
+
+        check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n}")
+        check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        check(self.top_k >= 0, "top_k", f"must be -1 (disabled) or >= 1, got {self.top_k}")
+        check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
+        check(self.repetition_penalty > 0.0, "repetition_penalty",
+              f"must be > 0, got {self.repetition_penalty}")
+        check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+              f"must be >= 1, got {self.max_tokens}")
+        check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+              f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(value is None or 0 <= value <= _MAX_LOGPROBS, name,
+                  f"must be in [0, {_MAX_LOGPROBS}], got {value}")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop",
+              "must be non-empty strings")
+        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+              "stop_token_ids", "must be non-negative integers")
+        if self.logit_bias:
+            check(all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()), "logit_bias",
+                  "values must be in [-100, 100]")
+        check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+
+    def validate_vocab(self, vocab_size: int) -> None:
+        """Checks token ids the request names against the model's vocabulary."""
+        for tok in self.logit_bias or {}:
+            if not 0 <= tok < vocab_size:
+                raise SamplingParamsError(
+                    f"logit_bias key {tok} is outside the vocabulary [0, {vocab_size})",
+                    "logit_bias")
+        for tok in self.stop_token_ids or []:
+            if tok >= vocab_size:
+                raise SamplingParamsError(
+                    f"stop_token_ids entry {tok} is outside the vocabulary [0, {vocab_size})",
+                    "stop_token_ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

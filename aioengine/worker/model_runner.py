@@ -1,0 +1,135 @@
+"""Turns a SchedulerOutput into one forward pass and the sampled tokens.
+
+Runs off the event loop (a worker thread on CPU), so it reads only the snapshot in the
+SchedulerOutput plus request fields the loop does not change during a step.
+
+    flattened step (decodes first, then prefill chunks), T tokens:
+    input_ids   [ d0 | d1 | p0 p0 p0 p0 | p1 p1 ]
+    sample rows [ d0 | d1 |          p0 |       ]   <- only where a chunk reaches the end
+"""
+from __future__ import annotations
+
+import torch
+
+from aioengine.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from aioengine.model.attention import build_attention_metadata, copy_blocks
+from aioengine.model.llama import make_kv_caches
+from aioengine.model.loader import LoadedModel
+from aioengine.outputs import Logprob, PositionLogprobs
+from aioengine.request import Request
+from aioengine.sample.sampler import (Sampler, SamplingMetadata, SamplingRow,
+                                      compute_prompt_logprobs, make_generator)
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.model = loaded.model
+        self.arch = loaded.arch
+        self.device = device
+        self.block_size = block_size
+        self.vocab_size = loaded.arch.vocab_size
+        self.kv_caches = make_kv_caches(loaded.arch, num_blocks, block_size, dtype, device)
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        scheduled = scheduler_output.scheduled
+        if scheduler_output.blocks_to_copy:
+            src, dst = zip(*scheduler_output.blocks_to_copy)
+            copy_blocks(self.kv_caches, list(src), list(dst))
+        input_ids = torch.tensor([t for s in scheduled for t in s.token_ids],
+                                 dtype=torch.long, device=self.device)
+        attn_metadata, positions = build_attention_metadata(
+            query_lens=[s.num_new_tokens for s in scheduled],
+            seq_lens=[s.num_computed_tokens + s.num_new_tokens for s in scheduled],
+            block_tables=[s.block_ids for s in scheduled],
+            block_size=self.block_size, device=self.device)
+        hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata)
+
+        output = ModelRunnerOutput(sampled_token_ids={})
+        self._sample(scheduled, hidden, attn_metadata.query_start_loc_cpu, output)
+        self._prompt_logprobs(scheduled, hidden, attn_metadata.query_start_loc_cpu, output)
+        return output
+
+    def _sample(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor,
+                query_start_loc: list[int], output: ModelRunnerOutput) -> None:
+        row_index: list[int] = []
+        rows: list[SamplingRow] = []
+        owners: list[ScheduledRequest] = []
+        for i, item in enumerate(scheduled):
+            if item.num_samples == 0:
+                continue
+            last = query_start_loc[i + 1] - 1
+            samples = [item.request] + item.request.pending_forks[:item.num_samples - 1]
+            for sample in samples:
+                row_index.append(last)
+                rows.append(self._sampling_row(sample))
+            owners.append(item)
+        if not rows:
+            return
+        # Logits only for the rows that sample; the LM head is the largest matmul.
+        logits = self.model.compute_logits(hidden[torch.tensor(row_index, device=self.device)])
+        metadata = SamplingMetadata.build(rows, self.vocab_size, self.device)
+        result = self.sampler(logits, metadata)
+        sampled = result.sampled_token_ids.tolist()
+        logprobs = _to_position_logprobs(result.logprob_token_ids, result.logprobs,
+                                         result.sampled_token_ranks)
+        r = 0
+        for item in owners:
+            rid = item.request.request_id
+            n = item.num_samples
+            output.sampled_token_ids[rid] = sampled[r:r + n]
+            k = item.request.sampling_params.logprobs
+            if k is not None and logprobs is not None:
+                output.logprobs[rid] = [_top(lp, k) for lp in logprobs[r:r + n]]
+            r += n
+
+    def _sampling_row(self, request: Request) -> SamplingRow:
+        params = request.sampling_params
+        if params.seed is not None and request.generator is None:
+            request.generator = make_generator(params.seed, self.device)
+        return SamplingRow(params=params, prompt_token_ids=request.prompt_token_ids,
+                           output_token_ids=request.output_token_ids,
+                           generator=request.generator)
+
+    def _prompt_logprobs(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor,
+                         query_start_loc: list[int], output: ModelRunnerOutput) -> None:
+        """Position p of the prompt predicts prompt token p + 1: a chunk covering
+        positions [start, end) yields entries for tokens start+1 .. min(end, P-1)."""
+        for i, item in enumerate(scheduled):
+            if not item.want_prompt_logprobs:
+                continue
+            request = item.request
+            start = item.num_computed_tokens
+            end = min(start + item.num_new_tokens, request.num_prompt_tokens - 1)
+            if end <= start:
+                output.prompt_logprobs[request.request_id] = []
+                continue
+            rows = hidden[query_start_loc[i]:query_start_loc[i] + end - start]
+            targets = torch.tensor(request.prompt_token_ids[start + 1:end + 1],
+                                   dtype=torch.long, device=self.device)
+            k = request.sampling_params.prompt_logprobs or 0
+            ids, lps, ranks = compute_prompt_logprobs(self.model.compute_logits(rows), targets, k)
+            output.prompt_logprobs[request.request_id] = _to_position_logprobs(ids, lps, ranks)
+
+
+def _to_position_logprobs(ids: torch.Tensor | None, lps: torch.Tensor | None,
+                          ranks: torch.Tensor | None) -> list[PositionLogprobs] | None:
+    """[N, K+1] tensors (chosen token first, then the top K) -> one dict per row."""
+    if ids is None or lps is None or ranks is None:
+        return None
+    out = []
+    for row_ids, row_lps, rank in zip(ids.tolist(), lps.tolist(), ranks.tolist()):
+        entry = {row_ids[0]: Logprob(row_lps[0], rank)}
+        for j, (tok, lp) in enumerate(zip(row_ids[1:], row_lps[1:])):
+            entry.setdefault(tok, Logprob(lp, j + 1))
+        out.append(entry)
+    return out
+
+
+def _top(entry: PositionLogprobs, k: int) -> PositionLogprobs:
+    """Keeps the chosen token (first key) and the k best alternatives."""
+    items = list(entry.items())
+    chosen, rest = items[0], sorted(items[1:], key=lambda kv: kv[1].rank)
+    return dict([chosen] + [kv for kv in rest if kv[1].rank <= k])

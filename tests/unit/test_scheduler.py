@@ -1,0 +1,221 @@
+"""Scheduler decisions: chunking, token budget, max_num_seqs, preemption, stops, forks."""
+from __future__ import annotations
+
+from aioengine.config import SchedulerConfig
+from aioengine.core.kv_cache_manager import KVCacheManager
+from aioengine.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+from aioengine.request import Request, RequestStatus
+from aioengine.sampling_params import SamplingParams
+
+EOS = 2
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 16,
+                   max_num_seqs: int = 8, policy: str = "fcfs",
+                   caching: bool = True) -> Scheduler:
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                             max_model_len=1024, policy=policy)
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_caching=caching))
+
+
+def make_request(rid: str, prompt_len: int, max_tokens: int = 4, arrival: float = 0.0,
+                 priority: int = 0, first_token: int = 10, **params: object) -> Request:
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
+    sp.all_stop_token_ids = {EOS} | set(sp.stop_token_ids)
+    return Request(rid, list(range(first_token, first_token + prompt_len)), sp,
+                   arrival_time=arrival, priority=priority)
+
+
+def fake_forward(out: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
+    """What the runner would return: `token` for every sampling row."""
+    return ModelRunnerOutput(sampled_token_ids={
+        s.request.request_id: [token] * s.num_samples for s in out.scheduled if s.num_samples})
+
+
+def step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, fake_forward(out, token))
+    scheduler.kv_cache_manager.check_integrity()
+    return out
+
+
+def scheduled_tokens(out: SchedulerOutput) -> dict[str, int]:
+    return {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+
+
+def test_long_prompt_is_chunked_under_the_budget() -> None:
+    s = make_scheduler(budget=8)
+    s.add_request(make_request("a", 20))
+    assert scheduled_tokens(step(s)) == {"a": 8}
+    assert scheduled_tokens(step(s)) == {"a": 8}
+    out = step(s)
+    assert scheduled_tokens(out) == {"a": 4}
+    assert out.scheduled[0].num_samples == 1  # only the chunk that reaches the end samples
+    assert s.requests["a"].output_token_ids == [7]
+
+
+def test_decodes_and_prefill_chunks_share_a_step_decodes_first() -> None:
+    s = make_scheduler(budget=8)
+    s.add_request(make_request("a", 3, max_tokens=10))
+    step(s)  # a: prefill of 3, samples its first token
+    s.add_request(make_request("b", 30, arrival=1.0, first_token=100))
+    out = step(s)
+    assert scheduled_tokens(out) == {"a": 1, "b": 7}
+    assert [x.request.request_id for x in out.scheduled] == ["a", "b"]
+    assert out.total_num_scheduled_tokens == 8
+
+
+def test_max_num_seqs_limits_running_requests() -> None:
+    s = make_scheduler(budget=100, max_num_seqs=2)
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", 4, arrival=float(i)))
+    out = step(s)
+    assert sorted(scheduled_tokens(out)) == ["r0", "r1"]
+    assert [r.request_id for r in s.waiting] == ["r2"]
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget() -> None:
+    config = SchedulerConfig(max_num_batched_tokens=10, max_num_seqs=8, max_model_len=64,
+                             enable_chunked_prefill=False)
+    s = Scheduler(config, KVCacheManager(64, 4))
+    s.add_request(make_request("a", 6))
+    s.add_request(make_request("b", 6, arrival=1.0, first_token=100))
+    assert scheduled_tokens(step(s)) == {"a": 6}  # b (6) does not fit in the 4 left
+    assert scheduled_tokens(step(s)) == {"a": 1, "b": 6}
+
+
+def test_preemption_by_recompute_when_blocks_run_out() -> None:
+    # 6 blocks of 4 tokens. Two requests of 8 prompt tokens take 2 blocks each; as they
+    # decode they need more and the later one is preempted, then recomputed.
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    a = make_request("a", 8, max_tokens=12)
+    b = make_request("b", 8, max_tokens=8, arrival=1.0, first_token=100)
+    s.add_request(a)
+    s.add_request(b)
+    preempted_at = None
+    for i in range(60):
+        if not s.has_unfinished_requests():
+            break
+        out = step(s)
+        if out.preempted and preempted_at is None:
+            preempted_at = i
+            assert [r.request_id for r in out.preempted] == ["b"]
+            assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+            assert s.waiting[0] is b
+    assert preempted_at is not None
+    assert a.status == b.status == RequestStatus.FINISHED_LENGTH
+    assert a.num_output_tokens == 12 and b.num_output_tokens == 8
+    assert b.num_preemptions >= 1
+    assert s.kv_cache_manager.num_free_blocks == 6
+
+
+def test_recompute_after_preemption_includes_generated_tokens() -> None:
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64, caching=False)
+    a = make_request("a", 8, max_tokens=12)
+    b = make_request("b", 8, max_tokens=8, arrival=1.0, first_token=100)
+    s.add_request(a)
+    s.add_request(b)
+    while b.status != RequestStatus.PREEMPTED:
+        step(s)
+    generated = b.num_output_tokens
+    while b.status == RequestStatus.PREEMPTED:
+        out = step(s)
+    # b is re-admitted and recomputes its prompt plus everything it had generated.
+    assert scheduled_tokens(out)["b"] == 8 + generated
+
+
+def test_stop_rules() -> None:
+    s = make_scheduler()
+    eos = make_request("eos", 4, max_tokens=10)
+    s.add_request(eos)
+    step(s, token=EOS)
+    assert eos.status == RequestStatus.FINISHED_STOPPED and eos.stop_reason is None
+
+    s = make_scheduler()
+    stop_id = make_request("stop_id", 4, max_tokens=10, stop_token_ids=[99])
+    s.add_request(stop_id)
+    step(s, token=99)
+    assert stop_id.status == RequestStatus.FINISHED_STOPPED and stop_id.stop_reason == 99
+
+    s = make_scheduler()
+    min_tok = make_request("min", 4, max_tokens=10, min_tokens=2)
+    s.add_request(min_tok)
+    step(s, token=EOS)  # below min_tokens: EOS does not stop (the sampler masks it anyway)
+    assert not min_tok.is_finished
+    step(s, token=EOS)
+    assert min_tok.status == RequestStatus.FINISHED_STOPPED
+
+    s = make_scheduler()
+    length = make_request("len", 4, max_tokens=2)
+    s.add_request(length)
+    step(s)
+    step(s)
+    assert length.status == RequestStatus.FINISHED_LENGTH
+    assert s.kv_cache_manager.num_free_blocks == s.kv_cache_manager.num_blocks
+
+
+def test_priority_policy_admits_lower_value_first() -> None:
+    s = make_scheduler(budget=4, policy="priority")
+    s.add_request(make_request("low", 4, arrival=0.0, priority=5))
+    s.add_request(make_request("high", 4, arrival=1.0, priority=0))
+    assert scheduled_tokens(step(s)) == {"high": 4}
+
+
+def test_prefix_cache_hit_skips_computed_blocks() -> None:
+    s = make_scheduler(block_size=4, budget=64)
+    s.add_request(make_request("a", 10, max_tokens=1))
+    step(s)
+    s.add_request(make_request("b", 10, max_tokens=1, arrival=1.0))
+    out = step(s)
+    assert scheduled_tokens(out) == {"b": 2}  # 2 full blocks (8 tokens) were cached
+    assert out.scheduled[0].num_computed_tokens == 8
+
+
+def test_request_that_can_never_fit_fails_instead_of_waiting_forever() -> None:
+    s = make_scheduler(num_blocks=2, block_size=4, budget=64)
+    r = make_request("big", 12)
+    s.add_request(r)
+    out = s.schedule()
+    assert out.is_empty and r.status == RequestStatus.FINISHED_ERROR
+    assert "KV blocks" in r.error and s.newly_failed == [r]
+    assert not s.has_unfinished_requests()
+
+
+def test_n_samples_fork_and_copy_on_write() -> None:
+    s = make_scheduler(block_size=4, budget=64)
+    parent = make_request("p#0", 6, max_tokens=3)
+    forks = [make_request(f"p#{i}", 6, max_tokens=3) for i in (1, 2)]
+    for i, f in enumerate(forks, 1):
+        f.sample_index = i
+    parent.pending_forks = list(forks)
+    s.add_request(parent)
+    out = s.schedule()
+    assert out.scheduled[0].num_samples == 3
+    s.update_from_output(out, ModelRunnerOutput({"p#0": [7, 8, 9]}))
+    assert [r.output_token_ids for r in (parent, *forks)] == [[7], [8], [9]]
+    kv = s.kv_cache_manager
+    shared = kv.get_block_ids("p#0")
+    assert all(kv.get_block_ids(f.request_id) == shared for f in forks)
+    kv.check_integrity()
+    out = step(s)
+    # Each writes position 6, in the shared second block: two copies, the last writer
+    # keeps the original.
+    assert len(out.blocks_to_copy) == 2
+    tails = {kv.get_block_ids(r.request_id)[1] for r in (parent, *forks)}
+    assert len(tails) == 3
+    assert len({kv.get_block_ids(r.request_id)[0] for r in (parent, *forks)}) == 1
+    while s.has_unfinished_requests():
+        step(s)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_finish_requests_frees_blocks_immediately() -> None:
+    s = make_scheduler()
+    r = make_request("a", 9, max_tokens=10)
+    s.add_request(r)
+    step(s)
+    assert s.kv_cache_manager.num_free_blocks < s.kv_cache_manager.num_blocks
+    s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    assert r.status == RequestStatus.FINISHED_ABORTED
+    assert s.kv_cache_manager.num_free_blocks == s.kv_cache_manager.num_blocks
+    s.kv_cache_manager.check_integrity()
