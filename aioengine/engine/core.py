@@ -73,7 +73,10 @@ class EngineCore:
             return self.args.num_kv_blocks
         per_block = kv_cache_bytes_per_block(self.loaded.arch, self.args.block_size, self.dtype)
         memory = self.args.kv_cache_memory or default_kv_cache_memory(self.device)
-        num_blocks = memory // per_block
+        # More blocks than max_num_seqs full-length requests can use only serve the prefix
+        # cache; capping keeps a tiny model from building millions of block objects.
+        usable = self.args.max_num_seqs * -(-self.max_model_len // self.args.block_size)
+        num_blocks = min(memory // per_block, usable)
         if num_blocks < 1:
             raise ConfigError(f"kv_cache_memory {memory} bytes holds no block ({per_block} bytes "
                               f"per block of {self.args.block_size} tokens)")

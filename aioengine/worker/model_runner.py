@@ -17,8 +17,8 @@ from aioengine.model.llama import make_kv_caches
 from aioengine.model.loader import LoadedModel
 from aioengine.outputs import Logprob, PositionLogprobs
 from aioengine.request import Request
-from aioengine.sample.sampler import (Sampler, SamplingMetadata, SamplingRow,
-                                      compute_prompt_logprobs, make_generator)
+from aioengine.sample import (Sampler, SamplingMetadata, SamplingRow, compute_prompt_logprobs,
+                              make_generator)
 
 
 class ModelRunner:

@@ -1,0 +1,165 @@
+"""AsyncEngine: streaming, n > 1, seeds, stop strings, aborts, cancellation, errors; every
+scenario ends with every KV block released."""
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+from pathlib import Path
+
+import pytest
+
+from aioengine import AsyncEngine, InvalidRequestError, SamplingParams
+from aioengine.errors import EngineDeadError
+
+from tests.engine.conftest import assert_blocks_released
+
+
+@pytest.fixture
+async def engine(tiny_llama_dir: Path):
+    engine = await AsyncEngine.create(str(tiny_llama_dir), max_model_len=256,
+                                      max_num_batched_tokens=32)
+    yield engine
+    await engine.shutdown()
+
+
+async def collect(engine: AsyncEngine, prompt, params: SamplingParams, **kw) -> list:
+    return [out async for out in engine.generate(prompt, params, **kw)]
+
+
+async def test_streamed_deltas_add_up_to_the_final_text(engine: AsyncEngine,
+                                                        tiny_prompts: list[list[int]],
+                                                        tiny_reference: list[list[int]]) -> None:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = await collect(engine, tiny_prompts[3], params)
+    assert len(outs) > 1 and outs[-1].finished and not any(o.finished for o in outs[:-1])
+    final = outs[-1].outputs[0]
+    assert [t for o in outs for t in o.outputs[0].token_ids] == tiny_reference[3]
+    assert "".join(o.outputs[0].text for o in outs) == final.cumulative_text
+    assert final.cumulative_text == engine.tokenizer.decode(tiny_reference[3],
+                                                            skip_special_tokens=True)
+    assert final.finish_reason == "length"
+    assert_blocks_released(engine.core)
+
+
+async def test_concurrent_requests_match_their_solo_outputs(engine: AsyncEngine,
+                                                            tiny_prompts: list[list[int]],
+                                                            tiny_reference: list[list[int]]) -> None:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    results = await asyncio.gather(*(collect(engine, p, params) for p in tiny_prompts))
+    tokens = [[t for o in outs for t in o.outputs[0].token_ids] for outs in results]
+    assert tokens == tiny_reference
+    assert_blocks_released(engine.core)
+
+
+async def test_n_samples_with_seed_are_distinct_indexed_and_reproducible(
+        engine: AsyncEngine, tiny_prompts: list[list[int]]) -> None:
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+
+    async def texts() -> dict[int, list[int]]:
+        by_index: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        async for out in engine.generate(tiny_prompts[1], params):
+            for c in out.outputs:
+                by_index[c.index] += c.token_ids
+        return by_index
+
+    alone = await texts()
+    assert all(len(v) == 8 for v in alone.values())
+    assert len({tuple(v) for v in alone.values()}) == 3
+    # Same seed, now next to other traffic: the same tokens.
+    noise = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    crowded, *_ = await asyncio.gather(texts(), *(collect(engine, p, noise)
+                                                   for p in tiny_prompts[2:6]))
+    assert crowded == alone
+    assert_blocks_released(engine.core)
+
+
+async def test_stop_string_ends_the_request_and_is_cut(engine: AsyncEngine,
+                                                       tiny_prompts: list[list[int]],
+                                                       tiny_reference: list[list[int]]) -> None:
+    full = engine.tokenizer.decode(tiny_reference[0], skip_special_tokens=True)
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])
+    outs = await collect(engine, tiny_prompts[0], params)
+    final = outs[-1].outputs[0]
+    assert final.finish_reason == "stop" and final.stop_reason == stop
+    assert final.cumulative_text == full[:full.index(stop)]
+    assert_blocks_released(engine.core)
+
+
+async def test_abort_and_cancel_release_blocks(engine: AsyncEngine,
+                                               tiny_prompts: list[list[int]]) -> None:
+    params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    gen = engine.generate(tiny_prompts[3], params, request_id="to-abort")
+    first = await gen.__anext__()
+    assert not first.finished
+    await engine.abort("to-abort")
+    rest = [out async for out in gen]
+    assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in engine.generate(tiny_prompts[4], params):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert_blocks_released(engine.core)
+
+    # Leaving the loop early aborts too, once the generator is closed (aclosing does it at
+    # once; otherwise Python closes it when it is garbage-collected).
+    async with aclosing(engine.generate(tiny_prompts[5], params)) as gen:
+        async for _ in gen:
+            break
+    assert_blocks_released(engine.core)
+
+
+@pytest.mark.parametrize("prompt, params, param", [
+    ([], SamplingParams(), "prompt"),
+    ([49152], SamplingParams(), "prompt"),
+    (list(range(100, 356)), SamplingParams(), "prompt"),
+    (list(range(100, 200)), SamplingParams(max_tokens=200), "max_tokens"),
+    ([5, 6], SamplingParams(logit_bias={10**6: 1.0}), "logit_bias"),
+    (12, SamplingParams(), "prompt"),
+])
+async def test_bad_input_raises_a_typed_error_and_queues_nothing(engine: AsyncEngine, prompt,
+                                                                 params, param: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        await collect(engine, prompt, params)
+    assert info.value.param == param
+    assert_blocks_released(engine.core)
+
+
+async def test_a_failing_forward_fails_its_requests_not_the_engine(
+        engine: AsyncEngine, tiny_prompts: list[list[int]], monkeypatch) -> None:
+    runner = engine.core.runner
+    real = runner.execute_model
+    calls = {"n": 0}
+
+    def flaky(scheduler_output):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected device fault")
+        return real(scheduler_output)
+
+    monkeypatch.setattr(runner, "execute_model", flaky)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outs = await collect(engine, tiny_prompts[0], params)
+    assert outs[-1].outputs[0].finish_reason == "error"
+    assert "injected device fault" in outs[-1].outputs[0].error
+    assert_blocks_released(engine.core)
+    ok = await collect(engine, tiny_prompts[0], params)
+    assert ok[-1].outputs[0].finish_reason == "length"
+    assert_blocks_released(engine.core)
+
+
+async def test_chat_messages_and_shutdown(engine: AsyncEngine) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    outs = await collect(engine, messages, SamplingParams(temperature=0, max_tokens=3))
+    assert outs[-1].finished
+    await engine.shutdown()
+    with pytest.raises(EngineDeadError):
+        await collect(engine, "hello", SamplingParams())
