@@ -52,7 +52,8 @@ class EngineCore:
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
             policy=args.scheduling_policy), self.kv_cache_manager)
-        self.runner = ModelRunner(self.loaded, num_blocks, args.block_size, self.device, self.dtype)
+        self.runner = ModelRunner(self.loaded, num_blocks, args.block_size, self.device, self.dtype,
+                                  seed=args.seed)
         self.eos_token_ids = get_eos_token_ids(self.tokenizer, self.loaded.hf_config)
         self.eos_token_ids |= set(self.loaded.arch.eos_token_ids)
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, "

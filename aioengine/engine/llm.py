@@ -1,13 +1,14 @@
 """LLM: a small synchronous front end for scripts and batch jobs, on the same core."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from aioengine.config import EngineArgs
 from aioengine.engine.async_engine import PromptType, render_prompt
 from aioengine.engine.core import EngineCore
 from aioengine.engine.output_processor import OutputProcessor
-from aioengine.outputs import CompletionOutput, RequestOutput
+from aioengine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from aioengine.sampling_params import SamplingParams
 
 
@@ -29,40 +30,48 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         latest: dict[str, dict[int, CompletionOutput]] = {}
+        logprobs: dict[tuple[str, int], list[PositionLogprobs]] = {}
         finals: dict[str, RequestOutput] = {}
 
         def sink(out: RequestOutput) -> None:
             per_sample = latest.setdefault(out.request_id, {})
             for completion in out.outputs:
                 per_sample[completion.index] = completion
+                if completion.logprobs:
+                    logprobs.setdefault((out.request_id, completion.index), []).extend(
+                        completion.logprobs)
             if out.finished:
                 finals[out.request_id] = out
 
+        # Validate everything first, so a bad prompt leaves nothing queued.
+        rendered = [(*render_prompt(self.tokenizer, p), _copy(sp))
+                    for p, sp in zip(prompts, sampling_params)]
+        for _, token_ids, params in rendered:
+            self.core.validate_prompt(token_ids, params)
         ids = []
-        for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
-            text, token_ids = render_prompt(self.tokenizer, prompt)
+        for i, (text, token_ids, params) in enumerate(rendered):
             request_id = f"llm-{id(self)}-{i}"
-            samples = self.core.add_request(request_id, token_ids, _copy(params))
+            samples = self.core.add_request(request_id, token_ids, params)
             self.processor.add_request(request_id, text, samples, sink)
             ids.append(request_id)
         while self.core.has_unfinished_requests():
             outputs, failed = self.core.step()
             self.core.apply_finish_orders(self.processor.process_outputs(outputs, failed))
-        return [_whole(finals[rid], latest[rid]) for rid in ids]
+        return [_whole(finals[rid], latest[rid], logprobs, rid) for rid in ids]
 
 
 def _copy(params: SamplingParams) -> SamplingParams:
-    import dataclasses
-
     return dataclasses.replace(params)  # the engine resolves max_tokens etc. in place
 
 
-def _whole(final: RequestOutput, samples: dict[int, CompletionOutput]) -> RequestOutput:
-    """The final output with every sample's whole text and tokens."""
+def _whole(final: RequestOutput, samples: dict[int, CompletionOutput],
+           logprobs: dict[tuple[str, int], list[PositionLogprobs]], rid: str) -> RequestOutput:
+    """The final output with every sample's whole text, tokens and logprobs."""
     outputs = [CompletionOutput(
         index=c.index, text=c.cumulative_text, token_ids=c.cumulative_token_ids,
         cumulative_text=c.cumulative_text, cumulative_token_ids=c.cumulative_token_ids,
-        finished=c.finished, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+        logprobs=logprobs.get((rid, c.index)), finished=c.finished,
+        finish_reason=c.finish_reason, stop_reason=c.stop_reason,
         error=c.error) for _, c in sorted(samples.items())]
     final.outputs = outputs
     return final

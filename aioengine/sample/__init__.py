@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from aioengine.sample.metadata import (
-    NUM_CANDIDATES,
+    CANDIDATE_SIZES,
     SamplingMetadata,
     SamplingRow,
     SparseLogitEdit,
@@ -18,7 +18,7 @@ from aioengine.sample.sampler import (
 )
 
 __all__ = [
-    "NUM_CANDIDATES",
+    "CANDIDATE_SIZES",
     "Sampler",
     "SamplerOutput",
     "SamplingMetadata",

@@ -23,14 +23,15 @@ from aioengine.sample import (Sampler, SamplingMetadata, SamplingRow, compute_pr
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
         self.model = loaded.model
         self.arch = loaded.arch
         self.device = device
         self.block_size = block_size
         self.vocab_size = loaded.arch.vocab_size
         self.kv_caches = make_kv_caches(loaded.arch, num_blocks, block_size, dtype, device)
-        self.sampler = Sampler()
+        # Unseeded requests share this generator (engine seed); seeded ones have their own.
+        self.sampler = Sampler(torch.Generator(device).manual_seed(seed))
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
