@@ -12,6 +12,9 @@ import dataclasses
 import logging
 import time
 
+import torch
+
+from aioengine import envs
 from aioengine.config import (CacheConfig, ConfigError, EngineArgs, SchedulerConfig,
                               default_kv_cache_memory, parse_dtype)
 from aioengine.core.kv_cache_manager import KVCacheManager
@@ -32,6 +35,8 @@ class EngineCore:
     def __init__(self, args: EngineArgs) -> None:
         args.validate()
         self.args = args
+        if envs.AIOENGINE_CPU_THREADS > 0:
+            torch.set_num_threads(envs.AIOENGINE_CPU_THREADS)
         self.device = args.resolve_device()
         self.dtype = parse_dtype(args.dtype, self.device)
         start = time.perf_counter()

@@ -1,0 +1,159 @@
+"""One normalized description of a Llama-family decoder, whatever config it came from.
+
+Hugging Face configs differ by model and by transformers version (4.x has `rope_theta` +
+`rope_scaling`, 5.x folds both into `rope_parameters`); everything past this file reads only
+`ModelArchConfig`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Architecture name (config.architectures[0]) -> the features that architecture implies.
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+}
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                     "original_max_position_embeddings")
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture or one of its features is not implemented here."""
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """Shape and numerics of a Llama-family model.
+
+    `sliding_window` is kept only to bound `max_model_len`: we implement full attention,
+    which equals sliding-window attention as long as no sequence is longer than the window.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    sliding_window: int | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence this model can run exactly (see `sliding_window`)."""
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any) -> ModelArchConfig:
+        """Normalizes a transformers `PretrainedConfig` (4.x or 5.x)."""
+        arch = _architecture(cfg)
+        _check_unsupported_features(cfg)
+        num_heads = int(cfg.num_attention_heads)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+        theta, scaling = _rope(cfg)
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg.vocab_size),
+            hidden_size=int(cfg.hidden_size),
+            intermediate_size=int(cfg.intermediate_size),
+            num_hidden_layers=int(cfg.num_hidden_layers),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(getattr(cfg, "num_key_value_heads", None) or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.rms_norm_eps),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.max_position_embeddings),
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases (its config has no switch for it).
+            attention_bias=(arch == "Qwen2ForCausalLM"
+                            or bool(getattr(cfg, "attention_bias", False))),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            bos_token_id=getattr(cfg, "bos_token_id", None),
+            eos_token_ids=_token_ids(getattr(cfg, "eos_token_id", None)),
+            sliding_window=_sliding_window(cfg, arch),
+        )
+
+
+def _architecture(cfg: Any) -> str:
+    names = list(getattr(cfg, "architectures", None) or [])
+    if not names and getattr(cfg, "model_type", None) in _MODEL_TYPE_TO_ARCH:
+        names = [_MODEL_TYPE_TO_ARCH[cfg.model_type]]
+    for name in names:
+        if name in SUPPORTED_ARCHITECTURES:
+            return name
+    found = names or [getattr(cfg, "model_type", "unknown")]
+    raise UnsupportedModelError(
+        f"unsupported model architecture {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _check_unsupported_features(cfg: Any) -> None:
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
+    if getattr(cfg, "mlp_bias", False):
+        raise UnsupportedModelError("mlp_bias=True is not supported")
+
+
+def _rope(cfg: Any) -> tuple[float, dict[str, Any] | None]:
+    """Returns (rope_theta, rope_scaling or None for plain RoPE)."""
+    params = getattr(cfg, "rope_parameters", None)
+    if params:  # transformers 5.x: theta and scaling in one dict
+        params = dict(params)
+        theta = params.pop("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    else:  # transformers 4.x
+        theta = getattr(cfg, "rope_theta", 10000.0)
+        params = dict(getattr(cfg, "rope_scaling", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"unsupported rope scaling type {rope_type!r}; "
+            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        return float(theta), None
+    missing = [k for k in _LLAMA3_ROPE_KEYS if k not in params]
+    if missing:
+        raise UnsupportedModelError(f"llama3 rope scaling is missing {missing}")
+    scaling: dict[str, Any] = {"rope_type": "llama3"}
+    scaling.update({k: float(params[k]) for k in _LLAMA3_ROPE_KEYS})
+    return float(theta), scaling
+
+
+def _sliding_window(cfg: Any, arch: str) -> int | None:
+    window = getattr(cfg, "sliding_window", None)
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not getattr(
+            cfg, "use_sliding_window", False):
+        return None  # Qwen configs carry a window size even when it is switched off
+    return int(window) if window else None
+
+
+def _token_ids(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]

@@ -1,0 +1,193 @@
+"""Paged attention: the per-step metadata, the backend interface and the torch backend.
+
+One step's tokens are flattened over requests, decodes (query_len == 1) first:
+
+    request       d0   d1   p0 (chunk, 4 tokens)   p1 (2 tokens)
+    tokens        t0 | t1 | t2  t3  t4  t5         | t6  t7
+    query_start_loc = [0, 1, 2, 6, 8]      num_decodes = 2
+    seq_lens        = context + query_len of each request
+
+KV cache per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]` (0 = K, 1 = V).
+Token at position p of a request lives in slot
+`block_table[p // block_size] * block_size + p % block_size`.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    num_actual_tokens: int  # T, tokens in this step (flattened over requests)
+    num_reqs: int  # B
+    num_decodes: int  # leading requests with query_len == 1
+    query_start_loc: Tensor  # [B+1] int32, device
+    seq_lens: Tensor  # [B] int32, device: context length INCLUDING this step's tokens
+    block_tables: Tensor  # [B, max_blocks] int32, device (padding: block 0)
+    slot_mapping: Tensor  # [T] int64, device
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_decode_seq_len: int = 0
+    # Per-step scratch a backend fills on the first layer and reuses on the others
+    # (e.g. the decode mask); lives here so that no per-step state is global.
+    backend_cache: dict[str, Any] = field(default_factory=dict)
+
+
+def build_attention_metadata(query_lens: list[int], seq_lens: list[int],
+                             block_tables: list[list[int]], block_size: int,
+                             device: torch.device) -> tuple[AttentionMetadata, Tensor]:
+    """Returns the metadata and positions[T] (int64).
+
+    Requests with query_len == 1 should come first: `num_decodes` counts the leading run of
+    them, and any later query_len == 1 request takes the (slower, still correct) prefill path.
+    Vectorised with numpy: no per-token Python loop, since the engine calls this every step.
+    """
+    num_reqs = len(query_lens)
+    if not (num_reqs == len(seq_lens) == len(block_tables)) or num_reqs == 0:
+        raise ValueError("query_lens, seq_lens and block_tables must be non-empty and equally long")
+    q = np.asarray(query_lens, dtype=np.int64)
+    s = np.asarray(seq_lens, dtype=np.int64)
+    if (q < 1).any() or (s < q).any():
+        raise ValueError(f"need 1 <= query_len <= seq_len, got {query_lens} / {seq_lens}")
+    qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(q, out=qsl[1:])
+    num_tokens = int(qsl[-1])
+
+    # positions: request i's new tokens sit at context_len_i .. seq_len_i - 1.
+    req_of_token = np.repeat(np.arange(num_reqs), q)
+    positions = np.arange(num_tokens) + np.repeat(s - q - qsl[:-1], q)
+
+    table_lens = np.fromiter((len(bt) for bt in block_tables), dtype=np.int64, count=num_reqs)
+    if ((table_lens * block_size) < s).any():
+        raise ValueError("a block table is too short for its seq_len")
+    table = np.zeros((num_reqs, max(int(table_lens.max()), 1)), dtype=np.int64)
+    table[np.arange(table.shape[1]) < table_lens[:, None]] = np.fromiter(
+        (b for bt in block_tables for b in bt), dtype=np.int64, count=int(table_lens.sum()))
+    slots = table[req_of_token, positions // block_size] * block_size + positions % block_size
+
+    not_decode = np.flatnonzero(q != 1)
+    num_decodes = int(not_decode[0]) if len(not_decode) else num_reqs
+    meta = AttentionMetadata(
+        num_actual_tokens=num_tokens,
+        num_reqs=num_reqs,
+        num_decodes=num_decodes,
+        query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
+        seq_lens=torch.from_numpy(s.astype(np.int32)).to(device),
+        block_tables=torch.from_numpy(table.astype(np.int32)).to(device),
+        slot_mapping=torch.from_numpy(slots).to(device),
+        max_query_len=int(q.max()),
+        max_seq_len=int(s.max()),
+        query_start_loc_cpu=qsl.tolist(),
+        seq_lens_cpu=s.tolist(),
+        max_decode_seq_len=int(s[:num_decodes].max()) if num_decodes else 0,
+    )
+    return meta, torch.from_numpy(positions).to(device)
+
+
+class AttentionBackend(abc.ABC):
+    """Writes this step's K/V into the paged cache, then attends over each request's context."""
+
+    @abc.abstractmethod
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor,
+                meta: AttentionMetadata, scale: float) -> Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D], kv_cache [2, blocks, block_size, Hkv, D] -> [T, Hq, D]."""
+
+
+def write_to_kv_cache(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Scatters the new tokens' K/V to their slots (vLLM's reshape_and_cache)."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Reference backend in plain torch (SDPA); the one used on CPU.
+
+    Decodes: one batched SDPA over all of them, keys gathered block-wise and padded to the
+    longest decode, padding masked. GQA is handled by folding the query heads of a KV group
+    into SDPA's query-length axis, so K/V are never repeated.
+    Prefill chunks: one SDPA per request, causal mask shifted by the context length.
+    """
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor,
+                meta: AttentionMetadata, scale: float) -> Tensor:
+        num_tokens = meta.num_actual_tokens
+        # Write first: a request may read blocks another request wrote in this very step.
+        write_to_kv_cache(k[:num_tokens], v[:num_tokens], kv_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], kv_cache, meta, scale)
+        for i in range(nd, meta.num_reqs):
+            start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+            out[start:end] = self._prefill(i, q[start:end], k[start:end], v[start:end],
+                                           kv_cache, meta, scale)
+        return out
+
+    def _decode(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+        nd, num_heads, head_dim = q.shape
+        _, _, block_size, num_kv_heads, _ = kv_cache.shape
+        group = num_heads // num_kv_heads
+        num_blocks = -(-meta.max_decode_seq_len // block_size)
+        mask = meta.backend_cache.get("decode_mask")
+        if mask is None:  # [nd, 1, 1, L]: True where the key is inside the sequence
+            pos = torch.arange(num_blocks * block_size, device=q.device)
+            mask = (pos[None, :] < meta.seq_lens[:nd, None]).view(nd, 1, 1, -1)
+            meta.backend_cache["decode_mask"] = mask
+        tables = meta.block_tables[:nd, :num_blocks]
+        # [nd, nb, bs, Hkv, D] -> [nd, Hkv, L, D]
+        keys = kv_cache[0][tables].view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+        values = kv_cache[1][tables].view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+        # Query heads are grouped by KV head: head h uses KV head h // group.
+        qg = q.view(nd, num_kv_heads, group, head_dim)
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+        return o.reshape(nd, num_heads, head_dim)
+
+    def _prefill(self, i: int, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor,
+                 meta: AttentionMetadata, scale: float) -> Tensor:
+        query_len = q.shape[0]
+        seq_len = meta.seq_lens_cpu[i]
+        context_len = seq_len - query_len
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, Tq, D]
+        if context_len == 0:
+            # The whole sequence is in this step: attend to the fresh K/V directly.
+            kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+            return o.squeeze(0).transpose(0, 1)
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        num_blocks = -(-seq_len // block_size)
+        table = meta.block_tables[i, :num_blocks]
+        kh = kv_cache[0][table].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        vh = kv_cache[1][table].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        # Query j sits at position context_len + j and sees keys 0 .. context_len + j.
+        q_pos = torch.arange(context_len, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(qh, kh.unsqueeze(0), vh.unsqueeze(0), attn_mask=mask,
+                                           scale=scale, enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1)
+
+
+def copy_blocks(kv_caches: list[Tensor], src: list[int], dst: list[int]) -> None:
+    """Copies whole blocks src[i] -> dst[i] in every layer (copy-on-write of shared blocks).
+
+    Invariant: no dst is also a src (dst blocks are freshly allocated).
+    """
+    if len(src) != len(dst):
+        raise ValueError("src and dst must have the same length")
+    if not src:
+        return
+    device = kv_caches[0].device
+    src_t = torch.tensor(src, dtype=torch.long, device=device)
+    dst_t = torch.tensor(dst, dtype=torch.long, device=device)
+    for cache in kv_caches:
+        cache.index_copy_(1, dst_t, cache.index_select(1, src_t))

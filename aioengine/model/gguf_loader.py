@@ -1,0 +1,192 @@
+"""Reading llama.cpp GGUF files: config from metadata, weights dequantized to Hugging Face names.
+
+Only the `gguf` package is used (its reader and dequantizer), so any quantization it can
+dequantize loads; the model then runs in the requested float dtype.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+# GGUF general.architecture -> (transformers config class, HF architecture name).
+GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+ROPE_FREQS = "rope_freqs.weight"  # llama3 scaling, stored by llama.cpp as per-frequency factors
+
+
+class FastGGUFReader(GGUFReader):
+    """`gguf.GGUFReader`, about 2.5x faster to open.
+
+    The stock reader slices a np.memmap ~1M times while parsing metadata (the tokenizer's
+    vocabulary and merges), and every memmap slice pays for memmap.__array_finalize__.
+    A plain ndarray view of the same mapping (no copy) parses identically without that cost.
+    """
+
+    @property  # type: ignore[override]
+    def data(self) -> np.ndarray:
+        return self._plain_data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain_data = value.view(np.ndarray)
+
+
+class GGUFFormatError(ValueError):
+    """The GGUF file lacks something we need, or uses a feature we do not implement."""
+
+
+def field_value(reader: Any, key: str, default: Any = None) -> Any:
+    """A metadata value as a Python scalar, str or list (`default` when absent)."""
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def gguf_architecture(reader: Any) -> str:
+    arch = field_value(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise GGUFFormatError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
+    return arch
+
+
+def gguf_hf_config(reader: Any) -> Any:
+    """Builds the transformers config the GGUF metadata describes."""
+    import transformers
+
+    arch = gguf_architecture(reader)
+    cls_name, hf_arch = GGUF_ARCHITECTURES[arch]
+
+    def get(key: str, default: Any = None) -> Any:
+        value = field_value(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise GGUFFormatError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    scaling = field_value(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raise GGUFFormatError(f"unsupported GGUF rope scaling {scaling!r}; supported: none "
+                              f"(llama3 scaling via the rope_freqs tensor)")
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    names = {t.name for t in reader.tensors}
+    vocab = (field_value(reader, f"{arch}.vocab_size")
+             or len(field_value(reader, "tokenizer.ggml.tokens", [])))
+    kwargs: dict[str, Any] = dict(
+        architectures=[hf_arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length")),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=field_value(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=field_value(reader, "tokenizer.ggml.padding_token_id"),
+    )
+    window = field_value(reader, f"{arch}.attention.sliding_window")
+    if window:
+        kwargs["sliding_window"] = int(window)
+        if arch != "llama":
+            kwargs["use_sliding_window"] = True
+    if arch == "llama":
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
+    return getattr(transformers, cls_name)(**kwargs)
+
+
+def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's q/k row order for llama models.
+
+    llama.cpp stores each head's rows interleaved, (x0, x_{D/2}, x1, x_{D/2+1}, ...), for its
+    GPT-J style RoPE; HF keeps the halves apart, (x0..x_{D/2-1}, x_{D/2}..x_{D-1}).
+    GGUF row h*D + 2*j + s is HF row h*D + s*D/2 + j.
+    """
+    rows = w.shape[0]
+    head_dim = rows // num_heads
+    return (w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2)
+            .reshape(rows, *w.shape[1:]))
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """GGUF tensor name -> Hugging Face name (None for tensors handled elsewhere)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    if gguf_name == ROPE_FREQS:
+        return None
+    m = _BLOCK_RE.match(gguf_name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        raise GGUFFormatError(f"unexpected GGUF tensor {gguf_name!r}")
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+
+
+def dequantize_tensor(tensor: Any) -> np.ndarray:
+    """A reader tensor as float32 numpy, shaped [rows, cols] like its HF counterpart."""
+    try:
+        data = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as e:
+        raise GGUFFormatError(
+            f"{tensor.name}: cannot dequantize {tensor.tensor_type.name}: {e}") from e
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists the fastest axis first
+    return data.reshape(shape)
+
+
+def iter_gguf_weights(reader: Any, num_heads: int,
+                      num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (HF name, float32 tensor) for every weight in the file."""
+    permute = gguf_architecture(reader) == "llama"
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            continue
+        data = dequantize_tensor(tensor)
+        if permute and name.endswith("q_proj.weight"):
+            data = _unpermute_rows(data, num_heads)
+        elif permute and name.endswith("k_proj.weight"):
+            data = _unpermute_rows(data, num_kv_heads)
+        if not data.flags.writeable:  # F32 tensors are read-only views of the memory map
+            data = data.copy()
+        yield name, torch.from_numpy(data)
+
+
+def rope_freq_factors(reader: Any) -> torch.Tensor | None:
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS:
+            return torch.from_numpy(dequantize_tensor(tensor).astype(np.float32).reshape(-1))
+    return None

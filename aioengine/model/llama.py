@@ -1,0 +1,243 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Written for few Python ops per layer: q/k/v are one matmul, gate/up are one matmul, RoPE
+reads a precomputed cos/sin table, norms are `F.rms_norm`. Weights arrive with Hugging Face
+names through `load_weights`, which fuses them into our layout.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from aioengine.model.arch import ModelArchConfig
+from aioengine.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+
+
+def rope_inv_freq(arch: ModelArchConfig) -> Tensor:
+    """Inverse frequencies [head_dim // 2] (float32), with llama3 scaling when configured."""
+    dim = arch.head_dim
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (arch.rope_theta ** exponent)
+    scaling = arch.rope_scaling
+    if scaling is None:
+        return inv_freq
+    # llama3: long wavelengths are slowed down by `factor`, short ones kept, and the band
+    # in between interpolated smoothly.
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE (rotate halves) from a cos/sin table indexed by position."""
+
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.max_positions = arch.max_position_embeddings
+        self.dtype = dtype
+        self.set_inv_freq(rope_inv_freq(arch), device)
+
+    def set_inv_freq(self, inv_freq: Tensor, device: torch.device) -> None:
+        # Built in float32 like the reference implementation, stored in the model dtype.
+        pos = torch.arange(self.max_positions, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq.float())
+        self.cos = freqs.cos().to(device=device, dtype=self.dtype)  # [P, D/2]
+        self.sin = freqs.sin().to(device=device, dtype=self.dtype)
+
+    def lookup(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos/sin [T, 1, D/2] for broadcasting over heads; computed once per step."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [T, H, D]: rotates the pair (x[i], x[i + D/2]) by the position's angle i."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    # Uninitialised: every parameter is overwritten by load_weights (which checks that).
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        h, d = arch.hidden_size, arch.head_dim
+        kw = {"dtype": dtype, "device": device}
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            arch.num_attention_heads, arch.num_key_value_heads, d)
+        self.q_size, self.kv_size = arch.q_size, arch.kv_size
+        self.eps = arch.rms_norm_eps
+        self.input_layernorm = _param(h, **kw)
+        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, h, **kw)
+        self.qkv_bias = (_param(self.q_size + 2 * self.kv_size, **kw)
+                         if arch.attention_bias else None)
+        self.q_norm = _param(d, **kw) if arch.qk_norm else None
+        self.k_norm = _param(d, **kw) if arch.qk_norm else None
+        self.o_proj = _param(h, self.q_size, **kw)
+        self.post_attention_layernorm = _param(h, **kw)
+        self.gate_up_proj = _param(2 * arch.intermediate_size, h, **kw)
+        self.down_proj = _param(h, arch.intermediate_size, **kw)
+        self.scale = d ** -0.5
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
+                meta: AttentionMetadata, attn: AttentionBackend) -> Tensor:
+        t = x.shape[0]
+        h = F.rms_norm(x, x.shape[-1:], self.input_layernorm, self.eps)
+        qkv = F.linear(h, self.qkv_proj, self.qkv_bias)
+        # q and k heads side by side, [T, Hq + Hkv, D], so RoPE runs once for both.
+        qk_size = self.q_size + self.kv_size
+        qk = qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((F.rms_norm(q, (self.head_dim,), self.q_norm, self.eps),
+                            F.rms_norm(k, (self.head_dim,), self.k_norm, self.eps)), dim=1)
+        q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        o = attn.forward(q, k, v, kv_cache, meta, self.scale)
+        x = x + F.linear(o.view(t, self.q_size), self.o_proj)
+        h = F.rms_norm(x, x.shape[-1:], self.post_attention_layernorm, self.eps)
+        gate, up = F.linear(h, self.gate_up_proj).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_proj)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
+                 attn_backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.arch = arch
+        self.dtype = dtype
+        self.device = device
+        self.attn_backend = attn_backend or TorchAttentionBackend()
+        kw = {"dtype": dtype, "device": device}
+        self.embed_tokens = _param(arch.vocab_size, arch.hidden_size, **kw)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, dtype, device) for _ in range(arch.num_hidden_layers))
+        self.norm = _param(arch.hidden_size, **kw)
+        # Tied: the LM head *is* the embedding matrix (one tensor, loaded once).
+        self.lm_head = (self.embed_tokens if arch.tie_word_embeddings
+                        else _param(arch.vocab_size, arch.hidden_size, **kw))
+        self.rotary = RotaryEmbedding(arch, dtype, device)
+        self._layer_weights = _layer_weight_table(arch)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
+                attn_metadata: AttentionMetadata) -> Tensor:
+        """input_ids/positions [T] -> final-normed hidden states [T, H]."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.lookup(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, attn_metadata, self.attn_backend)
+        return F.rms_norm(x, x.shape[-1:], self.norm, self.arch.rms_norm_eps)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [N, H] -> logits [N, V] in float32."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def set_rope_freq_factors(self, factors: Tensor) -> None:
+        """Divides the RoPE frequencies by per-frequency factors (GGUF's `rope_freqs`, which
+        is how llama.cpp stores llama3 scaling)."""
+        base = rope_inv_freq(self.arch)
+        if factors.shape != base.shape:
+            raise ValueError(f"rope_freqs has shape {tuple(factors.shape)}, "
+                             f"expected {tuple(base.shape)}")
+        self.rotary.set_inv_freq(base / factors.float().cpu(), self.device)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Loads Hugging Face-named tensors (all of them, in one call), fusing q/k/v and gate/up.
+
+        Raises ValueError for an unknown name, a shape mismatch, or any parameter (or part of
+        a fused one) left unloaded.
+        """
+        parts_loaded: dict[str, int] = {}
+        for hf_name, tensor in weights:
+            target = self._locate(hf_name)
+            if target is None:
+                continue
+            name, rows = target
+            param = self.get_parameter(name)
+            dest = param if rows is None else param.narrow(0, rows[0], rows[1] - rows[0])
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            parts_loaded[name] = parts_loaded.get(name, 0) + 1
+        missing = [name for name, _ in self.named_parameters()
+                   if parts_loaded.get(name, 0) < self._PARTS.get(name.rsplit(".", 1)[-1], 1)]
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {shown}")
+
+    # Fused parameters and how many checkpoint tensors fill each.
+    _PARTS = {"qkv_proj": 3, "qkv_bias": 3, "gate_up_proj": 2}
+    _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+    def _locate(self, hf_name: str) -> tuple[str, tuple[int, int] | None] | None:
+        """HF name -> (our parameter name, row range inside it or None); None = ignore."""
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            return None  # recomputed from the config
+        if hf_name == "model.embed_tokens.weight":
+            return "embed_tokens", None
+        if hf_name == "model.norm.weight":
+            return "norm", None
+        if hf_name == "lm_head.weight":
+            # Tied checkpoints sometimes store the head too; it equals the embedding.
+            return None if self.arch.tie_word_embeddings else ("lm_head", None)
+        m = self._LAYER_RE.match(hf_name)
+        if m is None or int(m.group(1)) >= self.arch.num_hidden_layers:
+            raise ValueError(f"unexpected weight {hf_name!r}")
+        layer, rest = int(m.group(1)), m.group(2)
+        target = self._layer_weights.get(rest)
+        if target is None or getattr(self.layers[layer], target[0]) is None:
+            raise ValueError(f"unexpected weight {hf_name!r} for {self.arch.architecture}")
+        return f"layers.{layer}.{target[0]}", target[1]
+
+
+def _layer_weight_table(arch: ModelArchConfig) -> dict[str, tuple[str, tuple[int, int] | None]]:
+    """HF name inside a layer -> (our parameter, row range for fused ones)."""
+    q, kv, inter = arch.q_size, arch.kv_size, arch.intermediate_size
+    return {
+        "input_layernorm.weight": ("input_layernorm", None),
+        "post_attention_layernorm.weight": ("post_attention_layernorm", None),
+        "self_attn.q_proj.weight": ("qkv_proj", (0, q)),
+        "self_attn.k_proj.weight": ("qkv_proj", (q, q + kv)),
+        "self_attn.v_proj.weight": ("qkv_proj", (q + kv, q + 2 * kv)),
+        "self_attn.q_proj.bias": ("qkv_bias", (0, q)),
+        "self_attn.k_proj.bias": ("qkv_bias", (q, q + kv)),
+        "self_attn.v_proj.bias": ("qkv_bias", (q + kv, q + 2 * kv)),
+        "self_attn.o_proj.weight": ("o_proj", None),
+        "self_attn.q_norm.weight": ("q_norm", None),
+        "self_attn.k_norm.weight": ("k_norm", None),
+        "mlp.gate_proj.weight": ("gate_up_proj", (0, inter)),
+        "mlp.up_proj.weight": ("gate_up_proj", (inter, 2 * inter)),
+        "mlp.down_proj.weight": ("down_proj", None),
+    }
+
+
+def make_kv_caches(arch: ModelArchConfig, num_blocks: int, block_size: int,
+                   dtype: torch.dtype, device: torch.device) -> list[Tensor]:
+    """One `[2, num_blocks, block_size, num_kv_heads, head_dim]` tensor per layer.
+
+    Zeroed, not empty: padded decode reads touch slots no request wrote, and although their
+    attention weight is 0, a NaN left in uninitialised memory would still poison 0 * NaN.
+    """
+    shape = (2, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_hidden_layers)]
+
+
+def kv_cache_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes over all layers (K and V)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_layer = 2 * block_size * arch.num_key_value_heads * arch.head_dim * itemsize
+    return per_layer * arch.num_hidden_layers

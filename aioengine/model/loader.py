@@ -1,0 +1,187 @@
+"""Finds, validates and loads a model: the bundled GGUF, a GGUF file, or a Hugging Face directory.
+
+    model=None            -> the bundled SmolLM2-135M-Instruct (Q4_1 GGUF)
+    model="/x/m.gguf"     -> GGUF: config from metadata, weights dequantized, tokenizer and
+                             chat template read by transformers from the same file
+    model="/x/dir"        -> config.json + *.safetensors (sharded or not) + tokenizer files
+
+Never unpickles and never runs code from the checkpoint (no trust_remote_code).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from aioengine.model.arch import SUPPORTED_ARCHITECTURES, ModelArchConfig, UnsupportedModelError
+from aioengine.model.default import ModelNotFoundError, bundled_model_path
+from aioengine.model.gguf_loader import GGUFFormatError
+from aioengine.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class ModelLoadError(ValueError):
+    """The model cannot be loaded; the message says what is missing or unsupported."""
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    arch: ModelArchConfig
+    tokenizer: Any  # transformers PreTrainedTokenizerBase
+    model_path: str
+    hf_config: Any  # transformers PretrainedConfig
+    max_model_len: int
+
+
+def resolve_model_path(model: str | None) -> str:
+    """`None` -> the bundled GGUF; otherwise an existing GGUF file or model directory."""
+    if model is None:  # the bundled model, or AIOENGINE_DEFAULT_MODEL: validated alike
+        try:
+            model = bundled_model_path()
+        except ModelNotFoundError as e:
+            raise ModelLoadError(str(e)) from e
+    path = os.path.abspath(os.path.expanduser(model))
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model path {model!r} does not exist; give a Hugging Face model "
+                             "directory or a .gguf file (the model hub is not used)")
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ModelLoadError(f"model file {model!r} is not a .gguf file; supported: a .gguf "
+                                 "file or a directory with config.json and *.safetensors")
+        return path
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+    if len(ggufs) == 1:
+        return os.path.join(path, ggufs[0])
+    raise ModelLoadError(
+        f"model directory {model!r} has no config.json" +
+        (f" and several .gguf files {ggufs}: name one" if ggufs else "") +
+        "; supported: a Hugging Face directory (config.json, *.safetensors) or a .gguf file")
+
+
+def load_tokenizer(model: str | None) -> Any:
+    """The tokenizer (with chat template) of a model path as `load_model` resolves it."""
+    return _load_tokenizer(resolve_model_path(model))
+
+
+def _load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        if path.endswith(".gguf"):
+            return AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                                 gguf_file=os.path.basename(path))
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {e}") from e
+
+
+def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """Loads weights, config and tokenizer; see the module docstring for what `model` can be."""
+    if dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+        raise ModelLoadError(f"unsupported dtype {dtype}; supported: {names}")
+    path = resolve_model_path(model)
+    start = time.perf_counter()
+    try:
+        if path.endswith(".gguf"):
+            loaded = _load_gguf(path, dtype, device)
+        else:
+            loaded = _load_hf_dir(path, dtype, device)
+    except (UnsupportedModelError, GGUFFormatError) as e:
+        raise ModelLoadError(f"{path}: {e}") from e
+    logger.debug("loaded %s in %.2fs", path, time.perf_counter() - start)
+    return loaded
+
+
+def _arch_config(hf_config: Any, path: str) -> ModelArchConfig:
+    arch = ModelArchConfig.from_hf_config(hf_config)
+    if arch.max_model_len < arch.max_position_embeddings:
+        logger.warning("%s uses sliding-window attention (window %d); we implement full attention, "
+                       "so max_model_len is capped to the window", path, arch.sliding_window)
+    return arch
+
+
+def _build(arch: ModelArchConfig, weights: Iterator[tuple[str, torch.Tensor]],
+           dtype: torch.dtype, device: torch.device, path: str) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(arch, dtype, device)
+    try:
+        model.load_weights(weights)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
+    return model.eval()
+
+
+def _load_hf_dir(path: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot read {path}/config.json: {e}; supported architectures: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}") from e
+    arch = _arch_config(hf_config, path)
+    files = safetensors_files(path)
+    model = _build(arch, _iter_safetensors(files), dtype, device, path)
+    tokenizer = _load_tokenizer(path)
+    return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, model_path=path,
+                       hf_config=hf_config, max_model_len=arch.max_model_len)
+
+
+def safetensors_files(path: str) -> list[str]:
+    """The checkpoint's safetensors files: those the shard index names, else all of them."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [n for n in names if not os.path.isfile(os.path.join(path, n))]
+        if missing:
+            raise ModelLoadError(f"{path}: shard(s) named in the index are missing: {missing}")
+        return [os.path.join(path, n) for n in names]
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if files:
+        return [os.path.join(path, f) for f in files]
+    pickled = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth")))
+    hint = (f" (found {pickled}: pickle checkpoints are not loaded for safety; convert them "
+            "to safetensors)") if pickled else ""
+    raise ModelLoadError(f"{path}: no *.safetensors weights{hint}")
+
+
+def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _load_gguf(path: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    from aioengine.model import gguf_loader
+
+    try:
+        reader = gguf_loader.FastGGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
+    hf_config = gguf_loader.gguf_hf_config(reader)
+    arch = _arch_config(hf_config, path)
+    weights = gguf_loader.iter_gguf_weights(reader, arch.num_attention_heads,
+                                            arch.num_key_value_heads)
+    model = _build(arch, weights, dtype, device, path)
+    factors = gguf_loader.rope_freq_factors(reader)
+    if factors is not None:
+        model.set_rope_freq_factors(factors)
+    tokenizer = _load_tokenizer(path)
+    return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, model_path=path,
+                       hf_config=hf_config, max_model_len=arch.max_model_len)

@@ -1,0 +1,131 @@
+"""Attention metadata, the torch paged-attention backend (vs a naive reference) and copy_blocks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aioengine.model.arch import ModelArchConfig
+from aioengine.model.attention import (TorchAttentionBackend, build_attention_metadata,
+                                       copy_blocks)
+from aioengine.model.llama import kv_cache_bytes_per_block, make_kv_caches
+
+CPU = torch.device("cpu")
+
+
+def test_metadata_exact_values() -> None:
+    # Two decodes, then a 4-token chunk after 3 cached tokens, then a fresh 2-token prompt.
+    meta, positions = build_attention_metadata(
+        query_lens=[1, 1, 4, 2], seq_lens=[5, 9, 7, 2],
+        block_tables=[[7, 2], [4, 0, 9], [5, 8], [3]], block_size=4, device=CPU)
+    assert positions.tolist() == [4, 8, 3, 4, 5, 6, 0, 1]
+    assert positions.dtype == torch.int64
+    # slot = block_table[pos // 4] * 4 + pos % 4
+    assert meta.slot_mapping.tolist() == [2 * 4 + 0, 9 * 4 + 0, 5 * 4 + 3, 8 * 4 + 0, 8 * 4 + 1,
+                                          8 * 4 + 2, 3 * 4 + 0, 3 * 4 + 1]
+    assert meta.slot_mapping.dtype == torch.int64
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 6, 8]
+    assert meta.query_start_loc.dtype == torch.int32
+    assert meta.query_start_loc_cpu == [0, 1, 2, 6, 8]
+    assert meta.seq_lens.tolist() == [5, 9, 7, 2] == meta.seq_lens_cpu
+    assert meta.seq_lens.dtype == torch.int32
+    # Padded with block 0 to the longest table.
+    assert meta.block_tables.tolist() == [[7, 2, 0], [4, 0, 9], [5, 8, 0], [3, 0, 0]]
+    assert meta.block_tables.dtype == torch.int32
+    assert (meta.num_actual_tokens, meta.num_reqs, meta.num_decodes) == (8, 4, 2)
+    assert (meta.max_query_len, meta.max_seq_len, meta.max_decode_seq_len) == (4, 9, 9)
+
+
+def test_num_decodes_counts_only_the_leading_run() -> None:
+    meta, _ = build_attention_metadata([1, 3, 1], [2, 3, 6], [[0], [1], [2, 3]], 4, CPU)
+    assert meta.num_decodes == 1
+    meta, _ = build_attention_metadata([2, 1], [2, 3], [[0], [1]], 4, CPU)
+    assert meta.num_decodes == 0
+
+
+@pytest.mark.parametrize("query_lens,seq_lens,tables,match", [
+    ([3], [2], [[0]], "query_len"),
+    ([0], [2], [[0]], "query_len"),
+    ([2], [9], [[0, 1]], "too short"),
+    ([1, 1], [2], [[0], [1]], "equally long"),
+])
+def test_metadata_rejects_bad_input(query_lens, seq_lens, tables, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        build_attention_metadata(query_lens, seq_lens, tables, 4, CPU)
+
+
+def _reference(q, kv_cache, meta, scale, block_size):
+    """Naive attention: for each query token, softmax over its request's keys 0..position."""
+    out = torch.empty_like(q)
+    num_heads, num_kv_heads = q.shape[1], kv_cache.shape[-2]
+    group = num_heads // num_kv_heads
+    for i in range(meta.num_reqs):
+        start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        seq_len = meta.seq_lens_cpu[i]
+        slots = [int(meta.block_tables[i, p // block_size]) * block_size + p % block_size
+                 for p in range(seq_len)]
+        keys = kv_cache[0].flatten(0, 1)[slots]  # [S, Hkv, D]
+        values = kv_cache[1].flatten(0, 1)[slots]
+        for t in range(start, end):
+            pos = seq_len - (end - start) + (t - start)
+            for h in range(num_heads):
+                kh, vh = keys[:pos + 1, h // group], values[:pos + 1, h // group]
+                weights = torch.softmax((kh @ q[t, h]) * scale, dim=0)
+                out[t, h] = weights @ vh
+    return out
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_backend_matches_naive_reference(num_heads: int, num_kv_heads: int) -> None:
+    """Mixed batch: decodes of different lengths, a chunk after cached context, a fresh prompt,
+    and a late query_len == 1 request (prefill path). Earlier context is pre-filled in the cache."""
+    gen = torch.Generator().manual_seed(0)
+    head_dim, block_size, num_blocks = 8, 4, 40
+    query_lens, seq_lens = [1, 1, 1, 5, 6, 1], [3, 13, 1, 9, 6, 7]
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for s in seq_lens:
+        n = -(-s // block_size)
+        tables.append(perm[used:used + n])
+        used += n
+    meta, _ = build_attention_metadata(query_lens, seq_lens, tables, block_size, CPU)
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    num_tokens = sum(query_lens)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    out = TorchAttentionBackend().forward(q, k, v, kv_cache, meta, scale=0.3)
+    # The new tokens' K/V landed in their slots...
+    flat = kv_cache.flatten(1, 2)
+    assert torch.equal(flat[0, meta.slot_mapping], k)
+    assert torch.equal(flat[1, meta.slot_mapping], v)
+    # ...and attention over the whole cache (old context + new tokens) is exact.
+    torch.testing.assert_close(out, _reference(q, kv_cache, meta, 0.3, block_size),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_copy_blocks_copies_every_layer_and_nothing_else() -> None:
+    caches = [torch.randn(2, 6, 4, 2, 8) for _ in range(3)]
+    before = [c.clone() for c in caches]
+    copy_blocks(caches, src=[1, 4], dst=[5, 0])
+    for c, b in zip(caches, before):
+        assert torch.equal(c[:, 5], b[:, 1]) and torch.equal(c[:, 0], b[:, 4])
+        assert torch.equal(c[:, 1:5], b[:, 1:5])
+    copy_blocks(caches, [], [])
+    with pytest.raises(ValueError):
+        copy_blocks(caches, [1], [])
+
+
+def test_kv_cache_shapes_and_bytes() -> None:
+    arch = ModelArchConfig(
+        architecture="LlamaForCausalLM", vocab_size=100, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling=None, max_position_embeddings=64,
+        tie_word_embeddings=True, attention_bias=False, qk_norm=False, bos_token_id=1,
+        eos_token_ids=[2])
+    caches = make_kv_caches(arch, num_blocks=10, block_size=8, dtype=torch.float32, device=CPU)
+    assert len(caches) == 3
+    assert all(c.shape == (2, 10, 8, 2, 16) and c.dtype == torch.float32 for c in caches)
+    per_block = kv_cache_bytes_per_block(arch, 8, torch.float32)
+    assert per_block == 2 * 8 * 2 * 16 * 4 * 3
+    assert per_block * 10 == sum(c.numel() * c.element_size() for c in caches)
+    assert kv_cache_bytes_per_block(arch, 8, torch.bfloat16) == per_block // 2

@@ -1,0 +1,105 @@
+"""Tiny random-weight Hugging Face model directories, for tests anywhere in the suite.
+
+    path = make_tiny_model_dir("qwen2", tmp_path / "m")
+    load_model(str(path), torch.float32, torch.device("cpu"))
+
+Each is a real `transformers` checkpoint (config.json, safetensors, the bundled SmolLM2
+tokenizer, so vocab_size = 49152), seeded, so the same arguments give the same weights.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+
+# Small enough to build in well under a second, big enough to exercise GQA (4 heads over
+# 2 KV heads), several RoPE frequencies and more than one layer.
+_COMMON: dict[str, Any] = dict(
+    vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    # Wider than the usual 0.02 so logits are peaked and greedy choices are not near-ties.
+    initializer_range=0.2,
+)
+
+# Per arch: config class name, extra config, and whether embeddings are tied (both cases covered).
+_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=True, rope_theta=10000.0)),
+    "llama3": ("LlamaConfig", dict(
+        tie_word_embeddings=False, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=64))),
+    "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=4096,
+                                      rope_theta=1000000.0)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False, rope_theta=1000000.0)),
+    # head_dim 32 != hidden / heads: the checkpoint must say it, and we must read it.
+    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32, rope_theta=1000000.0)),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def bundled_tokenizer():
+    """The bundled SmolLM2 tokenizer (read once per process: parsing the GGUF takes seconds)."""
+    from transformers import AutoTokenizer
+
+    from aioengine.model.default import bundled_model_path
+
+    path = bundled_model_path()
+    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+def make_tiny_config(arch: str, **overrides: Any):
+    """The transformers config of a tiny model (`overrides` replace config fields)."""
+    import transformers
+
+    if arch not in _ARCHS:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose from {TINY_ARCHS}")
+    cls_name, extra = _ARCHS[arch]
+    kwargs = {**_COMMON, **extra, **overrides}
+    return getattr(transformers, cls_name)(**kwargs)
+
+
+def make_tiny_hf_model(arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """A seeded random-weight transformers model in float32, eval mode.
+
+    Norm weights and biases are randomised too (transformers starts them at 1 and 0), so a
+    loader that drops them cannot pass.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = make_tiny_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen))
+            elif name.endswith(".bias"):
+                param.copy_(0.2 * torch.randn(param.shape, generator=gen))
+    return model.eval()
+
+
+def make_tiny_model_dir(arch: str, path: Path, *, seed: int = 0, max_shard_size: str | None = None,
+                        tokenizer: Any = None, **overrides: Any) -> Path:
+    """Writes a tiny `arch` model (one of TINY_ARCHS) with the bundled tokenizer to `path`.
+
+    `max_shard_size` (e.g. "200KB") splits the weights over several safetensors files.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model = make_tiny_hf_model(arch, seed=seed, **overrides)
+    kwargs: dict[str, Any] = {}
+    if max_shard_size is not None:
+        kwargs["max_shard_size"] = max_shard_size
+    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
+        kwargs["safe_serialization"] = True  # transformers 4.x; 5.x always writes safetensors
+    model.save_pretrained(path, **kwargs)
+    (tokenizer or bundled_tokenizer()).save_pretrained(path)
+    return path
