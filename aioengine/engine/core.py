@@ -160,6 +160,21 @@ class EngineCore:
             else:
                 request.error = detail
 
+    def stats(self) -> dict[str, float]:
+        """Point-in-time numbers for logs and metrics."""
+        kv = self.kv_cache_manager
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": kv.usage,
+            "num_free_blocks": kv.num_free_blocks,
+            "num_blocks": kv.num_blocks,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
+
     # ---- the step ---------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:

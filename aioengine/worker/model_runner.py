@@ -32,9 +32,21 @@ class ModelRunner:
         self.kv_caches = make_kv_caches(loaded.arch, num_blocks, block_size, dtype, device)
         # Unseeded requests share this generator (engine seed); seeded ones have their own.
         self.sampler = Sampler(torch.Generator(device).manual_seed(seed))
+        # On CUDA the forward is issued on its own stream (from the worker thread); reading
+        # the sampled ids back (.tolist()) is the completion point, off the event loop.
+        self.stream: torch.cuda.Stream | None = None
+        if device.type == "cuda":
+            self.stream = torch.cuda.Stream(device)
+            self.stream.wait_stream(torch.cuda.current_stream(device))  # KV caches zeroed
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.stream is None:
+            return self._execute(scheduler_output)
+        with torch.cuda.stream(self.stream):
+            return self._execute(scheduler_output)
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         scheduled = scheduler_output.scheduled
         if scheduler_output.blocks_to_copy:
             src, dst = zip(*scheduler_output.blocks_to_copy)
