@@ -66,6 +66,7 @@ class Request:
     # Prompt tokens found in the prefix cache at first scheduling (-1 = not yet looked up).
     num_cached_tokens: int = -1
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # time.monotonic(), for queue-time metrics
     # Full-block hashes of all_token_ids, extended by the KV cache manager as blocks fill.
     block_hashes: list[BlockHash] = field(default_factory=list)
     # Samples still to be forked from this one when its prompt is done (n > 1).

@@ -14,6 +14,7 @@ further along, and a preempted request is recomputed the same way.
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -196,6 +197,7 @@ class Scheduler:
         request.num_computed_tokens = num_hit
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit
+            request.first_scheduled_time = time.monotonic()
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         return num_new

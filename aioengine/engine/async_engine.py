@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Union
@@ -19,6 +20,7 @@ from aioengine.core.scheduler import EngineCoreOutput, SchedulerOutput
 from aioengine.engine.core import EngineCore
 from aioengine.engine.output_processor import OutputProcessor
 from aioengine.errors import EngineDeadError, InvalidRequestError
+from aioengine.metrics import EngineMetrics
 from aioengine.outputs import RequestOutput
 from aioengine.request import Request, RequestStatus
 from aioengine.sampling_params import SamplingParams
@@ -44,10 +46,12 @@ def render_prompt(tokenizer, prompt: PromptType) -> tuple[str | None, list[int]]
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, served_model_name: str | None = None) -> None:
         self.core = core
         self.tokenizer = core.tokenizer
-        self.processor = OutputProcessor(core.tokenizer)
+        self.model_name = served_model_name or os.path.basename(core.loaded.model_path)
+        self.metrics = EngineMetrics(self.model_name, stats_provider=core.stats)
+        self.processor = OutputProcessor(core.tokenizer, self.metrics)
         self._samples: dict[str, list[Request]] = {}
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._wakeup = asyncio.Event()
@@ -57,11 +61,13 @@ class AsyncEngine:
         self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
 
     @classmethod
-    async def create(cls, model: str | None = None, **engine_args: object) -> AsyncEngine:
-        """Loads the model off the event loop and starts the engine loop."""
+    async def create(cls, model: str | None = None, served_model_name: str | None = None,
+                     **engine_args: object) -> AsyncEngine:
+        """Loads the model off the event loop and starts the engine loop.
+        `served_model_name` labels metrics (default: the model file or folder name)."""
         args = EngineArgs.from_kwargs(model=model, **engine_args)
         core = await asyncio.to_thread(EngineCore, args)
-        return cls(core)
+        return cls(core, served_model_name)
 
     async def __aenter__(self) -> AsyncEngine:
         return self
@@ -178,6 +184,7 @@ class AsyncEngine:
             logger.exception("forward failed")
             self._process([], self.core.fail_step(scheduler_output, e))
             return []
+        self.metrics.observe_step(scheduler_output.total_num_scheduled_tokens)
         return self.core.update(scheduler_output, runner_output)
 
     def _process(self, outputs: list[EngineCoreOutput], failed: list[Request] = ()) -> None:

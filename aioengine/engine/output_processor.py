@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from aioengine.core.scheduler import EngineCoreOutput
 from aioengine.detokenizer import IncrementalDetokenizer
+from aioengine.metrics import EngineMetrics
 from aioengine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from aioengine.request import Request, RequestStatus
 
@@ -31,6 +32,7 @@ class SampleState:
     text: str = ""
     num_sent_tokens: int = 0
     finished: bool = False
+    last_token_time: float | None = None
 
 
 @dataclass
@@ -50,8 +52,10 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase,
+                 metrics: EngineMetrics | None = None) -> None:
         self.tokenizer = tokenizer
+        self.metrics = metrics
         self.states: dict[str, RequestState] = {}
         self._decode_one = lru_cache(maxsize=65536)(
             lambda tok: tokenizer.decode([tok], skip_special_tokens=False))
@@ -63,7 +67,8 @@ class OutputProcessor:
                                                          s.sampling_params)) for s in samples]
         self.states[request_id] = RequestState(
             request_id, prompt, first.prompt_token_ids, states, sink,
-            prompt_logprobs=[None] if first.sampling_params.prompt_logprobs is not None else None)
+            prompt_logprobs=[None] if first.sampling_params.prompt_logprobs is not None else None,
+            arrival_time=first.arrival_time)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.states
@@ -88,7 +93,8 @@ class OutputProcessor:
             except Exception as e:  # noqa: BLE001 - one broken request must not stop the loop
                 sample = state.samples[out.request.sample_index]
                 error = f"output processing failed: {type(e).__name__}: {e}"
-                completion, stop_str = self._finish_sample(sample, "error", error=error), None
+                completion = self._finish_sample(state, sample, "error", error=error)
+                stop_str = None
                 to_finish.append((out.request, RequestStatus.FINISHED_ERROR, error))
             if stop_str is not None:
                 to_finish.append((out.request, RequestStatus.FINISHED_STOPPED, stop_str))
@@ -98,7 +104,7 @@ class OutputProcessor:
             state = self.states.get(request.parent_id or request.request_id)
             if state is not None:
                 updates.setdefault(state.request_id, []).append(self._finish_sample(
-                    state.samples[request.sample_index], "error", error=request.error))
+                    state, state.samples[request.sample_index], "error", error=request.error))
         for request_id, completions in updates.items():
             self._deliver(self.states[request_id], completions)
         return to_finish
@@ -108,7 +114,7 @@ class OutputProcessor:
         state = self.states.get(request_id)
         if state is None:
             return
-        completions = [self._finish_sample(s, reason, error=error)
+        completions = [self._finish_sample(state, s, reason, error=error)
                        for s in state.samples if not s.finished]
         self._deliver(state, completions)
 
@@ -119,8 +125,7 @@ class OutputProcessor:
         sample = state.samples[out.request.sample_index]
         if sample.finished:
             return None, None
-        if state.first_token_time is None:
-            state.first_token_time = time.monotonic()
+        self._observe_tokens(state, sample, len(out.new_token_ids))
         request = out.request
         stop_terminated = (request.status == RequestStatus.FINISHED_STOPPED)
         stop_str = sample.detokenizer.update(out.new_token_ids, stop_terminated)
@@ -135,6 +140,8 @@ class OutputProcessor:
             reason, stop_reason = "stop", stop_str
         else:
             reason, stop_reason = request.status.finish_reason, request.stop_reason
+        if finished:
+            self._observe_finished(state, sample, reason)
         return CompletionOutput(
             index=request.sample_index, text=delta, token_ids=new_ids,
             cumulative_text=sample.text, cumulative_token_ids=list(token_ids),
@@ -142,9 +149,10 @@ class OutputProcessor:
             finished=finished, finish_reason=reason if finished else None,
             stop_reason=stop_reason if finished else None), stop_str
 
-    def _finish_sample(self, sample: SampleState, reason: str,
+    def _finish_sample(self, state: RequestState, sample: SampleState, reason: str,
                        error: str | None = None) -> CompletionOutput:
         sample.finished = True
+        self._observe_finished(state, sample, reason)
         delta = sample.detokenizer.get_next_output_text(True, delta=True)
         sample.text += delta
         token_ids = sample.request.output_token_ids
@@ -154,6 +162,26 @@ class OutputProcessor:
             index=sample.request.sample_index, text=delta, token_ids=new_ids,
             cumulative_text=sample.text, cumulative_token_ids=list(token_ids),
             finished=True, finish_reason=reason, error=error)
+
+    def _observe_tokens(self, state: RequestState, sample: SampleState, num_tokens: int) -> None:
+        now = time.monotonic()
+        if state.first_token_time is None:
+            state.first_token_time = now
+            if self.metrics is not None:
+                self.metrics.observe_first_token(now - state.arrival_time,
+                                                 len(state.prompt_token_ids))
+        if self.metrics is not None:
+            itl = None if sample.last_token_time is None else now - sample.last_token_time
+            self.metrics.observe_tokens(num_tokens, itl)
+        sample.last_token_time = now
+
+    def _observe_finished(self, state: RequestState, sample: SampleState, reason: str) -> None:
+        if self.metrics is None:
+            return
+        request = sample.request
+        queue_time = (None if request.first_scheduled_time is None
+                      else request.first_scheduled_time - request.arrival_time)
+        self.metrics.observe_finished(reason, time.monotonic() - state.arrival_time, queue_time)
 
     def _deliver(self, state: RequestState, completions: list[CompletionOutput]) -> None:
         finished = state.finished

@@ -163,3 +163,34 @@ async def test_chat_messages_and_shutdown(engine: AsyncEngine) -> None:
     await engine.shutdown()
     with pytest.raises(EngineDeadError):
         await collect(engine, "hello", SamplingParams())
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample line of Prometheus text output (0 if absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_metrics_count_requests_tokens_and_latencies(engine: AsyncEngine,
+                                                           tiny_prompts: list[list[int]]) -> None:
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    await asyncio.gather(*(collect(engine, p, params) for p in tiny_prompts[:4]))
+    gen = engine.generate(tiny_prompts[4], SamplingParams(max_tokens=50, ignore_eos=True))
+    await gen.__anext__()
+    await gen.aclose()
+    text = engine.metrics.render().decode()
+    assert _metric(text, "aioengine:request_success_total", finished_reason="length") == 4
+    assert _metric(text, "aioengine:request_success_total", finished_reason="abort") == 1
+    assert _metric(text, "aioengine:generation_tokens_total") >= 4 * 5 + 1
+    assert _metric(text, "aioengine:prompt_tokens_total") == sum(map(len, tiny_prompts[:5]))
+    assert _metric(text, "aioengine:time_to_first_token_seconds_count") == 5
+    assert _metric(text, "aioengine:inter_token_latency_seconds_count") == 4 * 4
+    assert _metric(text, "aioengine:e2e_request_latency_seconds_count") == 5
+    assert _metric(text, "aioengine:request_queue_time_seconds_count") == 5
+    assert _metric(text, "aioengine:iteration_tokens_total_count") > 0
+    assert _metric(text, "aioengine:prefix_cache_queries_total") > 0
+    # Everything finished or aborted: nothing running, every block free.
+    assert _metric(text, "aioengine:num_requests_running") == 0
+    assert _metric(text, "aioengine:kv_cache_usage_perc") == 0

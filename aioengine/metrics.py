@@ -1,0 +1,106 @@
+"""Prometheus metrics with vLLM's names under the `aioengine:` prefix.
+
+Each engine owns its own CollectorRegistry (several engines can live in one process, as in
+the tests). The engine loop feeds per-step numbers; the output processor feeds per-request
+latencies at the moment outputs reach the caller.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
+_STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str,
+                 stats_provider: Callable[[], dict[str, float]] | None = None) -> None:
+        self.stats_provider = stats_provider
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"aioengine:{name}", doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"aioengine:{name}", doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(f"aioengine:{name}", doc, labels, buckets=buckets,
+                             registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc",
+                                         "Fraction of KV blocks in use (0 = all free).")
+        self.prefix_cache_queries = counter("prefix_cache_queries",
+                                            "Tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Tokens found in the prefix cache.")
+        self.num_preemptions = counter("num_preemptions", "Requests preempted (recompute).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        success = Counter("aioengine:request_success", "Finished requests by finish reason.",
+                          ["model_name", "finished_reason"], registry=r)
+        self.request_success = {reason: success.labels(model_name, reason)
+                                for reason in FINISH_REASONS}
+        self.time_to_first_token = histogram("time_to_first_token_seconds",
+                                             "Arrival to first token.", _LATENCY_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds",
+                                             "Time between consecutive tokens of a sample.",
+                                             _ITL_BUCKETS)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds",
+                                             "Arrival to last output.", _LATENCY_BUCKETS)
+        self.request_queue_time = histogram("request_queue_time_seconds",
+                                            "Arrival to first scheduled.", _LATENCY_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens per engine step.",
+                                          _STEP_TOKEN_BUCKETS)
+        self._last: dict[str, float] = {}
+
+    def observe_step(self, num_scheduled_tokens: int) -> None:
+        self.iteration_tokens.observe(num_scheduled_tokens)
+
+    def refresh(self, stats: dict[str, float]) -> None:
+        """Gauges from the scheduler's current state; counters from its cumulative stats.
+        Called at scrape time, so an idle engine still reports its latest state."""
+        self.num_requests_running.set(stats["num_running"])
+        self.num_requests_waiting.set(stats["num_waiting"])
+        self.kv_cache_usage_perc.set(stats["kv_cache_usage"])
+        for key, counter in (("prefix_cache_queries", self.prefix_cache_queries),
+                             ("prefix_cache_hits", self.prefix_cache_hits),
+                             ("num_preemptions", self.num_preemptions)):
+            delta = stats[key] - self._last.get(key, 0)
+            if delta > 0:
+                counter.inc(delta)
+            self._last[key] = stats[key]
+
+    def observe_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
+        self.time_to_first_token.observe(ttft)
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def observe_tokens(self, num_tokens: int, inter_token_latency: float | None) -> None:
+        self.generation_tokens.inc(num_tokens)
+        if inter_token_latency is not None:
+            self.inter_token_latency.observe(inter_token_latency)
+
+    def observe_finished(self, reason: str, e2e_latency: float,
+                         queue_time: float | None) -> None:
+        self.request_success[reason].inc()
+        self.e2e_request_latency.observe(e2e_latency)
+        if queue_time is not None:
+            self.request_queue_time.observe(queue_time)
+
+    def render(self) -> bytes:
+        if self.stats_provider is not None:
+            self.refresh(self.stats_provider())
+        return generate_latest(self.registry)
