@@ -88,7 +88,8 @@ class KVCacheManager:
 
         At most num_tokens - 1 tokens may hit: the last token is always recomputed because
         sampling needs its logits. Ref counts are untouched; pass the blocks to
-        `allocate_slots`, which takes the references.
+        `allocate_slots`, which takes the references and counts the lookup in the
+        prefix-cache stats once it succeeds.
         """
         if not self.enable_caching:
             return [], 0
@@ -100,10 +101,7 @@ class KVCacheManager:
             if block is None:
                 break  # the chain is broken: no later block can be a valid hit
             hits.append(block)
-        num_computed_tokens = len(hits) * self.block_size
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_computed_tokens
-        return hits, num_computed_tokens
+        return hits, len(hits) * self.block_size
 
     def reset_prefix_cache(self) -> bool:
         """Drops every cached hash; False (nothing done) while any block is in use."""
@@ -167,6 +165,11 @@ class KVCacheManager:
         if len(cow) + num_append > self.block_pool.get_num_free_blocks() - num_free_hits:
             return None
 
+        if new_computed_blocks is not None and self.enable_caching:
+            # Counted once per admission (a request that keeps waiting for blocks is
+            # looked up again every step, but queried the cache once).
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(hits) * size
         self._requests[rid] = request
         blocks = self.req_to_blocks.setdefault(rid, [])
         self.block_pool.touch(hits)

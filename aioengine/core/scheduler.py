@@ -185,7 +185,8 @@ class Scheduler:
         return True
 
     def _admit(self, request: Request, budget: int) -> int | None:
-        computed_blocks, num_hit = [], 0
+        # prompt_logprobs needs every prompt position computed: no prefix-cache lookup.
+        computed_blocks, num_hit = None, 0
         if request.sampling_params.prompt_logprobs is None:
             computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
         num_new = self._num_new_tokens(request, num_hit, budget)
