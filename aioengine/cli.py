@@ -1,9 +1,11 @@
-"""The `aioengine` command line: `aioengine generate "prompt" [--chat]`."""
+"""The `aioengine` command line: `aioengine serve [MODEL]` (the OpenAI-compatible server) and
+`aioengine generate "prompt" [--chat]`."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 from aioengine import envs
@@ -21,10 +23,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
+    g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=int, default=None,
+                   help="KV cache size in bytes")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="priority: lower `priority` first (the request body's vLLM extra)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -33,7 +38,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill)
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        scheduling_policy=args.scheduling_policy)
 
 
 async def _generate(args: argparse.Namespace) -> int:
@@ -56,9 +62,62 @@ async def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _serve(args: argparse.Namespace) -> int:
+    from aioengine import AsyncEngine
+    from aioengine.config import ConfigError
+    from aioengine.model.default import ModelNotFoundError
+    from aioengine.model.loader import ModelLoadError
+    from aioengine.server.api_server import ServerConfig, bind_socket, serve
+
+    model = args.model_positional or args.model
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+    try:
+        names = args.served_model_name or [_default_model_name(model)]
+        engine = await AsyncEngine.create(model, served_model_name=names[0],
+                                          **engine_kwargs(args))
+    except (ConfigError, ModelLoadError, ModelNotFoundError, FileNotFoundError) as e:
+        sock.close()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+                          max_request_body_bytes=args.max_request_body_bytes)
+    await serve(engine, names, config, sock)
+    return 0
+
+
+def _default_model_name(model: str | None) -> str:
+    """The model as given (vLLM's rule); the bundled one by its file name's stem."""
+    from aioengine.model.loader import resolve_model_path
+
+    if model is not None:
+        return model
+    return os.path.basename(resolve_model_path(None)).split(".")[0]
+
+
+def _add_serve_parser(sub) -> None:
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    srv.add_argument("model_positional", nargs="?", metavar="MODEL", default=None,
+                     help="HF directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
+    srv.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    srv.add_argument("--served-model-name", nargs="+", default=None,
+                     help="model name(s) in the API (default: MODEL)")
+    srv.add_argument("--api-key", default=envs.AIOENGINE_API_KEY,
+                     help="require `Authorization: Bearer KEY` on /v1/* "
+                          "(default: $AIOENGINE_API_KEY)")
+    srv.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
+                     help="larger request bodies get a 413")
+    add_engine_args(srv)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="aioengine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve_parser(sub)
     gen = sub.add_parser("generate", help="stream one completion to stdout")
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
@@ -72,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "generate":
         return asyncio.run(_generate(args))
+    if args.command == "serve":
+        return asyncio.run(_serve(args))
     return 1
 
 

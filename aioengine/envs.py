@@ -12,6 +12,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "AIOENGINE_LOG_LEVEL": lambda: os.getenv("AIOENGINE_LOG_LEVEL", "INFO").upper(),
     # Threads torch uses for intra-op parallelism on CPU (default: all cores).
     "AIOENGINE_CPU_THREADS": lambda: int(os.getenv("AIOENGINE_CPU_THREADS", "0")),
+    # API key `aioengine serve` requires when --api-key is not given (like VLLM_API_KEY).
+    "AIOENGINE_API_KEY": lambda: os.getenv("AIOENGINE_API_KEY") or None,
     # Path of the default model, overriding the bundled SmolLM2-135M-Instruct GGUF.
     "AIOENGINE_DEFAULT_MODEL": lambda: os.getenv("AIOENGINE_DEFAULT_MODEL") or None,
 }

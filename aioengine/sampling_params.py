@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from aioengine.errors import InvalidRequestError
 
 _MAX_LOGPROBS = 20
+# What torch.Generator.manual_seed accepts.
+_SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
 class SamplingParamsError(InvalidRequestError):
@@ -86,7 +88,10 @@ class SamplingParams:
         if self.logit_bias:
             check(all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()), "logit_bias",
                   "values must be in [-100, 100]")
-        check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        check(self.seed is None or (isinstance(self.seed, int)
+                                    and _SEED_MIN <= self.seed <= _SEED_MAX - (self.n - 1)),
+              "seed", f"must be an integer in [{_SEED_MIN}, {_SEED_MAX - (self.n - 1)}] "
+              f"(sample i of n uses seed + i), got {self.seed}")
 
     def validate_vocab(self, vocab_size: int) -> None:
         """Checks token ids the request names against the model's vocabulary."""

@@ -81,11 +81,12 @@ class AsyncEngine:
 
     # ---- requests -----------------------------------------------------------------------
 
-    def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None,
-                    priority: int = 0) -> tuple[str, asyncio.Queue[RequestOutput]]:
+    def _add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                     request_id: str | None = None,
+                     priority: int = 0) -> tuple[str, asyncio.Queue[RequestOutput]]:
         """Validates and queues a request; returns its id and output queue. Raises
-        InvalidRequestError for bad input (nothing is queued then)."""
+        InvalidRequestError for bad input (nothing is queued then). Only generate() calls
+        it: its `finally` is what forgets the queue."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running") from self._dead
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -104,9 +105,11 @@ class AsyncEngine:
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Streams RequestOutputs until the request finishes. Leaving the loop early or
-        cancelling the task aborts the request and frees its KV blocks at once."""
-        request_id, queue = self.add_request(prompt, sampling_params, request_id, priority)
+        """Streams RequestOutputs until the request finishes. Cancelling the task aborts
+        the request and frees its KV blocks at once; so does closing the generator early
+        (`contextlib.aclosing`, or when Python collects it). Raises InvalidRequestError
+        for bad input on the first iteration, before anything is queued."""
+        request_id, queue = self._add_request(prompt, sampling_params, request_id, priority)
         finished = False
         try:
             while not finished:

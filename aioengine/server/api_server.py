@@ -1,0 +1,224 @@
+"""The OpenAI-compatible HTTP server (aiohttp) in front of one AsyncEngine.
+
+    client ──HTTP──> middleware (errors -> OpenAI error bodies, bearer auth on /v1/*)
+                        └─> route handler ─> engine.generate(...) per prompt ─> JSON or SSE
+
+Handlers run with `handler_cancellation=True`, so a client that disconnects cancels its
+handler at once, which aborts its engine requests and frees their KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+import socket
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from aiohttp import web
+
+import aioengine
+from aioengine.engine.async_engine import AsyncEngine
+from aioengine.errors import EngineDeadError, InvalidRequestError
+from aioengine.metrics import CONTENT_TYPE
+from aioengine.server.protocol import (ApiError, error_body, get_bool, get_int_list, get_str,
+                                       parse_json_object)
+from aioengine.server.serving_chat import ChatHandler
+from aioengine.server.serving_completions import CompletionsHandler
+from aioengine.server.serving_engine import ServingContext, json_response
+from aioengine.tokenizer_utils import ChatTemplateError, apply_chat_template, encode_prompt
+
+logger = logging.getLogger("aioengine.server")
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
+# A body over the limit is still read (and dropped) up to this much more, so that the client
+# finishes sending and sees the 413 rather than a reset connection.
+_DRAIN_BYTES = 64 << 20
+_STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+                 404: "not_found_error", 405: "invalid_request_error",
+                 413: "invalid_request_error", 503: "service_unavailable_error"}
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+JsonHandler = Callable[[web.Request, dict], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    # Seconds to wait for open connections after in-flight requests were aborted.
+    shutdown_timeout: float = 5.0
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure as an OpenAI error body; only the server's own faults are 500s."""
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return json_response(e.body(), e.status)
+    except web.HTTPException as e:  # unknown route, wrong method, ...
+        if e.status < 400:
+            raise
+        kind = _STATUS_TYPES.get(e.status, "invalid_request_error")
+        return json_response(error_body(e.status, e.reason, kind), e.status)
+    except InvalidRequestError as e:
+        return json_response(error_body(400, str(e), "invalid_request_error", e.param), 400)
+    except EngineDeadError as e:
+        return json_response(error_body(503, f"the engine is not running: {e}",
+                                        "service_unavailable_error"), 503)
+    except Exception as e:  # noqa: BLE001 - a bug of ours: log it, answer 500
+        logger.exception("error handling %s %s", request.method, request.path)
+        return json_response(error_body(500, f"{type(e).__name__}: {e}",
+                                        "internal_server_error"), 500)
+
+
+def auth_middleware(api_key: str | None) -> Callable:
+    @web.middleware
+    async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if api_key is not None and request.path.startswith("/v1/"):
+            header = request.headers.get("Authorization", "")
+            token = header[len("Bearer "):] if header.startswith("Bearer ") else ""
+            if not hmac.compare_digest(token.encode(), api_key.encode()):
+                raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+        return await handler(request)
+    return check_api_key
+
+
+async def read_json(request: web.Request, limit: int) -> dict:
+    """The body as a JSON object; 413 past `limit` bytes (the excess is drained first)."""
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in request.content.iter_chunked(1 << 16):
+        total += len(chunk)
+        if total <= limit:
+            chunks.append(chunk)
+        elif total > limit + _DRAIN_BYTES:
+            break
+    if total > limit:
+        raise ApiError(413, f"the request body is larger than the limit of {limit} bytes",
+                       code="request_too_large")
+    return parse_json_object(b"".join(chunks))
+
+
+class OpenAIServer:
+    """Routes and their handlers; `build_app()` makes the aiohttp application."""
+
+    def __init__(self, ctx: ServingContext, config: ServerConfig) -> None:
+        self.ctx = ctx
+        self.config = config
+        self.completions = CompletionsHandler(ctx)
+        self.chat = ChatHandler(ctx)
+
+    def build_app(self) -> web.Application:
+        app = web.Application(middlewares=[error_middleware, auth_middleware(self.config.api_key)])
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/version", self.version)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self._json(self.tokenize))
+        app.router.add_post("/detokenize", self._json(self.detokenize))
+        app.router.add_post("/v1/completions", self._json(self.completions))
+        app.router.add_post("/v1/chat/completions", self._json(self.chat))
+        return app
+
+    def _json(self, handler: JsonHandler) -> Handler:
+        async def route(request: web.Request) -> web.StreamResponse:
+            body = await read_json(request, self.config.max_request_body_bytes)
+            return await handler(request, body)
+        return route
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.ctx.engine.is_running:
+            return json_response(error_body(503, "the engine is not running",
+                                            "service_unavailable_error"), 503)
+        return json_response({"status": "ok"})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return json_response({"version": aioengine.__version__})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.ctx.engine.metrics.render(),
+                            headers={"Content-Type": CONTENT_TYPE})
+
+    async def models(self, request: web.Request) -> web.Response:
+        ctx = self.ctx
+        root = ctx.engine.core.loaded.model_path
+        data = [{"id": name, "object": "model", "created": ctx.created, "owned_by": "aioengine",
+                 "root": root, "parent": None, "max_model_len": ctx.max_model_len,
+                 "permission": []} for name in ctx.served_model_names]
+        return json_response({"object": "list", "data": data})
+
+    async def tokenize(self, request: web.Request, body: dict) -> web.Response:
+        self.ctx.check_model(body)
+        tokenizer = self.ctx.engine.tokenizer
+        if body.get("messages") is not None:
+            add_generation_prompt = get_bool(body, "add_generation_prompt", True)
+            try:
+                tokens = apply_chat_template(tokenizer, body["messages"],
+                                             bool(add_generation_prompt))
+            except ChatTemplateError as e:
+                raise ApiError(400, str(e), "messages") from None
+        else:
+            prompt = get_str(body, "prompt", None)
+            if prompt is None:
+                raise ApiError(400, "prompt (a string) or messages is required", "prompt")
+            if get_bool(body, "add_special_tokens", True):
+                tokens = encode_prompt(tokenizer, prompt)
+            else:
+                tokens = list(tokenizer.encode(prompt, add_special_tokens=False))
+        return json_response({"count": len(tokens), "max_model_len": self.ctx.max_model_len,
+                              "tokens": tokens})
+
+    async def detokenize(self, request: web.Request, body: dict) -> web.Response:
+        self.ctx.check_model(body)
+        tokens = get_int_list(body, "tokens")
+        if tokens is None:
+            raise ApiError(400, "tokens (a list of token ids) is required", "tokens")
+        vocab = self.ctx.engine.core.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                           "tokens")
+        return json_response({"prompt": self.ctx.engine.tokenizer.decode(tokens)})
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads: a taken port fails at once, and
+    clients that connect during the load wait in the backlog. Raises OSError."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((host, port), family=family, backlog=1024)
+
+
+async def serve(engine: AsyncEngine, served_model_names: list[str], config: ServerConfig,
+                sock: socket.socket | None = None) -> None:
+    """Serves on `sock` (default: bound from `config`) until SIGINT/SIGTERM, then stops
+    accepting, aborts in-flight requests (their streams end with finish_reason "abort"),
+    and closes the connections."""
+    ctx = ServingContext(engine, served_model_names)
+    app = OpenAIServer(ctx, config).build_app()
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=config.shutdown_timeout)
+    await runner.setup()
+    try:
+        site = web.SockSite(runner, sock or bind_socket(config.host, config.port))
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        url_host = f"[{host}]" if ":" in host else host
+        logger.info("aioengine %s ready: serving %s at http://%s:%d (OpenAI API under /v1)",
+                    aioengine.__version__, ctx.model_name, url_host, port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        logger.info("shutting down: no new connections, aborting in-flight requests")
+        await site.stop()
+        await engine.shutdown()
+    finally:
+        await engine.shutdown()
+        await runner.cleanup()
+    logger.info("server stopped")

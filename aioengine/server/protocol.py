@@ -1,0 +1,256 @@
+"""Request bodies of the OpenAI API -> validated Python values and SamplingParams.
+
+Every caller mistake becomes an `ApiError` (HTTP status + OpenAI error body with `param`),
+raised before any request reaches the engine. Unknown fields are ignored: OpenAI clients
+send extras. A JSON `null` means "not given" for every optional field.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from aioengine.errors import InvalidRequestError
+from aioengine.sampling_params import SamplingParams
+
+_MISSING = object()
+_MAX_LOGPROBS = 20
+
+
+class ApiError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    @classmethod
+    def invalid(cls, e: InvalidRequestError, param: str | None = None) -> ApiError:
+        """A 400 from the engine's own validation (its `param`, unless overridden)."""
+        return cls(400, str(e), param or e.param)
+
+
+def error_body(status: int, message: str, type: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return ApiError(status, message, param, type, code).body()
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+# ---- typed field access ---------------------------------------------------------------
+
+def _type_error(name: str, expected: str, value: Any) -> ApiError:
+    return ApiError(400, f"{name} must be {expected}, got {type(value).__name__} {value!r:.80}",
+                    name)
+
+
+def get_bool(body: dict, name: str, default: bool | None) -> bool | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _type_error(name, "a boolean", value)
+    return value
+
+
+def get_int(body: dict, name: str, default: int | None, lo: int | None = None,
+            hi: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    # JSON 3.0 is accepted as 3 (some clients send floats); True is not an integer here.
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _type_error(name, "an integer", value)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ApiError(400, f"{name} must be {bounds}, got {value}", name)
+    return value
+
+
+def get_float(body: dict, name: str, default: float | None) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _type_error(name, "a number", value)
+    return float(value)
+
+
+def get_str(body: dict, name: str, default: str | None) -> str | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise _type_error(name, "a string", value)
+    return value
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def get_int_list(body: dict, name: str) -> list[int] | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(_is_int(t) for t in value):
+        raise _type_error(name, "a list of integers", value)
+    return value
+
+
+def get_stop(body: dict) -> list[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise _type_error("stop", "a string or a list of strings", value)
+    if any(not s for s in value):
+        raise ApiError(400, "stop strings must not be empty", "stop")
+    return value
+
+
+def get_logit_bias(body: dict) -> dict[int, float] | None:
+    value = body.get("logit_bias")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _type_error("logit_bias", "an object of token id -> bias", value)
+    bias = {}
+    for key, b in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ApiError(400, f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+        if isinstance(b, bool) or not isinstance(b, (int, float)):
+            raise _type_error("logit_bias", "an object of token id -> number", b)
+        bias[token] = float(b)
+    return bias
+
+
+# ---- shared request fields ------------------------------------------------------------
+
+@dataclass
+class StreamSpec:
+    stream: bool
+    include_usage: bool
+
+
+def get_stream(body: dict) -> StreamSpec:
+    stream = bool(get_bool(body, "stream", False))
+    options = body.get("stream_options")
+    if options is None:
+        return StreamSpec(stream, False)
+    if not stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true",
+                       "stream_options")
+    if not isinstance(options, dict):
+        raise _type_error("stream_options", "an object", options)
+    include = options.get("include_usage")
+    if include is not None and not isinstance(include, bool):
+        raise _type_error("stream_options", "an object with a boolean include_usage", options)
+    return StreamSpec(stream, bool(include))
+
+
+def get_priority(body: dict) -> int:
+    return get_int(body, "priority", 0)  # type: ignore[return-value]
+
+
+def build_sampling_params(body: dict, max_tokens: int | None, logprobs: int | None,
+                          prompt_logprobs: int | None = None) -> SamplingParams:
+    """The fields completions and chat share, plus vLLM's extras. `max_tokens=None` means
+    up to the context (the engine resolves it per prompt)."""
+    get_str(body, "user", None)  # accepted and type-checked, not used
+    try:
+        return SamplingParams(
+            n=get_int(body, "n", 1, lo=1, hi=128),
+            temperature=get_float(body, "temperature", 1.0),
+            top_p=get_float(body, "top_p", 1.0),
+            top_k=get_int(body, "top_k", 0, lo=-1),
+            min_p=get_float(body, "min_p", 0.0),
+            presence_penalty=get_float(body, "presence_penalty", 0.0),
+            frequency_penalty=get_float(body, "frequency_penalty", 0.0),
+            repetition_penalty=get_float(body, "repetition_penalty", 1.0),
+            logit_bias=get_logit_bias(body),
+            # torch generators take 64-bit seeds; sample i of n uses seed + i.
+            seed=get_int(body, "seed", None, lo=-(1 << 63), hi=(1 << 63) - 1),
+            max_tokens=max_tokens,
+            min_tokens=get_int(body, "min_tokens", 0, lo=0),
+            stop=get_stop(body),
+            stop_token_ids=get_int_list(body, "stop_token_ids"),
+            ignore_eos=get_bool(body, "ignore_eos", False),
+            include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
+            skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+            spaces_between_special_tokens=get_bool(body, "spaces_between_special_tokens", True),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs)
+    except InvalidRequestError as e:
+        raise ApiError.invalid(e) from None
+
+
+def completion_sampling_params(body: dict) -> tuple[SamplingParams, bool]:
+    """SamplingParams of a /v1/completions body, and `echo`."""
+    # vLLM's default: 16 new tokens when max_tokens is absent; an explicit null = the context.
+    max_tokens = get_int(body, "max_tokens", None, lo=1) if "max_tokens" in body else 16
+    logprobs = get_int(body, "logprobs", None, lo=0, hi=_MAX_LOGPROBS)
+    echo = bool(get_bool(body, "echo", False))
+    params = build_sampling_params(body, max_tokens, logprobs,
+                                   prompt_logprobs=logprobs if echo else None)
+    return params, echo
+
+
+def chat_sampling_params(body: dict) -> SamplingParams:
+    """SamplingParams of a /v1/chat/completions body (max_tokens defaults to the context)."""
+    max_tokens = get_int(body, "max_completion_tokens", None, lo=1)
+    if max_tokens is None:
+        max_tokens = get_int(body, "max_tokens", None, lo=1)
+    want_logprobs = bool(get_bool(body, "logprobs", False))
+    top_logprobs = get_int(body, "top_logprobs", None, lo=0, hi=_MAX_LOGPROBS)
+    if top_logprobs is not None and not want_logprobs:
+        raise ApiError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+    logprobs = (top_logprobs or 0) if want_logprobs else None
+    return build_sampling_params(body, max_tokens, logprobs)
+
+
+def parse_completion_prompts(body: dict) -> list[str | list[int]]:
+    """`prompt` as a string, list of strings, list of token ids, or list of such lists."""
+    prompt = body.get("prompt", _MISSING)
+    if prompt is _MISSING or prompt is None:
+        raise ApiError(400, "prompt is required", "prompt")
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(p, str) or (isinstance(p, list) and all(_is_int(t) for t in p))
+            for p in prompt):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and not prompt:
+        raise ApiError(400, "prompt must not be empty", "prompt")
+    else:
+        raise _type_error("prompt", "a string, a list of strings, a list of token ids or a "
+                          "list of token id lists", prompt)
+    if any(len(p) == 0 for p in prompts):
+        raise ApiError(400, "prompt must not be empty", "prompt")
+    return prompts

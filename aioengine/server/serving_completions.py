@@ -1,0 +1,188 @@
+"""POST /v1/completions: one engine request per prompt, choice index = prompt * n + sample."""
+from __future__ import annotations
+
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from aioengine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from aioengine.server.protocol import (completion_sampling_params, get_priority,
+                                       get_stream, parse_completion_prompts)
+from aioengine.server.serving_engine import (Outputs, SSEStream, ServingContext, UsageTracker,
+                                             check_failed, failure_body, json_response,
+                                             merged_outputs, random_id)
+
+
+@dataclass
+class CompletionLogprobs:
+    """OpenAI's legacy logprobs object, built up token by token. `text_offset` counts
+    characters from the start of the choice's text (the prompt too when echoing)."""
+
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+
+    def add(self, token_id: int, entry: PositionLogprobs | None, offset: int,
+            fallback_text: str) -> int:
+        """Appends one position; returns the offset after it."""
+        chosen = entry.get(token_id) if entry else None
+        text = chosen.decoded_token if chosen and chosen.decoded_token is not None \
+            else fallback_text
+        self.tokens.append(text)
+        self.token_logprobs.append(chosen.logprob if chosen else None)
+        self.top_logprobs.append(
+            {(lp.decoded_token or ""): lp.logprob for lp in entry.values()} if entry else None)
+        self.text_offset.append(offset)
+        return offset + len(text)
+
+    def extend(self, other: CompletionLogprobs) -> None:
+        self.tokens += other.tokens
+        self.token_logprobs += other.token_logprobs
+        self.top_logprobs += other.top_logprobs
+        self.text_offset += other.text_offset
+
+    def body(self) -> dict[str, Any]:
+        return {"text_offset": self.text_offset, "token_logprobs": self.token_logprobs,
+                "tokens": self.tokens, "top_logprobs": self.top_logprobs}
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str = ""
+    started: bool = False
+    logprobs: CompletionLogprobs | None = None
+    offset: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionsHandler:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def __call__(self, request: web.Request, body: dict) -> web.StreamResponse:
+        ctx = self.ctx
+        model = ctx.check_model(body)
+        stream = get_stream(body)
+        params, echo = completion_sampling_params(body)
+        priority = get_priority(body)
+        encoded = [ctx.encode(p, need_text=echo) for p in parse_completion_prompts(body)]
+        prompt_ids = [ids for _, ids in encoded]
+        per_prompt = ctx.validate(prompt_ids, params)
+        ctx.check_running()
+        call = _Call(ctx, random_id("cmpl"), model, params.n, echo, params.logprobs,
+                     [text for text, _ in encoded], prompt_ids)
+        outputs = merged_outputs(ctx.engine, prompt_ids, per_prompt, call.id, priority)
+        if stream.stream:
+            return await call.stream(request, outputs, stream.include_usage)
+        return await call.collect(outputs)
+
+
+class _Call:
+    """One /v1/completions call in flight."""
+
+    def __init__(self, ctx: ServingContext, call_id: str, model: str, n: int, echo: bool,
+                 logprobs: int | None, prompt_texts: list[str],
+                 prompt_ids: list[list[int]]) -> None:
+        self.ctx, self.id, self.model, self.n = ctx, call_id, model, n
+        self.echo, self.want_logprobs = echo, logprobs is not None
+        self.prompt_texts, self.prompt_ids = prompt_texts, prompt_ids
+        self.created = int(time.time())
+        self.choices = [Choice(i) for i in range(len(prompt_ids) * n)]
+        self.usage = UsageTracker([len(ids) for ids in prompt_ids])
+
+    def _advance(self, prompt_index: int, out: RequestOutput,
+                 c: CompletionOutput) -> tuple[Choice, str, CompletionLogprobs | None]:
+        """Applies one sample's delta; returns the choice, the new text and new logprobs."""
+        check_failed(c.finish_reason, c.error)
+        choice = self.choices[prompt_index * self.n + c.index]
+        delta_lp = CompletionLogprobs() if self.want_logprobs else None
+        text = ""
+        if not choice.started:
+            choice.started = True
+            if self.echo:
+                text = self.prompt_texts[prompt_index]
+                if delta_lp is not None:
+                    self._add_prompt_logprobs(delta_lp, prompt_index, out)
+                choice.offset = len(text)  # generated tokens' offsets follow the prompt
+        text += c.text
+        if delta_lp is not None:
+            self._add_sample_logprobs(choice, delta_lp, c)
+        choice.text += text
+        if c.finished:
+            choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+        if delta_lp is not None:
+            choice.logprobs = choice.logprobs or CompletionLogprobs()
+            choice.logprobs.extend(delta_lp)
+        return choice, text, delta_lp
+
+    def _add_prompt_logprobs(self, lp: CompletionLogprobs, prompt_index: int,
+                             out: RequestOutput) -> None:
+        """Echoed prompt positions; the first has no logprob (nothing predicts it)."""
+        entries = out.prompt_logprobs or []
+        decode = self.ctx.engine.tokenizer.decode
+        offset = 0
+        for pos, token in enumerate(self.prompt_ids[prompt_index]):
+            entry = entries[pos] if pos < len(entries) else None
+            offset = lp.add(token, entry, offset, decode([token], skip_special_tokens=False))
+
+    def _add_sample_logprobs(self, choice: Choice, lp: CompletionLogprobs,
+                             c: CompletionOutput) -> None:
+        for token, entry in zip(c.token_ids, c.logprobs or []):
+            choice.offset = lp.add(token, entry, choice.offset, "")
+
+    def _choice_body(self, choice: Choice, text: str, lp: CompletionLogprobs | None,
+                     finished: bool) -> dict[str, Any]:
+        return {"index": choice.index, "text": text,
+                "logprobs": lp.body() if lp is not None else None,
+                "finish_reason": choice.finish_reason if finished else None,
+                "stop_reason": choice.stop_reason if finished else None}
+
+    async def collect(self, outputs: Outputs) -> web.Response:
+        try:
+            async with aclosing(outputs):
+                async for i, out in outputs:
+                    self.usage.update(i, out)
+                    for c in out.outputs:
+                        self._advance(i, out, c)
+        except Exception as e:  # noqa: BLE001 - the engine's failure, not the caller's
+            status, body = failure_body(e)
+            return json_response(body, status)
+        choices = [self._choice_body(ch, ch.text, ch.logprobs, True) for ch in self.choices]
+        return json_response({"id": self.id, "object": "text_completion",
+                              "created": self.created, "model": self.model,
+                              "choices": choices, "usage": self.usage.body()})
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict[str, Any]:
+        chunk = {"id": self.id, "object": "text_completion", "created": self.created,
+                 "model": self.model, "choices": choices}
+        if usage is not None:
+            chunk["usage"] = usage
+        return chunk
+
+    async def stream(self, request: web.Request, outputs: Outputs,
+                     include_usage: bool) -> web.StreamResponse:
+        sse = SSEStream(request)
+        await sse.start()
+        error: BaseException | None = None
+        try:
+            async with aclosing(outputs):
+                async for i, out in outputs:
+                    self.usage.update(i, out)
+                    for c in out.outputs:
+                        choice, text, lp = self._advance(i, out, c)
+                        if text or c.finished or (lp is not None and lp.tokens):
+                            await sse.send(self._chunk(
+                                [self._choice_body(choice, text, lp, c.finished)]))
+            if include_usage:
+                await sse.send(self._chunk([], self.usage.body()))
+        except ConnectionError:  # the client left; closing `outputs` aborted its requests
+            return sse.response
+        except Exception as e:  # noqa: BLE001 - sent as the stream's last event
+            error = e
+        return await sse.finish(error)

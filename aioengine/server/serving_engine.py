@@ -1,0 +1,205 @@
+"""What the completions and chat handlers share: the served model, prompt validation,
+one engine request per prompt with their outputs merged, usage, and SSE framing."""
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from aioengine.engine.async_engine import AsyncEngine
+from aioengine.errors import EngineDeadError, InvalidRequestError
+from aioengine.outputs import RequestOutput
+from aioengine.sampling_params import SamplingParams
+from aioengine.server.protocol import ApiError, error_body
+from aioengine.tokenizer_utils import encode_prompt
+
+# (prompt index, output) of every engine request of one API call, as they come.
+Outputs = AsyncGenerator[tuple[int, RequestOutput], None]
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def json_response(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+@dataclass
+class ServingContext:
+    """The engine and how it is served; one per server."""
+
+    engine: AsyncEngine
+    served_model_names: list[str]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.core.max_model_len
+
+    def check_model(self, body: dict) -> str:
+        """The model a request names (absent = the served one); 404 for any other."""
+        model = body.get("model")
+        if model is None:
+            return self.model_name
+        if not isinstance(model, str):
+            raise ApiError(400, "model must be a string", "model")
+        if model not in self.served_model_names:
+            raise ApiError(404, f"The model `{model}` does not exist.", "model",
+                           code="model_not_found")
+        return model
+
+    def check_running(self) -> None:
+        if not self.engine.is_running:
+            raise ApiError(503, "the engine is not running", type="service_unavailable_error")
+
+    def encode(self, prompt: str | list[int], need_text: bool) -> tuple[str, list[int]]:
+        """(prompt text, token ids) of a completions prompt; the text of token ids is only
+        decoded when `need_text` (echo)."""
+        tokenizer = self.engine.tokenizer
+        if isinstance(prompt, str):
+            return prompt, encode_prompt(tokenizer, prompt)
+        vocab = self.engine.core.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                           "prompt")
+        text = tokenizer.decode(prompt, skip_special_tokens=False) if need_text else ""
+        return text, list(prompt)
+
+    def default_max_tokens(self, num_prompt: int, n: int) -> int:
+        """'Up to the context', capped so that n samples fit in the KV cache together (the
+        engine rejects a request that could never fit)."""
+        core = self.engine.core
+        block_size = core.args.block_size
+        fits = (core.kv_cache_manager.num_blocks // n) * block_size - num_prompt
+        return max(1, min(self.max_model_len - num_prompt, fits))
+
+    def validate(self, prompts: list[list[int]], params: SamplingParams,
+                 prompt_param: str = "prompt") -> list[SamplingParams]:
+        """One SamplingParams per prompt, each validated by the engine against its prompt
+        (the engine resolves max_tokens per prompt, so they must not share one object)."""
+        out = []
+        for token_ids in prompts:
+            p = copy.copy(params)
+            if p.max_tokens is None:
+                p.max_tokens = self.default_max_tokens(len(token_ids), p.n)
+            try:
+                self.engine.core.validate_prompt(token_ids, p)
+            except InvalidRequestError as e:
+                raise ApiError.invalid(e, prompt_param if e.param == "prompt" else None) from None
+            out.append(p)
+        return out
+
+
+async def merged_outputs(engine: AsyncEngine, prompts: list[list[int]],
+                         params: list[SamplingParams], request_id: str,
+                         priority: int = 0) -> Outputs:
+    """Runs one engine request per prompt and yields (prompt index, output) as each comes.
+
+    Use under `contextlib.aclosing`: closing (a disconnect cancels the handler) cancels the
+    pumps, and each `engine.generate` aborts its request and frees its KV blocks at once.
+    """
+    merged: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            async for out in engine.generate(prompts[i], params[i], f"{request_id}-{i}",
+                                             priority):
+                merged.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            merged.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await merged.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                remaining -= 1
+            yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class SampleFailed(Exception):
+    """A sample ended with finish_reason "error" (the engine's fault, not the caller's)."""
+
+
+def check_failed(finish_reason: str | None, error: str | None) -> None:
+    if finish_reason == "error":
+        raise SampleFailed(error or "generation failed")
+
+
+def failure_body(e: BaseException) -> tuple[int, dict]:
+    """Status and error body for a failure after the request was accepted."""
+    if isinstance(e, EngineDeadError):
+        return 503, error_body(503, f"the engine is not running: {e}",
+                               "service_unavailable_error")
+    if isinstance(e, SampleFailed):
+        return 500, error_body(500, str(e), "internal_server_error")
+    if isinstance(e, InvalidRequestError):
+        return 400, error_body(400, str(e), "invalid_request_error", e.param)
+    return 500, error_body(500, f"{type(e).__name__}: {e}", "internal_server_error")
+
+
+@dataclass
+class UsageTracker:
+    """Token counts of one API call: prompts counted once each, samples all."""
+
+    prompt_tokens: list[int]
+    cached_tokens: list[int] = field(default_factory=list)
+    completion_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.cached_tokens = [0] * len(self.prompt_tokens)
+
+    def update(self, prompt_index: int, out: RequestOutput) -> None:
+        self.cached_tokens[prompt_index] = out.num_cached_tokens
+        self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+
+    def body(self) -> dict[str, Any]:
+        prompt = sum(self.prompt_tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
+
+
+class SSEStream:
+    """A Server-Sent Events response: one `data:` line per chunk, written at once."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response = web.StreamResponse(headers=SSE_HEADERS)
+
+    async def start(self) -> None:
+        await self.response.prepare(self.request)
+
+    async def send(self, payload: dict[str, Any]) -> None:
+        await self.response.write(b"data: " + orjson.dumps(payload) + b"\n\n")
+
+    async def finish(self, error: BaseException | None = None) -> web.StreamResponse:
+        """Ends the stream: the error as a last event if there was one, then [DONE]."""
+        if error is not None:
+            await self.send(failure_body(error)[1])
+        await self.response.write(b"data: [DONE]\n\n")
+        await self.response.write_eof()
+        return self.response
