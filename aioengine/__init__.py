@@ -20,6 +20,7 @@ _EXPORTS = {
     "RequestOutput": "aioengine.outputs",
     "SamplingParams": "aioengine.sampling_params",
     "SamplingParamsError": "aioengine.sampling_params",
+    "StructuredOutputs": "aioengine.sampling_params",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

@@ -66,6 +66,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
+    # Structured output: append grammar-forced tokens without sampling them one by one.
+    structured_jump_forward: bool = True
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineArgs:

@@ -76,6 +76,9 @@ class Request:
     # The sampler's torch.Generator for a seeded request; it lives as long as the request so
     # that preemption and batch composition never change the random stream.
     generator: Any = None
+    # The grammar matcher state of a structured-output request (aioengine.structured's
+    # StructuredRequestState); None when unconstrained. Each sample has its own.
+    structured: Any = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

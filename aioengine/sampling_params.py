@@ -1,7 +1,9 @@
 """Per-request sampling parameters, validated on construction."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from aioengine.errors import InvalidRequestError
 
@@ -12,6 +14,64 @@ _SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 class SamplingParamsError(InvalidRequestError):
     """A sampling parameter is out of range. `param` names the offending field."""
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on the output (vLLM's names); exactly one field must be set.
+
+    `json` is a JSON schema (a dict, or its JSON text); `regex` must full-match; `choice`
+    is a list of allowed outputs; `grammar` is an EBNF grammar (xgrammar's GBNF dialect,
+    start rule `root`); `json_object` asks for any JSON object. Compilation (and so the
+    check that a schema, regex or grammar is valid) happens in `aioengine.structured`.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise SamplingParamsError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, "
+                f"json_object; got {given or 'none'}", "structured_outputs")
+        if isinstance(self.json, str):
+            try:
+                object.__setattr__(self, "json", json.loads(self.json))
+            except ValueError as e:
+                raise SamplingParamsError(f"structured_outputs.json is not valid JSON: {e}",
+                                          "structured_outputs") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise SamplingParamsError("structured_outputs.json must be a JSON schema object",
+                                      "structured_outputs")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise SamplingParamsError(f"structured_outputs.{name} must be a non-empty "
+                                          "string", "structured_outputs")
+        if self.choice is not None:
+            if (isinstance(self.choice, str) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise SamplingParamsError("structured_outputs.choice must be a non-empty list "
+                                          "of non-empty strings", "structured_outputs")
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def key(self) -> tuple[str, Any]:
+        """Hashable identity of the constraint: the compile cache's key."""
+        if self.json is not None:
+            return ("json", json.dumps(self.json, sort_keys=True))
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.choice is not None:
+            return ("choice", self.choice)
+        if self.grammar is not None:
+            return ("grammar", self.grammar)
+        return ("json_object", True)
 
 
 @dataclass
@@ -43,6 +103,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputs | None = None
     # Filled by the engine from the model's generation config (EOS and friends).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -55,6 +116,10 @@ class SamplingParams:
             self.top_k = 0
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                   StructuredOutputs):
+            raise SamplingParamsError("structured_outputs must be a StructuredOutputs",
+                                      "structured_outputs")
         self._validate()
 
     def _validate(self) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 from aioengine.config import SchedulerConfig
 from aioengine.core.kv_cache_manager import KVCacheManager
@@ -76,6 +76,10 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # The step's grammar bitmask (aioengine.structured.GrammarBitmask), attached by the
+    # engine after scheduling when a sampled row is constrained; filled while the forward
+    # runs, applied by the runner before sampling.
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -153,18 +157,39 @@ class Scheduler:
             i += 1
 
         # Admit waiting requests only when nobody had to be preempted this step.
-        while (not preempted and self.waiting and budget > 0
+        # A request whose grammar is still compiling is skipped, not waited for.
+        w = 0
+        while (not preempted and w < len(self.waiting) and budget > 0
                and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
+            request = self.waiting[w]
+            if not self._grammar_ready(request):
+                w += 0 if request.is_finished else 1  # a failed one left the queue
+                continue
             num_new = self._admit(request, budget)
             if num_new is None:
                 break
             scheduled.append((request, num_new))
             budget -= num_new
 
-        if not scheduled and not self.running and self.waiting:
-            self._fail_unfittable(self.waiting[0])
+        ready = [r for r in list(self.waiting) if self._grammar_ready(r)]
+        if not scheduled and not self.running and ready:
+            self._fail_unfittable(ready[0])
         return self._make_output(scheduled, preempted)
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """False while the request's grammar compiles; a failed compile fails the request
+        (front ends normally compile first and answer 400, so this is a safety net)."""
+        state = request.structured
+        if state is None:
+            return True
+        if not state.is_ready():
+            return False
+        if state.error is not None:
+            request.error = state.error
+            self.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
+            self.newly_failed.append(request)
+            return False
+        return True
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
         num_new = request.num_tokens - num_computed
@@ -194,7 +219,7 @@ class Scheduler:
             return None
         if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
             return None
-        self.waiting.pop(0)
+        self.waiting.remove(request)
         request.num_computed_tokens = num_hit
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit
@@ -249,8 +274,9 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Advances every scheduled request, forks n > 1 samples, applies token-level stop
-        rules (EOS, stop_token_ids, max_tokens, max_model_len) and frees finished requests.
+        """Advances every scheduled request, forks n > 1 samples, advances grammar matchers
+        (appending jump-forward tokens), applies token-level stop rules (EOS,
+        stop_token_ids, max_tokens, max_model_len) and frees finished requests.
 
         A request finished while the forward ran (abort, stop string) is skipped: the token
         computed for it is dropped.
@@ -272,9 +298,13 @@ class Scheduler:
             samples = [request] + self._fork(request)
             for i, (sample, token) in enumerate(zip(samples, tokens)):
                 sample.append_output_token_ids([token])
-                self._check_stop(sample)
+                new_token_ids = [token]
+                if sample.structured is not None:
+                    new_token_ids += self._advance_structured(sample, token)
+                if not sample.is_finished:
+                    self._check_stop(sample)
                 outputs.append(EngineCoreOutput(
-                    sample, [token],
+                    sample, new_token_ids,
                     new_logprobs=logprobs[i:i + 1] if logprobs else None,
                     prompt_logprobs=prompt_lps if i == 0 else None,
                     forked_from=request if i else None))
@@ -297,6 +327,18 @@ class Scheduler:
             self.requests[child.request_id] = child
             self.running.append(child)
         return forks
+
+    def _advance_structured(self, request: Request, token: int) -> list[int]:
+        """Advances the grammar; appends and returns jump-forward tokens (computed as one
+        chunk next step), never past max_tokens / max_model_len, never after a stop token."""
+        params = request.sampling_params
+        stops = (request.num_output_tokens >= params.min_tokens
+                 and token in params.all_stop_token_ids)
+        room = 0 if stops else min((params.max_tokens or 0) - request.num_output_tokens,
+                                   self.config.max_model_len - request.num_tokens)
+        extra = request.structured.advance(request, token, room)
+        request.append_output_token_ids(extra)
+        return extra
 
     def _check_stop(self, request: Request) -> None:
         params = request.sampling_params

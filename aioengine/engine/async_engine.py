@@ -108,7 +108,10 @@ class AsyncEngine:
         """Streams RequestOutputs until the request finishes. Cancelling the task aborts
         the request and frees its KV blocks at once; so does closing the generator early
         (`contextlib.aclosing`, or when Python collects it). Raises InvalidRequestError
-        for bad input on the first iteration, before anything is queued."""
+        for bad input on the first iteration, before anything is queued (an invalid schema,
+        regex or grammar too: it is compiled first, on a thread pool)."""
+        if sampling_params is not None and sampling_params.structured_outputs is not None:
+            await self.core.structured.compile_async(sampling_params.structured_outputs)
         request_id, queue = self._add_request(prompt, sampling_params, request_id, priority)
         finished = False
         try:
@@ -145,6 +148,7 @@ class AsyncEngine:
         self._wakeup.set()
         await asyncio.gather(self._loop_task, return_exceptions=True)
         self._executor.shutdown(wait=True)
+        self.core.structured.shutdown()
 
     # ---- the engine loop ---------------------------------------------------------------
 
@@ -165,10 +169,14 @@ class AsyncEngine:
                 if scheduler_output.is_empty:
                     self._process(pending)
                     pending = []
-                    await asyncio.sleep(0)
+                    # Only compiling grammars can leave waiting requests unschedulable
+                    # here: yield briefly rather than spin against the compile threads.
+                    await asyncio.sleep(0.001 if self.core.has_unfinished_requests() else 0)
                     continue
                 future = loop.run_in_executor(self._executor, self.core.execute, scheduler_output)
-                # Overlap: stream step N-1 while step N runs on the worker thread.
+                # Overlap: fill step N's grammar bitmask and stream step N-1 while step N
+                # runs on the worker thread.
+                self.core.fill_bitmask(scheduler_output)
                 self._process(pending)
                 pending = await self._finish_step(future, scheduler_output)
             self._process(pending)

@@ -25,6 +25,7 @@ from aioengine.model.llama import kv_cache_bytes_per_block
 from aioengine.model.loader import load_model
 from aioengine.request import Request, RequestStatus
 from aioengine.sampling_params import SamplingParams
+from aioengine.structured import StructuredOutputManager
 from aioengine.tokenizer_utils import get_eos_token_ids
 from aioengine.worker.model_runner import ModelRunner
 
@@ -61,6 +62,10 @@ class EngineCore:
                                   seed=args.seed)
         self.eos_token_ids = get_eos_token_ids(self.tokenizer, self.loaded.hf_config)
         self.eos_token_ids |= set(self.loaded.arch.eos_token_ids)
+        # Grammars allow EOS only where they may end; compiles run on its own pool.
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size,
+                                                  self.eos_token_ids,
+                                                  jump_forward=args.structured_jump_forward)
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, "
                     "%.1fs", self.loaded.model_path, self.device, str(self.dtype).split(".")[-1],
                     num_blocks, args.block_size, self.max_model_len, time.perf_counter() - start)
@@ -136,7 +141,8 @@ class EngineCore:
             samples.append(Request(
                 request_id=request_id if params.n == 1 else f"{request_id}#{i}",
                 prompt_token_ids=list(prompt_token_ids), sampling_params=sample_params,
-                arrival_time=arrival, priority=priority, parent_id=request_id, sample_index=i))
+                arrival_time=arrival, priority=priority, parent_id=request_id, sample_index=i,
+                structured=self.structured.new_request_state(sample_params)))
         samples[0].pending_forks = samples[1:]
         self.scheduler.add_request(samples[0])
         return samples
@@ -173,6 +179,7 @@ class EngineCore:
             "prefix_cache_hits": kv.prefix_cache_hits,
             "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
+            **self.structured.get_stats(),
         }
 
     # ---- the step ---------------------------------------------------------------------
@@ -181,7 +188,15 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def schedule(self) -> SchedulerOutput:
-        return self.scheduler.schedule()
+        scheduler_output = self.scheduler.schedule()
+        scheduler_output.grammar_bitmask = self.structured.prepare_bitmask(scheduler_output)
+        return scheduler_output
+
+    def fill_bitmask(self, scheduler_output: SchedulerOutput) -> None:
+        """Fills the step's grammar bitmask (on the loop, while the forward runs: the
+        runner waits for it only at sampling time). Never raises."""
+        if scheduler_output.grammar_bitmask is not None:
+            scheduler_output.grammar_bitmask.fill()
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
@@ -214,6 +229,7 @@ class EngineCore:
         failed = self.take_failed()
         if scheduler_output.is_empty:
             return [], failed
+        self.fill_bitmask(scheduler_output)  # no overlap in the synchronous path
         try:
             runner_output = self.execute(scheduler_output)
         except Exception as e:  # noqa: BLE001 - one bad batch must not take the engine down

@@ -48,6 +48,8 @@ class LLM:
                     for p, sp in zip(prompts, sampling_params)]
         for _, token_ids, params in rendered:
             self.core.validate_prompt(token_ids, params)
+            if params.structured_outputs is not None:  # a bad grammar raises here
+                self.core.structured.compile(params.structured_outputs)
         ids = []
         for i, (text, token_ids, params) in enumerate(rendered):
             request_id = f"llm-{id(self)}-{i}"

@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 
 from aioengine.errors import InvalidRequestError
-from aioengine.sampling_params import SamplingParams
+from aioengine.sampling_params import SamplingParams, StructuredOutputs
 
 _MISSING = object()
 _MAX_LOGPROBS = 20
@@ -177,6 +177,87 @@ def get_priority(body: dict) -> int:
     return get_int(body, "priority", 0)  # type: ignore[return-value]
 
 
+# ---- structured output ------------------------------------------------------------------
+
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """OpenAI's response_format -> StructuredOutputs fields (None for "text")."""
+    name = "response_format"
+    if not isinstance(value, dict):
+        raise _type_error(name, "an object", value)
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ApiError(400, "response_format of type json_schema needs json_schema.schema, "
+                           "a JSON schema object", name)
+        return {"json": spec["schema"]}
+    raise ApiError(400, "response_format.type must be 'text', 'json_object' or 'json_schema', "
+                   f"got {kind!r:.80}", name)
+
+
+def _structured_outputs_object(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _type_error("structured_outputs", "an object", value)
+    unsupported = sorted(k for k in ("structural_tag", "grammar_lark") if value.get(k) is not None)
+    if unsupported:
+        raise ApiError(400, f"structured_outputs.{unsupported[0]} is not supported",
+                       "structured_outputs")
+    return {k: value[k] for k in _STRUCTURED_KEYS if value.get(k) not in (None, False)}
+
+
+def structured_outputs_field(body: dict) -> str | None:
+    """The request field that carries the constraint (for error messages' `param`)."""
+    for name in ("response_format", "structured_outputs", *_GUIDED_FIELDS):
+        value = body.get(name)
+        if value is not None and not (name == "response_format" and isinstance(value, dict)
+                                      and value.get("type") == "text"):
+            return name
+    return None
+
+
+def get_structured_outputs(body: dict) -> StructuredOutputs | None:
+    """The constraint of a request, from `response_format`, vLLM's `structured_outputs`
+    object or its older `guided_*` fields. More than one constraint is a 400."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    if body.get("response_format") is not None:
+        fields = _response_format(body["response_format"])
+        if fields:
+            found.append(("response_format", fields))
+    if body.get("structured_outputs") is not None:
+        fields = _structured_outputs_object(body["structured_outputs"])
+        if fields:
+            found.append(("structured_outputs", fields))
+    for name, key in _GUIDED_FIELDS.items():
+        if body.get(name) is not None:
+            found.append((name, {key: body[name]}))
+    constraints = [(name, k) for name, fields in found for k in fields]
+    if len(constraints) > 1:
+        listed = ", ".join(f"{name}.{k}" if name != f"guided_{k}" else name
+                           for name, k in constraints)
+        raise ApiError(400, f"a request may have one output constraint, got {len(constraints)}: "
+                       f"{listed}", constraints[1][0])
+    if not found:
+        return None
+    name, fields = found[0]
+    if "choice" in fields and not isinstance(fields["choice"], list):
+        raise _type_error(name, "a list of strings (choice)", fields["choice"])
+    try:
+        return StructuredOutputs(**fields)
+    except InvalidRequestError as e:
+        raise ApiError(400, str(e), name) from None
+    except TypeError as e:
+        raise ApiError(400, f"{name}: {e}", name) from None
+
+
 def build_sampling_params(body: dict, max_tokens: int | None, logprobs: int | None,
                           prompt_logprobs: int | None = None) -> SamplingParams:
     """The fields completions and chat share, plus vLLM's extras. `max_tokens=None` means
@@ -204,7 +285,8 @@ def build_sampling_params(body: dict, max_tokens: int | None, logprobs: int | No
             skip_special_tokens=get_bool(body, "skip_special_tokens", True),
             spaces_between_special_tokens=get_bool(body, "spaces_between_special_tokens", True),
             logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs,
+            structured_outputs=get_structured_outputs(body))
     except InvalidRequestError as e:
         raise ApiError.invalid(e) from None
 

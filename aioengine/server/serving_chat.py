@@ -71,6 +71,7 @@ class ChatHandler:
         prompt_ids = self.render(body)
         per_prompt = ctx.validate([prompt_ids], params, prompt_param="messages")
         ctx.check_running()
+        await ctx.compile_structured(params, body)
         call = _ChatCall(random_id("chatcmpl"), model, params.n, params.logprobs, len(prompt_ids))
         outputs = merged_outputs(ctx.engine, [prompt_ids], per_prompt, call.id, priority)
         if stream.stream:

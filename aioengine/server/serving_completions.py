@@ -75,6 +75,7 @@ class CompletionsHandler:
         prompt_ids = [ids for _, ids in encoded]
         per_prompt = ctx.validate(prompt_ids, params)
         ctx.check_running()
+        await ctx.compile_structured(params, body)
         call = _Call(ctx, random_id("cmpl"), model, params.n, echo, params.logprobs,
                      [text for text, _ in encoded], prompt_ids)
         outputs = merged_outputs(ctx.engine, prompt_ids, per_prompt, call.id, priority)

@@ -17,7 +17,7 @@ from aioengine.engine.async_engine import AsyncEngine
 from aioengine.errors import EngineDeadError, InvalidRequestError
 from aioengine.outputs import RequestOutput
 from aioengine.sampling_params import SamplingParams
-from aioengine.server.protocol import ApiError, error_body
+from aioengine.server.protocol import ApiError, error_body, structured_outputs_field
 from aioengine.tokenizer_utils import encode_prompt
 
 # (prompt index, output) of every engine request of one API call, as they come.
@@ -104,6 +104,17 @@ class ServingContext:
                 raise ApiError.invalid(e, prompt_param if e.param == "prompt" else None) from None
             out.append(p)
         return out
+
+
+    async def compile_structured(self, params: SamplingParams, body: dict) -> None:
+        """Compiles the request's grammar (thread pool, cached) before any response starts,
+        so an invalid schema, regex or grammar is a 400, never a failed stream."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await self.engine.core.structured.compile_async(params.structured_outputs)
+        except InvalidRequestError as e:
+            raise ApiError(400, str(e), structured_outputs_field(body) or e.param) from None
 
 
 async def merged_outputs(engine: AsyncEngine, prompts: list[list[int]],

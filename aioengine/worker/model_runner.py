@@ -17,6 +17,7 @@ from aioengine.model.llama import make_kv_caches
 from aioengine.model.loader import LoadedModel
 from aioengine.outputs import Logprob, PositionLogprobs
 from aioengine.request import Request
+from aioengine.structured import GrammarBitmask
 from aioengine.sample import (Sampler, SamplingMetadata, SamplingRow, compute_prompt_logprobs,
                               make_generator)
 
@@ -61,12 +62,14 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata)
 
         output = ModelRunnerOutput(sampled_token_ids={})
-        self._sample(scheduled, hidden, attn_metadata.query_start_loc_cpu, output)
+        self._sample(scheduled, hidden, attn_metadata.query_start_loc_cpu, output,
+                     scheduler_output.grammar_bitmask)
         self._prompt_logprobs(scheduled, hidden, attn_metadata.query_start_loc_cpu, output)
         return output
 
     def _sample(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor,
-                query_start_loc: list[int], output: ModelRunnerOutput) -> None:
+                query_start_loc: list[int], output: ModelRunnerOutput,
+                grammar_bitmask: GrammarBitmask | None = None) -> None:
         row_index: list[int] = []
         rows: list[SamplingRow] = []
         owners: list[ScheduledRequest] = []
@@ -83,6 +86,10 @@ class ModelRunner:
             return
         # Logits only for the rows that sample; the LM head is the largest matmul.
         logits = self.model.compute_logits(hidden[torch.tensor(row_index, device=self.device)])
+        if grammar_bitmask is not None:
+            # Before every sampling parameter, so logprobs are those of the masked logits.
+            # Waits for the loop to finish filling the mask (it does so during the forward).
+            grammar_bitmask.apply(logits)
         metadata = SamplingMetadata.build(rows, self.vocab_size, self.device)
         result = self.sampler(logits, metadata)
         sampled = result.sampled_token_ids.tolist()

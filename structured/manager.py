@@ -1,0 +1,90 @@
+"""StructuredOutputManager: the engine's one handle on structured output.
+
+The engine touches it at four places, each a single call:
+
+    add_request     -> new_request_state(params)      (compile submitted to the pool)
+    scheduler       -> request.structured.is_ready()  (skip until compiled)
+    after schedule  -> prepare_bitmask(output); the loop calls bitmask.fill() while the
+                       forward runs, the runner calls bitmask.apply(logits) before sampling
+    update          -> request.structured.advance(request, token, room)
+                       (matcher + jump-forward)
+"""
+from __future__ import annotations
+
+import statistics
+from typing import TYPE_CHECKING, Any
+
+from aioengine.sampling_params import SamplingParams, StructuredOutputs
+from aioengine.structured.bitmask import GrammarBitmask
+from aioengine.structured.compiler import GrammarCompileCache
+from aioengine.structured.request_state import StructuredRequestState, StructuredStats
+
+if TYPE_CHECKING:
+    from aioengine.core.scheduler import SchedulerOutput
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int],
+                 jump_forward: bool = True, max_workers: int = 2) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.jump_forward = jump_forward
+        self.compiler = GrammarCompileCache(tokenizer, vocab_size, sorted(stop_token_ids),
+                                            max_workers=max_workers)
+        self.stats = StructuredStats()
+
+    # ---- requests ---------------------------------------------------------------------
+
+    def compile(self, constraint: StructuredOutputs) -> None:
+        """Compiles now (blocking); raises GrammarCompileError (an InvalidRequestError)."""
+        self.compiler.compile(constraint)
+
+    async def compile_async(self, constraint: StructuredOutputs) -> None:
+        """Compiles on the pool; raises GrammarCompileError before anything is queued."""
+        await self.compiler.compile_async(constraint)
+
+    def new_request_state(self, params: SamplingParams) -> StructuredRequestState | None:
+        """One sample's grammar state (None if unconstrained). Never blocks: the compile
+        may still be running, and the scheduler skips the request until it is done.
+        Jump-forward is off for requests that want logprobs (forced tokens have none)."""
+        constraint = params.structured_outputs
+        if constraint is None:
+            return None
+        self.stats.num_requests += 1
+        return StructuredRequestState(
+            grammar=self.compiler.submit(constraint), encode=self._encode,
+            jump_forward=self.jump_forward and params.logprobs is None, stats=self.stats)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ---- the step ---------------------------------------------------------------------
+
+    def prepare_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:
+        """The step's (unfilled) bitmask, rows in the runner's sampling order: each item
+        that samples, its request then the forks sampled with it. None if no row is
+        constrained."""
+        states: list[StructuredRequestState | None] = []
+        for item in scheduler_output.scheduled:
+            if item.num_samples == 0:
+                continue
+            samples = [item.request] + item.request.pending_forks[:item.num_samples - 1]
+            states.extend(sample.structured for sample in samples)
+        if all(s is None for s in states):
+            return None
+        return GrammarBitmask(states, self.vocab_size)
+
+    # ---- numbers ----------------------------------------------------------------------
+
+    def get_stats(self) -> dict[str, float]:
+        times = self.compiler.compile_seconds
+        return {
+            "structured_requests": self.stats.num_requests,
+            "structured_jump_forward_tokens": self.stats.num_jump_forward_tokens,
+            "structured_jump_forwards": self.stats.num_jump_forwards,
+            "structured_compiles": len(times),
+            "structured_compile_seconds_median": statistics.median(times) if times else 0.0,
+        }
+
+    def shutdown(self) -> None:
+        self.compiler.shutdown()
