@@ -1,5 +1,5 @@
-"""The `aioengine` command line: `aioengine serve [MODEL]` (the OpenAI-compatible server) and
-`aioengine generate "prompt" [--chat]`."""
+"""The `aioengine` command line: `aioengine serve [MODEL]` (the OpenAI-compatible server),
+`aioengine generate "prompt" [--chat]` and `aioengine bench offline|serve ...` (benchmarks)."""
 from __future__ import annotations
 
 import argparse
@@ -28,6 +28,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--structured-jump-forward", action=argparse.BooleanOptionalAction,
+                   default=True, help="append grammar-forced tokens without sampling them")
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="priority: lower `priority` first (the request body's vLLM extra)")
 
@@ -39,6 +41,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        structured_jump_forward=args.structured_jump_forward,
         scheduling_policy=args.scheduling_policy)
 
 
@@ -115,6 +118,12 @@ def _add_serve_parser(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        # Everything after `bench` belongs to the benchmark's own parser (its --help too).
+        from aioengine.bench import main as bench_main
+
+        return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="aioengine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve_parser(sub)
@@ -126,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--sample-seed", type=int, default=None)
     add_engine_args(gen)
+    # Listed for --help; main() hands `bench ...` to aioengine.bench before parsing.
+    sub.add_parser("bench", help="benchmarks: `aioengine bench offline|serve --help`",
+                   add_help=False)
     args = parser.parse_args(argv)
     logging.basicConfig(level=envs.AIOENGINE_LOG_LEVEL, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

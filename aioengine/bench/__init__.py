@@ -1,0 +1,159 @@
+"""Benchmarks for aioengine and any OpenAI-compatible server.
+
+    aioengine bench offline [--engines aioengine,hf,hf-cb] [dataset flags] [engine flags]
+    aioengine bench serve --base-url http://127.0.0.1:8000 [--endpoint completions|chat]
+                          [--max-concurrency N | --request-rate R [--burstiness K]]
+                          [--slo ttft:MS,tpot:MS] [dataset flags]
+
+Both modes take `--dataset random|shared-prefix|text`, `--save-json PATH`, `--plot PATH.png`
+and `--seed`. `offline` runs the workload in-process through our engine and through
+Hugging Face transformers (static batches, and its continuous batching) on the same
+weights, and prints each engine's tok/s and our ratio to each. `serve` streams every
+request and reports TTFT, TPOT, ITL and end-to-end latency percentiles and goodput.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import sys
+from typing import Any
+
+
+def _common_args(p: argparse.ArgumentParser) -> None:
+    from aioengine.bench.datasets import add_dataset_args
+
+    add_dataset_args(p)
+    g = p.add_argument_group("output")
+    g.add_argument("--save-json", default=None, metavar="PATH",
+                   help="config, environment, summary and per-request numbers")
+    g.add_argument("--plot", default=None, metavar="PATH.png")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_offline_parser(sub: Any) -> None:
+    from aioengine.bench.offline import OUR_ENGINE, RUNNERS, parse_engines
+    from aioengine.cli import add_engine_args
+
+    p = sub.add_parser("offline", help="one batch of requests, all at once, vs transformers")
+    _common_args(p)
+    p.add_argument("--hf-batch-size", type=int, default=16,
+                   help="static batch size of the transformers `generate` baseline")
+    p.add_argument("--engines", type=parse_engines, default=[OUR_ENGINE, "hf", "hf-cb"],
+                   help=f"comma-separated, run in order, from {sorted(RUNNERS)}")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads for every engine (default: os.cpu_count())")
+    # The engine flags (vLLM names) come from the CLI so they never drift; its --seed
+    # seeds both the workload and the engine, and --model names the weights for all.
+    add_engine_args(p)
+    p.set_defaults(func=offline_main)
+
+
+def _add_serve_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="stream requests to an OpenAI-compatible server")
+    p.add_argument("--base-url", required=True, help="http://HOST:PORT (a trailing /v1 is fine)")
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--model", default=None, help="model name in the API (default: the "
+                   "server's first in /v1/models)")
+    p.add_argument("--tokenizer", default=None, help="HF directory or .gguf for the dataset "
+                   "(default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="Bearer token (default: $OPENAI_API_KEY)")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="most requests in flight at once (default: unbounded)")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests/s (default: inf, all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the gaps: 1 = Poisson, < 1 burstier")
+    p.add_argument("--slo", default=None, metavar="ttft:MS,tpot:MS",
+                   help="goodput counts requests within every bound (also e2el:MS)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    p.add_argument("--seed", type=int, default=0, help="dataset and arrival times")
+    _common_args(p)
+    p.set_defaults(func=serve_main)
+
+
+def offline_main(args: argparse.Namespace) -> int:
+    import torch
+
+    from aioengine.bench import report as rep
+    from aioengine.bench.datasets import build_workload
+    from aioengine.bench.offline import load_hf_tokenizer, run_offline
+    from aioengine.model.default import bundled_model_path
+
+    threads = args.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    # The engine reads its thread count from here when it loads; keep both in step.
+    os.environ["AIOENGINE_CPU_THREADS"] = str(threads)
+    model = args.model or bundled_model_path()
+    workload = build_workload(args, load_hf_tokenizer(model))
+    report = {"mode": "offline", "environment": rep.environment_info(), "model": model,
+              "config": _config(args), "workload": workload.summary(),
+              **run_offline(args, workload, model, progress=not args.no_progress)}
+    print(rep.format_offline(report))
+    if args.save_json:
+        rep.save_json(args.save_json, report)
+        print(f"saved {args.save_json}", file=sys.stderr)
+    if args.plot:
+        rep.plot_offline(args.plot, report)
+        print(f"saved {args.plot}", file=sys.stderr)
+    return 0
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    from aioengine.bench import report as rep
+    from aioengine.bench.datasets import build_workload, with_text
+    from aioengine.bench.metrics import parse_slo, summarize
+    from aioengine.bench.offline import load_hf_tokenizer
+    from aioengine.bench.serve import ServeConfig, run_serve
+    from aioengine.model.default import bundled_model_path
+
+    slo = parse_slo(args.slo)
+    tokenizer = load_hf_tokenizer(args.tokenizer or bundled_model_path())
+    workload = build_workload(args, tokenizer)
+    if args.endpoint == "chat":
+        workload = with_text(workload, tokenizer)
+    config = ServeConfig(base_url=args.base_url, endpoint=args.endpoint, model=args.model,
+                         api_key=args.api_key, max_concurrency=args.max_concurrency,
+                         request_rate=args.request_rate, burstiness=args.burstiness,
+                         seed=args.seed, temperature=args.temperature,
+                         timeout_s=args.timeout, progress=not args.no_progress)
+    results, duration, model = asyncio.run(run_serve(config, workload))
+    report = {"mode": "serve", "environment": rep.environment_info(), "model": model,
+              "config": _config(args), "workload": workload.summary(),
+              "summary": summarize(results, duration, slo),
+              "requests": [r.to_json() for r in results]}
+    print(rep.format_serve(report))
+    if args.save_json:
+        rep.save_json(args.save_json, report)
+        print(f"saved {args.save_json}", file=sys.stderr)
+    if args.plot:
+        rep.plot_serve(args.plot, results, duration,
+                       f"{model} via {args.endpoint}: {len(results)} requests")
+        print(f"saved {args.plot}", file=sys.stderr)
+    return 0 if report["summary"]["failed_requests"] == 0 else 1
+
+
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    # The API key stays out of saved results.
+    return {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="aioengine bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_offline_parser(sub)
+    _add_serve_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Loading a GGUF draws a progress bar per tensor on stderr; silence tqdm's default
+    # before anything imports it (it reads TQDM_* once). Our own bars pass `disable`
+    # explicitly, which wins over the environment default.
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    args = build_parser().parse_args(argv)
+    return args.func(args)

@@ -1,0 +1,292 @@
+"""`offline` mode: one workload, all requests submitted at once, through each engine in turn.
+
+Engines: `aioengine` (`LLM.generate`), `hf` (transformers `generate` in static batches
+with left padding) and `hf-cb` (transformers' own continuous batching, `generate_batch`),
+all on the same float32 weights and the same torch thread count. Warm-up is excluded.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from aioengine.bench.datasets import Workload
+
+OUR_ENGINE = "aioengine"
+
+
+@dataclass
+class EngineResult:
+    """One engine's timed run of the whole workload (warm-up excluded)."""
+
+    engine: str
+    num_requests: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    elapsed_s: float
+    threads: int
+    outputs: list[list[int]] = field(repr=False)
+
+    @property
+    def output_tps(self) -> float:
+        return self.num_output_tokens / self.elapsed_s
+
+    @property
+    def total_tps(self) -> float:
+        return (self.num_prompt_tokens + self.num_output_tokens) / self.elapsed_s
+
+    def summary(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k != "outputs"}
+        return {**d, "output_tok_per_s": self.output_tps, "total_tok_per_s": self.total_tps}
+
+
+def make_result(engine: str, workload: Workload, outputs: list[list[int]],
+                elapsed_s: float) -> EngineResult:
+    # Invariant the comparison relies on: every engine did exactly the same work.
+    want = [r.output_len for r in workload.requests]
+    bad = [i for i, (o, n) in enumerate(zip(outputs, want)) if len(o) != n]
+    if len(outputs) != len(want) or bad:
+        raise RuntimeError(f"{engine}: expected {len(want)} outputs of the requested "
+                           f"lengths; wrong length at requests {bad[:8]}")
+    return EngineResult(engine=engine, num_requests=len(outputs),
+                        num_prompt_tokens=workload.num_prompt_tokens,
+                        num_output_tokens=sum(len(o) for o in outputs),
+                        elapsed_s=elapsed_s, threads=torch.get_num_threads(), outputs=outputs)
+
+
+@dataclass
+class OutputAgreement:
+    """How many of our greedy outputs equal a peer's, token for token.
+
+    Informational: batched fp32 with padding changes summation order, so near-ties in
+    the logits may flip a late token and everything after it.
+    """
+
+    num_equal: int
+    num_requests: int
+    # request index -> first position where the two outputs differ
+    first_diffs: dict[int, int]
+
+    @property
+    def mean_first_diff(self) -> float | None:
+        if not self.first_diffs:
+            return None
+        return sum(self.first_diffs.values()) / len(self.first_diffs)
+
+
+def compare_outputs(ours: list[list[int]], peer: list[list[int]]) -> OutputAgreement:
+    first_diffs = {}
+    for i, (a, b) in enumerate(zip(ours, peer, strict=True)):
+        if a != b:
+            first_diffs[i] = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y),
+                                  min(len(a), len(b)))
+    return OutputAgreement(num_equal=len(ours) - len(first_diffs), num_requests=len(ours),
+                           first_diffs=first_diffs)
+
+
+# ---- engines -------------------------------------------------------------------------
+
+
+def run_aioengine(workload: Workload, model: str, kwargs: dict[str, Any]) -> EngineResult:
+    """Our engine: every prompt submitted at once through `LLM.generate`."""
+    from aioengine import LLM, SamplingParams
+
+    threads = torch.get_num_threads()
+    llm = LLM(model, **kwargs)
+    # The engine may size torch's thread pool on load; the benchmark's setting wins so
+    # every engine runs with the same threads.
+    torch.set_num_threads(threads)
+    warmup = [p[:16] for p in workload.prompts[:2]]
+    llm.generate(warmup, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
+              for r in workload.requests]
+    start = time.perf_counter()
+    outs = llm.generate(workload.prompts, params)
+    elapsed = time.perf_counter() - start
+    return make_result(OUR_ENGINE, workload, [list(o.outputs[0].token_ids) for o in outs],
+                       elapsed)
+
+
+def _hf_location(model: str) -> dict[str, str]:
+    """`from_pretrained` arguments for a .gguf file or a Hugging Face directory."""
+    if os.path.isfile(model):
+        return {"pretrained_model_name_or_path": os.path.dirname(model),
+                "gguf_file": os.path.basename(model)}
+    return {"pretrained_model_name_or_path": model}
+
+
+def load_hf_tokenizer(model: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(**_hf_location(model))
+
+
+def load_hf_model(model: str) -> Any:
+    """The model through transformers in float32; a GGUF is dequantized on load."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import is_accelerate_available
+
+    where = _hf_location(model)
+    if "gguf_file" in where and not is_accelerate_available():
+        # transformers refuses GGUF files without accelerate; say how to get going.
+        raise RuntimeError("transformers needs `accelerate` to load a GGUF file: "
+                           "`pip install accelerate`, or pass --engines aioengine")
+    return AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
+
+
+def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), padded on the left so every row's last token is real
+    and generated tokens line up in the same columns."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[row, width - len(p):] = 1
+    return ids, mask
+
+
+def hf_generate(hf_model: Any, prompts: list[list[int]], output_len: int,
+                pad_id: int) -> list[list[int]]:
+    ids, mask = _left_pad(prompts, pad_id)
+    # eos_token_id=None mirrors our `ignore_eos`: never stop early and never suppress EOS.
+    # (min_new_tokens alone would mask EOS out of the logits, changing greedy outputs.)
+    with torch.inference_mode():
+        out = hf_model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                max_new_tokens=output_len, min_new_tokens=output_len,
+                                pad_token_id=pad_id, eos_token_id=None,
+                                temperature=None, top_p=None, top_k=None)
+    return out[:, ids.shape[1]:].tolist()
+
+
+def _pad_id(tokenizer: Any) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def run_hf(workload: Workload, model: str, batch_size: int) -> EngineResult:
+    """transformers `generate` in static batches of `batch_size`, in workload order."""
+    hf_model, pad_id = load_hf_model(model), _pad_id(load_hf_tokenizer(model))
+    hf_generate(hf_model, [p[:16] for p in workload.prompts[:2]], 4, pad_id)  # warm-up
+    outputs: list[list[int]] = []
+    start = time.perf_counter()
+    for i in range(0, len(workload.prompts), batch_size):
+        outputs += hf_generate(hf_model, workload.prompts[i:i + batch_size],
+                               workload.output_len, pad_id)
+    elapsed = time.perf_counter() - start
+    return make_result("hf", workload, outputs, elapsed)
+
+
+def hf_cb_config(workload: Workload, max_batch_tokens: int, max_requests: int) -> Any:
+    """transformers' continuous batching sized for the workload.
+
+    Left to itself it sizes the KV cache from free memory (psutil on CPU: most of RAM,
+    allocated up front, which takes longer than the run); a cache that fits the workload
+    exactly is fair and quick. The token budget and batch width match ours.
+    """
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    page = 256
+    pages = sum(-(-(r.prompt_len + r.output_len) // page) for r in workload.requests)
+    return ContinuousBatchingConfig(page_size=page, num_blocks=pages + 8,
+                                    max_batch_tokens=max_batch_tokens,
+                                    max_requests_per_batch=max_requests)
+
+
+def run_hf_cb(workload: Workload, model: str, max_batch_tokens: int,
+              max_requests: int) -> EngineResult:
+    """transformers `generate_batch` (continuous batching, paged cache, sdpa on CPU)."""
+    from transformers import GenerationConfig
+
+    hf_model = load_hf_model(model)
+    # eos_token_id=-1: transformers' own "disabled" marker; every request runs to max.
+    gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
+                           max_new_tokens=workload.output_len)
+    cb = hf_cb_config(workload, max_batch_tokens, max_requests)
+    cb_logger = logging.getLogger("ContinuousBatchingLogger")
+    level, cb_logger.level = cb_logger.level, logging.ERROR  # persistent-manager warnings
+    try:
+        # Warm-up builds and keeps the manager (cache allocation, first forward) so the
+        # timed call measures generation, as the other engines' timings do.
+        hf_model.generate_batch([p[:16] for p in workload.prompts[:2]], gen, cb,
+                                persistent_manager=True, max_new_tokens=4)
+        start = time.perf_counter()
+        outs = hf_model.generate_batch(workload.prompts, gen, cb, persistent_manager=True,
+                                       warmup=False)
+        elapsed = time.perf_counter() - start
+    finally:
+        hf_model.destroy_cached_continuous_batching_manager()
+        cb_logger.level = level
+    results = list(outs.values())
+    failed = [r.error for r in results if r.error is not None]
+    if failed or len(results) != len(workload.prompts):
+        raise RuntimeError(f"hf-cb: {len(results)} results, errors: {failed[:3]}")
+    return make_result("hf-cb", workload, [list(r.generated_tokens) for r in results], elapsed)
+
+
+Runner = Callable[[Workload, str, argparse.Namespace], EngineResult]
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from aioengine.cli import engine_kwargs
+
+    return engine_kwargs(args)
+
+
+RUNNERS: dict[str, Runner] = {
+    OUR_ENGINE: lambda w, model, args: run_aioengine(w, model, _engine_kwargs(args)),
+    "hf": lambda w, model, args: run_hf(w, model, args.hf_batch_size),
+    "hf-cb": lambda w, model, args: run_hf_cb(w, model, args.max_num_batched_tokens,
+                                              args.max_num_seqs),
+}
+
+
+def run_offline(args: argparse.Namespace, workload: Workload, model: str,
+                progress: bool = True) -> dict[str, Any]:
+    """Runs each engine in turn; returns the report (results, ratios, agreement, skips).
+
+    An engine that cannot run here is recorded under "skipped" with the reason, so one
+    missing peer does not lose the others' numbers.
+    """
+    from tqdm import tqdm
+
+    results: dict[str, EngineResult] = {}
+    skipped: dict[str, str] = {}
+    bar = tqdm(args.engines, desc="engines", unit="engine", disable=not progress)
+    for name in bar:
+        bar.set_postfix_str(name)
+        try:
+            results[name] = RUNNERS[name](workload, model, args)
+        except (RuntimeError, ImportError, ValueError, NotImplementedError) as e:
+            if name == OUR_ENGINE:
+                raise
+            skipped[name] = f"{type(e).__name__}: {e}"
+        gc.collect()  # drop the previous engine's weights before the next one loads
+    report: dict[str, Any] = {
+        "results": {name: r.summary() for name, r in results.items()},
+        "ratios": {}, "agreement": {}, "skipped": skipped}
+    ours = results.get(OUR_ENGINE)
+    for name, peer in results.items():
+        if ours is None or name == OUR_ENGINE:
+            continue
+        report["ratios"][name] = {"output": ours.output_tps / peer.output_tps,
+                                  "total": ours.total_tps / peer.total_tps}
+        agreement = compare_outputs(ours.outputs, peer.outputs)
+        report["agreement"][name] = {**asdict(agreement),
+                                     "mean_first_diff": agreement.mean_first_diff}
+    return report
+
+
+def parse_engines(spec: str) -> list[str]:
+    """`--engines`: a comma-separated list of distinct names from RUNNERS, run in order."""
+    engines = [e.strip() for e in spec.split(",") if e.strip()]
+    unknown = [e for e in engines if e not in RUNNERS]
+    if not engines or unknown or len(set(engines)) != len(engines):
+        raise argparse.ArgumentTypeError(
+            f"--engines must name distinct engines from {sorted(RUNNERS)}, got {spec!r}")
+    return engines

@@ -1,0 +1,365 @@
+"""The benchmark's pure parts: datasets, metric maths, arrival statistics, report formatting,
+and the streaming client's parsing against a small local SSE server (no model runs)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import statistics
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from aioengine.bench import build_parser
+from aioengine.bench.datasets import (PROMPTS_FILE, BenchRequest, Workload,
+                                      load_prompt_texts, normal_vocab, random_dataset,
+                                      shared_prefix_dataset, text_dataset, with_text)
+from aioengine.bench.metrics import (RequestResult, latency_stats, meets_slo, parse_slo,
+                                     summarize, throughput_over_time)
+from aioengine.bench.offline import compare_outputs, parse_engines
+from aioengine.bench.report import format_offline, format_serve, save_json
+from aioengine.bench.serve import (ServeConfig, arrival_intervals, arrival_offsets,
+                                   build_payload, send_request)
+
+VOCAB = list(range(100, 1100))
+
+
+# ---- datasets --------------------------------------------------------------------------
+
+
+def test_random_dataset_is_seeded_and_in_range() -> None:
+    a = random_dataset(VOCAB, 50, 5, 20, 7, seed=3)
+    assert a == random_dataset(VOCAB, 50, 5, 20, 7, seed=3)
+    assert a.prompts != random_dataset(VOCAB, 50, 5, 20, 7, seed=4).prompts
+    assert len(a.requests) == 50 and a.output_len == 7
+    assert all(5 <= r.prompt_len <= 20 and set(r.prompt_token_ids) <= set(VOCAB)
+               for r in a.requests)
+    assert {r.prompt_len for r in a.requests} != {a.requests[0].prompt_len}  # lengths vary
+    assert a.num_prompt_tokens == sum(len(p) for p in a.prompts)
+    with pytest.raises(ValueError):
+        random_dataset(VOCAB, 4, 10, 5, 7, seed=0)
+
+
+def test_w1_workload_matches_the_recorded_one(bundled_tokenizer) -> None:
+    """docs/benchmarks.md quotes W1 as 4,697 prompt tokens: the move into the package must
+    not change the workload, or old and new numbers stop being comparable."""
+    vocab = normal_vocab(bundled_tokenizer)
+    assert bundled_tokenizer.bos_token_id not in vocab
+    w1 = random_dataset(vocab, 32, 32, 256, 64, seed=0)
+    assert w1.num_prompt_tokens == 4697
+    assert w1.summary()["prompt_len_min"] >= 32 and w1.summary()["prompt_len_max"] <= 256
+
+
+def test_shared_prefix_dataset_shape() -> None:
+    w = shared_prefix_dataset(VOCAB, 12, num_prefixes=3, prefix_len=10, suffix_len=4,
+                              output_len=5, seed=1)
+    assert w == shared_prefix_dataset(VOCAB, 12, 3, 10, 4, 5, seed=1)
+    assert all(r.prompt_len == 14 for r in w.requests)
+    prefixes = [tuple(p[:10]) for p in w.prompts]
+    assert len(set(prefixes)) == 3
+    assert sorted(prefixes.count(p) for p in set(prefixes)) == [4, 4, 4]
+    assert len({tuple(p[10:]) for p in w.prompts}) == 12  # distinct suffixes
+    # Shuffled: not the round-robin order the prompts were built in.
+    first_seen = list(dict.fromkeys(prefixes))
+    assert [first_seen.index(p) for p in prefixes] != [0, 1, 2] * 4
+    with pytest.raises(ValueError):
+        shared_prefix_dataset(VOCAB, 2, 3, 10, 4, 5, seed=1)
+
+
+def test_shipped_prompts_file() -> None:
+    texts = load_prompt_texts(PROMPTS_FILE)
+    assert len(texts) >= 200
+    assert len(set(texts)) == len(texts)
+    assert all(len(t.split()) >= 3 and t[-1] in ".?!:'\"" for t in texts)
+
+
+def test_text_dataset_tokenizes_and_cycles(bundled_tokenizer) -> None:
+    n = len(load_prompt_texts()) + 5
+    w = text_dataset(bundled_tokenizer, n, output_len=9, seed=2)
+    assert w == text_dataset(bundled_tokenizer, n, output_len=9, seed=2)
+    first = w.requests[0]
+    assert first.prompt_token_ids == bundled_tokenizer.encode(first.prompt_text,
+                                                              add_special_tokens=False)
+    texts = [r.prompt_text for r in w.requests]
+    assert texts[-5:] == texts[:5]  # past the end of the file it starts again
+    assert w.summary()["dataset"] == "text" and w.output_len == 9
+
+
+def test_with_text_decodes_token_prompts(bundled_tokenizer) -> None:
+    ids = bundled_tokenizer.encode("Hello there, how are you?", add_special_tokens=False)
+    w = with_text(random_dataset(VOCAB, 2, 3, 3, 4, seed=0), bundled_tokenizer)
+    assert all(r.prompt_text == bundled_tokenizer.decode(r.prompt_token_ids) for r in w.requests)
+    one = Workload("x", [BenchRequest(ids, None, 4)], 0, {})
+    assert with_text(one, bundled_tokenizer).requests[0].prompt_text == "Hello there, how are you?"
+
+
+# ---- metrics ---------------------------------------------------------------------------
+
+
+def _result(ttft: float, chunks: list[float], tokens: int, start: float = 0.0) -> RequestResult:
+    return RequestResult(success=True, prompt_len=10, output_tokens=tokens, start_s=start,
+                         ttft_s=ttft, e2e_s=chunks[-1], chunk_times_s=chunks)
+
+
+def test_latency_stats_percentiles() -> None:
+    s = latency_stats([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert s["mean_ms"] == pytest.approx(3000.0)
+    assert s["p50_ms"] == pytest.approx(3000.0)
+    assert s["p90_ms"] == pytest.approx(4600.0)  # linear: 4 + 0.6 * (5 - 4)
+    assert s["p99_ms"] == pytest.approx(4960.0)
+    assert s["std_ms"] == pytest.approx(1000.0 * math.sqrt(2.0))
+    assert latency_stats([]) == {"mean_ms": 0.0, "std_ms": 0.0, "p50_ms": 0.0,
+                                 "p90_ms": 0.0, "p99_ms": 0.0}
+
+
+def test_tpot_itl_and_summary() -> None:
+    a = _result(0.5, [0.5, 0.7, 1.0, 1.1], tokens=4)
+    b = _result(0.2, [0.2, 0.6], tokens=5)  # 5 tokens in 2 chunks: TPOT counts tokens
+    single = _result(0.3, [0.3], tokens=1)
+    failed = RequestResult(success=False, error="HTTP 500", prompt_len=10)
+    assert a.itls_s == pytest.approx([0.2, 0.3, 0.1])
+    assert a.tpot_s == pytest.approx(0.6 / 3)
+    assert b.tpot_s == pytest.approx(0.4 / 4)
+    assert single.tpot_s is None and single.itls_s == []
+    s = summarize([a, b, single, failed], duration_s=2.0)
+    assert (s["successful_requests"], s["failed_requests"]) == (3, 1)
+    assert s["total_output_tokens"] == 10 and s["total_input_tokens"] == 30
+    assert s["request_throughput"] == pytest.approx(1.5)
+    assert s["output_throughput"] == pytest.approx(5.0)
+    assert s["total_token_throughput"] == pytest.approx(20.0)
+    assert s["ttft"]["mean_ms"] == pytest.approx(1000 / 3)
+    assert s["tpot"]["mean_ms"] == pytest.approx((200 + 100) / 2)  # `single` has no TPOT
+    assert s["itl"]["p50_ms"] == pytest.approx(250.0)  # of 200, 300, 100, 400
+    assert "request_goodput" not in s
+
+
+def test_goodput_against_slo() -> None:
+    slo = parse_slo("ttft:400,tpot:150")
+    assert slo == {"ttft": pytest.approx(0.4), "tpot": pytest.approx(0.15)}
+    fast = _result(0.2, [0.2, 0.3, 0.4], tokens=3)  # TPOT 100 ms
+    slow_first = _result(0.5, [0.5, 0.6], tokens=2)  # TTFT 500 ms
+    slow_decode = _result(0.1, [0.1, 0.5], tokens=2)  # TPOT 400 ms
+    single = _result(0.3, [0.3], tokens=1)  # no TPOT: meets any TPOT bound
+    failed = RequestResult(success=False)
+    assert [meets_slo(r, slo) for r in (fast, slow_first, slow_decode, single, failed)] == \
+        [True, False, False, True, False]
+    s = summarize([fast, slow_first, slow_decode, single, failed], 4.0, slo)
+    assert s["goodput_requests"] == 2 and s["request_goodput"] == pytest.approx(0.5)
+    assert meets_slo(fast, parse_slo("e2el:300")) is False
+    for bad in ("ttft", "foo:10", "ttft:0", "tpot:-1"):
+        with pytest.raises(ValueError):
+            parse_slo(bad)
+    assert parse_slo(None) == {} and parse_slo("") == {}
+
+
+def test_throughput_over_time_conserves_tokens() -> None:
+    rs = [_result(0.1, [0.1, 0.6, 1.1], tokens=6, start=0.0),
+          _result(0.2, [0.2, 0.4], tokens=2, start=1.5)]
+    centres, tps = throughput_over_time(rs, duration_s=2.0, num_bins=4)
+    assert centres == pytest.approx([0.25, 0.75, 1.25, 1.75])
+    assert tps == pytest.approx([4.0, 4.0, 4.0, 4.0])  # 2 tokens land in each 0.5 s bin
+    assert sum(t * 0.5 for t in tps) == pytest.approx(8.0)
+
+
+# ---- arrivals --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("burstiness", [0.25, 1.0, 4.0])
+def test_arrival_gaps_have_gamma_statistics(burstiness: float) -> None:
+    rate, n = 8.0, 40_000
+    gaps = arrival_intervals(n, rate, burstiness, seed=0)
+    mean = statistics.fmean(gaps)
+    cv = statistics.pstdev(gaps) / mean
+    assert mean == pytest.approx(1 / rate, rel=0.03)
+    assert cv == pytest.approx(1 / math.sqrt(burstiness), rel=0.04)
+    assert min(gaps) >= 0
+
+
+def test_poisson_counts_per_window() -> None:
+    """Poisson arrivals: counts in 1 s windows have variance equal to their mean."""
+    offsets = arrival_offsets(30_000, 10.0, 1.0, seed=5)
+    counts = [0] * int(offsets[-1])
+    for t in offsets:
+        if int(t) < len(counts):
+            counts[int(t)] += 1
+    assert statistics.fmean(counts) == pytest.approx(10.0, rel=0.03)
+    assert statistics.pvariance(counts) == pytest.approx(10.0, rel=0.1)
+
+
+def test_arrival_offsets_shape_and_seed() -> None:
+    offsets = arrival_offsets(100, 5.0, 1.0, seed=1)
+    assert offsets[0] == 0.0 and offsets == sorted(offsets) and len(offsets) == 100
+    assert offsets == arrival_offsets(100, 5.0, 1.0, seed=1)
+    assert offsets != arrival_offsets(100, 5.0, 1.0, seed=2)
+    assert arrival_offsets(3, math.inf, 1.0, seed=0) == [0.0, 0.0, 0.0]
+    for rate, k in ((0.0, 1.0), (1.0, 0.0)):
+        with pytest.raises(ValueError):
+            arrival_intervals(3, rate, k, seed=0)
+
+
+# ---- requests and the streaming client -------------------------------------------------
+
+
+def test_payloads() -> None:
+    ids_req, text_req = BenchRequest([5, 6, 7], None, 9), BenchRequest([1, 2], "Hi there?", 3)
+    cfg = ServeConfig("http://h:1/v1/")
+    assert cfg.root == "http://h:1"
+    body = build_payload(ids_req, cfg, "m")
+    assert body["prompt"] == [5, 6, 7] and body["max_tokens"] == 9
+    assert body["ignore_eos"] is True and body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True}
+    assert build_payload(text_req, cfg, "m")["prompt"] == "Hi there?"
+    chat = ServeConfig("http://h:1", endpoint="chat", api_key="k")
+    assert build_payload(text_req, chat, "m", 2)["messages"] == [
+        {"role": "user", "content": "Hi there?"}]
+    assert build_payload(text_req, chat, "m", 2)["max_tokens"] == 2
+    assert chat.headers["Authorization"] == "Bearer k"
+    with pytest.raises(ValueError):
+        build_payload(ids_req, chat, "m")
+
+
+def _sse(obj: dict | str) -> bytes:
+    return b"data: " + (obj if isinstance(obj, str) else json.dumps(obj)).encode() + b"\n\n"
+
+
+async def _fake_openai(request: web.Request) -> web.StreamResponse:
+    """Streams 3 chunks 50 ms apart, an empty-text chunk, a usage chunk, then [DONE] —
+    unless the prompt asks for a failure mode."""
+    body = await request.json()
+    mode = body.get("prompt") if isinstance(body.get("prompt"), str) else "ok"
+    if mode == "status":
+        return web.json_response({"error": {"message": "bad"}}, status=400)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    chat = request.path.endswith("chat/completions")
+    for i in range(3):
+        await asyncio.sleep(0.05)
+        choice = {"delta": {"content": f"t{i}"}} if chat else {"text": f"t{i}"}
+        await resp.write(_sse({"choices": [choice]}))
+    await resp.write(_sse({"choices": [{"text": "", "delta": {}}]}))
+    if mode != "nousage":
+        await resp.write(_sse({"choices": [], "usage": {"prompt_tokens": 11,
+                                                         "completion_tokens": 5}}))
+    if mode != "truncated":
+        await resp.write(_sse("[DONE]"))
+    return resp
+
+
+async def _client_run(endpoint: str, prompt: str | None) -> RequestResult:
+    app = web.Application()
+    app.router.add_post("/v1/completions", _fake_openai)
+    app.router.add_post("/v1/chat/completions", _fake_openai)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    cfg = ServeConfig(f"http://127.0.0.1:{port}", endpoint=endpoint)
+    req = BenchRequest([1, 2, 3], prompt, 5)
+    try:
+        async with aiohttp.ClientSession() as session:
+            return await send_request(session, cfg, build_payload(req, cfg, "m"), 3, 0.0)
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+async def test_client_times_content_chunks(endpoint: str) -> None:
+    r = await _client_run(endpoint, "ok")
+    assert r.success, r.error
+    assert len(r.chunk_times_s) == 3  # the empty-text chunk is not a token arrival
+    assert r.output_tokens == 5 and r.prompt_len == 11  # from usage
+    assert r.ttft_s == r.chunk_times_s[0] >= 0.04
+    assert all(0.03 <= x for x in r.itls_s)
+    assert r.ttft_s <= r.e2e_s
+
+
+async def test_client_failure_modes() -> None:
+    r = await _client_run("completions", "nousage")
+    assert r.success and r.output_tokens == 3 and r.prompt_len == 3  # counted chunks
+    r = await _client_run("completions", "truncated")
+    assert not r.success and "DONE" in r.error
+    r = await _client_run("completions", "status")
+    assert not r.success and r.error.startswith("HTTP 400")
+    cfg = ServeConfig("http://127.0.0.1:9")  # nothing listens on the discard port
+    async with aiohttp.ClientSession() as session:
+        r = await send_request(session, cfg, {"prompt": [1]}, 1, 0.0)
+    assert not r.success and "Connect" in r.error
+
+
+# ---- reports and command line ----------------------------------------------------------
+
+
+def _serve_report() -> dict:
+    rs = [_result(0.1, [0.1, 0.2, 0.3], tokens=3), _result(0.2, [0.2, 0.4, 0.6], tokens=3)]
+    return {"mode": "serve", "model": "m",
+            "config": {"base_url": "http://x", "endpoint": "completions",
+                       "max_concurrency": 2, "request_rate": math.inf, "burstiness": 1.0},
+            "workload": random_dataset(VOCAB, 2, 4, 4, 3, seed=0).summary(),
+            "summary": summarize(rs, 1.0, parse_slo("ttft:150")),
+            "requests": [r.to_json() for r in rs]}
+
+
+def test_format_serve_and_json(tmp_path) -> None:
+    report = _serve_report()
+    text = format_serve(report)
+    lines = text.splitlines()
+    assert lines[0].startswith("workload: 2 random-token prompts of 4-4 tokens (8 in all)")
+    assert "Successful requests:                             2" in lines
+    assert "Request goodput (req/s):                      1.00" in lines
+    assert "Mean TTFT (ms):                             150.00" in lines
+    assert "P50 ITL (ms):                               150.00" in lines
+    assert all(len(line) == 50 for line in lines[2:] if not line.startswith("  ("))
+    path = tmp_path / "r.json"
+    save_json(str(path), report)
+    loaded = json.loads(path.read_text())  # inf request rate becomes null, still valid JSON
+    assert loaded["config"]["request_rate"] is None
+    assert loaded["requests"][1]["tpot_s"] == pytest.approx(0.2)
+
+
+def test_format_offline_ratios_and_skips() -> None:
+    results = {"aioengine": {"num_requests": 2, "num_prompt_tokens": 8, "num_output_tokens": 6,
+                             "elapsed_s": 1.0, "output_tok_per_s": 6.0, "total_tok_per_s": 14.0},
+               "hf": {"num_requests": 2, "num_prompt_tokens": 8, "num_output_tokens": 6,
+                      "elapsed_s": 2.0, "output_tok_per_s": 3.0, "total_tok_per_s": 7.0}}
+    agreement = compare_outputs([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]])
+    assert agreement.num_equal == 1 and agreement.first_diffs == {1: 1}
+    report = {"environment": {"torch": "t", "transformers": "x", "torch_threads": 2,
+                              "cpu_count": 2, "cuda": None},
+              "model": "m", "workload": random_dataset(VOCAB, 2, 4, 4, 3, seed=0).summary(),
+              "results": results, "skipped": {"hf-cb": "RuntimeError: no"},
+              "ratios": {"hf": {"output": 2.0, "total": 2.0}},
+              "agreement": {"hf": {"num_equal": 1, "num_requests": 2, "first_diffs": {1: 1},
+                                   "mean_first_diff": 1.0}}}
+    text = format_offline(report)
+    assert "aioengine / hf: output x2.00, total x2.00" in text
+    assert "hf-cb      skipped: RuntimeError: no" in text
+    assert "greedy outputs equal to hf: 1/2 (differing ones diverge at token 1.0" in text
+
+
+def test_command_line() -> None:
+    assert parse_engines("aioengine, hf-cb") == ["aioengine", "hf-cb"]
+    for bad in ("", "nope", "hf,hf"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_engines(bad)
+    args = build_parser().parse_args(["serve", "--base-url", "http://x", "--dataset",
+                                      "shared-prefix", "--request-rate", "2.5"])
+    assert (args.request_rate, args.num_prefixes, args.prefix_len) == (2.5, 8, 512)
+    args = build_parser().parse_args(["offline"])
+    assert args.engines == ["aioengine", "hf", "hf-cb"] and args.dataset == "random"
+    assert (args.num_prompts, args.input_len_min, args.input_len_max, args.output_len) == \
+        (32, 32, 256, 64)
+
+
+def test_aioengine_cli_forwards_bench(capsys) -> None:
+    from aioengine.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["bench", "serve", "--help"])
+    assert exit_info.value.code == 0
+    assert "--base-url" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["bench", "serve"])  # --base-url is required
+    assert exit_info.value.code == 2
