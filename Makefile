@@ -35,7 +35,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
 
 bench: $(STAMP)
-	$(PY) scripts/benchmark.py offline --engines aioengine,hf
+	$(PY) scripts/benchmark.py offline
 
 clean:
 	rm -rf $(VENV) build *.egg-info
