@@ -5,11 +5,14 @@
                           [--max-concurrency N | --request-rate R [--burstiness K]]
                           [--slo ttft:MS,tpot:MS] [dataset flags]
 
-Both modes take `--dataset random|shared-prefix|text`, `--save-json PATH`, `--plot PATH.png`
+    aioengine bench profile [dataset flags] [engine flags]
+
+All modes take `--dataset random|shared-prefix|text`, `--save-json PATH`, `--plot PATH.png`
 and `--seed`. `offline` runs the workload in-process through our engine and through
 Hugging Face transformers (static batches, and its continuous batching) on the same
 weights, and prints each engine's tok/s and our ratio to each. `serve` streams every
 request and reports TTFT, TPOT, ITL and end-to-end latency percentiles and goodput.
+`profile` runs the workload through AsyncEngine and prints its per-step timeline.
 """
 from __future__ import annotations
 
@@ -136,6 +139,35 @@ def serve_main(args: argparse.Namespace) -> int:
     return 0 if report["summary"]["failed_requests"] == 0 else 1
 
 
+def _add_profile_parser(sub: Any) -> None:
+    from aioengine.cli import add_engine_args
+
+    p = sub.add_parser("profile", help="the engine's per-step timeline on a workload")
+    _common_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=profile_main)
+
+
+def profile_main(args: argparse.Namespace) -> int:
+    from aioengine.bench import report as rep
+    from aioengine.bench.datasets import build_workload
+    from aioengine.bench.offline import load_hf_tokenizer
+    from aioengine.bench.profile import format_profile, run_profile
+    from aioengine.cli import engine_kwargs
+    from aioengine.model.default import bundled_model_path
+
+    model = args.model or bundled_model_path()
+    workload = build_workload(args, load_hf_tokenizer(model))
+    report = {"mode": "profile", "environment": rep.environment_info(), "model": model,
+              "config": _config(args), "workload": workload.summary(),
+              **asyncio.run(run_profile(workload, model, engine_kwargs(args)))}
+    print(format_profile(report))
+    if args.save_json:
+        rep.save_json(args.save_json, report)
+        print(f"saved {args.save_json}", file=sys.stderr)
+    return 0
+
+
 def _config(args: argparse.Namespace) -> dict[str, Any]:
     # The API key stays out of saved results.
     return {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
@@ -147,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_offline_parser(sub)
     _add_serve_parser(sub)
+    _add_profile_parser(sub)
     return parser
 
 

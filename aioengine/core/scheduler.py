@@ -52,6 +52,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     # request_id -> logprobs of the prompt tokens this chunk predicts (positions 1.. of the prompt).
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    # Seconds the worker spent in "prepare", "forward" and "sample" (for the timeline).
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

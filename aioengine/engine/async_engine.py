@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Union
@@ -19,6 +20,7 @@ from aioengine.config import EngineArgs
 from aioengine.core.scheduler import EngineCoreOutput, SchedulerOutput
 from aioengine.engine.core import EngineCore
 from aioengine.engine.output_processor import OutputProcessor
+from aioengine.engine.timeline import StepRecord, StepTimeline, step_kind
 from aioengine.errors import EngineDeadError, InvalidRequestError
 from aioengine.metrics import EngineMetrics
 from aioengine.outputs import RequestOutput
@@ -52,6 +54,8 @@ class AsyncEngine:
         self.model_name = served_model_name or os.path.basename(core.loaded.model_path)
         self.metrics = EngineMetrics(self.model_name, stats_provider=core.stats)
         self.processor = OutputProcessor(core.tokenizer, self.metrics)
+        # Per-step timings for `aioengine bench profile`; set .enabled to record.
+        self.timeline = StepTimeline()
         self._samples: dict[str, list[Request]] = {}
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._wakeup = asyncio.Event()
@@ -162,9 +166,12 @@ class AsyncEngine:
                     pending = []
                     if not self.core.has_unfinished_requests():
                         self._wakeup.clear()
+                        self.timeline.mark_idle()
                         await self._wakeup.wait()
                     continue
+                started = time.perf_counter()
                 scheduler_output = self.core.schedule()
+                scheduled = time.perf_counter()
                 self._process([], self.core.take_failed())
                 if scheduler_output.is_empty:
                     self._process(pending)
@@ -178,7 +185,13 @@ class AsyncEngine:
                 # runs on the worker thread.
                 self.core.fill_bitmask(scheduler_output)
                 self._process(pending)
-                pending = await self._finish_step(future, scheduler_output)
+                record = StepRecord(step_kind(scheduler_output),
+                                    scheduler_output.total_num_scheduled_tokens,
+                                    len(scheduler_output.scheduled),
+                                    schedule=scheduled - started,
+                                    process=time.perf_counter() - scheduled,
+                                    idle=self.timeline.take_idle())
+                pending = await self._finish_step(future, scheduler_output, record)
             self._process(pending)
         except BaseException as e:  # the loop itself broke: fail everything, stay dead
             self._dead = e
@@ -187,16 +200,23 @@ class AsyncEngine:
                 self.processor.abort(request_id, "error", error=f"engine died: {e!r}")
             raise
 
-    async def _finish_step(self, future: asyncio.Future,
-                           scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
+    async def _finish_step(self, future: asyncio.Future, scheduler_output: SchedulerOutput,
+                           record: StepRecord) -> list[EngineCoreOutput]:
+        waiting = time.perf_counter()
         try:
             runner_output = await future
         except Exception as e:  # noqa: BLE001 - fail this batch's requests, not the engine
             logger.exception("forward failed")
             self._process([], self.core.fail_step(scheduler_output, e))
             return []
+        updating = time.perf_counter()
         self.metrics.observe_step(scheduler_output.total_num_scheduled_tokens)
-        return self.core.update(scheduler_output, runner_output)
+        outputs = self.core.update(scheduler_output, runner_output)
+        record.wait, record.update = updating - waiting, time.perf_counter() - updating
+        for phase, seconds in runner_output.timings.items():
+            setattr(record, phase, seconds)
+        self.timeline.add(record)
+        return outputs
 
     def _process(self, outputs: list[EngineCoreOutput], failed: list[Request] = ()) -> None:
         if not outputs and not failed:

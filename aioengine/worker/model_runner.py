@@ -9,6 +9,8 @@ SchedulerOutput plus request fields the loop does not change during a step.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from aioengine.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -48,6 +50,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        # On CUDA "forward" is launch time; the sync lands in "sample" (.tolist()).
+        start = time.perf_counter()
         scheduled = scheduler_output.scheduled
         if scheduler_output.blocks_to_copy:
             src, dst = zip(*scheduler_output.blocks_to_copy)
@@ -59,12 +63,16 @@ class ModelRunner:
             seq_lens=[s.num_computed_tokens + s.num_new_tokens for s in scheduled],
             block_tables=[s.block_ids for s in scheduled],
             block_size=self.block_size, device=self.device)
+        prepared = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata)
+        forwarded = time.perf_counter()
 
         output = ModelRunnerOutput(sampled_token_ids={})
         self._sample(scheduled, hidden, attn_metadata.query_start_loc_cpu, output,
                      scheduler_output.grammar_bitmask)
         self._prompt_logprobs(scheduled, hidden, attn_metadata.query_start_loc_cpu, output)
+        output.timings = {"prepare": prepared - start, "forward": forwarded - prepared,
+                          "sample": time.perf_counter() - forwarded}
         return output
 
     def _sample(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor,

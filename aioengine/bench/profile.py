@@ -1,0 +1,50 @@
+"""`aioengine bench profile`: the engine's own per-step timeline on a workload.
+
+Runs the workload through AsyncEngine (the serving loop, with its overlap) with the step
+timeline on, then prints the mean time of each phase per step kind (prefill-only, mixed,
+decode-only) and how much of the loop's in-step work was hidden behind the worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from aioengine.bench.datasets import Workload
+from aioengine.engine.timeline import PHASES
+
+
+async def run_profile(workload: Workload, model: str | None,
+                      engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    from aioengine import AsyncEngine, SamplingParams
+
+    engine = await AsyncEngine.create(model, **engine_kwargs)
+    try:
+        async def one(prompt: list[int], output_len: int) -> None:
+            params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+            async for _ in engine.generate(prompt, params):
+                pass
+
+        await one(workload.prompts[0][:16], 4)  # warm-up, not recorded
+        engine.timeline.enabled = True
+        start = time.perf_counter()
+        await asyncio.gather(*(one(r.prompt_token_ids, r.output_len)
+                               for r in workload.requests))
+        elapsed = time.perf_counter() - start
+        timeline = engine.timeline
+        return {"elapsed_s": elapsed, "summary": timeline.summary(),
+                "steps": timeline.to_json()}
+    finally:
+        await engine.shutdown()
+
+
+def format_profile(report: dict[str, Any]) -> str:
+    summary = report["summary"]
+    head = f"{'phase (mean ms/step)':22s}" + "".join(f"{k:>10s}" for k in summary)
+    lines = [f"elapsed {report['elapsed_s']:.2f} s", head]
+    for key in ("steps", "tokens_per_step", *(f"{p}_ms" for p in PHASES), "overlap"):
+        fmt = "{:>10.0f}" if key == "steps" else "{:>10.2f}"
+        lines.append(f"{key:22s}" + "".join(fmt.format(row[key]) for row in summary.values()))
+    lines.append("worker = prepare + forward + sample; loop = schedule + process + update; "
+                 "overlap = share of the loop's in-step work (process) hidden behind the worker")
+    return "\n".join(lines)
