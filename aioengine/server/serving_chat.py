@@ -5,7 +5,6 @@ its finish_reason; usage (when asked) comes in a last chunk with no choices; the
 """
 from __future__ import annotations
 
-import time
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +14,7 @@ from aiohttp import web
 from aioengine.outputs import CompletionOutput, PositionLogprobs
 from aioengine.server.protocol import (ApiError, chat_sampling_params, get_bool, get_priority,
                                        get_stream)
-from aioengine.server.serving_engine import (Outputs, SSEStream, ServingContext, UsageTracker,
+from aioengine.server.serving_engine import (ApiCall, Outputs, SSEStream, ServingContext,
                                              check_failed, failure_body, json_response,
                                              merged_outputs, random_id)
 from aioengine.tokenizer_utils import ChatTemplateError, apply_chat_template
@@ -79,15 +78,16 @@ class ChatHandler:
         return await call.collect(outputs)
 
 
-class _ChatCall:
+class _ChatCall(ApiCall):
     """One /v1/chat/completions call in flight."""
+
+    object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
 
     def __init__(self, call_id: str, model: str, n: int, logprobs: int | None,
                  num_prompt_tokens: int) -> None:
-        self.id, self.model, self.top_logprobs = call_id, model, logprobs
-        self.created = int(time.time())
+        super().__init__(call_id, model, [num_prompt_tokens])
+        self.top_logprobs = logprobs
         self.choices = [ChatChoice(i) for i in range(n)]
-        self.usage = UsageTracker([num_prompt_tokens])
 
     def _advance(self, c: CompletionOutput) -> tuple[ChatChoice, list[dict] | None]:
         check_failed(c.finish_reason, c.error)
@@ -117,16 +117,7 @@ class _ChatCall:
             "logprobs": {"content": ch.logprobs} if ch.logprobs is not None else None,
             "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason,
         } for ch in self.choices]
-        return json_response({"id": self.id, "object": "chat.completion",
-                              "created": self.created, "model": self.model,
-                              "choices": choices, "usage": self.usage.body()})
-
-    def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict[str, Any]:
-        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                 "model": self.model, "choices": choices}
-        if usage is not None:
-            chunk["usage"] = usage
-        return chunk
+        return json_response(self.body(choices))
 
     async def stream(self, request: web.Request, outputs: Outputs,
                      include_usage: bool) -> web.StreamResponse:
@@ -136,7 +127,7 @@ class _ChatCall:
         try:
             async with aclosing(outputs):
                 for choice in self.choices:
-                    await sse.send(self._chunk([{
+                    await sse.send(self.chunk([{
                         "index": choice.index, "delta": {"role": "assistant", "content": ""},
                         "logprobs": None, "finish_reason": None}]))
                 async for i, out in outputs:
@@ -144,14 +135,14 @@ class _ChatCall:
                     for c in out.outputs:
                         choice, new_lp = self._advance(c)
                         if c.text or c.finished or new_lp:
-                            await sse.send(self._chunk([{
+                            await sse.send(self.chunk([{
                                 "index": choice.index,
                                 "delta": {"content": c.text} if c.text else {},
                                 "logprobs": {"content": new_lp} if new_lp is not None else None,
                                 "finish_reason": c.finish_reason if c.finished else None,
                                 "stop_reason": c.stop_reason if c.finished else None}]))
             if include_usage:
-                await sse.send(self._chunk([], self.usage.body()))
+                await sse.send(self.chunk([], self.usage.body()))
         except ConnectionError:  # the client left; closing `outputs` aborted its requests
             return sse.response
         except Exception as e:  # noqa: BLE001 - sent as the stream's last event

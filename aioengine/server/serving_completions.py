@@ -1,7 +1,6 @@
 """POST /v1/completions: one engine request per prompt, choice index = prompt * n + sample."""
 from __future__ import annotations
 
-import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +10,7 @@ from aiohttp import web
 from aioengine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from aioengine.server.protocol import (completion_sampling_params, get_priority,
                                        get_stream, parse_completion_prompts)
-from aioengine.server.serving_engine import (Outputs, SSEStream, ServingContext, UsageTracker,
+from aioengine.server.serving_engine import (ApiCall, Outputs, SSEStream, ServingContext,
                                              check_failed, failure_body, json_response,
                                              merged_outputs, random_id)
 
@@ -84,18 +83,19 @@ class CompletionsHandler:
         return await call.collect(outputs)
 
 
-class _Call:
+class _Call(ApiCall):
     """One /v1/completions call in flight."""
+
+    object_name = chunk_object_name = "text_completion"
 
     def __init__(self, ctx: ServingContext, call_id: str, model: str, n: int, echo: bool,
                  logprobs: int | None, prompt_texts: list[str],
                  prompt_ids: list[list[int]]) -> None:
-        self.ctx, self.id, self.model, self.n = ctx, call_id, model, n
+        super().__init__(call_id, model, [len(ids) for ids in prompt_ids])
+        self.ctx, self.n = ctx, n
         self.echo, self.want_logprobs = echo, logprobs is not None
         self.prompt_texts, self.prompt_ids = prompt_texts, prompt_ids
-        self.created = int(time.time())
         self.choices = [Choice(i) for i in range(len(prompt_ids) * n)]
-        self.usage = UsageTracker([len(ids) for ids in prompt_ids])
 
     def _advance(self, prompt_index: int, out: RequestOutput,
                  c: CompletionOutput) -> tuple[Choice, str, CompletionLogprobs | None]:
@@ -155,16 +155,7 @@ class _Call:
             status, body = failure_body(e)
             return json_response(body, status)
         choices = [self._choice_body(ch, ch.text, ch.logprobs, True) for ch in self.choices]
-        return json_response({"id": self.id, "object": "text_completion",
-                              "created": self.created, "model": self.model,
-                              "choices": choices, "usage": self.usage.body()})
-
-    def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict[str, Any]:
-        chunk = {"id": self.id, "object": "text_completion", "created": self.created,
-                 "model": self.model, "choices": choices}
-        if usage is not None:
-            chunk["usage"] = usage
-        return chunk
+        return json_response(self.body(choices))
 
     async def stream(self, request: web.Request, outputs: Outputs,
                      include_usage: bool) -> web.StreamResponse:
@@ -178,10 +169,10 @@ class _Call:
                     for c in out.outputs:
                         choice, text, lp = self._advance(i, out, c)
                         if text or c.finished or (lp is not None and lp.tokens):
-                            await sse.send(self._chunk(
+                            await sse.send(self.chunk(
                                 [self._choice_body(choice, text, lp, c.finished)]))
             if include_usage:
-                await sse.send(self._chunk([], self.usage.body()))
+                await sse.send(self.chunk([], self.usage.body()))
         except ConnectionError:  # the client left; closing `outputs` aborted its requests
             return sse.response
         except Exception as e:  # noqa: BLE001 - sent as the stream's last event

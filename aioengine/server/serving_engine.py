@@ -194,6 +194,30 @@ class UsageTracker:
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
 
 
+class ApiCall:
+    """What every in-flight /v1 call has: its id, model, creation time and usage. The
+    response `object` names differ per endpoint (`object_name`, `chunk_object_name`)."""
+
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, call_id: str, model: str, prompt_tokens: list[int]) -> None:
+        self.id, self.model = call_id, model
+        self.created = int(time.time())
+        self.usage = UsageTracker(prompt_tokens)
+
+    def body(self, choices: list[dict]) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object_name, "created": self.created,
+                "model": self.model, "choices": choices, "usage": self.usage.body()}
+
+    def chunk(self, choices: list[dict], usage: dict | None = None) -> dict[str, Any]:
+        chunk = {"id": self.id, "object": self.chunk_object_name, "created": self.created,
+                 "model": self.model, "choices": choices}
+        if usage is not None:
+            chunk["usage"] = usage
+        return chunk
+
+
 class SSEStream:
     """A Server-Sent Events response: one `data:` line per chunk, written at once."""
 
