@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from aioengine.outputs import CompletionOutput, PositionLogprobs
+from aioengine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from aioengine.server.protocol import (ApiError, chat_sampling_params, get_bool, get_priority,
                                        get_stream)
 from aioengine.server.serving_engine import (ApiCall, Outputs, SSEStream, ServingContext,
@@ -119,32 +119,19 @@ class _ChatCall(ApiCall):
         } for ch in self.choices]
         return json_response(self.body(choices))
 
-    async def stream(self, request: web.Request, outputs: Outputs,
-                     include_usage: bool) -> web.StreamResponse:
-        sse = SSEStream(request)
-        await sse.start()
-        error: BaseException | None = None
-        try:
-            async with aclosing(outputs):
-                for choice in self.choices:
-                    await sse.send(self.chunk([{
-                        "index": choice.index, "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None, "finish_reason": None}]))
-                async for i, out in outputs:
-                    self.usage.update(i, out)
-                    for c in out.outputs:
-                        choice, new_lp = self._advance(c)
-                        if c.text or c.finished or new_lp:
-                            await sse.send(self.chunk([{
-                                "index": choice.index,
-                                "delta": {"content": c.text} if c.text else {},
-                                "logprobs": {"content": new_lp} if new_lp is not None else None,
-                                "finish_reason": c.finish_reason if c.finished else None,
-                                "stop_reason": c.stop_reason if c.finished else None}]))
-            if include_usage:
-                await sse.send(self.chunk([], self.usage.body()))
-        except ConnectionError:  # the client left; closing `outputs` aborted its requests
-            return sse.response
-        except Exception as e:  # noqa: BLE001 - sent as the stream's last event
-            error = e
-        return await sse.finish(error)
+    async def stream_start(self, sse: SSEStream) -> None:
+        for choice in self.choices:
+            await sse.send(self.chunk([{
+                "index": choice.index, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None}]))
+
+    def stream_choice(self, prompt_index: int, out: RequestOutput,
+                      c: CompletionOutput) -> dict[str, Any] | None:
+        choice, new_lp = self._advance(c)
+        if not (c.text or c.finished or new_lp):
+            return None
+        return {"index": choice.index,
+                "delta": {"content": c.text} if c.text else {},
+                "logprobs": {"content": new_lp} if new_lp is not None else None,
+                "finish_reason": c.finish_reason if c.finished else None,
+                "stop_reason": c.stop_reason if c.finished else None}

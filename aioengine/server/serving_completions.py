@@ -10,7 +10,7 @@ from aiohttp import web
 from aioengine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from aioengine.server.protocol import (completion_sampling_params, get_priority,
                                        get_stream, parse_completion_prompts)
-from aioengine.server.serving_engine import (ApiCall, Outputs, SSEStream, ServingContext,
+from aioengine.server.serving_engine import (ApiCall, Outputs, ServingContext,
                                              check_failed, failure_body, json_response,
                                              merged_outputs, random_id)
 
@@ -157,24 +157,9 @@ class _Call(ApiCall):
         choices = [self._choice_body(ch, ch.text, ch.logprobs, True) for ch in self.choices]
         return json_response(self.body(choices))
 
-    async def stream(self, request: web.Request, outputs: Outputs,
-                     include_usage: bool) -> web.StreamResponse:
-        sse = SSEStream(request)
-        await sse.start()
-        error: BaseException | None = None
-        try:
-            async with aclosing(outputs):
-                async for i, out in outputs:
-                    self.usage.update(i, out)
-                    for c in out.outputs:
-                        choice, text, lp = self._advance(i, out, c)
-                        if text or c.finished or (lp is not None and lp.tokens):
-                            await sse.send(self.chunk(
-                                [self._choice_body(choice, text, lp, c.finished)]))
-            if include_usage:
-                await sse.send(self.chunk([], self.usage.body()))
-        except ConnectionError:  # the client left; closing `outputs` aborted its requests
-            return sse.response
-        except Exception as e:  # noqa: BLE001 - sent as the stream's last event
-            error = e
-        return await sse.finish(error)
+    def stream_choice(self, prompt_index: int, out: RequestOutput,
+                      c: CompletionOutput) -> dict[str, Any] | None:
+        choice, text, lp = self._advance(prompt_index, out, c)
+        if not (text or c.finished or (lp is not None and lp.tokens)):
+            return None
+        return self._choice_body(choice, text, lp, c.finished)

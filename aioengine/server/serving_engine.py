@@ -7,6 +7,7 @@ import copy
 import time
 import uuid
 from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +16,7 @@ from aiohttp import web
 
 from aioengine.engine.async_engine import AsyncEngine
 from aioengine.errors import EngineDeadError, InvalidRequestError
-from aioengine.outputs import RequestOutput
+from aioengine.outputs import CompletionOutput, RequestOutput
 from aioengine.sampling_params import SamplingParams
 from aioengine.server.protocol import ApiError, error_body, structured_outputs_field
 from aioengine.tokenizer_utils import encode_prompt
@@ -216,6 +217,38 @@ class ApiCall:
         if usage is not None:
             chunk["usage"] = usage
         return chunk
+
+    async def stream_start(self, sse: SSEStream) -> None:
+        """Chunks sent before any output (chat sends each choice's role)."""
+
+    def stream_choice(self, prompt_index: int, out: RequestOutput,
+                      c: CompletionOutput) -> dict[str, Any] | None:
+        """The chunk choice for one sample's new output, or None if there is nothing new."""
+        raise NotImplementedError
+
+    async def stream(self, request: web.Request, outputs: Outputs,
+                     include_usage: bool) -> web.StreamResponse:
+        """Streams the call as SSE: one chunk per sample update as it comes, usage last
+        if asked, then [DONE]; an error after the start becomes the last event."""
+        sse = SSEStream(request)
+        await sse.start()
+        error: BaseException | None = None
+        try:
+            async with aclosing(outputs):
+                await self.stream_start(sse)
+                async for i, out in outputs:
+                    self.usage.update(i, out)
+                    for c in out.outputs:
+                        choice = self.stream_choice(i, out, c)
+                        if choice is not None:
+                            await sse.send(self.chunk([choice]))
+            if include_usage:
+                await sse.send(self.chunk([], self.usage.body()))
+        except ConnectionError:  # the client left; closing `outputs` aborted its requests
+            return sse.response
+        except Exception as e:  # noqa: BLE001 - sent as the stream's last event
+            error = e
+        return await sse.finish(error)
 
 
 class SSEStream:
