@@ -31,15 +31,6 @@ def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
 
 
 @dataclass(frozen=True)
-class CacheConfig:
-    block_size: int = 16
-    # Exactly one of these sizes the KV cache; both None = sized to the machine.
-    kv_cache_memory: int | None = None  # bytes
-    num_blocks: int | None = None
-    enable_prefix_caching: bool = True
-
-
-@dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64

@@ -99,10 +99,6 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.finished
 
-    @property
-    def is_prefill_done(self) -> bool:
-        return self.num_computed_tokens >= self.num_prompt_tokens
-
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)

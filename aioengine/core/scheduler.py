@@ -64,8 +64,6 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     new_logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs] | None = None
-    # For a fork, the request it was forked from (its stream belongs to the same caller).
-    forked_from: Request | None = None
 
     @property
     def finished(self) -> bool:
@@ -308,8 +306,7 @@ class Scheduler:
                 outputs.append(EngineCoreOutput(
                     sample, new_token_ids,
                     new_logprobs=logprobs[i:i + 1] if logprobs else None,
-                    prompt_logprobs=prompt_lps if i == 0 else None,
-                    forked_from=request if i else None))
+                    prompt_logprobs=prompt_lps if i == 0 else None))
         for out in outputs:
             if out.finished and out.request.request_id in self.requests:
                 self.running.remove(out.request)

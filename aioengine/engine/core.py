@@ -15,7 +15,7 @@ import time
 import torch
 
 from aioengine import envs
-from aioengine.config import (CacheConfig, ConfigError, EngineArgs, SchedulerConfig,
+from aioengine.config import (ConfigError, EngineArgs, SchedulerConfig,
                               default_kv_cache_memory, parse_dtype)
 from aioengine.core.kv_cache_manager import KVCacheManager
 from aioengine.core.scheduler import (EngineCoreOutput, ModelRunnerOutput, Scheduler,
@@ -49,8 +49,6 @@ class EngineCore:
             raise ConfigError(
                 f"without chunked prefill max_num_batched_tokens ({args.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len})")
-        self.cache_config = CacheConfig(args.block_size, args.kv_cache_memory, args.num_kv_blocks,
-                                        args.enable_prefix_caching)
         num_blocks = self._num_kv_blocks()
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size,
                                                enable_caching=args.enable_prefix_caching)

@@ -70,9 +70,6 @@ class OutputProcessor:
             prompt_logprobs=[None] if first.sampling_params.prompt_logprobs is not None else None,
             arrival_time=first.arrival_time)
 
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self.states
-
     def process_outputs(self, outputs: list[EngineCoreOutput],
                         failed: list[Request] = ()) -> list[FinishOrder]:
         """Delivers one update per request that advanced. Returns the samples that end
