@@ -1,5 +1,6 @@
 """The `aioengine` command line: `aioengine serve [MODEL]` (the OpenAI-compatible server),
-`aioengine generate "prompt" [--chat]` and `aioengine bench offline|serve ...` (benchmarks)."""
+`aioengine generate "prompt" [--chat]` and `aioengine bench offline|serve|profile|latency ...`
+(benchmarks)."""
 from __future__ import annotations
 
 import argparse
@@ -136,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--sample-seed", type=int, default=None)
     add_engine_args(gen)
     # Listed for --help; main() hands `bench ...` to aioengine.bench before parsing.
-    sub.add_parser("bench", help="benchmarks: `aioengine bench offline|serve --help`",
-                   add_help=False)
+    sub.add_parser("bench", add_help=False,
+                   help="benchmarks: `aioengine bench offline|serve|profile|latency --help`")
     args = parser.parse_args(argv)
     logging.basicConfig(level=envs.AIOENGINE_LOG_LEVEL, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

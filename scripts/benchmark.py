@@ -2,8 +2,9 @@
 
     python scripts/benchmark.py offline [--engines aioengine,hf,hf-cb] [flags]
     python scripts/benchmark.py serve --base-url http://127.0.0.1:8000 [flags]
+    python scripts/benchmark.py latency [--engines aioengine,hf] [flags]
 
-See `python scripts/benchmark.py {offline,serve} --help` and docs/benchmarks.md.
+See `python scripts/benchmark.py {offline,serve,profile,latency} --help` and docs/benchmarks.md.
 """
 from __future__ import annotations
 

@@ -7,12 +7,17 @@
 
     aioengine bench profile [dataset flags] [engine flags]
 
+    aioengine bench latency [--input-len 256 --output-len 128 --repeats 3]
+                            [--engines aioengine,hf] [engine flags]
+
 All modes take `--dataset random|shared-prefix|text`, `--save-json PATH`, `--plot PATH.png`
 and `--seed`. `offline` runs the workload in-process through our engine and through
 Hugging Face transformers (static batches, and its continuous batching) on the same
 weights, and prints each engine's tok/s and our ratio to each. `serve` streams every
 request and reports TTFT, TPOT, ITL and end-to-end latency percentiles and goodput.
 `profile` runs the workload through AsyncEngine and prints its per-step timeline.
+`latency` times one request (TTFT, TPOT, ITL) through AsyncEngine and transformers and
+compares TPOT with the weight-streaming floor (weight bytes / measured memory bandwidth).
 """
 from __future__ import annotations
 
@@ -79,17 +84,12 @@ def _add_serve_parser(sub: Any) -> None:
 
 
 def offline_main(args: argparse.Namespace) -> int:
-    import torch
-
     from aioengine.bench import report as rep
     from aioengine.bench.datasets import build_workload
     from aioengine.bench.offline import load_hf_tokenizer, run_offline
     from aioengine.model.default import bundled_model_path
 
-    threads = args.threads or os.cpu_count() or 1
-    torch.set_num_threads(threads)
-    # The engine reads its thread count from here when it loads; keep both in step.
-    os.environ["AIOENGINE_CPU_THREADS"] = str(threads)
+    _set_threads(args.threads)
     model = args.model or bundled_model_path()
     workload = build_workload(args, load_hf_tokenizer(model))
     report = {"mode": "offline", "environment": rep.environment_info(), "model": model,
@@ -168,6 +168,71 @@ def profile_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_latency_parser(sub: Any) -> None:
+    from aioengine.bench.latency import LATENCY_ENGINES, parse_latency_engines
+    from aioengine.cli import add_engine_args
+
+    p = sub.add_parser("latency", help="one request: TTFT, TPOT vs the weight-streaming floor")
+    p.add_argument("--input-len", type=int, default=256,
+                   help="random-token prompt length (seeded by --seed)")
+    p.add_argument("--output-len", type=int, default=128,
+                   help="exact output tokens (EOS ignored), at least 2")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per engine")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs per engine first")
+    p.add_argument("--engines", type=parse_latency_engines, default=list(LATENCY_ENGINES),
+                   help=f"comma-separated, run in order, from {list(LATENCY_ENGINES)}")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads for every engine and the bandwidth measurement "
+                        "(default: os.cpu_count())")
+    p.add_argument("--bandwidth-mib", type=int, default=1024,
+                   help="buffer size of the memory bandwidth measurement")
+    p.add_argument("--save-json", default=None, metavar="PATH",
+                   help="config, environment, floor and per-run numbers")
+    add_engine_args(p)
+    p.set_defaults(func=latency_main)
+
+
+def latency_main(args: argparse.Namespace) -> int:
+    from aioengine.bench import report as rep
+    from aioengine.bench.datasets import normal_vocab, random_dataset
+    from aioengine.bench.latency import LatencyConfig, format_latency, run_latency
+    from aioengine.bench.offline import hf_pad_id, load_hf_tokenizer
+    from aioengine.cli import engine_kwargs
+    from aioengine.model.default import bundled_model_path
+
+    if args.output_len < 2 or args.input_len < 1 or args.repeats < 1 or args.warmup < 0:
+        raise SystemExit("need --output-len >= 2 (TPOT), --input-len >= 1, --repeats >= 1 "
+                         "and --warmup >= 0")
+    _set_threads(args.threads)
+    model = args.model or bundled_model_path()
+    tokenizer = load_hf_tokenizer(model)
+    workload = random_dataset(normal_vocab(tokenizer), 1, args.input_len, args.input_len,
+                              args.output_len, args.seed)
+    config = LatencyConfig(model=model, prompt=workload.prompts[0], output_len=args.output_len,
+                           warmup=args.warmup, repeats=args.repeats, engines=args.engines,
+                           bandwidth_bytes=args.bandwidth_mib << 20,
+                           engine_kwargs=engine_kwargs(args), pad_token_id=hf_pad_id(tokenizer))
+    report = {"mode": "latency", "environment": rep.environment_info(), "model": model,
+              "config": _config(args), "workload": workload.summary(),
+              **run_latency(config)}
+    print(format_latency(report))
+    if args.save_json:
+        rep.save_json(args.save_json, report)
+        print(f"saved {args.save_json}", file=sys.stderr)
+    return 0
+
+
+def _set_threads(threads: int | None) -> int:
+    """One torch thread count for every engine (default: all CPUs)."""
+    import torch
+
+    threads = threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    # The engine reads its thread count from here when it loads; keep both in step.
+    os.environ["AIOENGINE_CPU_THREADS"] = str(threads)
+    return threads
+
+
 def _config(args: argparse.Namespace) -> dict[str, Any]:
     # The API key stays out of saved results.
     return {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
@@ -180,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_offline_parser(sub)
     _add_serve_parser(sub)
     _add_profile_parser(sub)
+    _add_latency_parser(sub)
     return parser
 
 

@@ -1,8 +1,11 @@
 """`offline` mode: one workload, all requests submitted at once, through each engine in turn.
 
-Engines: `aioengine` (`LLM.generate`), `hf` (transformers `generate` in static batches
-with left padding) and `hf-cb` (transformers' own continuous batching, `generate_batch`),
-all on the same float32 weights and the same torch thread count. Warm-up is excluded.
+Engines: `aioengine` (`LLM.generate`), `aioengine-no-prefix-caching` (the same with
+`enable_prefix_caching=False`, the A/B of prefix caching), `hf` (transformers `generate` in
+static batches with left padding) and `hf-cb` (transformers' own continuous batching,
+`generate_batch`), all on the same float32 weights and the same torch thread count.
+Warm-up is excluded. Our engines also report, for the timed run only, the prefix-cache hit
+rate, the preemptions and the KV waste at the peak (see `engine_stats`).
 """
 from __future__ import annotations
 
@@ -19,6 +22,9 @@ import torch
 from aioengine.bench.datasets import Workload
 
 OUR_ENGINE = "aioengine"
+NO_PREFIX_CACHING = "aioengine-no-prefix-caching"
+# Engines that are ours: they report engine stats, and a failure is a bug, never a skip.
+OUR_ENGINES = (OUR_ENGINE, NO_PREFIX_CACHING)
 
 
 @dataclass
@@ -32,6 +38,8 @@ class EngineResult:
     elapsed_s: float
     threads: int
     outputs: list[list[int]] = field(repr=False)
+    # Our engines only: see engine_stats().
+    engine_stats: dict[str, Any] | None = None
 
     @property
     def output_tps(self) -> float:
@@ -93,7 +101,22 @@ def compare_outputs(ours: list[list[int]], peer: list[list[int]]) -> OutputAgree
 # ---- engines -------------------------------------------------------------------------
 
 
-def run_aioengine(workload: Workload, model: str, kwargs: dict[str, Any]) -> EngineResult:
+def engine_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """What our engine did during one run, from `EngineCore.stats()` around it (the KV
+    peak reset at its start): prefix-cache lookups and hits (tokens; hit rate None when
+    caching is off), preemptions, and the step with the most KV blocks in use, with the
+    share of their slots that held no token."""
+    queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    return {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
+            "prefix_cache_hit_rate": hits / queries if queries else None,
+            "num_preemptions": after["num_preemptions"] - before["num_preemptions"],
+            "kv_peak_blocks": after["kv_peak_blocks"], "num_kv_blocks": after["num_blocks"],
+            "kv_waste_at_peak": after["kv_waste_at_peak"]}
+
+
+def run_aioengine(workload: Workload, model: str, kwargs: dict[str, Any],
+                  name: str = OUR_ENGINE) -> EngineResult:
     """Our engine: every prompt submitted at once through `LLM.generate`."""
     from aioengine import LLM, SamplingParams
 
@@ -104,13 +127,20 @@ def run_aioengine(workload: Workload, model: str, kwargs: dict[str, Any]) -> Eng
     torch.set_num_threads(threads)
     warmup = [p[:16] for p in workload.prompts[:2]]
     llm.generate(warmup, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    # The timed run starts from a cold prefix cache (the warm-up cached the prompts' heads).
+    core = llm.core
+    core.kv_cache_manager.reset_prefix_cache()
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
               for r in workload.requests]
+    core.reset_kv_peak_stats()
+    before = core.stats()
     start = time.perf_counter()
     outs = llm.generate(workload.prompts, params)
     elapsed = time.perf_counter() - start
-    return make_result(OUR_ENGINE, workload, [list(o.outputs[0].token_ids) for o in outs],
-                       elapsed)
+    result = make_result(name, workload, [list(o.outputs[0].token_ids) for o in outs],
+                         elapsed)
+    result.engine_stats = engine_stats(before, core.stats())
+    return result
 
 
 def _hf_location(model: str) -> dict[str, str]:
@@ -165,13 +195,13 @@ def hf_generate(hf_model: Any, prompts: list[list[int]], output_len: int,
     return out[:, ids.shape[1]:].tolist()
 
 
-def _pad_id(tokenizer: Any) -> int:
+def hf_pad_id(tokenizer: Any) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def run_hf(workload: Workload, model: str, batch_size: int) -> EngineResult:
     """transformers `generate` in static batches of `batch_size`, in workload order."""
-    hf_model, pad_id = load_hf_model(model), _pad_id(load_hf_tokenizer(model))
+    hf_model, pad_id = load_hf_model(model), hf_pad_id(load_hf_tokenizer(model))
     hf_generate(hf_model, [p[:16] for p in workload.prompts[:2]], 4, pad_id)  # warm-up
     outputs: list[list[int]] = []
     start = time.perf_counter()
@@ -240,6 +270,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 RUNNERS: dict[str, Runner] = {
     OUR_ENGINE: lambda w, model, args: run_aioengine(w, model, _engine_kwargs(args)),
+    NO_PREFIX_CACHING: lambda w, model, args: run_aioengine(
+        w, model, {**_engine_kwargs(args), "enable_prefix_caching": False}, NO_PREFIX_CACHING),
     "hf": lambda w, model, args: run_hf(w, model, args.hf_batch_size),
     "hf-cb": lambda w, model, args: run_hf_cb(w, model, args.max_num_batched_tokens,
                                               args.max_num_seqs),
@@ -263,13 +295,14 @@ def run_offline(args: argparse.Namespace, workload: Workload, model: str,
         try:
             results[name] = RUNNERS[name](workload, model, args)
         except (RuntimeError, ImportError, ValueError, NotImplementedError) as e:
-            if name == OUR_ENGINE:
+            if name in OUR_ENGINES:
                 raise
             skipped[name] = f"{type(e).__name__}: {e}"
         gc.collect()  # drop the previous engine's weights before the next one loads
     report: dict[str, Any] = {
         "results": {name: r.summary() for name, r in results.items()},
         "ratios": {}, "agreement": {}, "skipped": skipped}
+    # Every other engine is a peer, our own variants too (e.g. without prefix caching).
     ours = results.get(OUR_ENGINE)
     for name, peer in results.items():
         if ours is None or name == OUR_ENGINE:

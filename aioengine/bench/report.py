@@ -50,8 +50,22 @@ def _workload_line(wl: dict[str, Any]) -> str:
     return line
 
 
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100.0 * value:.1f}%"
+
+
+def _engine_stats_cells(stats: dict[str, Any] | None) -> str:
+    """Hit rate, preemptions and KV waste at peak: our engines only ("-" for peers)."""
+    if stats is None:
+        return f" {'-':>8} {'-':>7} {'-':>8}"
+    return (f" {_percent(stats['prefix_cache_hit_rate']):>8} {stats['num_preemptions']:>7} "
+            f"{_percent(stats['kv_waste_at_peak']):>8}")
+
+
 def format_offline(report: dict[str, Any]) -> str:
     env = report["environment"]
+    names = [*report["results"], *report.get("skipped", {})]
+    w = max([10, *(len(n) for n in names)])
     lines = [
         f"torch {env['torch']}, transformers {env['transformers']}, "
         f"{env['torch_threads']} torch threads, {env['cpu_count']} CPUs"
@@ -59,16 +73,18 @@ def format_offline(report: dict[str, Any]) -> str:
         f"model {report['model']}",
         _workload_line(report["workload"]),
         "",
-        f"{'engine':<10} {'requests':>8} {'prompt tok':>10} {'output tok':>10} "
-        f"{'elapsed s':>9} {'output tok/s':>12} {'total tok/s':>11}",
+        f"{'engine':<{w}} {'requests':>8} {'prompt tok':>10} {'output tok':>10} "
+        f"{'elapsed s':>9} {'output tok/s':>12} {'total tok/s':>11} "
+        f"{'hit rate':>8} {'preempt':>7} {'KV waste':>8}",
     ]
     for name, r in report["results"].items():
         lines.append(
-            f"{name:<10} {r['num_requests']:>8} {r['num_prompt_tokens']:>10} "
+            f"{name:<{w}} {r['num_requests']:>8} {r['num_prompt_tokens']:>10} "
             f"{r['num_output_tokens']:>10} {r['elapsed_s']:>9.2f} "
-            f"{r['output_tok_per_s']:>12.1f} {r['total_tok_per_s']:>11.1f}")
+            f"{r['output_tok_per_s']:>12.1f} {r['total_tok_per_s']:>11.1f}"
+            + _engine_stats_cells(r.get("engine_stats")))
     for name, reason in report.get("skipped", {}).items():
-        lines.append(f"{name:<10} skipped: {reason}")
+        lines.append(f"{name:<{w}} skipped: {reason}")
     for name, ratio in report["ratios"].items():
         lines.append(f"{OUR_ENGINE} / {name}: output x{ratio['output']:.2f}, "
                      f"total x{ratio['total']:.2f}")
@@ -77,6 +93,18 @@ def format_offline(report: dict[str, Any]) -> str:
         if a["first_diffs"]:
             line += f" (differing ones diverge at token {a['mean_first_diff']:.1f} on average)"
         lines.append(line)
+    if any(r.get("engine_stats") for r in report["results"].values()):
+        lines += ["hit rate: prefix-cache hits / prompt tokens looked up, in the timed run;",
+                  "KV waste: empty slots / slots of the KV blocks in use, at the step with the "
+                  "most blocks in use"]
+    for name, r in report["results"].items():
+        stats = r.get("engine_stats")
+        if stats:
+            hits = ("prefix caching off" if stats["prefix_cache_hit_rate"] is None else
+                    f"{stats['prefix_cache_hits']} of {stats['prefix_cache_queries']} prompt "
+                    f"tokens hit the prefix cache")
+            lines.append(f"{name}: peak {stats['kv_peak_blocks']} of {stats['num_kv_blocks']} "
+                         f"KV blocks in use; {hits}")
     return "\n".join(lines)
 
 

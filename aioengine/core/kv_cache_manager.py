@@ -44,6 +44,13 @@ class KVCacheManager:
         self._copy_ops: list[tuple[int, int]] = []
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
+        # Tokens each request's slots hold once the step that last allocated for it has
+        # run: num_computed + num_new at that allocation. Feeds the KV-waste measure.
+        self._num_slot_tokens: dict[str, int] = {}
+        # The step with the most blocks in use (ref_cnt > 0) since the last reset, and how
+        # many of their slots held no token then (see observe_peak_usage).
+        self.peak_num_blocks = 0
+        self.peak_num_empty_slots = 0
 
     # ---------------------------------------------------------------- queries
 
@@ -65,6 +72,18 @@ class KVCacheManager:
         if not self.prefix_cache_queries:
             return 0.0
         return self.prefix_cache_hits / self.prefix_cache_queries
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by requests (ref_cnt > 0); free cached blocks are not counted."""
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def waste_at_peak(self) -> float:
+        """Share of the slots of the blocks in use at the peak that held no token."""
+        if not self.peak_num_blocks:
+            return 0.0
+        return self.peak_num_empty_slots / (self.peak_num_blocks * self.block_size)
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return _cdiv(num_tokens, self.block_size)
@@ -178,6 +197,7 @@ class KVCacheManager:
         self._copy_on_write(blocks, cow, new_blocks[:len(cow)], num_computed)
         blocks.extend(new_blocks[len(cow):])
         self._cache_full_blocks(request, blocks, total)
+        self._num_slot_tokens[rid] = total
         return new_blocks
 
     def _shared_written_indices(self, blocks: list[KVCacheBlock], num_computed: int,
@@ -224,6 +244,7 @@ class KVCacheManager:
         self.block_pool.touch(blocks)
         self.req_to_blocks[cid] = list(blocks)
         self._requests[cid] = child
+        self._num_slot_tokens[cid] = n
         # Hashes of blocks inside the shared computed prefix are valid for the child too.
         num_shared_full = n // self.block_size
         if len(child.block_hashes) < num_shared_full:
@@ -243,11 +264,42 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(rid, [])
         self.num_cached_block.pop(rid, None)
         self._requests.pop(rid, None)
+        self._num_slot_tokens.pop(rid, None)
         self.block_pool.free_blocks(reversed(blocks), discard_cache=discard_cache)
         if self._copy_ops:
             # A copy into a block that is now free would only clobber its next owner.
             dead = {b.block_id for b in blocks if b.ref_cnt == 0}
             self._copy_ops = [op for op in self._copy_ops if op[1] not in dead]
+
+    # ---------------------------------------------------------------- peak usage
+
+    def observe_peak_usage(self) -> None:
+        """Called once per step, after scheduling (the only time blocks are taken): when
+        more blocks are in use than at any step since the last reset, records how many of
+        their slots hold no token. Ties keep the first such step.
+
+        Only a request's blocks from index num_tokens // block_size on can have empty
+        slots (normally just its last, partial block), so this is O(requests holding
+        blocks). A partial block shared by forks is counted once; shared full blocks
+        (prefix hits, forks) never have empty slots and are counted once by the pool.
+        """
+        num_used = self.num_used_blocks
+        if num_used <= self.peak_num_blocks:
+            return
+        size = self.block_size
+        filled: dict[int, int] = {}  # block_id -> tokens it holds, for blocks not full
+        for rid, blocks in self.req_to_blocks.items():
+            num_tokens = self._num_slot_tokens[rid]
+            for i in range(num_tokens // size, len(blocks)):
+                block_id = blocks[i].block_id
+                filled[block_id] = max(filled.get(block_id, 0), max(0, num_tokens - i * size))
+        self.peak_num_blocks = num_used
+        self.peak_num_empty_slots = sum(size - n for n in filled.values())
+
+    def reset_peak_usage(self) -> None:
+        """Starts a new peak measurement (e.g. before a benchmark's timed run)."""
+        self.peak_num_blocks = 0
+        self.peak_num_empty_slots = 0
 
     # ---------------------------------------------------------------- checks
 
@@ -257,9 +309,13 @@ class KVCacheManager:
         pool = self.block_pool
         pool.check_integrity()
         refs = [0] * pool.num_blocks
+        assert self._num_slot_tokens.keys() == self.req_to_blocks.keys(), (
+            "slot token counts and block tables cover different requests")
         for rid, blocks in self.req_to_blocks.items():
             ids = [b.block_id for b in blocks]
             assert len(set(ids)) == len(ids), f"request {rid} holds a block twice: {ids}"
+            assert self._num_slot_tokens[rid] <= len(blocks) * self.block_size, (
+                f"request {rid}: {self._num_slot_tokens[rid]} tokens in {len(blocks)} blocks")
             for block in blocks:
                 assert pool.owns(block), f"request {rid} holds foreign block {block.block_id}"
                 assert block.ref_cnt >= 1, (

@@ -174,6 +174,7 @@ class Scheduler:
         ready = [r for r in list(self.waiting) if self._grammar_ready(r)]
         if not scheduled and not self.running and ready:
             self._fail_unfittable(ready[0])
+        self.kv_cache_manager.observe_peak_usage()
         return self._make_output(scheduled, preempted)
 
     def _grammar_ready(self, request: Request) -> bool:

@@ -177,8 +177,17 @@ class EngineCore:
             "prefix_cache_hits": kv.prefix_cache_hits,
             "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
+            # The step with the most KV blocks in use since reset_kv_peak_stats(): how many,
+            # and the share of their slots that held no token (partial last blocks).
+            "kv_peak_blocks": kv.peak_num_blocks,
+            "kv_peak_empty_slots": kv.peak_num_empty_slots,
+            "kv_waste_at_peak": kv.waste_at_peak,
             **self.structured.get_stats(),
         }
+
+    def reset_kv_peak_stats(self) -> None:
+        """Starts a new KV peak measurement (`kv_peak_*` and `kv_waste_at_peak` in stats())."""
+        self.kv_cache_manager.reset_peak_usage()
 
     # ---- the step ---------------------------------------------------------------------
 

@@ -18,7 +18,9 @@ from aioengine.bench.datasets import (PROMPTS_FILE, BenchRequest, Workload,
                                       shared_prefix_dataset, text_dataset, with_text)
 from aioengine.bench.metrics import (RequestResult, latency_stats, meets_slo, parse_slo,
                                      summarize, throughput_over_time)
-from aioengine.bench.offline import compare_outputs, parse_engines
+from aioengine.bench.latency import (EngineLatency, LatencyRun, measure_read_bandwidth,
+                                     parse_latency_engines)
+from aioengine.bench.offline import compare_outputs, engine_stats, parse_engines
 from aioengine.bench.report import format_offline, format_serve, save_json
 from aioengine.bench.serve import (ServeConfig, arrival_intervals, arrival_offsets,
                                    build_payload, send_request)
@@ -363,3 +365,65 @@ def test_aioengine_cli_forwards_bench(capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["bench", "serve"])  # --base-url is required
     assert exit_info.value.code == 2
+
+
+def test_engine_stats_are_deltas_over_the_timed_run() -> None:
+    before = {"prefix_cache_queries": 100, "prefix_cache_hits": 40, "num_preemptions": 1,
+              "kv_peak_blocks": 0, "num_blocks": 64, "kv_waste_at_peak": 0.0}
+    after = {**before, "prefix_cache_queries": 300, "prefix_cache_hits": 190,
+             "num_preemptions": 3, "kv_peak_blocks": 20, "kv_waste_at_peak": 0.125}
+    stats = engine_stats(before, after)
+    assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (200, 150)
+    assert stats["prefix_cache_hit_rate"] == 0.75 and stats["num_preemptions"] == 2
+    assert (stats["kv_peak_blocks"], stats["num_kv_blocks"], stats["kv_waste_at_peak"]) == \
+        (20, 64, 0.125)
+    assert engine_stats(before, before)["prefix_cache_hit_rate"] is None  # caching off
+
+
+def test_format_offline_engine_stats_columns() -> None:
+    row = {"num_requests": 2, "num_prompt_tokens": 8, "num_output_tokens": 6,
+           "elapsed_s": 1.0, "output_tok_per_s": 6.0, "total_tok_per_s": 14.0}
+    stats = {"prefix_cache_queries": 8, "prefix_cache_hits": 4, "prefix_cache_hit_rate": 0.5,
+             "num_preemptions": 3, "kv_peak_blocks": 5, "num_kv_blocks": 64,
+             "kv_waste_at_peak": 0.125}
+    report = {"environment": {"torch": "t", "transformers": "x", "torch_threads": 2,
+                              "cpu_count": 2, "cuda": None},
+              "model": "m", "workload": random_dataset(VOCAB, 2, 4, 4, 3, seed=0).summary(),
+              "results": {"aioengine": {**row, "engine_stats": stats},
+                          "aioengine-no-prefix-caching": {**row, "engine_stats": {
+                              **stats, "prefix_cache_hit_rate": None}},
+                          "hf": {**row, "engine_stats": None}},
+              "skipped": {}, "ratios": {}, "agreement": {}}
+    lines = format_offline(report).splitlines()
+    header = next(line for line in lines if line.startswith("engine"))
+    assert header.endswith("hit rate preempt KV waste")
+    ours = next(line for line in lines if line.startswith("aioengine "))
+    assert ours.endswith("   50.0%       3    12.5%")
+    assert lines[lines.index(ours) + 1].endswith("       -       3    12.5%")
+    assert next(line for line in lines if line.startswith("hf ")).endswith("-       -        -")
+    assert len({len(header), len(ours)}) == 1  # columns line up with the longest name
+    assert "aioengine: peak 5 of 64 KV blocks in use; 4 of 8 prompt tokens hit" in lines[-2]
+    assert lines[-1].endswith("prefix caching off")
+
+
+def test_latency_run_maths_and_summary() -> None:
+    run = LatencyRun([0.1, 0.3, 0.4, 0.7])
+    assert (run.ttft_s, run.e2e_s) == (0.1, 0.7)
+    assert run.tpot_s == pytest.approx(0.2) and run.itls_s == pytest.approx([0.2, 0.1, 0.3])
+    assert run.to_json()["itl_median_ms"] == pytest.approx(200.0)
+    summary = EngineLatency("aioengine", [run, LatencyRun([0.2, 0.3, 0.4, 0.5])], 2).summary()
+    assert summary["tpot_ms"] == pytest.approx({"median": 150.0, "best": 100.0})
+    assert summary["ttft_ms"] == pytest.approx({"median": 150.0, "best": 100.0})
+    assert summary["num_runs"] == 2 and len(summary["runs"]) == 2
+
+
+def test_latency_command_line_and_bandwidth() -> None:
+    args = build_parser().parse_args(["latency"])
+    assert (args.input_len, args.output_len, args.repeats, args.warmup, args.seed) == \
+        (256, 128, 3, 1, 0)
+    assert args.engines == ["aioengine", "hf"] and args.bandwidth_mib == 1024
+    assert parse_latency_engines("hf, aioengine") == ["hf", "aioengine"]
+    for bad in ("", "hf-cb", "hf,hf", "aioengine-no-prefix-caching"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_latency_engines(bad)
+    assert measure_read_bandwidth(1 << 20, repeats=2) > 0

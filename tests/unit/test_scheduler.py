@@ -219,3 +219,17 @@ def test_finish_requests_frees_blocks_immediately() -> None:
     assert r.status == RequestStatus.FINISHED_ABORTED
     assert s.kv_cache_manager.num_free_blocks == s.kv_cache_manager.num_blocks
     s.kv_cache_manager.check_integrity()
+
+
+def test_schedule_records_the_kv_peak_and_its_waste() -> None:
+    s = make_scheduler(block_size=4, budget=16)
+    s.add_request(make_request("a", 5, max_tokens=3))
+    s.add_request(make_request("b", 8, max_tokens=3, first_token=100))
+    kv = s.kv_cache_manager
+    step(s)  # both prompts: 2 + 2 blocks, 13 tokens in 16 slots
+    assert (kv.peak_num_blocks, kv.peak_num_empty_slots) == (4, 3)
+    step(s)  # a: 6 tokens in 2 blocks; b: 9 tokens need a 3rd block -> 15 tokens in 20 slots
+    assert (kv.peak_num_blocks, kv.peak_num_empty_slots, kv.waste_at_peak) == (5, 5, 0.25)
+    step(s)  # 7 and 10 tokens in the same 5 blocks: not a new peak
+    assert not s.has_unfinished_requests()
+    assert (kv.peak_num_blocks, kv.peak_num_empty_slots) == (5, 5)

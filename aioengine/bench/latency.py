@@ -1,0 +1,347 @@
+"""`latency` mode: one request at a time, measured against the weight-streaming floor.
+
+At batch 1 each decode step is a chain of matrix-vector products: the forward reads every
+weight matrix once per token and does little arithmetic per byte, so on a CPU the time per
+output token cannot drop below the time to stream the weights from memory:
+
+    floor_ms = weight bytes read per token / memory read bandwidth
+
+- Weight bytes (`weight_bytes_per_token`): every parameter of the model as our engine
+  holds it (its dtype: float32 on CPU, a GGUF dequantized on load). A tied embedding / LM
+  head counts once, in full: the LM head reads all of it every token. An untied embedding
+  counts one row: the lookup reads only that. The KV cache reads are not in the floor
+  (at these lengths they are a few percent of the weights).
+- Bandwidth (`measure_read_bandwidth`): the best of several `.sum()` over a buffer of
+  `--bandwidth-mib` (1 GiB by default, far larger than the caches), on the same torch
+  thread count as the engines.
+
+Engines, on the same weights and thread count, each after `--warmup` untimed runs:
+
+- `aioengine`: the request streams through `AsyncEngine`; each token's arrival time is
+  when the caller receives it. TTFT = first arrival - submit, TPOT = (e2e - TTFT) / (n - 1),
+  ITL = the gaps between arrivals. The prefix cache is reset before every run, so each one
+  pays the whole prefill.
+- `hf`: transformers `generate`, greedy, batch 1, with a streamer that timestamps each
+  token as `generate` hands it over (the first `put` is the prompt and is skipped); the
+  same TTFT / TPOT / ITL follow. A streamer times the very run it measures, where the
+  difference of two runs (`max_new_tokens` N and 1) would subtract two noisy totals.
+
+Reported per engine: the MEDIAN over `--repeats` runs (robust on a shared machine) and, in
+brackets, the best (the least disturbed run); the JSON keeps every run.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+OUR_ENGINE = "aioengine"
+LATENCY_ENGINES = (OUR_ENGINE, "hf")
+TARGET_TPOT_OVER_FLOOR = 1.4  # the issue's target for our TPOT
+
+
+# ---- the floor --------------------------------------------------------------------------
+
+
+def weight_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of weights one decoded token reads, from the loaded model's parameters
+    (`parameters()` yields a tied embedding / LM head once)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.embed_tokens
+    if model.lm_head is not embed:
+        # Untied: the embedding lookup reads one row, not the whole table.
+        total -= embed.numel() * embed.element_size()
+        total += embed.shape[1] * embed.element_size()
+    return total
+
+
+BANDWIDTH_REPEATS = 5
+
+
+def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = BANDWIDTH_REPEATS) -> float:
+    """Memory read bandwidth in bytes/s: the fastest of `repeats` sums of a float32 buffer
+    of `num_bytes`, with torch's current thread count. `torch.ones` writes every page
+    first, so no timed pass pays for page faults.
+
+    Runs on a thread of its own that ends with it: a thread that has started OpenMP work
+    keeps an OpenMP thread team while it lives, and a second live team slows the engine's
+    forward thread (see `AsyncEngine.create`)."""
+    threads = torch.get_num_threads()
+    result: list[float] = []
+
+    def measure() -> None:
+        torch.set_num_threads(threads)
+        buf = torch.ones(max(num_bytes // 4, 1), dtype=torch.float32)
+        buf.sum()  # one untimed pass: threads up, buffer resident
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            buf.sum()
+            best = min(best, time.perf_counter() - start)
+        result.append(buf.numel() * buf.element_size() / best)
+
+    worker = threading.Thread(target=measure, name="aioengine-bandwidth")
+    worker.start()
+    worker.join()
+    if not result:
+        raise RuntimeError("memory bandwidth measurement failed")
+    return result[0]
+
+
+# ---- one run of one request -------------------------------------------------------------
+
+
+@dataclass
+class LatencyRun:
+    """One request's token arrival times, in seconds since it was submitted."""
+
+    token_times_s: list[float]
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times_s[0]
+
+    @property
+    def e2e_s(self) -> float:
+        return self.token_times_s[-1]
+
+    @property
+    def tpot_s(self) -> float:
+        return (self.e2e_s - self.ttft_s) / (len(self.token_times_s) - 1)
+
+    @property
+    def itls_s(self) -> list[float]:
+        t = self.token_times_s
+        return [b - a for a, b in zip(t, t[1:])]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ttft_ms": self.ttft_s * 1e3, "tpot_ms": self.tpot_s * 1e3,
+                "itl_median_ms": statistics.median(self.itls_s) * 1e3,
+                "e2e_ms": self.e2e_s * 1e3, "num_tokens": len(self.token_times_s)}
+
+
+def _checked(engine: str, times: list[float], output_len: int) -> LatencyRun:
+    if len(times) != output_len:
+        raise RuntimeError(f"{engine}: {len(times)} tokens arrived, expected {output_len}")
+    return LatencyRun(times)
+
+
+@dataclass
+class EngineLatency:
+    engine: str
+    runs: list[LatencyRun]
+    threads: int
+    # Our engine: the weights it holds, for the floor.
+    weight_bytes: int | None = field(default=None, repr=False)
+
+    def summary(self) -> dict[str, Any]:
+        """Median and best (min) over runs of each per-run number."""
+        per_run = [r.to_json() for r in self.runs]
+        out: dict[str, Any] = {"engine": self.engine, "threads": self.threads,
+                               "num_runs": len(per_run)}
+        for key in ("ttft_ms", "tpot_ms", "itl_median_ms", "e2e_ms"):
+            values = [r[key] for r in per_run]
+            out[key] = {"median": statistics.median(values), "best": min(values)}
+        out["runs"] = per_run
+        return out
+
+
+async def _aioengine_runs(model: str | None, kwargs: dict[str, Any], prompt: list[int],
+                          output_len: int, warmup: int, repeats: int) -> EngineLatency:
+    from aioengine import AsyncEngine, SamplingParams
+
+    threads = torch.get_num_threads()
+    engine = await AsyncEngine.create(model, **kwargs)
+    torch.set_num_threads(threads)  # the benchmark's thread count wins, as in `offline`
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    runs = []
+    try:
+        for i in range(warmup + repeats):
+            if not engine.core.kv_cache_manager.reset_prefix_cache():
+                raise RuntimeError("aioengine: KV blocks still in use between runs")
+            times: list[float] = []
+            start = time.perf_counter()
+            async for out in engine.generate(prompt, params):
+                now = time.perf_counter() - start
+                # Tokens that reach the caller together share an arrival time.
+                times += [now] * sum(len(c.token_ids) for c in out.outputs)
+            if i >= warmup:
+                runs.append(_checked(OUR_ENGINE, times, output_len))
+        weight_bytes = weight_bytes_per_token(engine.core.loaded.model)
+    finally:
+        await engine.shutdown()
+    return EngineLatency(OUR_ENGINE, runs, threads, weight_bytes)
+
+
+def run_aioengine(model: str | None, kwargs: dict[str, Any], prompt: list[int],
+                  output_len: int, warmup: int, repeats: int) -> EngineLatency:
+    return asyncio.run(_aioengine_runs(model, kwargs, prompt, output_len, warmup, repeats))
+
+
+class TokenClock:
+    """A transformers streamer (`BaseStreamer`'s put/end, which `generate` duck-types) that
+    records when each generated token is handed over."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.times: list[float] = []
+        self._seen_prompt = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._seen_prompt:  # generate() first puts the prompt
+            self._seen_prompt = True
+            return
+        now = time.perf_counter() - self.start
+        self.times += [now] * value.numel()  # batch 1: one token per put
+
+    def end(self) -> None:
+        pass
+
+
+def run_hf(model: str, prompt: list[int], output_len: int, warmup: int, repeats: int,
+           pad_id: int) -> EngineLatency:
+    """transformers `generate`, greedy, batch 1, timed per token by a streamer."""
+    from aioengine.bench.offline import load_hf_model
+
+    hf_model = load_hf_model(model)
+    ids = torch.tensor([prompt], dtype=torch.long)
+    runs = []
+    for i in range(warmup + repeats):
+        clock = TokenClock()
+        with torch.inference_mode():
+            # eos_token_id=None: never stop early (our ignore_eos), as in `offline`.
+            hf_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                              do_sample=False, max_new_tokens=output_len,
+                              min_new_tokens=output_len, pad_token_id=pad_id,
+                              eos_token_id=None, temperature=None, top_p=None, top_k=None,
+                              streamer=clock)
+        if i >= warmup:
+            runs.append(_checked("hf", clock.times, output_len))
+    return EngineLatency("hf", runs, torch.get_num_threads())
+
+
+# ---- the whole mode -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LatencyConfig:
+    model: str
+    prompt: list[int]
+    output_len: int
+    warmup: int
+    repeats: int
+    engines: list[str]
+    bandwidth_bytes: int
+    engine_kwargs: dict[str, Any]
+    pad_token_id: int  # for transformers' generate (batch 1: never used to pad)
+
+
+def run_latency(config: LatencyConfig) -> dict[str, Any]:
+    """Bandwidth first (nothing else loaded), then each engine in turn; returns the
+    report's floor, results, ratios and skipped engines."""
+    from aioengine.model.loader import load_model
+
+    bandwidth = measure_read_bandwidth(config.bandwidth_bytes)
+    gc.collect()
+    results: dict[str, EngineLatency] = {}
+    skipped: dict[str, str] = {}
+    for name in config.engines:
+        try:
+            if name == OUR_ENGINE:
+                results[name] = run_aioengine(config.model, config.engine_kwargs,
+                                              config.prompt, config.output_len,
+                                              config.warmup, config.repeats)
+            else:
+                results[name] = run_hf(config.model, config.prompt, config.output_len,
+                                       config.warmup, config.repeats, config.pad_token_id)
+        except (RuntimeError, ImportError, ValueError, NotImplementedError) as e:
+            if name == OUR_ENGINE:
+                raise
+            skipped[name] = f"{type(e).__name__}: {e}"
+        gc.collect()
+    ours = results.get(OUR_ENGINE)
+    if ours is not None:
+        weight_bytes = ours.weight_bytes
+    else:  # only the peer ran: load our model just to count its weights
+        from aioengine.config import EngineArgs, parse_dtype
+
+        args = EngineArgs.from_kwargs(model=config.model, **config.engine_kwargs)
+        device = args.resolve_device()
+        loaded = load_model(config.model, parse_dtype(args.dtype, device), device)
+        weight_bytes = weight_bytes_per_token(loaded.model)
+    floor_ms = weight_bytes / bandwidth * 1e3
+    summaries = {name: r.summary() for name, r in results.items()}
+    report: dict[str, Any] = {
+        "floor": {"bandwidth_gb_per_s": bandwidth / 1e9,
+                  "bandwidth_buffer_bytes": config.bandwidth_bytes,
+                  "bandwidth_repeats": BANDWIDTH_REPEATS,
+                  "weight_bytes": weight_bytes, "floor_ms": floor_ms},
+        "results": summaries, "skipped": skipped, "target_tpot_over_floor":
+        TARGET_TPOT_OVER_FLOOR}
+    if ours is not None:
+        tpot = summaries[OUR_ENGINE]["tpot_ms"]
+        report["tpot_over_floor"] = {k: v / floor_ms for k, v in tpot.items()}
+        if "hf" in summaries:
+            hf_tpot = summaries["hf"]["tpot_ms"]
+            report["speedup_vs_hf"] = {k: hf_tpot[k] / tpot[k] for k in tpot}
+    return report
+
+
+def parse_latency_engines(spec: str) -> list[str]:
+    """`--engines` for latency: distinct names from LATENCY_ENGINES, run in order."""
+    engines = [e.strip() for e in spec.split(",") if e.strip()]
+    if (not engines or any(e not in LATENCY_ENGINES for e in engines)
+            or len(set(engines)) != len(engines)):
+        raise argparse.ArgumentTypeError(
+            f"--engines must name distinct engines from {list(LATENCY_ENGINES)}, got {spec!r}")
+    return engines
+
+
+def format_latency(report: dict[str, Any]) -> str:
+    env, cfg, floor = report["environment"], report["config"], report["floor"]
+
+    def cell(stat: dict[str, float]) -> str:
+        return f"{stat['median']:.2f} ({stat['best']:.2f})"
+
+    lines = [
+        f"torch {env['torch']}, transformers {env['transformers']}, "
+        f"{env['torch_threads']} torch threads, {env['cpu_count']} CPUs"
+        + (f", {env['cuda']}" if env["cuda"] else ""),
+        f"model {report['model']}",
+        f"one request: {cfg['input_len']}-token random-token prompt (seed {cfg['seed']}), "
+        f"{cfg['output_len']} output tokens; median (best) of {cfg['repeats']} runs after "
+        f"{cfg['warmup']} warm-up",
+        "",
+        f"{'memory read bandwidth':<26}{floor['bandwidth_gb_per_s']:>10.2f} GB/s "
+        f"(best of {floor['bandwidth_repeats']} sums over "
+        f"{floor['bandwidth_buffer_bytes'] / 2**20:.0f} MiB)",
+        f"{'weights read per token':<26}{floor['weight_bytes'] / 1e6:>10.1f} MB",
+        f"{'weight-streaming floor':<26}{floor['floor_ms']:>10.2f} ms/token",
+        "",
+        f"{'engine':<10} {'TTFT ms':>17} {'TPOT ms':>17} {'ITL p50 ms':>17} "
+        f"{'e2e ms':>19} {'TPOT / floor':>14}",
+    ]
+    for name, r in report["results"].items():
+        ratio = {k: v / floor["floor_ms"] for k, v in r["tpot_ms"].items()}
+        lines.append(f"{name:<10} {cell(r['ttft_ms']):>17} {cell(r['tpot_ms']):>17} "
+                     f"{cell(r['itl_median_ms']):>17} {cell(r['e2e_ms']):>19} "
+                     f"{ratio['median']:>6.2f} ({ratio['best']:.2f})")
+    for name, reason in report.get("skipped", {}).items():
+        lines.append(f"{name:<10} skipped: {reason}")
+    if "speedup_vs_hf" in report:
+        s = report["speedup_vs_hf"]
+        lines.append(f"{OUR_ENGINE} speed-up vs hf (hf TPOT / our TPOT): "
+                     f"x{s['median']:.2f} (best runs x{s['best']:.2f})")
+    if "tpot_over_floor" in report:
+        ratio, target = report["tpot_over_floor"]["median"], report["target_tpot_over_floor"]
+        verdict = "met" if ratio <= target else "not met"
+        lines.append(f"target: {OUR_ENGINE} TPOT <= {target} x floor: {verdict} "
+                     f"(median x{ratio:.2f})")
+    return "\n".join(lines)

@@ -1,0 +1,114 @@
+"""`aioengine bench latency` and `offline` run for real on a tiny random-weight Llama,
+checked through their saved JSON and printed tables."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from aioengine.bench import main as bench_main
+from aioengine.bench.latency import weight_bytes_per_token
+from aioengine.model.loader import load_model
+
+from tests.tiny_models import make_tiny_model_dir
+
+
+@pytest.fixture
+def bench_threads(monkeypatch: pytest.MonkeyPatch):
+    """The benchmark sets torch's thread count and AIOENGINE_CPU_THREADS; restore both."""
+    monkeypatch.setenv("AIOENGINE_CPU_THREADS", "0")
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _safetensors_data_bytes(path: Path) -> int:
+    """Tensor bytes of a safetensors file: its size minus the 8-byte length and the header."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+    return os.path.getsize(path) - 8 - header_len
+
+
+def _embedding_bytes(model_dir: Path) -> tuple[int, int]:
+    """(whole table, one row) of the float32 embedding, from the checkpoint's config."""
+    config = json.loads((model_dir / "config.json").read_text())
+    row = config["hidden_size"] * 4
+    return config["vocab_size"] * row, row
+
+
+def test_latency_mode_measures_the_floor_and_both_engines(
+        tiny_llama_dir: Path, tmp_path: Path, bench_threads, capsys) -> None:
+    path = tmp_path / "latency.json"
+    rc = bench_main(["latency", "--model", str(tiny_llama_dir), "--input-len", "20",
+                     "--output-len", "6", "--repeats", "2", "--warmup", "1", "--threads", "2",
+                     "--bandwidth-mib", "64", "--save-json", str(path)])
+    assert rc == 0
+    report = json.loads(path.read_text())
+    floor = report["floor"]
+    assert floor["bandwidth_gb_per_s"] > 0 and floor["bandwidth_buffer_bytes"] == 64 << 20
+    # The tiny Llama ties its embedding and LM head: the checkpoint stores the table once,
+    # so every stored byte is read per token.
+    with safe_open(tiny_llama_dir / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    assert floor["weight_bytes"] == _safetensors_data_bytes(tiny_llama_dir / "model.safetensors")
+    assert floor["floor_ms"] == pytest.approx(
+        floor["weight_bytes"] / (floor["bandwidth_gb_per_s"] * 1e9) * 1e3)
+    assert report["workload"]["prompt_len_min"] == report["workload"]["prompt_len_max"] == 20
+    for name in ("aioengine", "hf"):
+        r = report["results"][name]
+        assert r["num_runs"] == 2 and [run["num_tokens"] for run in r["runs"]] == [6, 6]
+        for key in ("ttft_ms", "tpot_ms", "itl_median_ms", "e2e_ms"):
+            assert 0 < r[key]["best"] <= r[key]["median"]
+        for run in r["runs"]:
+            assert run["tpot_ms"] == pytest.approx((run["e2e_ms"] - run["ttft_ms"]) / 5)
+    ours = report["results"]["aioengine"]["tpot_ms"]
+    assert report["tpot_over_floor"]["median"] == pytest.approx(
+        ours["median"] / floor["floor_ms"])
+    hf = report["results"]["hf"]["tpot_ms"]
+    assert report["speedup_vs_hf"]["median"] == pytest.approx(hf["median"] / ours["median"])
+    text = capsys.readouterr().out
+    assert "weight-streaming floor" in text and "aioengine speed-up vs hf" in text
+    assert "target: aioengine TPOT <= 1.4 x floor:" in text
+
+
+def test_weight_bytes_count_an_untied_embedding_as_one_row(tmp_path: Path) -> None:
+    model_dir = make_tiny_model_dir("llama3", tmp_path / "llama3")  # untied embedding
+    loaded = load_model(str(model_dir), torch.float32, torch.device("cpu"))
+    stored = _safetensors_data_bytes(model_dir / "model.safetensors")
+    table, row = _embedding_bytes(model_dir)
+    # Stored: embedding + LM head + the rest; read per token: one embedding row + the rest.
+    assert weight_bytes_per_token(loaded.model) == stored - table + row
+
+
+def test_offline_prefix_caching_a_b_with_kv_stats(
+        tiny_llama_dir: Path, tmp_path: Path, bench_threads, capsys) -> None:
+    path = tmp_path / "offline.json"
+    rc = bench_main(["offline", "--model", str(tiny_llama_dir), "--dataset", "shared-prefix",
+                     "--num-prefixes", "2", "--prefix-len", "32", "--suffix-len", "8",
+                     "--num-prompts", "4", "--output-len", "4", "--threads", "2",
+                     "--engines", "aioengine,aioengine-no-prefix-caching", "--no-progress",
+                     "--save-json", str(path)])
+    assert rc == 0
+    report = json.loads(path.read_text())
+    ours = report["results"]["aioengine"]["engine_stats"]
+    # 4 prompts of 32 + 8 tokens, blocks of 16, all prefilled in the first step: the
+    # second user of each prefix hits its 2 full blocks (the warm-up's cache was reset).
+    assert (ours["prefix_cache_queries"], ours["prefix_cache_hits"]) == (160, 64)
+    assert ours["prefix_cache_hit_rate"] == 0.4 and ours["num_preemptions"] == 0
+    # Peak (step 1): 2 shared + 2 own blocks per prefix = 8 blocks, 128 slots, 96 tokens.
+    assert (ours["kv_peak_blocks"], ours["kv_waste_at_peak"]) == (8, 0.25)
+    theirs = report["results"]["aioengine-no-prefix-caching"]["engine_stats"]
+    assert (theirs["prefix_cache_queries"], theirs["prefix_cache_hit_rate"]) == (0, None)
+    # 3 private blocks per request: 12 blocks, 192 slots, 160 tokens.
+    assert (theirs["kv_peak_blocks"], theirs["kv_waste_at_peak"]) == (12, 32 / 192)
+    ratio = report["ratios"]["aioengine-no-prefix-caching"]
+    assert ratio["output"] > 0 and ratio["total"] > 0
+    text = capsys.readouterr().out
+    assert "aioengine / aioengine-no-prefix-caching: output x" in text
+    assert "aioengine-no-prefix-caching        4" in text  # the engine column fits the name
+    assert "   40.0%       0    25.0%" in text  # hit rate, preemptions, KV waste
