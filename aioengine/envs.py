@@ -14,6 +14,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "AIOENGINE_CPU_THREADS": lambda: int(os.getenv("AIOENGINE_CPU_THREADS", "0")),
     # API key `aioengine serve` requires when --api-key is not given (like VLLM_API_KEY).
     "AIOENGINE_API_KEY": lambda: os.getenv("AIOENGINE_API_KEY") or None,
+    # 0 turns off the C kernels of aioengine.kernels.cpu (compiled on first use) and keeps
+    # the plain torch paths.
+    "AIOENGINE_CPU_KERNELS": lambda: os.getenv("AIOENGINE_CPU_KERNELS", "1") != "0",
     # Path of the default model, overriding the bundled SmolLM2-135M-Instruct GGUF.
     "AIOENGINE_DEFAULT_MODEL": lambda: os.getenv("AIOENGINE_DEFAULT_MODEL") or None,
 }

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from aioengine.kernels import cpu as cpu_kernels
+
 
 @dataclass
 class AttentionMetadata:
@@ -110,13 +112,19 @@ def write_to_kv_cache(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tens
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Reference backend in plain torch (SDPA); the one used on CPU.
+    """Torch backend (SDPA), the one used on CPU.
 
     Decodes: one batched SDPA over all of them, keys gathered block-wise and padded to the
     longest decode, padding masked. GQA is handled by folding the query heads of a KV group
     into SDPA's query-length axis, so K/V are never repeated.
     Prefill chunks: one SDPA per request, causal mask shifted by the context length.
+    On the CPU in float32, decodes instead go through the C kernel in `kernels/cpu.py`
+    (`use_cpu_kernel`), which reads K/V in place instead of gathering a padded copy per layer;
+    the torch path stays the reference and the fallback when the kernel cannot be built.
     """
+
+    def __init__(self, use_cpu_kernel: bool = True) -> None:
+        self.use_cpu_kernel = use_cpu_kernel
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor,
                 meta: AttentionMetadata, scale: float) -> Tensor:
@@ -135,6 +143,13 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
         nd, num_heads, head_dim = q.shape
+        if self.use_cpu_kernel:
+            out = torch.empty_like(q)
+            # Reads K/V in place from the cache (kernels/cpu.py); False = not applicable here.
+            if cpu_kernels.paged_decode_attention(out, q.contiguous(), kv_cache,
+                                                  meta.block_tables[:nd], meta.seq_lens[:nd],
+                                                  scale):
+                return out
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
         group = num_heads // num_kv_heads
         num_blocks = -(-meta.max_decode_seq_len // block_size)

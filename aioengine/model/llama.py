@@ -65,6 +65,44 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+# Up to this many rows a CPU matmul is split into chunks of weight rows (see `linear`).
+SPLIT_LINEAR_MAX_ROWS = 64
+_GEMV_MAX_ROWS = 4
+_ROWS_PER_CHUNK = 3072
+
+
+def _num_chunks(n: int) -> int:
+    """At least 4 chunks (2 threads, some balance), about 3,072 weight rows each for wide
+    outputs (the LM head: 16), and a divisor of n; 1 means do not split."""
+    c = min(16, max(4, n // _ROWS_PER_CHUNK))
+    while n % c:
+        c -= 1
+    return c
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N].
+
+    On the CPU with few rows (decode steps), MKL runs `F.linear` on these shapes with poor
+    thread use (a 1-row product streams the weight at a third of the memory bandwidth); the
+    same product as one `bmm` over chunks of the weight's rows (a view, no copy) gives every
+    thread whole chunks. Up to 4 rows the chunks multiply x^T (gemv-like); beyond, x times
+    each chunk transposed, whose output needs only a cheap chunk-wise permute. Measured over
+    SmolLM2-135M's 30 layers of weights, 2 cores: 1 row 48 -> 18 ms, 32 rows 128 -> 88 ms,
+    64 rows 197 -> 122 ms (docs/benchmarks.md). Larger inputs (prefill) keep `F.linear`.
+    """
+    m, (n, k) = x.shape[0], weight.shape
+    c = _num_chunks(n) if x.device.type == "cpu" and m <= SPLIT_LINEAR_MAX_ROWS else 1
+    if c == 1:
+        return F.linear(x, weight, bias)
+    chunks = weight.view(c, n // c, k)
+    if m <= _GEMV_MAX_ROWS:  # [c, N/c, K] @ [c, K, M] -> [c, N/c, M] = out^T
+        out = torch.bmm(chunks, x.t().expand(c, k, m)).view(n, m).t().contiguous()
+    else:  # [c, M, K] @ [c, K, N/c] -> [c, M, N/c] -> [M, c, N/c]
+        out = torch.bmm(x.expand(c, m, k), chunks.transpose(1, 2)).transpose(0, 1).reshape(m, n)
+    return out if bias is None else out + bias
+
+
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     # Uninitialised: every parameter is overwritten by load_weights (which checks that).
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
@@ -95,7 +133,7 @@ class LlamaDecoderLayer(nn.Module):
                 meta: AttentionMetadata, attn: AttentionBackend) -> Tensor:
         t = x.shape[0]
         h = F.rms_norm(x, x.shape[-1:], self.input_layernorm, self.eps)
-        qkv = F.linear(h, self.qkv_proj, self.qkv_bias)
+        qkv = linear(h, self.qkv_proj, self.qkv_bias)
         # q and k heads side by side, [T, Hq + Hkv, D], so RoPE runs once for both.
         qk_size = self.q_size + self.kv_size
         qk = qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -106,10 +144,10 @@ class LlamaDecoderLayer(nn.Module):
                             F.rms_norm(k, (self.head_dim,), self.k_norm, self.eps)), dim=1)
         q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         o = attn.forward(q, k, v, kv_cache, meta, self.scale)
-        x = x + F.linear(o.view(t, self.q_size), self.o_proj)
+        x = x + linear(o.view(t, self.q_size), self.o_proj)
         h = F.rms_norm(x, x.shape[-1:], self.post_attention_layernorm, self.eps)
-        gate, up = F.linear(h, self.gate_up_proj).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_proj)
+        gate, up = linear(h, self.gate_up_proj).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.down_proj)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -142,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, H] -> logits [N, V] in float32."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
 
     def set_rope_freq_factors(self, factors: Tensor) -> None:
         """Divides the RoPE frequencies by per-frequency factors (GGUF's `rope_freqs`, which

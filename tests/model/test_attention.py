@@ -74,10 +74,13 @@ def _reference(q, kv_cache, meta, scale, block_size):
     return out
 
 
+@pytest.mark.parametrize("use_cpu_kernel", [True, False], ids=["c-kernel", "torch"])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)])
-def test_backend_matches_naive_reference(num_heads: int, num_kv_heads: int) -> None:
+def test_backend_matches_naive_reference(num_heads: int, num_kv_heads: int,
+                                         use_cpu_kernel: bool) -> None:
     """Mixed batch: decodes of different lengths, a chunk after cached context, a fresh prompt,
-    and a late query_len == 1 request (prefill path). Earlier context is pre-filled in the cache."""
+    and a late query_len == 1 request (prefill path). Earlier context is pre-filled in the cache.
+    Decodes go through the C kernel or the torch path."""
     gen = torch.Generator().manual_seed(0)
     head_dim, block_size, num_blocks = 8, 4, 40
     query_lens, seq_lens = [1, 1, 1, 5, 6, 1], [3, 13, 1, 9, 6, 7]
@@ -93,7 +96,7 @@ def test_backend_matches_naive_reference(num_heads: int, num_kv_heads: int) -> N
     q = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
     k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
     v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
-    out = TorchAttentionBackend().forward(q, k, v, kv_cache, meta, scale=0.3)
+    out = TorchAttentionBackend(use_cpu_kernel).forward(q, k, v, kv_cache, meta, scale=0.3)
     # The new tokens' K/V landed in their slots...
     flat = kv_cache.flatten(1, 2)
     assert torch.equal(flat[0, meta.slot_mapping], k)

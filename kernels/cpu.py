@@ -1,0 +1,124 @@
+"""CPU kernels written in C, compiled on first use with the machine's C compiler.
+
+Only what torch has no fast path for lives here: paged decode attention, which would
+otherwise gather every request's K/V blocks into a padded copy on each layer
+(`kernels/cpu/paged_decode_attention.c` explains the kernel). The shared library is built
+with `-O3 -march=native -fopenmp` into a cache directory keyed by the source, the flags and
+the compiler, then called through ctypes (which releases the GIL). When no compiler is
+found or the build fails, `paged_decode_attention` returns False and the caller keeps its
+torch path; AIOENGINE_CPU_KERNELS=0 turns the kernels off.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+import threading
+
+import torch
+from torch import Tensor
+
+from aioengine import envs
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu",
+                       "paged_decode_attention.c")
+# No -ffast-math: the softmax relies on IEEE exp/max; -O3 still vectorises the dot products
+# once reassociation is allowed for them (-fassociative-math needs -fno-signed-zeros and
+# -fno-trapping-math).
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
+           "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-std=c11"]
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_load_error: str | None = None
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    return shutil.which(cc.split()[0]) or shutil.which("gcc") or shutil.which("cc")
+
+
+def _cache_dir() -> str:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "aioengine", "kernels")
+
+
+def _build() -> ctypes.CDLL:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    with open(_SOURCE, "rb") as f:
+        source = f.read()
+    key = hashlib.sha256(source + " ".join([cc, *_CFLAGS]).encode()).hexdigest()[:16]
+    path = os.path.join(_cache_dir(), f"paged_decode_attention-{key}.so")
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        # Build beside the target and rename: concurrent builders never see half a file.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+        os.close(fd)
+        try:
+            proc = subprocess.run([cc, *_CFLAGS, _SOURCE, "-o", tmp, "-lm"],
+                                  capture_output=True, text=True, timeout=120)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:2000]}")
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(path)
+    fn = lib.paged_decode_attention_f32
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64,
+                   ctypes.c_float, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernels, built on the first call; None when they cannot be used here."""
+    global _lib, _load_error
+    if not envs.AIOENGINE_CPU_KERNELS:
+        return None
+    if _lib is not None or _load_error is not None:
+        return _lib
+    with _lock:
+        if _lib is None and _load_error is None:
+            try:
+                _lib = _build()
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                _load_error = str(e)
+                logger.warning("CPU kernels unavailable, using the torch path: %s", e)
+    return _lib
+
+
+def paged_decode_attention(out: Tensor, q: Tensor, kv_cache: Tensor, block_tables: Tensor,
+                           seq_lens: Tensor, scale: float) -> bool:
+    """out[n] = softmax(q[n] K_n^T * scale) V_n over request n's first seq_lens[n] positions.
+
+    out/q [N, Hq, D] float32, kv_cache [2, blocks, block_size, Hkv, D] float32, block_tables
+    [N, >= blocks needed] int32, seq_lens [N] int32 (each >= 1), all contiguous on the CPU.
+    Returns False, leaving `out` untouched, when the kernel does not apply or is not built.
+    """
+    if not (q.device.type == "cpu" and q.dtype == kv_cache.dtype == out.dtype == torch.float32
+            and block_tables.dtype == seq_lens.dtype == torch.int32
+            and all(t.is_contiguous() for t in (out, q, kv_cache, block_tables, seq_lens))):
+        return False
+    lib = load()
+    if lib is None:
+        return False
+    num_reqs, num_heads, head_dim = q.shape
+    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    rc = lib.paged_decode_attention_f32(
+        out.data_ptr(), q.data_ptr(), kv_cache.data_ptr(), num_blocks,
+        block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), num_reqs,
+        num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("paged_decode_attention: out of memory for the score buffer")
+    return True
