@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -65,9 +65,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-# Up to this many rows a CPU matmul is split into chunks of weight rows (see `linear`).
-SPLIT_LINEAR_MAX_ROWS = 64
-_GEMV_MAX_ROWS = 4
+# Up to this many rows a CPU float32 matmul is a gemv over chunks of weight rows (`linear`).
+GEMV_MAX_ROWS = 4
 _ROWS_PER_CHUNK = 3072
 
 
@@ -80,27 +79,43 @@ def _num_chunks(n: int) -> int:
     return c
 
 
+def _onednn_linear() -> Callable[..., Tensor] | None:
+    """oneDNN's fp32 matmul (the op inductor emits for CPU linears), when this torch has it."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._linear_pointwise
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_ONEDNN_LINEAR = _onednn_linear()
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N].
 
-    On the CPU with few rows (decode steps), MKL runs `F.linear` on these shapes with poor
-    thread use (a 1-row product streams the weight at a third of the memory bandwidth); the
-    same product as one `bmm` over chunks of the weight's rows (a view, no copy) gives every
-    thread whole chunks. Up to 4 rows the chunks multiply x^T (gemv-like); beyond, x times
-    each chunk transposed, whose output needs only a cheap chunk-wise permute. Measured over
-    SmolLM2-135M's 30 layers of weights, 2 cores: 1 row 48 -> 18 ms, 32 rows 128 -> 88 ms,
-    64 rows 197 -> 122 ms (docs/benchmarks.md). Larger inputs (prefill) keep `F.linear`.
+    `F.linear` on the CPU goes to MKL, which on these AMD cores runs fp32 at ~140 GFLOP/s
+    and threads few-row products badly (a 1-row product streams the weight at a third of
+    the memory bandwidth). So in float32 on the CPU:
+    - up to GEMV_MAX_ROWS rows (decode of a few requests): one `bmm` over chunks of the
+      weight's rows (a view, no copy), so every thread streams whole chunks;
+    - otherwise oneDNN's matmul.
+    Measured over SmolLM2-135M's 30 layers of weights, 2 cores, F.linear -> this: 1 row
+    40 -> 17 ms, 32 rows 87 -> 62 ms, 512 rows 725 -> 654 ms; the LM head at 32 rows 33 ->
+    17 ms (docs/benchmarks.md).
     """
-    m, (n, k) = x.shape[0], weight.shape
-    c = _num_chunks(n) if x.device.type == "cpu" and m <= SPLIT_LINEAR_MAX_ROWS else 1
-    if c == 1:
+    if x.device.type != "cpu" or x.dtype != torch.float32:
         return F.linear(x, weight, bias)
-    chunks = weight.view(c, n // c, k)
-    if m <= _GEMV_MAX_ROWS:  # [c, N/c, K] @ [c, K, M] -> [c, N/c, M] = out^T
-        out = torch.bmm(chunks, x.t().expand(c, k, m)).view(n, m).t().contiguous()
-    else:  # [c, M, K] @ [c, K, N/c] -> [c, M, N/c] -> [M, c, N/c]
-        out = torch.bmm(x.expand(c, m, k), chunks.transpose(1, 2)).transpose(0, 1).reshape(m, n)
-    return out if bias is None else out + bias
+    m, (n, k) = x.shape[0], weight.shape
+    if m <= GEMV_MAX_ROWS and (c := _num_chunks(n)) > 1:
+        # [c, N/c, K] @ [c, K, M] -> [c, N/c, M] = out^T
+        out = torch.bmm(weight.view(c, n // c, k), x.t().expand(c, k, m)).view(n, m)
+        out = out.t().contiguous()
+        return out if bias is None else out.add_(bias)
+    if _ONEDNN_LINEAR is not None:
+        return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
