@@ -14,6 +14,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sysconfig
@@ -45,6 +46,16 @@ def _compiler() -> str | None:
     return shutil.which(cc.split()[0]) or shutil.which("gcc") or shutil.which("cc")
 
 
+def _cpu_id() -> str:
+    """The CPU's model name and feature flags (Linux), else the machine type."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.machine()
+
+
 def _cache_dir() -> str:
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(root, "aioengine", "kernels")
@@ -56,7 +67,8 @@ def _build() -> ctypes.CDLL:
         raise RuntimeError("no C compiler found (set CC)")
     with open(_SOURCE, "rb") as f:
         source = f.read()
-    key = hashlib.sha256(source + " ".join([cc, *_CFLAGS]).encode()).hexdigest()[:16]
+    # -march=native: the build is only valid on this kind of CPU, so the CPU is in the key.
+    key = hashlib.sha256(source + " ".join([cc, *_CFLAGS, _cpu_id()]).encode()).hexdigest()[:16]
     path = os.path.join(_cache_dir(), f"paged_decode_attention-{key}.so")
     if not os.path.exists(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
