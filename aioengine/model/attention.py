@@ -131,8 +131,10 @@ class TorchAttentionBackend(AttentionBackend):
         num_tokens = meta.num_actual_tokens
         # Write first: a request may read blocks another request wrote in this very step.
         write_to_kv_cache(k[:num_tokens], v[:num_tokens], kv_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
         nd = meta.num_decodes
+        if nd == meta.num_reqs:  # a decode-only step: no copy into a second output
+            return self._decode(q, kv_cache, meta, scale)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], kv_cache, meta, scale)
         for i in range(nd, meta.num_reqs):

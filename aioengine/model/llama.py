@@ -6,6 +6,7 @@ names through `load_weights`, which fuses them into our layout.
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Iterable
@@ -70,6 +71,7 @@ GEMV_MAX_ROWS = 4
 _ROWS_PER_CHUNK = 3072
 
 
+@functools.lru_cache(maxsize=None)
 def _num_chunks(n: int) -> int:
     """At least 4 chunks (2 threads, some balance), about 3,072 weight rows each for wide
     outputs (the LM head: 16), and a divisor of n; 1 means do not split."""
