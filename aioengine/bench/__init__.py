@@ -95,10 +95,7 @@ def offline_main(args: argparse.Namespace) -> int:
     report = {"mode": "offline", "environment": rep.environment_info(), "model": model,
               "config": _config(args), "workload": workload.summary(),
               **run_offline(args, workload, model, progress=not args.no_progress)}
-    print(rep.format_offline(report))
-    if args.save_json:
-        rep.save_json(args.save_json, report)
-        print(f"saved {args.save_json}", file=sys.stderr)
+    _emit(report, rep.format_offline(report), args.save_json)
     if args.plot:
         rep.plot_offline(args.plot, report)
         print(f"saved {args.plot}", file=sys.stderr)
@@ -128,10 +125,7 @@ def serve_main(args: argparse.Namespace) -> int:
               "config": _config(args), "workload": workload.summary(),
               "summary": summarize(results, duration, slo),
               "requests": [r.to_json() for r in results]}
-    print(rep.format_serve(report))
-    if args.save_json:
-        rep.save_json(args.save_json, report)
-        print(f"saved {args.save_json}", file=sys.stderr)
+    _emit(report, rep.format_serve(report), args.save_json)
     if args.plot:
         rep.plot_serve(args.plot, results, duration,
                        f"{model} via {args.endpoint}: {len(results)} requests")
@@ -161,10 +155,7 @@ def profile_main(args: argparse.Namespace) -> int:
     report = {"mode": "profile", "environment": rep.environment_info(), "model": model,
               "config": _config(args), "workload": workload.summary(),
               **asyncio.run(run_profile(workload, model, engine_kwargs(args)))}
-    print(format_profile(report))
-    if args.save_json:
-        rep.save_json(args.save_json, report)
-        print(f"saved {args.save_json}", file=sys.stderr)
+    _emit(report, format_profile(report), args.save_json)
     return 0
 
 
@@ -215,10 +206,7 @@ def latency_main(args: argparse.Namespace) -> int:
     report = {"mode": "latency", "environment": rep.environment_info(), "model": model,
               "config": _config(args), "workload": workload.summary(),
               **run_latency(config)}
-    print(format_latency(report))
-    if args.save_json:
-        rep.save_json(args.save_json, report)
-        print(f"saved {args.save_json}", file=sys.stderr)
+    _emit(report, format_latency(report), args.save_json)
     return 0
 
 
@@ -231,6 +219,16 @@ def _set_threads(threads: int | None) -> int:
     # The engine reads its thread count from here when it loads; keep both in step.
     os.environ["AIOENGINE_CPU_THREADS"] = str(threads)
     return threads
+
+
+def _emit(report: dict[str, Any], text: str, save_json: str | None) -> None:
+    """Prints the report's table; saves the whole report as JSON when asked."""
+    from aioengine.bench import report as rep
+
+    print(text)
+    if save_json:
+        rep.save_json(save_json, report)
+        print(f"saved {save_json}", file=sys.stderr)
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
