@@ -2,11 +2,12 @@
 
 Only what torch has no fast path for lives here: paged decode attention, which would
 otherwise gather every request's K/V blocks into a padded copy on each layer
-(`kernels/cpu/paged_decode_attention.c` explains the kernel). The shared library is built
+(`kernels/cpu/paged_decode_attention.c` explains the kernel), and rotary embedding in place
+(`kernels/cpu/rotary_embedding.c`), ~8 allocating torch ops per layer. The shared library is built
 with `-O3 -march=native -fopenmp` into a cache directory keyed by the source, the flags and
 the compiler, then called through ctypes (which releases the GIL). When no compiler is
-found or the build fails, `paged_decode_attention` returns False and the caller keeps its
-torch path; AIOENGINE_CPU_KERNELS=0 turns the kernels off.
+found or the build fails, each function returns False and the caller keeps its torch path;
+AIOENGINE_CPU_KERNELS=0 turns the kernels off.
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ from aioengine import envs
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu",
-                       "paged_decode_attention.c")
+_SOURCES = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu", name)
+            for name in ("paged_decode_attention.c", "rotary_embedding.c")]
 # No -ffast-math: the softmax relies on IEEE exp/max; -O3 still vectorises the dot products
 # once reassociation is allowed for them (-fassociative-math needs -fno-signed-zeros and
 # -fno-trapping-math).
@@ -65,18 +66,20 @@ def _build() -> ctypes.CDLL:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
-    with open(_SOURCE, "rb") as f:
-        source = f.read()
+    source = b""
+    for path in _SOURCES:
+        with open(path, "rb") as f:
+            source += f.read()
     # -march=native: the build is only valid on this kind of CPU, so the CPU is in the key.
     key = hashlib.sha256(source + " ".join([cc, *_CFLAGS, _cpu_id()]).encode()).hexdigest()[:16]
-    path = os.path.join(_cache_dir(), f"paged_decode_attention-{key}.so")
+    path = os.path.join(_cache_dir(), f"cpu_kernels-{key}.so")
     if not os.path.exists(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         # Build beside the target and rename: concurrent builders never see half a file.
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
         os.close(fd)
         try:
-            proc = subprocess.run([cc, *_CFLAGS, _SOURCE, "-o", tmp, "-lm"],
+            proc = subprocess.run([cc, *_CFLAGS, *_SOURCES, "-o", tmp, "-lm"],
                                   capture_output=True, text=True, timeout=120)
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:2000]}")
@@ -85,11 +88,14 @@ def _build() -> ctypes.CDLL:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     lib = ctypes.CDLL(path)
-    fn = lib.paged_decode_attention_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn = lib.paged_decode_attention_f32
     fn.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64,
                    ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
+    fn = lib.rotary_embedding_f32
+    fn.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
+    fn.restype = None
     return lib
 
 
@@ -133,4 +139,29 @@ def paged_decode_attention(out: Tensor, q: Tensor, kv_cache: Tensor, block_table
         num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads())
     if rc != 0:
         raise MemoryError("paged_decode_attention: out of memory for the score buffer")
+    return True
+
+
+def rotary_embedding(x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> bool:
+    """Rotates x [T, H, D] in place (neox style: pairs (i, i + D/2)) by the angles of
+    `positions` [T] (int64), reading cos/sin tables [max_positions, D/2].
+
+    x float32 on the CPU with contiguous heads (any token stride: q and k heads inside a
+    fused qkv output qualify); tables float32 and contiguous. Positions must be in range
+    (the caller's invariant: they come from the scheduler). Returns False, leaving x
+    untouched, when the kernel does not apply or is not built.
+    """
+    num_tokens, num_heads, head_dim = x.shape
+    if not (x.device.type == "cpu" and x.dtype == cos.dtype == sin.dtype == torch.float32
+            and positions.dtype == torch.int64 and positions.is_contiguous()
+            and x.stride(2) == 1 and x.stride(1) == head_dim
+            and cos.is_contiguous() and sin.is_contiguous()
+            and cos.shape[-1] * 2 == head_dim and positions.shape == (num_tokens,)):
+        return False
+    lib = load()
+    if lib is None:
+        return False
+    lib.rotary_embedding_f32(x.data_ptr(), num_tokens, x.stride(0), num_heads, head_dim,
+                             positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                             torch.get_num_threads())
     return True

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from aioengine.kernels import cpu as cpu_kernels
 from aioengine.model.arch import ModelArchConfig
 from aioengine.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 
@@ -56,8 +57,25 @@ class RotaryEmbedding(nn.Module):
         self.sin = freqs.sin().to(device=device, dtype=self.dtype)
 
     def lookup(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos/sin [T, 1, D/2] for broadcasting over heads; computed once per step."""
+        """cos/sin [T, 1, D/2] for broadcasting over heads."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+class RopeStep:
+    """One step's rotary embedding, applied by every layer to its q and k heads."""
+
+    def __init__(self, rotary: RotaryEmbedding, positions: Tensor) -> None:
+        self.rotary, self.positions = rotary, positions
+        self._cos_sin: tuple[Tensor, Tensor] | None = None
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """x [T, H, D] rotated: in place by the C kernel where it applies (CPU, float32),
+        else a new tensor from the torch ops (cos/sin looked up once per step)."""
+        if cpu_kernels.rotary_embedding(x, self.positions, self.rotary.cos, self.rotary.sin):
+            return x
+        if self._cos_sin is None:
+            self._cos_sin = self.rotary.lookup(self.positions)
+        return apply_rope(x, *self._cos_sin)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -146,7 +164,7 @@ class LlamaDecoderLayer(nn.Module):
         self.down_proj = _param(h, arch.intermediate_size, **kw)
         self.scale = d ** -0.5
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
+    def forward(self, x: Tensor, rope: RopeStep, kv_cache: Tensor,
                 meta: AttentionMetadata, attn: AttentionBackend) -> Tensor:
         t = x.shape[0]
         h = F.rms_norm(x, x.shape[-1:], self.input_layernorm, self.eps)
@@ -159,7 +177,7 @@ class LlamaDecoderLayer(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((F.rms_norm(q, (self.head_dim,), self.q_norm, self.eps),
                             F.rms_norm(k, (self.head_dim,), self.k_norm, self.eps)), dim=1)
-        q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = rope(qk).split([self.num_heads, self.num_kv_heads], dim=1)
         o = attn.forward(q, k, v, kv_cache, meta, self.scale)
         x = x + linear(o.view(t, self.q_size), self.o_proj)
         h = F.rms_norm(x, x.shape[-1:], self.post_attention_layernorm, self.eps)
@@ -190,9 +208,9 @@ class LlamaForCausalLM(nn.Module):
                 attn_metadata: AttentionMetadata) -> Tensor:
         """input_ids/positions [T] -> final-normed hidden states [T, H]."""
         x = F.embedding(input_ids, self.embed_tokens)
-        cos, sin = self.rotary.lookup(positions)
+        rope = RopeStep(self.rotary, positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, attn_metadata, self.attn_backend)
+            x = layer(x, rope, kv_cache, attn_metadata, self.attn_backend)
         return F.rms_norm(x, x.shape[-1:], self.norm, self.arch.rms_norm_eps)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from aioengine.kernels import cpu as cpu_kernels
 from aioengine.model.attention import TorchAttentionBackend, build_attention_metadata
 from aioengine.model import llama
-from aioengine.model.llama import GEMV_MAX_ROWS, _num_chunks, linear
+from aioengine.model.llama import GEMV_MAX_ROWS, _num_chunks, apply_rope, linear
 
 CPU = torch.device("cpu")
 
@@ -65,6 +65,37 @@ def test_paged_decode_attention_declines_what_it_does_not_handle(monkeypatch) ->
     monkeypatch.setenv("AIOENGINE_CPU_KERNELS", "0")
     assert not cpu_kernels.paged_decode_attention(out, q, kv_cache, *args)
     assert torch.count_nonzero(out) == 0
+
+
+@pytest.mark.parametrize("num_tokens,num_heads,head_dim", [(1, 12, 64), (37, 6, 128), (512, 3, 16)])
+def test_rotary_embedding_matches_torch_in_place(num_tokens, num_heads, head_dim) -> None:
+    """In place on the q/k heads of a fused qkv output (token stride wider than the heads),
+    leaving the v columns alone, against the torch formula."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    max_positions = 1000
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32),
+                        torch.rand(head_dim // 2, generator=gen))
+    cos, sin = freqs.cos(), freqs.sin()
+    positions = torch.randint(0, max_positions, (num_tokens,), generator=gen)
+    qkv = torch.randn(num_tokens, (num_heads + 2) * head_dim, generator=gen)
+    before = qkv.clone()
+    qk = qkv[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    expected = apply_rope(qk.clone(), cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+    assert cpu_kernels.rotary_embedding(qk, positions, cos, sin)
+    torch.testing.assert_close(qk, expected, atol=1e-6, rtol=1e-5)
+    assert torch.equal(qkv[:, num_heads * head_dim:], before[:, num_heads * head_dim:])
+
+
+def test_rotary_embedding_declines_what_it_does_not_handle() -> None:
+    cos = sin = torch.zeros(8, 4)
+    x = torch.randn(3, 2, 8)
+    positions = torch.tensor([0, 1, 2])
+    assert not cpu_kernels.rotary_embedding(x.double(), positions, cos.double(), sin.double())
+    assert not cpu_kernels.rotary_embedding(x, positions.int(), cos, sin)
+    assert not cpu_kernels.rotary_embedding(x.transpose(0, 1).contiguous().transpose(0, 1)
+                                            .transpose(1, 2).contiguous().transpose(1, 2),
+                                            positions, cos, sin)  # heads not contiguous
+    assert not cpu_kernels.rotary_embedding(x, positions, cos[:, :3], sin[:, :3])
 
 
 @pytest.mark.parametrize("rows", [1, 3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 32, 512])
