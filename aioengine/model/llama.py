@@ -84,8 +84,10 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-# Up to this many rows a CPU float32 matmul is a gemv over chunks of weight rows (`linear`).
+# Up to this many rows a CPU float32 matmul is a gemv over chunks of weight rows (`linear`);
+# with a oneDNN-packed weight at hand, up to PACKED_GEMV_MAX_ROWS.
 GEMV_MAX_ROWS = 4
+PACKED_GEMV_MAX_ROWS = 2
 _ROWS_PER_CHUNK = 3072
 
 
@@ -112,30 +114,47 @@ def _onednn_linear() -> Callable[..., Tensor] | None:
 _ONEDNN_LINEAR = _onednn_linear()
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
+           packed: Tensor | None = None) -> Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N].
 
     `F.linear` on the CPU goes to MKL, which on these AMD cores runs fp32 at ~140 GFLOP/s
     and threads few-row products badly (a 1-row product streams the weight at a third of
     the memory bandwidth). So in float32 on the CPU:
-    - up to GEMV_MAX_ROWS rows (decode of a few requests): one `bmm` over chunks of the
-      weight's rows (a view, no copy), so every thread streams whole chunks;
-    - otherwise oneDNN's matmul.
-    Measured over SmolLM2-135M's 30 layers of weights, 2 cores, F.linear -> this: 1 row
-    40 -> 17 ms, 32 rows 87 -> 62 ms, 512 rows 725 -> 654 ms; the LM head at 32 rows 33 ->
-    17 ms (docs/benchmarks.md).
+    - up to GEMV_MAX_ROWS rows (PACKED_GEMV_MAX_ROWS with `packed`; decode of a few
+      requests): one `bmm` over chunks of the weight's rows (a view, no copy), so every
+      thread streams whole chunks;
+    - otherwise oneDNN's matmul, on `packed` (the weight reordered once into oneDNN's
+      blocked layout, `pack_linear_weight`) when the model has it.
+    Measured over SmolLM2-135M's 30 layers of weights, 2 cores: 1 row 40 -> 17 ms
+    (F.linear -> chunked gemv); 32 rows 87 (F.linear) -> 62 (oneDNN) -> 52 ms (packed);
+    512 rows 725 -> 541 -> 526 ms; the LM head at 32 rows 33 -> 13 -> 10 ms.
     """
     if x.device.type != "cpu" or x.dtype != torch.float32:
         return F.linear(x, weight, bias)
     m, (n, k) = x.shape[0], weight.shape
-    if m <= GEMV_MAX_ROWS and (c := _num_chunks(n)) > 1:
+    # Packed oneDNN already beats the chunked gemv from 3-4 rows on (4 rows: 19.5 vs 25.5 ms).
+    gemv_max_rows = GEMV_MAX_ROWS if packed is None else PACKED_GEMV_MAX_ROWS
+    if m <= gemv_max_rows and (c := _num_chunks(n)) > 1:
         # [c, N/c, K] @ [c, K, M] -> [c, N/c, M] = out^T
         out = torch.bmm(weight.view(c, n // c, k), x.t().expand(c, k, m)).view(n, m)
         out = out.t().contiguous()
         return out if bias is None else out.add_(bias)
     if _ONEDNN_LINEAR is not None:
-        return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+        return _ONEDNN_LINEAR(x, weight if packed is None else packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+# The row count oneDNN tunes a packed weight's layout for (any count works): decode batches.
+_PACK_FOR_ROWS = 32
+
+
+def pack_linear_weight(weight: Tensor) -> Tensor | None:
+    """`weight` [N, K] reordered for oneDNN's matmul (a copy in its own layout), or None
+    where `linear` would not use it (not float32 on the CPU, or no oneDNN)."""
+    if _ONEDNN_LINEAR is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_FOR_ROWS)
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -163,12 +182,15 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up_proj = _param(2 * arch.intermediate_size, h, **kw)
         self.down_proj = _param(h, arch.intermediate_size, **kw)
         self.scale = d ** -0.5
+        # Projection name -> its weight packed for oneDNN (LlamaForCausalLM.pack_weights).
+        self.packed: dict[str, Tensor] = {}
 
     def forward(self, x: Tensor, rope: RopeStep, kv_cache: Tensor,
                 meta: AttentionMetadata, attn: AttentionBackend) -> Tensor:
         t = x.shape[0]
         h = F.rms_norm(x, x.shape[-1:], self.input_layernorm, self.eps)
-        qkv = linear(h, self.qkv_proj, self.qkv_bias)
+        packed = self.packed
+        qkv = linear(h, self.qkv_proj, self.qkv_bias, packed.get("qkv_proj"))
         # q and k heads side by side, [T, Hq + Hkv, D], so RoPE runs once for both.
         qk_size = self.q_size + self.kv_size
         qk = qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -179,10 +201,10 @@ class LlamaDecoderLayer(nn.Module):
                             F.rms_norm(k, (self.head_dim,), self.k_norm, self.eps)), dim=1)
         q, k = rope(qk).split([self.num_heads, self.num_kv_heads], dim=1)
         o = attn.forward(q, k, v, kv_cache, meta, self.scale)
-        x = x + linear(o.view(t, self.q_size), self.o_proj)
+        x = x + linear(o.view(t, self.q_size), self.o_proj, packed=packed.get("o_proj"))
         h = F.rms_norm(x, x.shape[-1:], self.post_attention_layernorm, self.eps)
-        gate, up = linear(h, self.gate_up_proj).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down_proj)
+        gate, up = linear(h, self.gate_up_proj, packed=packed.get("gate_up_proj")).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.down_proj, packed=packed.get("down_proj"))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -203,6 +225,7 @@ class LlamaForCausalLM(nn.Module):
                         else _param(arch.vocab_size, arch.hidden_size, **kw))
         self.rotary = RotaryEmbedding(arch, dtype, device)
         self._layer_weights = _layer_weight_table(arch)
+        self.packed_lm_head: Tensor | None = None
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
                 attn_metadata: AttentionMetadata) -> Tensor:
@@ -215,7 +238,25 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, H] -> logits [N, V] in float32."""
-        return linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head, packed=self.packed_lm_head).float()
+
+    @torch.no_grad()
+    def pack_weights(self) -> int:
+        """Adds a oneDNN-packed copy of every projection and of the LM head (kept beside the
+        plain weights, which the few-row path, the embedding and reloads use); returns the
+        bytes added, 0 where `linear` would not use packed weights. Call after loading."""
+        added = 0
+        for layer in self.layers:
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                packed = pack_linear_weight(getattr(layer, name))
+                if packed is None:
+                    return 0
+                layer.packed[name] = packed
+                added += packed.numel() * packed.element_size()
+        self.packed_lm_head = pack_linear_weight(self.lm_head)
+        if self.packed_lm_head is not None:
+            added += self.lm_head.numel() * self.lm_head.element_size()
+        return added
 
     def set_rope_freq_factors(self, factors: Tensor) -> None:
         """Divides the RoPE frequencies by per-frequency factors (GGUF's `rope_freqs`, which

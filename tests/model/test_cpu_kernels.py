@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from aioengine.kernels import cpu as cpu_kernels
 from aioengine.model.attention import TorchAttentionBackend, build_attention_metadata
 from aioengine.model import llama
-from aioengine.model.llama import GEMV_MAX_ROWS, _num_chunks, apply_rope, linear
+from aioengine.model.llama import (GEMV_MAX_ROWS, _num_chunks, apply_rope, linear,
+                                   pack_linear_weight)
 
 CPU = torch.device("cpu")
 
@@ -111,6 +112,21 @@ def test_linear_matches_f_linear(rows: int, out_features: int, with_bias: bool) 
     out = linear(x, weight, bias)
     assert out.shape == (rows, out_features) and out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_with_packed_weight_matches_f_linear(rows: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 48, generator=gen)
+    weight = torch.randn(96, 48, generator=gen)
+    bias = torch.randn(96, generator=gen) if with_bias else None
+    packed = pack_linear_weight(weight)
+    assert packed is not None  # float32 on the CPU with oneDNN: packed
+    out = linear(x, weight, bias, packed)
+    assert out.shape == (rows, 96) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    assert pack_linear_weight(weight.double()) is None
 
 
 def test_split_linear_chunk_counts() -> None:
