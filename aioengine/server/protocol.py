@@ -62,13 +62,18 @@ def _type_error(name: str, expected: str, value: Any) -> ApiError:
                     name)
 
 
-def get_bool(body: dict, name: str, default: bool | None) -> bool | None:
+def _get_exact(body: dict, name: str, default: Any, kind: type, expected: str) -> Any:
+    """body[name] if it is a `kind`; `default` when absent or null; else a 400."""
     value = body.get(name)
     if value is None:
         return default
-    if not isinstance(value, bool):
-        raise _type_error(name, "a boolean", value)
+    if not isinstance(value, kind):
+        raise _type_error(name, expected, value)
     return value
+
+
+def get_bool(body: dict, name: str, default: bool | None) -> bool | None:
+    return _get_exact(body, name, default, bool, "a boolean")
 
 
 def get_int(body: dict, name: str, default: int | None, lo: int | None = None,
@@ -97,12 +102,7 @@ def get_float(body: dict, name: str, default: float | None) -> float | None:
 
 
 def get_str(body: dict, name: str, default: str | None) -> str | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, str):
-        raise _type_error(name, "a string", value)
-    return value
+    return _get_exact(body, name, default, str, "a string")
 
 
 def _is_int(x: Any) -> bool:

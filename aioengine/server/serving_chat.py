@@ -5,7 +5,6 @@ its finish_reason; usage (when asked) comes in a last chunk with no choices; the
 """
 from __future__ import annotations
 
-from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,8 +13,7 @@ from aiohttp import web
 from aioengine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from aioengine.server.protocol import (ApiError, chat_sampling_params, get_bool, get_priority,
                                        get_stream)
-from aioengine.server.serving_engine import (ApiCall, Outputs, SSEStream, ServingContext,
-                                             check_failed, failure_body, json_response,
+from aioengine.server.serving_engine import (ApiCall, SSEStream, ServingContext, check_failed,
                                              merged_outputs, random_id)
 from aioengine.tokenizer_utils import ChatTemplateError, apply_chat_template
 
@@ -101,23 +99,16 @@ class _ChatCall(ApiCall):
             choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
         return choice, new_lp
 
-    async def collect(self, outputs: Outputs) -> web.Response:
-        try:
-            async with aclosing(outputs):
-                async for i, out in outputs:
-                    self.usage.update(i, out)
-                    for c in out.outputs:
-                        self._advance(c)
-        except Exception as e:  # noqa: BLE001 - the engine's failure, not the caller's
-            status, body = failure_body(e)
-            return json_response(body, status)
-        choices = [{
+    def collect_output(self, prompt_index: int, out: RequestOutput, c: CompletionOutput) -> None:
+        self._advance(c)
+
+    def final_choices(self) -> list[dict[str, Any]]:
+        return [{
             "index": ch.index,
             "message": {"role": "assistant", "content": ch.text},
             "logprobs": {"content": ch.logprobs} if ch.logprobs is not None else None,
             "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason,
         } for ch in self.choices]
-        return json_response(self.body(choices))
 
     async def stream_start(self, sse: SSEStream) -> None:
         for choice in self.choices:

@@ -1,7 +1,6 @@
 """POST /v1/completions: one engine request per prompt, choice index = prompt * n + sample."""
 from __future__ import annotations
 
-from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,8 +9,7 @@ from aiohttp import web
 from aioengine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from aioengine.server.protocol import (completion_sampling_params, get_priority,
                                        get_stream, parse_completion_prompts)
-from aioengine.server.serving_engine import (ApiCall, Outputs, ServingContext,
-                                             check_failed, failure_body, json_response,
+from aioengine.server.serving_engine import (ApiCall, ServingContext, check_failed,
                                              merged_outputs, random_id)
 
 
@@ -144,18 +142,11 @@ class _Call(ApiCall):
                 "finish_reason": choice.finish_reason if finished else None,
                 "stop_reason": choice.stop_reason if finished else None}
 
-    async def collect(self, outputs: Outputs) -> web.Response:
-        try:
-            async with aclosing(outputs):
-                async for i, out in outputs:
-                    self.usage.update(i, out)
-                    for c in out.outputs:
-                        self._advance(i, out, c)
-        except Exception as e:  # noqa: BLE001 - the engine's failure, not the caller's
-            status, body = failure_body(e)
-            return json_response(body, status)
-        choices = [self._choice_body(ch, ch.text, ch.logprobs, True) for ch in self.choices]
-        return json_response(self.body(choices))
+    def collect_output(self, prompt_index: int, out: RequestOutput, c: CompletionOutput) -> None:
+        self._advance(prompt_index, out, c)
+
+    def final_choices(self) -> list[dict[str, Any]]:
+        return [self._choice_body(ch, ch.text, ch.logprobs, True) for ch in self.choices]
 
     def stream_choice(self, prompt_index: int, out: RequestOutput,
                       c: CompletionOutput) -> dict[str, Any] | None:

@@ -218,6 +218,28 @@ class ApiCall:
             chunk["usage"] = usage
         return chunk
 
+    def collect_output(self, prompt_index: int, out: RequestOutput, c: CompletionOutput) -> None:
+        """Folds one sample's new output into the call (a non-streamed call)."""
+        raise NotImplementedError
+
+    def final_choices(self) -> list[dict[str, Any]]:
+        """The response's choices once every sample has finished."""
+        raise NotImplementedError
+
+    async def collect(self, outputs: Outputs) -> web.Response:
+        """Waits for every sample, then answers with the whole response (or the engine's
+        failure as an error response)."""
+        try:
+            async with aclosing(outputs):
+                async for i, out in outputs:
+                    self.usage.update(i, out)
+                    for c in out.outputs:
+                        self.collect_output(i, out, c)
+        except Exception as e:  # noqa: BLE001 - the engine's failure, not the caller's
+            status, body = failure_body(e)
+            return json_response(body, status)
+        return json_response(self.body(self.final_choices()))
+
     async def stream_start(self, sse: SSEStream) -> None:
         """Chunks sent before any output (chat sends each choice's role)."""
 

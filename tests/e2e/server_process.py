@@ -9,8 +9,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import openai
 import orjson
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -107,3 +109,16 @@ def start_server(*extra_args: str, timeout: float = 240) -> ServerProcess:
         proc.kill()
         raise RuntimeError("server did not start:\n" + "".join(log))
     return ServerProcess(proc, ready[0].group(2), ready[0].group(1), log)
+
+
+def serving(*extra_args: str) -> Iterator[ServerProcess]:
+    """Body of a module-scoped `server` fixture: `yield from serving(...)` starts the server,
+    hands it to the tests and stops it cleanly afterwards."""
+    srv = start_server(*extra_args)
+    yield srv
+    srv.stop_cleanly()
+
+
+def openai_client(server: ServerProcess, api_key: str = "unused") -> openai.OpenAI:
+    """The real `openai` client on the server, without retries (a failure must show)."""
+    return openai.OpenAI(base_url=server.base_url, api_key=api_key, max_retries=0, timeout=120)

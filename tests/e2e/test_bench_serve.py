@@ -2,21 +2,21 @@
 streamed requests through both endpoints, checked through the saved JSON and PNG."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import json
 
 import pytest
 
 from aioengine.bench import main as bench_main
-from server_process import API_KEY, MODEL, ServerProcess, start_server
+from server_process import API_KEY, MODEL, ServerProcess, serving
 
 OUTPUT_LEN = 6
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = start_server("--api-key", API_KEY)
-    yield srv
-    srv.stop_cleanly()
+def server() -> Iterator[ServerProcess]:
+    yield from serving("--api-key", API_KEY)
 
 
 def _bench(server: ServerProcess, tmp_path, *extra: str) -> tuple[int, dict]:

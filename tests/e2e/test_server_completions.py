@@ -2,27 +2,27 @@
 process and the real `openai` client (sync and async)."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import asyncio
 
 import openai
 import orjson
 import pytest
 
-from server_process import API_KEY, MODEL, ServerProcess, start_server
+from server_process import API_KEY, MODEL, ServerProcess, openai_client, serving
 
 PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = start_server("--api-key", API_KEY)
-    yield srv
-    srv.stop_cleanly()
+def server() -> Iterator[ServerProcess]:
+    yield from serving("--api-key", API_KEY)
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=120)
+    return openai_client(server, API_KEY)
 
 
 @pytest.fixture

@@ -2,13 +2,15 @@
 through a real `aioengine serve` process."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import asyncio
 import time
 
 import openai
 import orjson
 import pytest
-from server_process import API_KEY, MODEL, ServerProcess, start_server
+from server_process import API_KEY, MODEL, ServerProcess, openai_client, serving
 
 MAX_MODEL_LEN = 256
 BODY_LIMIT = 65536
@@ -18,16 +20,14 @@ VOCAB = 49152
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = start_server("--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN),
+def server() -> Iterator[ServerProcess]:
+    yield from serving("--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN),
                        "--max-request-body-bytes", str(BODY_LIMIT))
-    yield srv
-    srv.stop_cleanly()
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=120)
+    return openai_client(server, API_KEY)
 
 
 def post(server: ServerProcess, path: str, body: bytes | dict,

@@ -3,6 +3,8 @@ response_format, vLLM's structured_outputs object and guided_* fields, streaming
 n > 1, and a 400 (never a 500, never a stuck request) for every invalid constraint."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import json
 import re
 
@@ -10,7 +12,7 @@ import jsonschema
 import openai
 import orjson
 import pytest
-from server_process import MODEL, ServerProcess, start_server
+from server_process import MODEL, ServerProcess, openai_client, serving
 
 pytestmark = pytest.mark.slow
 
@@ -26,15 +28,13 @@ RESPONSE_FORMAT = {"type": "json_schema",
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = start_server()
-    yield srv
-    srv.stop_cleanly()
+def server() -> Iterator[ServerProcess]:
+    yield from serving()
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def test_chat_json_schema(client: openai.OpenAI) -> None:
