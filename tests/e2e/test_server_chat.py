@@ -1,25 +1,12 @@
 """/v1/chat/completions through a real `aioengine serve` process and the `openai` client."""
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import openai
 import orjson
-import pytest
-from server_process import MODEL, ServerProcess, openai_client, serving
+from server_process import MODEL, ServerProcess
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 STORY = [{"role": "user", "content": "Write a long story about the sea."}]
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    yield from serving()
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai_client(server)
 
 
 def test_chat_answer_and_shape(client: openai.OpenAI) -> None:

@@ -3,8 +3,6 @@ response_format, vLLM's structured_outputs object and guided_* fields, streaming
 n > 1, and a 400 (never a 500, never a stuck request) for every invalid constraint."""
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import json
 import re
 
@@ -12,7 +10,7 @@ import jsonschema
 import openai
 import orjson
 import pytest
-from server_process import MODEL, ServerProcess, openai_client, serving
+from server_process import MODEL, ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -25,16 +23,6 @@ SCHEMA = {"type": "object", "properties": {
 CAT = [{"role": "user", "content": "Describe a cat as JSON."}]
 RESPONSE_FORMAT = {"type": "json_schema",
                    "json_schema": {"name": "cat", "schema": SCHEMA, "strict": True}}
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    yield from serving()
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai_client(server)
 
 
 def test_chat_json_schema(client: openai.OpenAI) -> None:
