@@ -1,9 +1,10 @@
 """CPU kernels written in C, compiled on first use with the machine's C compiler.
 
-Only what torch has no fast path for lives here: paged decode attention, which would
-otherwise gather every request's K/V blocks into a padded copy on each layer
-(`kernels/cpu/paged_decode_attention.c` explains the kernel), and rotary embedding in place
-(`kernels/cpu/rotary_embedding.c`), ~8 allocating torch ops per layer. The shared library is built
+Only what torch has no fast path for lives here, each file in `kernels/cpu/` explaining its
+kernel: paged decode attention, which would otherwise gather every request's K/V blocks into
+a padded copy on each layer; and, in place of several small allocating torch ops per layer,
+rotary embedding in place, the K/V cache write (reshape_and_cache), RMSNorm with the residual
+add fused in, and SiLU-and-mul. The shared library is built
 with `-O3 -march=native -fopenmp` into a cache directory keyed by the source, the flags and
 the compiler, then called through ctypes (which releases the GIL). When no compiler is
 found or the build fails, each function returns False and the caller keeps its torch path;
@@ -30,12 +31,15 @@ from aioengine import envs
 logger = logging.getLogger(__name__)
 
 _SOURCES = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu", name)
-            for name in ("paged_decode_attention.c", "rotary_embedding.c")]
+            for name in ("paged_decode_attention.c", "rotary_embedding.c", "cache.c",
+                         "layernorm.c", "activation.c")]
 # No -ffast-math: the softmax relies on IEEE exp/max; -O3 still vectorises the dot products
 # once reassociation is allowed for them (-fassociative-math needs -fno-signed-zeros and
-# -fno-trapping-math).
+# -fno-trapping-math). -std=c11 alone would turn off FMA contraction, which halves the speed
+# of polynomial code (activation.c).
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
-           "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-std=c11"]
+           "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast",
+           "-std=c11"]
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -95,6 +99,18 @@ def _build() -> ctypes.CDLL:
     fn.restype = ctypes.c_int
     fn = lib.rotary_embedding_f32
     fn.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
+    fn.restype = None
+    fn = lib.reshape_and_cache_f32
+    fn.argtypes = [ptr, ptr, i64, i64, ptr, i64, ptr, i64, i64, ctypes.c_int]
+    fn.restype = i64
+    fn = lib.rms_norm_f32
+    fn.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
+    fn.restype = None
+    fn = lib.fused_add_rms_norm_f32
+    fn.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
+    fn.restype = None
+    fn = lib.silu_and_mul_f32
+    fn.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
     fn.restype = None
     return lib
 
@@ -165,3 +181,86 @@ def rotary_embedding(x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> 
                              positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                              torch.get_num_threads())
     return True
+
+
+def _f32_rows(*tensors: Tensor) -> bool:
+    """Every tensor float32 on the CPU and contiguous."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+               for t in tensors)
+
+
+def reshape_and_cache(key: Tensor, value: Tensor, kv_cache: Tensor,
+                      slot_mapping: Tensor) -> bool:
+    """Writes key/value [T, Hkv, D] into kv_cache [2, blocks, block_size, Hkv, D] at the
+    slots of slot_mapping [T] (int64): kv_cache[0].view(-1, Hkv, D)[slot_mapping[t]] =
+    key[t], and the same for value in kv_cache[1].
+
+    key/value float32 on the CPU with contiguous heads (any token stride: views into a fused
+    qkv output qualify). Raises IndexError for a slot outside the cache (the tokens with
+    valid slots are written). Returns False, writing nothing, when the kernel does not
+    apply or is not built.
+    """
+    num_tokens, num_kv_heads, head_dim = key.shape
+    row = num_kv_heads * head_dim
+    if not (_f32_rows(kv_cache) and value.shape == key.shape
+            and key.dtype == value.dtype == torch.float32 and key.device.type == "cpu"
+            and value.device.type == "cpu" and kv_cache.shape[-2:] == key.shape[1:]
+            and key.stride(2) == value.stride(2) == 1
+            and key.stride(1) == value.stride(1) == head_dim
+            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+            and slot_mapping.shape == (num_tokens,)):
+        return False
+    lib = load()
+    if lib is None:
+        return False
+    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    skipped = lib.reshape_and_cache_f32(
+        key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0), kv_cache.data_ptr(),
+        num_slots, slot_mapping.data_ptr(), num_tokens, row, torch.get_num_threads())
+    if skipped:
+        raise IndexError(f"reshape_and_cache: {skipped} slot(s) outside the cache's "
+                         f"{num_slots} slots")
+    return True
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
+    """x [T, H] / sqrt(mean(x^2) + eps) * weight [H], as a new tensor; None when the kernel
+    does not apply (float32 contiguous CPU tensors) or is not built."""
+    if not (x.dim() == 2 and weight.shape == x.shape[1:] and _f32_rows(x, weight)):
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    out = torch.empty_like(x)
+    lib.rms_norm_f32(out.data_ptr(), x.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1],
+                     eps, torch.get_num_threads())
+    return out
+
+
+def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> bool:
+    """In place: residual += x, then x = rms_norm(residual) * weight. x and residual [T, H],
+    distinct. Returns False, changing nothing, when the kernel does not apply (float32
+    contiguous CPU tensors) or is not built."""
+    if not (x.dim() == 2 and residual.shape == x.shape and weight.shape == x.shape[1:]
+            and _f32_rows(x, residual, weight)):
+        return False
+    lib = load()
+    if lib is None:
+        return False
+    lib.fused_add_rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
+                               x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return True
+
+
+def silu_and_mul(x: Tensor) -> Tensor | None:
+    """x [T, 2d] = [gate | up] -> silu(gate) * up [T, d], as a new tensor; None when the
+    kernel does not apply (float32 contiguous CPU tensor) or is not built."""
+    if not (x.dim() == 2 and x.shape[1] % 2 == 0 and _f32_rows(x)):
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    d = x.shape[1] // 2
+    out = x.new_empty((x.shape[0], d))
+    lib.silu_and_mul_f32(out.data_ptr(), x.data_ptr(), x.shape[0], d, torch.get_num_threads())
+    return out

@@ -105,7 +105,10 @@ class AttentionBackend(abc.ABC):
 
 
 def write_to_kv_cache(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Scatters the new tokens' K/V to their slots (vLLM's reshape_and_cache)."""
+    """Scatters the new tokens' K/V to their slots (vLLM's reshape_and_cache): the C kernel
+    where it applies, else two index_copy_."""
+    if cpu_kernels.reshape_and_cache(k, v, kv_cache, slot_mapping):
+        return
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)

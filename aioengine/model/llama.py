@@ -1,15 +1,15 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 Written for few Python ops per layer: q/k/v are one matmul, gate/up are one matmul, RoPE
-reads a precomputed cos/sin table, norms are `F.rms_norm`. Weights arrive with Hugging Face
-names through `load_weights`, which fuses them into our layout.
+reads a precomputed cos/sin table, each residual add is fused into the RMSNorm after it, and
+SiLU-and-mul is one op (`aioengine.model.layers`, with C kernels on the CPU). Weights arrive
+with Hugging Face names through `load_weights`, which fuses them into our layout.
 """
 from __future__ import annotations
 
-import functools
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,8 @@ from torch import Tensor, nn
 from aioengine.kernels import cpu as cpu_kernels
 from aioengine.model.arch import ModelArchConfig
 from aioengine.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from aioengine.model.layers import (fused_add_rms_norm, linear, pack_linear_weight, rms_norm,
+                                    silu_and_mul)
 
 
 def rope_inv_freq(arch: ModelArchConfig) -> Tensor:
@@ -84,79 +86,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-# Up to this many rows a CPU float32 matmul is a gemv over chunks of weight rows (`linear`);
-# with a oneDNN-packed weight at hand, up to PACKED_GEMV_MAX_ROWS.
-GEMV_MAX_ROWS = 4
-PACKED_GEMV_MAX_ROWS = 2
-_ROWS_PER_CHUNK = 3072
-
-
-@functools.lru_cache(maxsize=None)
-def _num_chunks(n: int) -> int:
-    """At least 4 chunks (2 threads, some balance), about 3,072 weight rows each for wide
-    outputs (the LM head: 16), and a divisor of n; 1 means do not split."""
-    c = min(16, max(4, n // _ROWS_PER_CHUNK))
-    while n % c:
-        c -= 1
-    return c
-
-
-def _onednn_linear() -> Callable[..., Tensor] | None:
-    """oneDNN's fp32 matmul (the op inductor emits for CPU linears), when this torch has it."""
-    if not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        return torch.ops.mkldnn._linear_pointwise
-    except (AttributeError, RuntimeError):
-        return None
-
-
-_ONEDNN_LINEAR = _onednn_linear()
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
-           packed: Tensor | None = None) -> Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N].
-
-    `F.linear` on the CPU goes to MKL, which on these AMD cores runs fp32 at ~140 GFLOP/s
-    and threads few-row products badly (a 1-row product streams the weight at a third of
-    the memory bandwidth). So in float32 on the CPU:
-    - up to GEMV_MAX_ROWS rows (PACKED_GEMV_MAX_ROWS with `packed`; decode of a few
-      requests): one `bmm` over chunks of the weight's rows (a view, no copy), so every
-      thread streams whole chunks;
-    - otherwise oneDNN's matmul, on `packed` (the weight reordered once into oneDNN's
-      blocked layout, `pack_linear_weight`) when the model has it.
-    Measured over SmolLM2-135M's 30 layers of weights, 2 cores: 1 row 40 -> 17 ms
-    (F.linear -> chunked gemv); 32 rows 87 (F.linear) -> 62 (oneDNN) -> 52 ms (packed);
-    512 rows 725 -> 541 -> 526 ms; the LM head at 32 rows 33 -> 13 -> 10 ms.
-    """
-    if x.device.type != "cpu" or x.dtype != torch.float32:
-        return F.linear(x, weight, bias)
-    m, (n, k) = x.shape[0], weight.shape
-    # Packed oneDNN already beats the chunked gemv from 3-4 rows on (4 rows: 19.5 vs 25.5 ms).
-    gemv_max_rows = GEMV_MAX_ROWS if packed is None else PACKED_GEMV_MAX_ROWS
-    if m <= gemv_max_rows and (c := _num_chunks(n)) > 1:
-        # [c, N/c, K] @ [c, K, M] -> [c, N/c, M] = out^T
-        out = torch.bmm(weight.view(c, n // c, k), x.t().expand(c, k, m)).view(n, m)
-        out = out.t().contiguous()
-        return out if bias is None else out.add_(bias)
-    if _ONEDNN_LINEAR is not None:
-        return _ONEDNN_LINEAR(x, weight if packed is None else packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
-
-
-# The row count oneDNN tunes a packed weight's layout for (any count works): decode batches.
-_PACK_FOR_ROWS = 32
-
-
-def pack_linear_weight(weight: Tensor) -> Tensor | None:
-    """`weight` [N, K] reordered for oneDNN's matmul (a copy in its own layout), or None
-    where `linear` would not use it (not float32 on the CPU, or no oneDNN)."""
-    if _ONEDNN_LINEAR is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_FOR_ROWS)
-
-
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     # Uninitialised: every parameter is overwritten by load_weights (which checks that).
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
@@ -185,10 +114,17 @@ class LlamaDecoderLayer(nn.Module):
         # Projection name -> its weight packed for oneDNN (LlamaForCausalLM.pack_weights).
         self.packed: dict[str, Tensor] = {}
 
-    def forward(self, x: Tensor, rope: RopeStep, kv_cache: Tensor,
-                meta: AttentionMetadata, attn: AttentionBackend) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None, rope: RopeStep, kv_cache: Tensor,
+                meta: AttentionMetadata, attn: AttentionBackend) -> tuple[Tensor, Tensor]:
+        """x: the previous layer's MLP output (the embeddings for the first layer, with
+        residual None), not yet added to the residual stream. Returns this layer's MLP
+        output and the residual stream, the pair the next layer takes (vLLM's layout: each
+        residual add is fused into the RMSNorm that follows it)."""
         t = x.shape[0]
-        h = F.rms_norm(x, x.shape[-1:], self.input_layernorm, self.eps)
+        if residual is None:
+            h, residual = rms_norm(x, self.input_layernorm, self.eps), x
+        else:
+            h, residual = fused_add_rms_norm(x, residual, self.input_layernorm, self.eps)
         packed = self.packed
         qkv = linear(h, self.qkv_proj, self.qkv_bias, packed.get("qkv_proj"))
         # q and k heads side by side, [T, Hq + Hkv, D], so RoPE runs once for both.
@@ -201,10 +137,10 @@ class LlamaDecoderLayer(nn.Module):
                             F.rms_norm(k, (self.head_dim,), self.k_norm, self.eps)), dim=1)
         q, k = rope(qk).split([self.num_heads, self.num_kv_heads], dim=1)
         o = attn.forward(q, k, v, kv_cache, meta, self.scale)
-        x = x + linear(o.view(t, self.q_size), self.o_proj, packed=packed.get("o_proj"))
-        h = F.rms_norm(x, x.shape[-1:], self.post_attention_layernorm, self.eps)
-        gate, up = linear(h, self.gate_up_proj, packed=packed.get("gate_up_proj")).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down_proj, packed=packed.get("down_proj"))
+        o = linear(o.view(t, self.q_size), self.o_proj, packed=packed.get("o_proj"))
+        h, residual = fused_add_rms_norm(o, residual, self.post_attention_layernorm, self.eps)
+        gate_up = linear(h, self.gate_up_proj, packed=packed.get("gate_up_proj"))
+        return linear(silu_and_mul(gate_up), self.down_proj, packed=packed.get("down_proj")), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -232,9 +168,12 @@ class LlamaForCausalLM(nn.Module):
         """input_ids/positions [T] -> final-normed hidden states [T, H]."""
         x = F.embedding(input_ids, self.embed_tokens)
         rope = RopeStep(self.rotary, positions)
+        residual: Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, attn_metadata, self.attn_backend)
-        return F.rms_norm(x, x.shape[-1:], self.norm, self.arch.rms_norm_eps)
+            x, residual = layer(x, residual, rope, kv_cache, attn_metadata, self.attn_backend)
+        if residual is None:  # no layers
+            return rms_norm(x, self.norm, self.arch.rms_norm_eps)
+        return fused_add_rms_norm(x, residual, self.norm, self.arch.rms_norm_eps)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, H] -> logits [N, V] in float32."""

@@ -11,23 +11,33 @@
  */
 #include <stdint.h>
 
+/* One token's heads, rotated in place. */
+static inline void rotate_token(float *restrict row, int64_t num_heads, int64_t head_dim,
+                                const float *restrict c, const float *restrict s) {
+    const int64_t half = head_dim / 2;
+    for (int64_t h = 0; h < num_heads; h++) {
+        float *x1 = row + h * head_dim, *x2 = x1 + half;
+        for (int64_t i = 0; i < half; i++) {
+            const float a = x1[i], b = x2[i];
+            x1[i] = a * c[i] - b * s[i];
+            x2[i] = b * c[i] + a * s[i];
+        }
+    }
+}
+
 void rotary_embedding_f32(float *restrict x, int64_t num_tokens, int64_t token_stride,
                           int64_t num_heads, int64_t head_dim,
                           const int64_t *restrict positions, const float *restrict cos_table,
                           const float *restrict sin_table, int num_threads) {
     const int64_t half = head_dim / 2;
-#pragma omp parallel for num_threads(num_threads) if (num_tokens >= 64) schedule(static)
-    for (int64_t t = 0; t < num_tokens; t++) {
-        const float *c = cos_table + positions[t] * half;
-        const float *s = sin_table + positions[t] * half;
-        float *row = x + t * token_stride;
-        for (int64_t h = 0; h < num_heads; h++) {
-            float *x1 = row + h * head_dim, *x2 = x1 + half;
-            for (int64_t i = 0; i < half; i++) {
-                const float a = x1[i], b = x2[i];
-                x1[i] = a * c[i] - b * s[i];
-                x2[i] = b * c[i] + a * s[i];
-            }
-        }
+    if (num_tokens < 64) { /* no OpenMP region at all: see layernorm.c */
+        for (int64_t t = 0; t < num_tokens; t++)
+            rotate_token(x + t * token_stride, num_heads, head_dim,
+                         cos_table + positions[t] * half, sin_table + positions[t] * half);
+        return;
     }
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < num_tokens; t++)
+        rotate_token(x + t * token_stride, num_heads, head_dim,
+                     cos_table + positions[t] * half, sin_table + positions[t] * half);
 }

@@ -1,6 +1,7 @@
 """The bundled SmolLM2-135M-Instruct (Q4_1 GGUF): ours vs transformers reading the same file."""
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -72,12 +73,20 @@ def test_config_read_from_metadata(ours) -> None:
 
 @torch.inference_mode()
 def test_prefill_logits_match_transformers(ours, hf_model) -> None:
+    """Against transformers in float64 (the exact logits, for this purpose): ours are as
+    close as transformers' own float32 run, within 2x. Two correct float32 models differ by
+    ~1e-4 here (summation order over 30 layers), so a fixed tolerance against transformers'
+    float32 logits would measure rounding luck rather than correctness."""
     ids = _chat_ids(ours.tokenizer, PROMPTS[0])
     caches = make_kv_caches(ours.arch, 8, 16, torch.float32, CPU)
     meta, pos = build_attention_metadata([len(ids)], [len(ids)], [[6, 2, 4, 0]], 16, CPU)
     logits = ours.model.compute_logits(ours.model(torch.tensor(ids), pos, caches, meta))
     ref = hf_model(torch.tensor([ids]), use_cache=False).logits[0]
-    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-5)
+    exact = copy.deepcopy(hf_model).double()(torch.tensor([ids]), use_cache=False).logits[0]
+    ours_err = (logits.double() - exact).abs().max().item()
+    hf_err = (ref.double() - exact).abs().max().item()
+    assert ours_err <= 2 * hf_err, (ours_err, hf_err)
+    torch.testing.assert_close(logits, ref, atol=5e-4, rtol=1e-5)
 
 
 def test_greedy_chat_matches_transformers(ours, hf_model) -> None:

@@ -7,9 +7,10 @@ import torch.nn.functional as F
 
 from aioengine.kernels import cpu as cpu_kernels
 from aioengine.model.attention import TorchAttentionBackend, build_attention_metadata
-from aioengine.model import llama
-from aioengine.model.llama import (GEMV_MAX_ROWS, _num_chunks, apply_rope, linear,
-                                   pack_linear_weight)
+from aioengine.model import layers
+from aioengine.model.layers import (GEMV_MAX_ROWS, _num_chunks, fused_add_rms_norm, linear,
+                                    pack_linear_weight, rms_norm, silu_and_mul)
+from aioengine.model.llama import apply_rope
 
 CPU = torch.device("cpu")
 
@@ -99,12 +100,93 @@ def test_rotary_embedding_declines_what_it_does_not_handle() -> None:
     assert not cpu_kernels.rotary_embedding(x, positions, cos[:, :3], sin[:, :3])
 
 
+@pytest.mark.parametrize("num_tokens,num_kv_heads,head_dim", [(1, 3, 64), (300, 2, 16)])
+def test_reshape_and_cache_matches_index_copy(num_tokens, num_kv_heads, head_dim) -> None:
+    """K and V as views into a fused qkv output (token stride wider than a row), written to
+    scattered slots; 300 tokens take the threaded path."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    num_blocks, block_size, row = 40, 8, num_kv_heads * head_dim
+    qkv = torch.randn(num_tokens, 4 * row, generator=gen)
+    k = qkv[:, 2 * row:3 * row].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, 3 * row:].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    expected = kv_cache.clone()
+    expected[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    expected[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+    assert cpu_kernels.reshape_and_cache(k, v, kv_cache, slots)
+    assert torch.equal(kv_cache, expected)
+
+
+def test_reshape_and_cache_rejects_a_slot_outside_the_cache() -> None:
+    kv_cache = torch.zeros(2, 2, 4, 1, 8)
+    k = v = torch.ones(2, 1, 8)
+    with pytest.raises(IndexError, match="1 slot"):
+        cpu_kernels.reshape_and_cache(k, v, kv_cache, torch.tensor([3, 8]))
+    assert kv_cache[0, 0, 3].eq(1).all() and kv_cache.sum() == 16  # the valid one went in
+    assert not cpu_kernels.reshape_and_cache(k.double(), v.double(), kv_cache.double(),
+                                             torch.tensor([0, 1]))
+    assert not cpu_kernels.reshape_and_cache(k, v, kv_cache, torch.tensor([0, 1]).int())
+
+
+@pytest.mark.parametrize("num_tokens,hidden", [(1, 576), (3, 100), (130, 64)])
+def test_rms_norms_match_torch(num_tokens: int, hidden: int) -> None:
+    gen = torch.Generator().manual_seed(hidden)
+    x = torch.randn(num_tokens, hidden, generator=gen) * 3
+    residual = torch.randn(num_tokens, hidden, generator=gen)
+    weight = torch.rand(hidden, generator=gen) + 0.5
+    expected = F.rms_norm(x, (hidden,), weight, 1e-5)
+    out = cpu_kernels.rms_norm(x, weight, 1e-5)
+    assert out is not None
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+    summed = x + residual
+    expected = F.rms_norm(summed, (hidden,), weight, 1e-5)
+    x_in, res_in = x.clone(), residual.clone()
+    assert cpu_kernels.fused_add_rms_norm(x_in, res_in, weight, 1e-5)
+    torch.testing.assert_close(res_in, summed, atol=0, rtol=0)
+    torch.testing.assert_close(x_in, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens,d", [(1, 1536), (40, 100), (130, 1536)])
+def test_silu_and_mul_matches_torch(num_tokens: int, d: int) -> None:
+    gen = torch.Generator().manual_seed(d)
+    x = torch.randn(num_tokens, 2 * d, generator=gen) * 6
+    x[0, :8] = torch.tensor([-200.0, -87.5, -30.0, -1e-3, 0.0, 1e-3, 30.0, 100.0])
+    gate, up = x.chunk(2, dim=-1)
+    out = cpu_kernels.silu_and_mul(x)
+    assert out is not None and out.shape == (num_tokens, d)
+    # Against float64: as close as torch's own float32 SiLU (a few ulp).
+    exact = (F.silu(gate.double()) * up.double()).float()
+    torch.testing.assert_close(out, exact, atol=1e-30, rtol=5e-7)
+    torch.testing.assert_close(F.silu(gate) * up, exact, atol=1e-30, rtol=5e-7)
+    assert torch.isnan(cpu_kernels.silu_and_mul(torch.tensor([[float("nan"), 1.0]])))[0, 0]
+
+
+def test_norm_and_activation_kernels_decline_what_they_do_not_handle(monkeypatch) -> None:
+    x, w = torch.randn(4, 8), torch.ones(8)
+    assert cpu_kernels.rms_norm(x.double(), w.double(), 1e-6) is None
+    assert cpu_kernels.rms_norm(x.t(), torch.ones(4), 1e-6) is None  # not contiguous
+    assert not cpu_kernels.fused_add_rms_norm(x, x[:2], w, 1e-6)  # shapes differ
+    assert cpu_kernels.silu_and_mul(torch.randn(4, 7)) is None  # odd width
+    assert cpu_kernels.silu_and_mul(x.double()) is None
+    # The model-facing functions give the same answers with the kernels off (torch path).
+    residual = torch.randn(4, 8)
+    with_kernels = (rms_norm(x, w, 1e-6), *fused_add_rms_norm(x.clone(), residual.clone(), w,
+                                                              1e-6), silu_and_mul(x))
+    monkeypatch.setenv("AIOENGINE_CPU_KERNELS", "0")
+    assert cpu_kernels.rms_norm(x, w, 1e-6) is None
+    without = (rms_norm(x, w, 1e-6), *fused_add_rms_norm(x.clone(), residual.clone(), w, 1e-6),
+               silu_and_mul(x))
+    for a, b in zip(with_kernels, without):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("rows", [1, 3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 32, 512])
 @pytest.mark.parametrize("out_features", [96, 97, 94, 5 * 3072])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_matches_f_linear(rows: int, out_features: int, with_bias: bool) -> None:
     """Few rows take the chunked gemv, more take oneDNN (present in this torch build)."""
-    assert llama._ONEDNN_LINEAR is not None
+    assert layers._ONEDNN_LINEAR is not None
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 48, generator=gen)
     weight = torch.randn(out_features, 48, generator=gen)
