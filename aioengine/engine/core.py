@@ -58,6 +58,10 @@ class EngineCore:
             policy=args.scheduling_policy), self.kv_cache_manager)
         self.runner = ModelRunner(self.loaded, num_blocks, args.block_size, self.device, self.dtype,
                                   seed=args.seed)
+        warm_start = time.perf_counter()
+        warm_tokens = self.runner.warm_up(args.max_num_batched_tokens, self.max_model_len)
+        logger.debug("warm-up step of %d tokens: %.2fs", warm_tokens,
+                     time.perf_counter() - warm_start)
         self.eos_token_ids = get_eos_token_ids(self.tokenizer, self.loaded.hf_config)
         self.eos_token_ids |= set(self.loaded.arch.eos_token_ids)
         # Grammars allow EOS only where they may end; compiles run on its own pool.
