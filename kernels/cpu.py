@@ -30,9 +30,11 @@ from aioengine import envs
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu", name)
-            for name in ("paged_decode_attention.c", "rotary_embedding.c", "cache.c",
-                         "layernorm.c", "activation.c")]
+_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu")
+_SOURCES = [os.path.join(_DIR, name) for name in ("paged_decode_attention.c",
+                                                  "rotary_embedding.c", "cache.c",
+                                                  "layernorm.c", "activation.c")]
+_HEADERS = [os.path.join(_DIR, "vec_math.h")]
 # No -ffast-math: the softmax relies on IEEE exp/max; -O3 still vectorises the dot products
 # once reassociation is allowed for them (-fassociative-math needs -fno-signed-zeros and
 # -fno-trapping-math). -std=c11 alone would turn off FMA contraction, which halves the speed
@@ -71,7 +73,7 @@ def _build() -> ctypes.CDLL:
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
     source = b""
-    for path in _SOURCES:
+    for path in _SOURCES + _HEADERS:
         with open(path, "rb") as f:
             source += f.read()
     # -march=native: the build is only valid on this kind of CPU, so the CPU is in the key.

@@ -16,9 +16,10 @@
  * Built and loaded by aioengine/kernels/cpu.py; torch's OpenMP runtime is already loaded
  * then, so this shares its thread pool.
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "vec_math.h"
 
 /* One request; `scores` holds [num_heads, seq_len] floats. Always inlined with head_dim a
  * constant (64, 128) so the dot products and value sums compile to straight vector code
@@ -47,8 +48,10 @@ static inline __attribute__((always_inline)) void attend(
         float mx = s[0];
         for (int64_t p = 1; p < seq_len; p++) mx = s[p] > mx ? s[p] : mx;
         float sum = 0.0f;
+        /* exp_f32 vectorises, libm's expf does not: 30 layers at 32 requests x 180 tokens
+         * went from 24 to 20 ms. */
         for (int64_t p = 0; p < seq_len; p++) {
-            s[p] = expf(s[p] - mx);
+            s[p] = exp_f32(s[p] - mx);
             sum += s[p];
         }
         const float inv = 1.0f / sum;
