@@ -11,9 +11,13 @@ output token cannot drop below the time to stream the weights from memory:
   head counts once, in full: the LM head reads all of it every token. An untied embedding
   counts one row: the lookup reads only that. The KV cache reads are not in the floor
   (at these lengths they are a few percent of the weights).
-- Bandwidth (`measure_read_bandwidth`): the best of several `.sum()` over a buffer of
+- Bandwidth (`measure_read_bandwidth`): the median of several `.sum()` over a buffer of
   `--bandwidth-mib` (1 GiB by default, far larger than the caches), on the same torch
-  thread count as the engines.
+  thread count as the engines, measured again right before every timed run. Each run's
+  TPOT / floor uses the bandwidth measured just before it: these machines drift by 20-30%
+  over minutes, and a floor from one moment against a TPOT from another measured the drift
+  (one bandwidth at the start gave 1.25-1.72x for the same code). The report's floor is the
+  median of those measurements.
 
 Engines, on the same weights and thread count, each after `--warmup` untimed runs:
 
@@ -66,9 +70,14 @@ BANDWIDTH_REPEATS = 5
 
 
 def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = BANDWIDTH_REPEATS) -> float:
-    """Memory read bandwidth in bytes/s: the fastest of `repeats` sums of a float32 buffer
+    """Memory read bandwidth in bytes/s: the median of `repeats` sums of a float32 buffer
     of `num_bytes`, with torch's current thread count. `torch.ones` writes every page
     first, so no timed pass pays for page faults.
+
+    The median, not the fastest: on the 2-core VMs this was written on, a pass now and then
+    reads at 44-57 GB/s where the sustained rate is 30-33 GB/s (and the weight-streaming
+    matrix-vector products reach 28-30 GB/s, 94% of it, throughout). No run of a workload
+    ever saw the faster rate, so a floor taken from it measured a spike, not the machine.
 
     Runs on a thread of its own that ends with it: a thread that has started OpenMP work
     keeps an OpenMP thread team while it lives, and a second live team slows the engine's
@@ -80,12 +89,12 @@ def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = BANDWIDTH_RE
         torch.set_num_threads(threads)
         buf = torch.ones(max(num_bytes // 4, 1), dtype=torch.float32)
         buf.sum()  # one untimed pass: threads up, buffer resident
-        best = float("inf")
+        times = []
         for _ in range(repeats):
             start = time.perf_counter()
             buf.sum()
-            best = min(best, time.perf_counter() - start)
-        result.append(buf.numel() * buf.element_size() / best)
+            times.append(time.perf_counter() - start)
+        result.append(buf.numel() * buf.element_size() / statistics.median(times))
 
     worker = threading.Thread(target=measure, name="aioengine-bandwidth")
     worker.start()
@@ -100,9 +109,11 @@ def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = BANDWIDTH_RE
 
 @dataclass
 class LatencyRun:
-    """One request's token arrival times, in seconds since it was submitted."""
+    """One request's token arrival times, in seconds since it was submitted, and the memory
+    read bandwidth (bytes/s) measured just before it."""
 
     token_times_s: list[float]
+    bandwidth: float = 0.0
 
     @property
     def ttft_s(self) -> float:
@@ -124,13 +135,15 @@ class LatencyRun:
     def to_json(self) -> dict[str, Any]:
         return {"ttft_ms": self.ttft_s * 1e3, "tpot_ms": self.tpot_s * 1e3,
                 "itl_median_ms": statistics.median(self.itls_s) * 1e3,
-                "e2e_ms": self.e2e_s * 1e3, "num_tokens": len(self.token_times_s)}
+                "e2e_ms": self.e2e_s * 1e3, "num_tokens": len(self.token_times_s),
+                "bandwidth_gb_per_s": self.bandwidth / 1e9}
 
 
-def _checked(engine: str, times: list[float], output_len: int) -> LatencyRun:
+def _checked(engine: str, times: list[float], output_len: int,
+             bandwidth: float) -> LatencyRun:
     if len(times) != output_len:
         raise RuntimeError(f"{engine}: {len(times)} tokens arrived, expected {output_len}")
-    return LatencyRun(times)
+    return LatencyRun(times, bandwidth)
 
 
 @dataclass
@@ -141,12 +154,17 @@ class EngineLatency:
     # Our engine: the weights it holds, for the floor.
     weight_bytes: int | None = field(default=None, repr=False)
 
-    def summary(self) -> dict[str, Any]:
-        """Median and best (min) over runs of each per-run number."""
+    def summary(self, weight_bytes: int | None = None) -> dict[str, Any]:
+        """Median and best (min) over runs of each per-run number; with `weight_bytes`, also
+        each run's TPOT over the floor from the bandwidth measured just before it."""
         per_run = [r.to_json() for r in self.runs]
+        if weight_bytes is not None:
+            for run, summary in zip(self.runs, per_run):
+                summary["tpot_over_floor"] = run.tpot_s / (weight_bytes / run.bandwidth)
         out: dict[str, Any] = {"engine": self.engine, "threads": self.threads,
                                "num_runs": len(per_run)}
-        for key in ("ttft_ms", "tpot_ms", "itl_median_ms", "e2e_ms"):
+        keys = ["ttft_ms", "tpot_ms", "itl_median_ms", "e2e_ms"]
+        for key in keys + (["tpot_over_floor"] if weight_bytes is not None else []):
             values = [r[key] for r in per_run]
             out[key] = {"median": statistics.median(values), "best": min(values)}
         out["runs"] = per_run
@@ -154,7 +172,8 @@ class EngineLatency:
 
 
 async def _aioengine_runs(model: str | None, kwargs: dict[str, Any], prompt: list[int],
-                          output_len: int, warmup: int, repeats: int) -> EngineLatency:
+                          output_len: int, warmup: int, repeats: int,
+                          bandwidth_bytes: int) -> EngineLatency:
     from aioengine import AsyncEngine, SamplingParams
 
     threads = torch.get_num_threads()
@@ -166,6 +185,7 @@ async def _aioengine_runs(model: str | None, kwargs: dict[str, Any], prompt: lis
         for i in range(warmup + repeats):
             if not engine.core.kv_cache_manager.reset_prefix_cache():
                 raise RuntimeError("aioengine: KV blocks still in use between runs")
+            bandwidth = measure_read_bandwidth(bandwidth_bytes) if i >= warmup else 0.0
             times: list[float] = []
             start = time.perf_counter()
             async for out in engine.generate(prompt, params):
@@ -173,7 +193,7 @@ async def _aioengine_runs(model: str | None, kwargs: dict[str, Any], prompt: lis
                 # Tokens that reach the caller together share an arrival time.
                 times += [now] * sum(len(c.token_ids) for c in out.outputs)
             if i >= warmup:
-                runs.append(_checked(OUR_ENGINE, times, output_len))
+                runs.append(_checked(OUR_ENGINE, times, output_len, bandwidth))
         weight_bytes = weight_bytes_per_token(engine.core.loaded.model)
     finally:
         await engine.shutdown()
@@ -181,8 +201,10 @@ async def _aioengine_runs(model: str | None, kwargs: dict[str, Any], prompt: lis
 
 
 def run_aioengine(model: str | None, kwargs: dict[str, Any], prompt: list[int],
-                  output_len: int, warmup: int, repeats: int) -> EngineLatency:
-    return asyncio.run(_aioengine_runs(model, kwargs, prompt, output_len, warmup, repeats))
+                  output_len: int, warmup: int, repeats: int,
+                  bandwidth_bytes: int) -> EngineLatency:
+    return asyncio.run(_aioengine_runs(model, kwargs, prompt, output_len, warmup, repeats,
+                                       bandwidth_bytes))
 
 
 class TokenClock:
@@ -206,7 +228,7 @@ class TokenClock:
 
 
 def run_hf(model: str, prompt: list[int], output_len: int, warmup: int, repeats: int,
-           pad_id: int) -> EngineLatency:
+           pad_id: int, bandwidth_bytes: int) -> EngineLatency:
     """transformers `generate`, greedy, batch 1, timed per token by a streamer."""
     from aioengine.bench.offline import load_hf_model
 
@@ -214,6 +236,7 @@ def run_hf(model: str, prompt: list[int], output_len: int, warmup: int, repeats:
     ids = torch.tensor([prompt], dtype=torch.long)
     runs = []
     for i in range(warmup + repeats):
+        bandwidth = measure_read_bandwidth(bandwidth_bytes) if i >= warmup else 0.0
         clock = TokenClock()
         with torch.inference_mode():
             # eos_token_id=None: never stop early (our ignore_eos), as in `offline`.
@@ -223,7 +246,7 @@ def run_hf(model: str, prompt: list[int], output_len: int, warmup: int, repeats:
                               eos_token_id=None, temperature=None, top_p=None, top_k=None,
                               streamer=clock)
         if i >= warmup:
-            runs.append(_checked("hf", clock.times, output_len))
+            runs.append(_checked("hf", clock.times, output_len, bandwidth))
     return EngineLatency("hf", runs, torch.get_num_threads())
 
 
@@ -244,12 +267,10 @@ class LatencyConfig:
 
 
 def run_latency(config: LatencyConfig) -> dict[str, Any]:
-    """Bandwidth first (nothing else loaded), then each engine in turn; returns the
+    """Each engine in turn, the bandwidth measured before each timed run; returns the
     report's floor, results, ratios and skipped engines."""
     from aioengine.model.loader import load_model
 
-    bandwidth = measure_read_bandwidth(config.bandwidth_bytes)
-    gc.collect()
     results: dict[str, EngineLatency] = {}
     skipped: dict[str, str] = {}
     for name in config.engines:
@@ -257,10 +278,12 @@ def run_latency(config: LatencyConfig) -> dict[str, Any]:
             if name == OUR_ENGINE:
                 results[name] = run_aioengine(config.model, config.engine_kwargs,
                                               config.prompt, config.output_len,
-                                              config.warmup, config.repeats)
+                                              config.warmup, config.repeats,
+                                              config.bandwidth_bytes)
             else:
                 results[name] = run_hf(config.model, config.prompt, config.output_len,
-                                       config.warmup, config.repeats, config.pad_token_id)
+                                       config.warmup, config.repeats, config.pad_token_id,
+                                       config.bandwidth_bytes)
         except (RuntimeError, ImportError, ValueError, NotImplementedError) as e:
             if name == OUR_ENGINE:
                 raise
@@ -276,8 +299,11 @@ def run_latency(config: LatencyConfig) -> dict[str, Any]:
         device = args.resolve_device()
         loaded = load_model(config.model, parse_dtype(args.dtype, device), device)
         weight_bytes = weight_bytes_per_token(loaded.model)
+    if not results:
+        raise RuntimeError("latency: no engine ran")
+    bandwidth = statistics.median(run.bandwidth for r in results.values() for run in r.runs)
     floor_ms = weight_bytes / bandwidth * 1e3
-    summaries = {name: r.summary() for name, r in results.items()}
+    summaries = {name: r.summary(weight_bytes) for name, r in results.items()}
     report: dict[str, Any] = {
         "floor": {"bandwidth_gb_per_s": bandwidth / 1e9,
                   "bandwidth_buffer_bytes": config.bandwidth_bytes,
@@ -287,7 +313,7 @@ def run_latency(config: LatencyConfig) -> dict[str, Any]:
         TARGET_TPOT_OVER_FLOOR}
     if ours is not None:
         tpot = summaries[OUR_ENGINE]["tpot_ms"]
-        report["tpot_over_floor"] = {k: v / floor_ms for k, v in tpot.items()}
+        report["tpot_over_floor"] = summaries[OUR_ENGINE]["tpot_over_floor"]
         if "hf" in summaries:
             hf_tpot = summaries["hf"]["tpot_ms"]
             report["speedup_vs_hf"] = {k: hf_tpot[k] / tpot[k] for k in tpot}
@@ -320,7 +346,8 @@ def format_latency(report: dict[str, Any]) -> str:
         f"{cfg['warmup']} warm-up",
         "",
         f"{'memory read bandwidth':<26}{floor['bandwidth_gb_per_s']:>10.2f} GB/s "
-        f"(best of {floor['bandwidth_repeats']} sums over "
+        f"(median over the timed runs; before each, the median of "
+        f"{floor['bandwidth_repeats']} sums over "
         f"{floor['bandwidth_buffer_bytes'] / 2**20:.0f} MiB)",
         f"{'weights read per token':<26}{floor['weight_bytes'] / 1e6:>10.1f} MB",
         f"{'weight-streaming floor':<26}{floor['floor_ms']:>10.2f} ms/token",
@@ -329,7 +356,7 @@ def format_latency(report: dict[str, Any]) -> str:
         f"{'e2e ms':>19} {'TPOT / floor':>14}",
     ]
     for name, r in report["results"].items():
-        ratio = {k: v / floor["floor_ms"] for k, v in r["tpot_ms"].items()}
+        ratio = r["tpot_over_floor"]  # each run against the bandwidth measured before it
         lines.append(f"{name:<10} {cell(r['ttft_ms']):>17} {cell(r['tpot_ms']):>17} "
                      f"{cell(r['itl_median_ms']):>17} {cell(r['e2e_ms']):>19} "
                      f"{ratio['median']:>6.2f} ({ratio['best']:.2f})")

@@ -279,10 +279,16 @@ def test_latency_run_maths_and_summary() -> None:
     assert (run.ttft_s, run.e2e_s) == (0.1, 0.7)
     assert run.tpot_s == pytest.approx(0.2) and run.itls_s == pytest.approx([0.2, 0.1, 0.3])
     assert run.to_json()["itl_median_ms"] == pytest.approx(200.0)
-    summary = EngineLatency("aioengine", [run, LatencyRun([0.2, 0.3, 0.4, 0.5])], 2).summary()
+    runs = [LatencyRun(run.token_times_s, 1e9), LatencyRun([0.2, 0.3, 0.4, 0.5], 2e9)]
+    summary = EngineLatency("aioengine", runs, 2).summary()
     assert summary["tpot_ms"] == pytest.approx({"median": 150.0, "best": 100.0})
     assert summary["ttft_ms"] == pytest.approx({"median": 150.0, "best": 100.0})
     assert summary["num_runs"] == 2 and len(summary["runs"]) == 2
+    assert "tpot_over_floor" not in summary
+    # 1e8 weight bytes: floors of 100 ms (1 GB/s) and 50 ms (2 GB/s) for the two runs.
+    summary = EngineLatency("aioengine", runs, 2).summary(weight_bytes=10**8)
+    assert [r["tpot_over_floor"] for r in summary["runs"]] == pytest.approx([2.0, 2.0])
+    assert summary["tpot_over_floor"] == pytest.approx({"median": 2.0, "best": 2.0})
 
 
 def test_latency_command_line_and_bandwidth() -> None:
