@@ -39,7 +39,8 @@ import argparse
 import asyncio
 import gc
 import statistics
-import threading
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,37 +72,41 @@ BANDWIDTH_REPEATS = 5
 
 def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = BANDWIDTH_REPEATS) -> float:
     """Memory read bandwidth in bytes/s: the median of `repeats` sums of a float32 buffer
-    of `num_bytes`, with torch's current thread count. `torch.ones` writes every page
-    first, so no timed pass pays for page faults.
+    of `num_bytes`, with torch's current thread count, in a child process.
 
-    The median, not the fastest: on the 2-core VMs this was written on, a pass now and then
-    reads at 44-57 GB/s where the sustained rate is 30-33 GB/s (and the weight-streaming
-    matrix-vector products reach 28-30 GB/s, 94% of it, throughout). No run of a workload
-    ever saw the faster rate, so a floor taken from it measured a spike, not the machine.
+    The median, not the fastest: on the 2-core VMs this was written on, the machine now and
+    then reads at 44-57 GB/s for a few seconds where the sustained rate is 30-33 GB/s (the
+    weight-streaming matrix-vector products reach 28-30 GB/s, 94% of it). A floor from the
+    fastest single pass measured a spike.
 
-    Runs on a thread of its own that ends with it: a thread that has started OpenMP work
-    keeps an OpenMP thread team while it lives, and a second live team slows the engine's
-    forward thread (see `AsyncEngine.create`)."""
-    threads = torch.get_num_threads()
-    result: list[float] = []
+    A child process, because OpenMP work started in this one costs the engine: a thread that
+    has run torch ops keeps an OpenMP thread team, and with a second team next to the
+    engine's forward thread, libgomp throttles its spin-waits. Measuring on a thread of this
+    process between runs (the thread then exits) still made our TPOT 15% slower
+    (21.5 -> 24.8 ms).
+    """
+    code = ("import sys; from aioengine.bench.latency import _bandwidth_here; "
+            "print(_bandwidth_here(*map(int, sys.argv[1:])))")
+    proc = subprocess.run([sys.executable, "-c", code, str(num_bytes), str(repeats),
+                           str(torch.get_num_threads())],
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory bandwidth measurement failed: {proc.stderr.strip()[-2000:]}")
+    return float(proc.stdout.strip().splitlines()[-1])
 
-    def measure() -> None:
-        torch.set_num_threads(threads)
-        buf = torch.ones(max(num_bytes // 4, 1), dtype=torch.float32)
-        buf.sum()  # one untimed pass: threads up, buffer resident
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            buf.sum()
-            times.append(time.perf_counter() - start)
-        result.append(buf.numel() * buf.element_size() / statistics.median(times))
 
-    worker = threading.Thread(target=measure, name="aioengine-bandwidth")
-    worker.start()
-    worker.join()
-    if not result:
-        raise RuntimeError("memory bandwidth measurement failed")
-    return result[0]
+def _bandwidth_here(num_bytes: int, repeats: int, threads: int) -> float:
+    """The measurement itself (run by `measure_read_bandwidth` in a child). `torch.ones`
+    writes every page first, so no timed pass pays for page faults."""
+    torch.set_num_threads(threads)
+    buf = torch.ones(max(num_bytes // 4, 1), dtype=torch.float32)
+    buf.sum()  # one untimed pass: threads up, buffer resident
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - start)
+    return buf.numel() * buf.element_size() / statistics.median(times)
 
 
 # ---- one run of one request -------------------------------------------------------------
