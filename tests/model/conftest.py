@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 from tiny_models import TINY_ARCHS, make_tiny_model_dir
 
+from aioengine.kernels import cpu as cpu_kernels
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory, bundled_tokenizer) -> dict[str, Path]:
@@ -13,3 +15,16 @@ def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory, bundled_tokenizer)
     root = tmp_path_factory.mktemp("tiny_models")
     return {arch: make_tiny_model_dir(arch, root / arch, tokenizer=bundled_tokenizer)
             for arch in TINY_ARCHS}
+
+
+@pytest.fixture
+def set_cpu_kernels(monkeypatch: pytest.MonkeyPatch):
+    """set_cpu_kernels("0" | "1"): AIOENGINE_CPU_KERNELS for this test. The kernels read the
+    variable once, so each change is followed by a reset, and so is the test's end (before
+    monkeypatch restores the variable; the next use reads the restored value)."""
+    def set_value(value: str) -> None:
+        monkeypatch.setenv("AIOENGINE_CPU_KERNELS", value)
+        cpu_kernels.reset()
+
+    yield set_value
+    cpu_kernels.reset()

@@ -53,7 +53,7 @@ def test_paged_decode_attention_matches_torch_path(seq_lens, num_heads, num_kv_h
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
 
 
-def test_paged_decode_attention_declines_what_it_does_not_handle(monkeypatch) -> None:
+def test_paged_decode_attention_declines_what_it_does_not_handle(set_cpu_kernels) -> None:
     q, kv_cache, meta = _decode_case([5, 9], 4, 2, 16, 4)
     out = torch.zeros_like(q)
     args = (meta.block_tables, meta.seq_lens, 0.5)
@@ -64,7 +64,7 @@ def test_paged_decode_attention_declines_what_it_does_not_handle(monkeypatch) ->
                                                   .transpose(0, 1), kv_cache, *args)
     assert not cpu_kernels.paged_decode_attention(out, q, kv_cache, meta.block_tables.long(),
                                                   meta.seq_lens, 0.5)
-    monkeypatch.setenv("AIOENGINE_CPU_KERNELS", "0")
+    set_cpu_kernels("0")
     assert not cpu_kernels.paged_decode_attention(out, q, kv_cache, *args)
     assert torch.count_nonzero(out) == 0
 
@@ -162,7 +162,7 @@ def test_silu_and_mul_matches_torch(num_tokens: int, d: int) -> None:
     assert torch.isnan(cpu_kernels.silu_and_mul(torch.tensor([[float("nan"), 1.0]])))[0, 0]
 
 
-def test_norm_and_activation_kernels_decline_what_they_do_not_handle(monkeypatch) -> None:
+def test_norm_and_activation_kernels_decline_what_they_do_not_handle(set_cpu_kernels) -> None:
     x, w = torch.randn(4, 8), torch.ones(8)
     assert cpu_kernels.rms_norm(x.double(), w.double(), 1e-6) is None
     assert cpu_kernels.rms_norm(x.t(), torch.ones(4), 1e-6) is None  # not contiguous
@@ -173,7 +173,7 @@ def test_norm_and_activation_kernels_decline_what_they_do_not_handle(monkeypatch
     residual = torch.randn(4, 8)
     with_kernels = (rms_norm(x, w, 1e-6), *fused_add_rms_norm(x.clone(), residual.clone(), w,
                                                               1e-6), silu_and_mul(x))
-    monkeypatch.setenv("AIOENGINE_CPU_KERNELS", "0")
+    set_cpu_kernels("0")
     assert cpu_kernels.rms_norm(x, w, 1e-6) is None
     without = (rms_norm(x, w, 1e-6), *fused_add_rms_norm(x.clone(), residual.clone(), w, 1e-6),
                silu_and_mul(x))

@@ -59,11 +59,11 @@ def _check_against_hf(hf, seq: Seq) -> None:
 
 
 @pytest.mark.parametrize("cpu_kernels", ["on", "off"])
-def test_chunked_and_batched_matches_hf(models, cpu_kernels: str, monkeypatch) -> None:
+def test_chunked_and_batched_matches_hf(models, cpu_kernels: str, set_cpu_kernels) -> None:
     """Prompts split in chunks of varying size, mixed with decodes of other sequences in the
     same steps, on shuffled non-contiguous blocks; 16 greedy tokens each. With the C kernels
     (RoPE, decode attention) and with the torch paths they replace."""
-    monkeypatch.setenv("AIOENGINE_CPU_KERNELS", "1" if cpu_kernels == "on" else "0")
+    set_cpu_kernels("1" if cpu_kernels == "on" else "0")
     ours, hf = models
     seqs = [Seq(_tokens(n, seed=10 + n), num_prompt=n, max_new_tokens=16) for n in (23, 9, 31, 2)]
     PagedDriver(ours, num_blocks=64, block_size=4, seed=3).run(seqs, chunk_sizes=[7, 3, 16, 1, 5])
