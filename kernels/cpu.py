@@ -34,7 +34,7 @@ _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu")
 _SOURCES = [os.path.join(_DIR, name) for name in ("paged_decode_attention.c",
                                                   "rotary_embedding.c", "cache.c",
                                                   "layernorm.c", "activation.c")]
-_HEADERS = [os.path.join(_DIR, "vec_math.h")]
+_HEADERS = [os.path.join(_DIR, name) for name in ("parallel.h", "vec_math.h")]
 # No -ffast-math: the softmax relies on IEEE exp/max; -O3 still vectorises the dot products
 # once reassociation is allowed for them (-fassociative-math needs -fno-signed-zeros and
 # -fno-trapping-math). -std=c11 alone would turn off FMA contraction, which halves the speed
@@ -146,6 +146,14 @@ def reset() -> None:
     _enabled = None
 
 
+def _f32_rows(*tensors: Tensor) -> bool:
+    """Every tensor float32 on the CPU and contiguous."""
+    for t in tensors:  # a plain loop: a generator here cost ~1 us per call
+        if not (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()):
+            return False
+    return True
+
+
 def paged_decode_attention(out: Tensor, q: Tensor, kv_cache: Tensor, block_tables: Tensor,
                            seq_lens: Tensor, scale: float) -> bool:
     """out[n] = softmax(q[n] K_n^T * scale) V_n over request n's first seq_lens[n] positions.
@@ -154,9 +162,8 @@ def paged_decode_attention(out: Tensor, q: Tensor, kv_cache: Tensor, block_table
     [N, >= blocks needed] int32, seq_lens [N] int32 (each >= 1), all contiguous on the CPU.
     Returns False, leaving `out` untouched, when the kernel does not apply or is not built.
     """
-    if not (q.device.type == "cpu" and q.dtype == kv_cache.dtype == out.dtype == torch.float32
-            and block_tables.dtype == seq_lens.dtype == torch.int32
-            and all(t.is_contiguous() for t in (out, q, kv_cache, block_tables, seq_lens))):
+    if not (_f32_rows(out, q, kv_cache) and block_tables.dtype == seq_lens.dtype == torch.int32
+            and block_tables.is_contiguous() and seq_lens.is_contiguous()):
         return False
     lib = load()
     if lib is None:
@@ -197,14 +204,6 @@ def rotary_embedding(x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> 
     return True
 
 
-def _f32_rows(*tensors: Tensor) -> bool:
-    """Every tensor float32 on the CPU and contiguous."""
-    for t in tensors:  # a plain loop: a generator here cost ~1 us per call
-        if not (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()):
-            return False
-    return True
-
-
 def reshape_and_cache(key: Tensor, value: Tensor, kv_cache: Tensor,
                       slot_mapping: Tensor) -> bool:
     """Writes key/value [T, Hkv, D] into kv_cache [2, blocks, block_size, Hkv, D] at the
@@ -212,9 +211,8 @@ def reshape_and_cache(key: Tensor, value: Tensor, kv_cache: Tensor,
     key[t], and the same for value in kv_cache[1].
 
     key/value float32 on the CPU with contiguous heads (any token stride: views into a fused
-    qkv output qualify). Raises IndexError for a slot outside the cache (the tokens with
-    valid slots are written). Returns False, writing nothing, when the kernel does not
-    apply or is not built.
+    qkv output qualify). Raises IndexError, writing nothing, for a slot outside the cache.
+    Returns False, writing nothing, when the kernel does not apply or is not built.
     """
     num_tokens, num_kv_heads, head_dim = key.shape
     row = num_kv_heads * head_dim
@@ -230,11 +228,11 @@ def reshape_and_cache(key: Tensor, value: Tensor, kv_cache: Tensor,
     if lib is None:
         return False
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-    skipped = lib.reshape_and_cache_f32(
+    bad = lib.reshape_and_cache_f32(
         key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0), kv_cache.data_ptr(),
         num_slots, slot_mapping.data_ptr(), num_tokens, row, torch.get_num_threads())
-    if skipped:
-        raise IndexError(f"reshape_and_cache: {skipped} slot(s) outside the cache's "
+    if bad:
+        raise IndexError(f"reshape_and_cache: {bad} slot(s) outside the cache's "
                          f"{num_slots} slots")
     return True
 

@@ -13,7 +13,7 @@ output token cannot drop below the time to stream the weights from memory:
   (at these lengths they are a few percent of the weights).
 - Bandwidth (`measure_read_bandwidth`): the median of several `.sum()` over a buffer of
   `--bandwidth-mib` (1 GiB by default, far larger than the caches), on the same torch
-  thread count as the engines, measured again right before every timed run. Each run's
+  thread count as the engines, in a child process, right before every timed run. Each run's
   TPOT / floor uses the bandwidth measured just before it: these machines drift by 20-30%
   over minutes, and a floor from one moment against a TPOT from another measured the drift
   (one bandwidth at the start gave 1.25-1.72x for the same code). The report's floor is the

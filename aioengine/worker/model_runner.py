@@ -86,25 +86,27 @@ class ModelRunner:
         The first step of that size pays one-time costs that would otherwise land on the
         first requests: the matmul libraries' kernel generation for large shapes and the
         allocator's growth to a full step's activations (measured on 2 CPU cores: the first
-        512-token step took 1.1-1.2 s and the next ones ~0.65 s; over the W1 benchmark, ~1 s
-        of 13). The KV blocks it wrote are zeroed again; no request or hash ever saw them.
+        512-token step took up to 1.2 s where the next ones took ~0.65 s). The KV blocks it
+        wrote are zeroed again; no request or hash ever saw them.
         """
         bs = self.block_size
         per_request = max(1, min(max_model_len, max_num_tokens))
-        num_tokens = max_num_tokens
-        while True:
-            lens = [min(per_request, num_tokens - start)
+
+        def split(num_tokens: int) -> list[int]:
+            return [min(per_request, num_tokens - start)
                     for start in range(0, num_tokens, per_request)]
-            num_blocks = sum(-(-n // bs) for n in lens)
-            if num_blocks <= self.num_blocks or num_tokens == 1:
-                break
+
+        def blocks(lens: list[int]) -> list[int]:
+            return [-(-n // bs) for n in lens]
+
+        num_tokens = max_num_tokens  # halved until it fits (1 token fits: num_blocks >= 1)
+        while num_tokens > 1 and sum(blocks(split(num_tokens))) > self.num_blocks:
             num_tokens //= 2
-        if num_blocks > self.num_blocks:
-            return 0
+        lens = split(num_tokens)
         tables, first = [], 0
-        for n in lens:
-            tables.append(list(range(first, first + -(-n // bs))))
-            first += len(tables[-1])
+        for n in blocks(lens):
+            tables.append(list(range(first, first + n)))
+            first += n
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         for query_lens in (lens, [1] * len(lens)):  # the prompts, then one decode each
             meta, positions = build_attention_metadata(query_lens, lens, tables, bs, self.device)

@@ -8,6 +8,7 @@
  */
 #include <stdint.h>
 
+#include "parallel.h"
 #include "vec_math.h"
 
 /* A function of its own: restrict on the row pointers is what lets the loop vectorise
@@ -22,12 +23,7 @@ static void silu_and_mul_row(float *restrict out, const float *restrict gate,
 
 void silu_and_mul_f32(float *restrict out, const float *restrict x, int64_t num_tokens,
                       int64_t d, int num_threads) {
-    if (num_tokens * d < 32768) { /* no OpenMP region at all: see layernorm.c */
-        for (int64_t t = 0; t < num_tokens; t++)
-            silu_and_mul_row(out + t * d, x + t * 2 * d, x + t * 2 * d + d, d);
-        return;
-    }
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t t = 0; t < num_tokens; t++)
-        silu_and_mul_row(out + t * d, x + t * 2 * d, x + t * 2 * d + d, d);
+    /* Threads from 32K elements on (22 rows of SmolLM2's 1536). */
+    PARALLEL_FOR(t, num_tokens, (32768 + d - 1) / d,
+                 silu_and_mul_row(out + t * d, x + t * 2 * d, x + t * 2 * d + d, d));
 }

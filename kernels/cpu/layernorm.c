@@ -12,11 +12,7 @@
 #include <math.h>
 #include <stdint.h>
 
-/* Below this many rows a kernel runs on the calling thread and never enters OpenMP: even a
- * region with if(0) makes libgomp shrink the thread's team to one, and the next torch op
- * with two threads (MKL's gemv) then ran at a quarter of its speed (1-token decode step
- * 18 -> 51 ms of forward). The same rule holds in every kernel here. */
-#define PARALLEL_MIN_TOKENS 64
+#include "parallel.h"
 
 static inline float inv_rms(const float *restrict x, int64_t hidden, float eps) {
     float sum = 0.0f;
@@ -40,26 +36,15 @@ static void fused_add_rms_norm_row(float *restrict x, float *restrict residual,
 /* out and x [num_tokens, hidden], contiguous; out must not overlap x. */
 void rms_norm_f32(float *restrict out, const float *restrict x, const float *restrict weight,
                   int64_t num_tokens, int64_t hidden, float eps, int num_threads) {
-    if (num_tokens < PARALLEL_MIN_TOKENS) {
-        for (int64_t t = 0; t < num_tokens; t++)
-            rms_norm_row(out + t * hidden, x + t * hidden, weight, hidden, eps);
-        return;
-    }
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t t = 0; t < num_tokens; t++)
-        rms_norm_row(out + t * hidden, x + t * hidden, weight, hidden, eps);
+    PARALLEL_FOR(t, num_tokens, 64,
+                 rms_norm_row(out + t * hidden, x + t * hidden, weight, hidden, eps));
 }
 
 /* x and residual [num_tokens, hidden], contiguous, distinct. */
 void fused_add_rms_norm_f32(float *restrict x, float *restrict residual,
                             const float *restrict weight, int64_t num_tokens, int64_t hidden,
                             float eps, int num_threads) {
-    if (num_tokens < PARALLEL_MIN_TOKENS) {
-        for (int64_t t = 0; t < num_tokens; t++)
-            fused_add_rms_norm_row(x + t * hidden, residual + t * hidden, weight, hidden, eps);
-        return;
-    }
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t t = 0; t < num_tokens; t++)
-        fused_add_rms_norm_row(x + t * hidden, residual + t * hidden, weight, hidden, eps);
+    PARALLEL_FOR(t, num_tokens, 64,
+                 fused_add_rms_norm_row(x + t * hidden, residual + t * hidden, weight, hidden,
+                                        eps));
 }

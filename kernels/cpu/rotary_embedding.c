@@ -11,6 +11,8 @@
  */
 #include <stdint.h>
 
+#include "parallel.h"
+
 /* One token's heads, rotated in place. */
 static inline void rotate_token(float *restrict row, int64_t num_heads, int64_t head_dim,
                                 const float *restrict c, const float *restrict s) {
@@ -30,14 +32,7 @@ void rotary_embedding_f32(float *restrict x, int64_t num_tokens, int64_t token_s
                           const int64_t *restrict positions, const float *restrict cos_table,
                           const float *restrict sin_table, int num_threads) {
     const int64_t half = head_dim / 2;
-    if (num_tokens < 64) { /* no OpenMP region at all: see layernorm.c */
-        for (int64_t t = 0; t < num_tokens; t++)
-            rotate_token(x + t * token_stride, num_heads, head_dim,
-                         cos_table + positions[t] * half, sin_table + positions[t] * half);
-        return;
-    }
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t t = 0; t < num_tokens; t++)
-        rotate_token(x + t * token_stride, num_heads, head_dim,
-                     cos_table + positions[t] * half, sin_table + positions[t] * half);
+    PARALLEL_FOR(t, num_tokens, 64,
+                 rotate_token(x + t * token_stride, num_heads, head_dim,
+                              cos_table + positions[t] * half, sin_table + positions[t] * half));
 }

@@ -123,7 +123,7 @@ def test_reshape_and_cache_rejects_a_slot_outside_the_cache() -> None:
     k = v = torch.ones(2, 1, 8)
     with pytest.raises(IndexError, match="1 slot"):
         cpu_kernels.reshape_and_cache(k, v, kv_cache, torch.tensor([3, 8]))
-    assert kv_cache[0, 0, 3].eq(1).all() and kv_cache.sum() == 16  # the valid one went in
+    assert torch.count_nonzero(kv_cache) == 0  # nothing written, the valid slot neither
     assert not cpu_kernels.reshape_and_cache(k.double(), v.double(), kv_cache.double(),
                                              torch.tensor([0, 1]))
     assert not cpu_kernels.reshape_and_cache(k, v, kv_cache, torch.tensor([0, 1]).int())
