@@ -55,19 +55,24 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     and threads few-row products badly (a 1-row product streams the weight at a third of
     the memory bandwidth). So in float32 on the CPU:
     - up to GEMV_MAX_ROWS rows (PACKED_GEMV_MAX_ROWS with `packed`; decode of a few
-      requests): one `bmm` over chunks of the weight's rows (a view, no copy), so every
-      thread streams whole chunks;
+      requests): the C gemv (`cpu_kernels.gemv`), which streams each thread's weight rows
+      in order; without the kernels, one `bmm` over chunks of the weight's rows (a view, no
+      copy), so every thread streams whole chunks;
     - otherwise oneDNN's matmul, on `packed` (the weight reordered once into oneDNN's
       blocked layout, `pack_linear_weight`) when the model has it.
     Measured over SmolLM2-135M's 30 layers of weights, 2 cores: 1 row 40 -> 17 ms
-    (F.linear -> chunked gemv); 32 rows 87 (F.linear) -> 62 (oneDNN) -> 52 ms (packed);
-    512 rows 725 -> 541 -> 526 ms; the LM head at 32 rows 33 -> 13 -> 10 ms.
+    (F.linear -> chunked gemv); in a later run chunked gemv -> C gemv 14.6 -> 14.1 ms at 1
+    row, 17.5 -> 15.1 ms at 2, the LM head 3.6 -> 3.0 ms at 1; 32 rows 87 (F.linear) -> 62
+    (oneDNN) -> 52 ms (packed); 512 rows 725 -> 541 -> 526 ms; the LM head at 32 rows 33 ->
+    13 -> 10 ms.
     """
     if x.device.type != "cpu" or x.dtype != torch.float32:
         return F.linear(x, weight, bias)
     m, (n, k) = x.shape[0], weight.shape
     # Packed oneDNN already beats the chunked gemv from 3-4 rows on (4 rows: 19.5 vs 25.5 ms).
     gemv_max_rows = GEMV_MAX_ROWS if packed is None else PACKED_GEMV_MAX_ROWS
+    if m <= gemv_max_rows and (out := cpu_kernels.gemv(x, weight, bias)) is not None:
+        return out
     if m <= gemv_max_rows and (c := _num_chunks(n)) > 1:
         # [c, N/c, K] @ [c, K, M] -> [c, N/c, M] = out^T. One row is already in order; the
         # view keeps the usual strides (a transposed [1, N] would pass as contiguous with

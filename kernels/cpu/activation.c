@@ -8,18 +8,8 @@
  */
 #include <stdint.h>
 
+#include "activation.h"
 #include "parallel.h"
-#include "vec_math.h"
-
-/* A function of its own: restrict on the row pointers is what lets the loop vectorise
- * without a runtime overlap check. */
-static void silu_and_mul_row(float *restrict out, const float *restrict gate,
-                             const float *restrict up, int64_t d) {
-    for (int64_t i = 0; i < d; i++) {
-        const float g = gate[i];
-        out[i] = g * recip_f32(1.0f + exp_f32(-g)) * up[i];
-    }
-}
 
 void silu_and_mul_f32(float *restrict out, const float *restrict x, int64_t num_tokens,
                       int64_t d, int num_threads) {

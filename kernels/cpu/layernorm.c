@@ -9,29 +9,10 @@
  * their temporaries, ~30 us per call even for one row; the residual add is one more. Here
  * each row is read and written once, with the sum of squares in one vector pass.
  */
-#include <math.h>
 #include <stdint.h>
 
+#include "layernorm.h"
 #include "parallel.h"
-
-static inline float inv_rms(const float *restrict x, int64_t hidden, float eps) {
-    float sum = 0.0f;
-    for (int64_t i = 0; i < hidden; i++) sum += x[i] * x[i];
-    return 1.0f / sqrtf(sum / (float)hidden + eps);
-}
-
-static void rms_norm_row(float *restrict out, const float *restrict x,
-                         const float *restrict weight, int64_t hidden, float eps) {
-    const float inv = inv_rms(x, hidden, eps);
-    for (int64_t i = 0; i < hidden; i++) out[i] = x[i] * inv * weight[i];
-}
-
-static void fused_add_rms_norm_row(float *restrict x, float *restrict residual,
-                                   const float *restrict weight, int64_t hidden, float eps) {
-    for (int64_t i = 0; i < hidden; i++) residual[i] += x[i];
-    const float inv = inv_rms(residual, hidden, eps);
-    for (int64_t i = 0; i < hidden; i++) x[i] = residual[i] * inv * weight[i];
-}
 
 /* out and x [num_tokens, hidden], contiguous; out must not overlap x. */
 void rms_norm_f32(float *restrict out, const float *restrict x, const float *restrict weight,

@@ -12,20 +12,7 @@
 #include <stdint.h>
 
 #include "parallel.h"
-
-/* One token's heads, rotated in place. */
-static inline void rotate_token(float *restrict row, int64_t num_heads, int64_t head_dim,
-                                const float *restrict c, const float *restrict s) {
-    const int64_t half = head_dim / 2;
-    for (int64_t h = 0; h < num_heads; h++) {
-        float *x1 = row + h * head_dim, *x2 = x1 + half;
-        for (int64_t i = 0; i < half; i++) {
-            const float a = x1[i], b = x2[i];
-            x1[i] = a * c[i] - b * s[i];
-            x2[i] = b * c[i] + a * s[i];
-        }
-    }
-}
+#include "rotary_embedding.h"
 
 void rotary_embedding_f32(float *restrict x, int64_t num_tokens, int64_t token_stride,
                           int64_t num_heads, int64_t head_dim,

@@ -181,11 +181,44 @@ def test_norm_and_activation_kernels_decline_what_they_do_not_handle(set_cpu_ker
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7])
+@pytest.mark.parametrize("in_features,out_features", [
+    (576, 960),    # SmolLM2's qkv: 4-wide accumulators with no tail, threaded
+    (48, 97),      # a tail of 16 (1-2 rows) or none (3+), one thread
+    (37, 3072),    # a tail of 5, threaded
+    (7, 5),        # shorter than one vector
+])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_f_linear(rows: int, in_features: int, out_features: int,
+                               with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows * in_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    out = cpu_kernels.gemv(x, weight, bias)
+    assert out is not None and out.shape == (rows, out_features)
+    torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+
+
+def test_gemv_declines_what_it_does_not_handle(set_cpu_kernels) -> None:
+    x, w = torch.randn(2, 8), torch.randn(6, 8)
+    assert cpu_kernels.gemv(x.double(), w.double()) is None
+    assert cpu_kernels.gemv(x, w.t().contiguous().t()) is None  # not contiguous
+    assert cpu_kernels.gemv(x, torch.randn(6, 9)) is None  # shapes do not chain
+    assert cpu_kernels.gemv(x, w, torch.randn(5)) is None  # bias of the wrong size
+    set_cpu_kernels("0")
+    assert cpu_kernels.gemv(x, w) is None
+
+
+@pytest.mark.parametrize("cpu_kernels_on", [True, False])
 @pytest.mark.parametrize("rows", [1, 3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 32, 512])
 @pytest.mark.parametrize("out_features", [96, 97, 94, 5 * 3072])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_matches_f_linear(rows: int, out_features: int, with_bias: bool) -> None:
-    """Few rows take the chunked gemv, more take oneDNN (present in this torch build)."""
+def test_linear_matches_f_linear(rows: int, out_features: int, with_bias: bool,
+                                 cpu_kernels_on: bool, set_cpu_kernels) -> None:
+    """Few rows take the C gemv (the chunked bmm with the kernels off), more take oneDNN
+    (present in this torch build)."""
+    set_cpu_kernels("1" if cpu_kernels_on else "0")
     assert layers._ONEDNN_LINEAR is not None
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 48, generator=gen)

@@ -1,0 +1,131 @@
+"""The one-call decode of kernels/cpu/llama_decode.c against the layer-by-layer forward it
+replaces for decode steps of a few requests (LlamaForCausalLM.use_fused_decode)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tiny_models import TINY_ARCHS
+
+from aioengine.kernels import cpu as cpu_kernels
+from aioengine.model.attention import TorchAttentionBackend, build_attention_metadata
+from aioengine.model.llama import FUSED_DECODE_MAX_TOKENS, make_kv_caches
+from aioengine.model.loader import load_model
+
+CPU = torch.device("cpu")
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="module", params=TINY_ARCHS)
+def model(request, tiny_model_dirs):
+    assert cpu_kernels.load() is not None, cpu_kernels._load_error
+    return load_model(str(tiny_model_dirs[request.param]), torch.float32, CPU).model
+
+
+def _prefilled(model, seq_lens: list[int], seed: int = 0):
+    """KV caches holding random prompts of seq_lens - 1 tokens (layer-by-layer prefill) on
+    shuffled blocks, and the decode step's (input_ids, positions, meta)."""
+    rng = random.Random(seed)
+    num_blocks = sum(-(-s // BLOCK_SIZE) for s in seq_lens) + 4
+    caches = make_kv_caches(model.arch, num_blocks, BLOCK_SIZE, torch.float32, CPU)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-s // BLOCK_SIZE))] for s in seq_lens]
+    prompts = [[rng.randrange(3, 49152) for _ in range(s)] for s in seq_lens]
+    context = [(s - 1, table, p[:-1]) for s, table, p in zip(seq_lens, tables, prompts) if s > 1]
+    if context:
+        with torch.inference_mode():
+            meta, positions = build_attention_metadata(
+                [n for n, _, _ in context], [n for n, _, _ in context],
+                [table for _, table, _ in context], BLOCK_SIZE, CPU)
+            model(torch.tensor([t for _, _, p in context for t in p]), positions, caches, meta)
+    meta, positions = build_attention_metadata([1] * len(seq_lens), seq_lens, tables,
+                                               BLOCK_SIZE, CPU)
+    return caches, torch.tensor([p[-1] for p in prompts]), positions, meta
+
+
+@pytest.fixture
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The token counts of the llama_decode calls that ran the decoder layers (a spy: each
+    call goes through to the kernel)."""
+    calls: list[int] = []
+    real = cpu_kernels.llama_decode
+
+    def spy(x, *args, **kwargs):
+        done = real(x, *args, **kwargs)
+        if done:
+            calls.append(x.shape[0])
+        return done
+
+    monkeypatch.setattr(cpu_kernels, "llama_decode", spy)
+    return calls
+
+
+def _decode(model, fused: bool, caches, input_ids, positions, meta):
+    caches = [c.clone() for c in caches]
+    model.use_fused_decode = fused
+    try:
+        with torch.inference_mode():
+            hidden = model(input_ids, positions, caches, meta)
+    finally:
+        model.use_fused_decode = True
+    return hidden, caches
+
+
+@pytest.mark.parametrize("seq_lens", [[1], [9], [4, 17], [30, 2, 13], [5, 8, 21, 12],
+                                      [3, 6, 9, 12, 15]])
+def test_fused_decode_matches_the_layer_path(model, seq_lens: list[int], fused_calls) -> None:
+    """Hidden states and every layer's new K/V as the layer-by-layer path computes them,
+    for 1 to 4 requests (and 5, which takes the layer path either way)."""
+    case = _prefilled(model, seq_lens)
+    ours, ours_caches = _decode(model, True, *case)
+    expected_calls = [len(seq_lens)] if len(seq_lens) <= FUSED_DECODE_MAX_TOKENS else []
+    assert fused_calls == expected_calls  # the prefill above took the layer path
+    ref, ref_caches = _decode(model, False, *case)
+    assert fused_calls == expected_calls
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(ours_caches, ref_caches):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_decode_rejects_a_slot_outside_the_cache(model) -> None:
+    caches, input_ids, positions, meta = _prefilled(model, [6, 3])
+    before = [c.clone() for c in caches]
+    meta.slot_mapping[1] = caches[0].shape[1] * BLOCK_SIZE  # one past the last slot
+    with pytest.raises(IndexError, match="outside the cache"):
+        with torch.inference_mode():
+            model(input_ids, positions, caches, meta)
+    for a, b in zip(caches, before):
+        assert torch.equal(a, b)  # nothing written, in any layer
+
+
+def test_fused_decode_runs_only_where_it_applies(model, set_cpu_kernels, fused_calls) -> None:
+    """With another attention backend, or the kernels off, a decode step takes the layer
+    path, with the fused path's results."""
+    case = _prefilled(model, [7, 10])
+    fused, _ = _decode(model, True, *case)
+    assert fused_calls == [2]
+    backend = model.attn_backend
+    model.attn_backend = TorchAttentionBackend(use_cpu_kernel=False)  # SDPA decode
+    try:
+        torch_attention, _ = _decode(model, True, *case)
+    finally:
+        model.attn_backend = backend
+    set_cpu_kernels("0")
+    kernels_off, _ = _decode(model, True, *case)
+    assert fused_calls == [2]
+    torch.testing.assert_close(torch_attention, fused, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernels_off, fused, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_layer_table_declines_what_the_kernel_cannot_read() -> None:
+    w = torch.ones(4, 4)
+    row = {name: w for name in cpu_kernels.DECODE_LAYER_FIELDS}
+    table = cpu_kernels.decode_layer_table([row, {**row, "qkv_bias": None, "q_norm": None,
+                                                  "k_norm": None}])
+    assert table is not None and table.shape == (2, 10) and table[1, 2:5].tolist() == [0, 0, 0]
+    assert table[0, 0].item() == w.data_ptr()
+    assert cpu_kernels.decode_layer_table([{**row, "o": None}]) is None  # required
+    assert cpu_kernels.decode_layer_table([{**row, "down": w.t()}]) is None  # not contiguous
+    assert cpu_kernels.decode_layer_table([{**row, "qkv": w.double()}]) is None
