@@ -5,55 +5,63 @@
 #ifndef AIOENGINE_ATTENTION_H
 #define AIOENGINE_ATTENTION_H
 
+#include <math.h>
 #include <stdint.h>
 
 #include "vec_math.h"
 
-/* One request; `scores` holds [num_heads, seq_len] floats. Always inlined with head_dim a
- * constant (64, 128) so the dot products and value sums compile to straight vector code
- * instead of short runtime-length loops. Query head h uses KV head h / group. */
-static inline __attribute__((always_inline)) void attend(
-    float *restrict o, const float *restrict q, const float *restrict k_cache,
-    const float *restrict v_cache, const int32_t *restrict table, int64_t seq_len,
-    int64_t num_heads, int64_t group, const int64_t head_dim, int64_t block_size,
-    int64_t block_stride, float scale, float *restrict scores) {
-    const int64_t slot_stride = (num_heads / group) * head_dim;
-    for (int64_t start = 0; start < seq_len; start += block_size) {
+/* One request's query against its positions [begin, end) (begin a multiple of block_size:
+ * the whole context, or one thread's part of it). Leaves, per query head h, the
+ * unnormalised o[h] = sum_p e^(s_hp - m_h) v_p with m_h = max_p s_hp in max[h] and
+ * sum[h] = sum_p e^(s_hp - m_h): a full softmax divides by the sum (attend_normalize), split
+ * parts combine first (attend_combine). An empty range leaves o = 0, max = -inf, sum = 0.
+ *
+ * `scores` holds [num_heads, end - begin] floats. Always inlined with head_dim a constant
+ * (64, 128) so the dot products and value sums compile to straight vector code instead of
+ * short runtime-length loops. Query head h uses KV head h / group. */
+static inline __attribute__((always_inline)) void attend_range(
+    float *restrict o, float *restrict max, float *restrict sum, const float *restrict q,
+    const float *restrict k_cache, const float *restrict v_cache,
+    const int32_t *restrict table, int64_t begin, int64_t end, int64_t num_heads,
+    int64_t group, const int64_t head_dim, int64_t block_size, int64_t block_stride,
+    float scale, float *restrict scores) {
+    const int64_t slot_stride = (num_heads / group) * head_dim, len = end - begin;
+    for (int64_t start = begin; start < end; start += block_size) {
         const float *kb = k_cache + (int64_t)table[start / block_size] * block_stride;
-        const int64_t end = start + block_size < seq_len ? start + block_size : seq_len;
-        for (int64_t p = start; p < end; p++) {
+        const int64_t stop = start + block_size < end ? start + block_size : end;
+        for (int64_t p = start; p < stop; p++) {
             const float *slot = kb + (p - start) * slot_stride;
             for (int64_t h = 0; h < num_heads; h++) {
                 const float *k = slot + (h / group) * head_dim, *qh = q + h * head_dim;
                 float dot = 0.0f;
                 for (int64_t d = 0; d < head_dim; d++) dot += qh[d] * k[d];
-                scores[h * seq_len + p] = dot * scale;
+                scores[h * len + p - begin] = dot * scale;
             }
         }
     }
     for (int64_t h = 0; h < num_heads; h++) {
-        float *s = scores + h * seq_len;
-        float mx = s[0];
-        for (int64_t p = 1; p < seq_len; p++) mx = s[p] > mx ? s[p] : mx;
-        float sum = 0.0f;
+        float *s = scores + h * len;
+        float mx = -INFINITY;
+        for (int64_t p = 0; p < len; p++) mx = s[p] > mx ? s[p] : mx;
+        float total = 0.0f;
         /* exp_f32 vectorises, libm's expf does not: 30 layers at 32 requests x 180 tokens
          * went from 24 to 20 ms. */
-        for (int64_t p = 0; p < seq_len; p++) {
+        for (int64_t p = 0; p < len; p++) {
             s[p] = exp_f32(s[p] - mx);
-            sum += s[p];
+            total += s[p];
         }
-        const float inv = 1.0f / sum;
-        for (int64_t p = 0; p < seq_len; p++) s[p] *= inv;
+        max[h] = mx;
+        sum[h] = total;
         for (int64_t d = 0; d < head_dim; d++) o[h * head_dim + d] = 0.0f;
     }
-    for (int64_t start = 0; start < seq_len; start += block_size) {
+    for (int64_t start = begin; start < end; start += block_size) {
         const float *vb = v_cache + (int64_t)table[start / block_size] * block_stride;
-        const int64_t end = start + block_size < seq_len ? start + block_size : seq_len;
-        for (int64_t p = start; p < end; p++) {
+        const int64_t stop = start + block_size < end ? start + block_size : end;
+        for (int64_t p = start; p < stop; p++) {
             const float *slot = vb + (p - start) * slot_stride;
             for (int64_t h = 0; h < num_heads; h++) {
                 const float *v = slot + (h / group) * head_dim;
-                const float w = scores[h * seq_len + p];
+                const float w = scores[h * len + p - begin];
                 float *oh = o + h * head_dim;
                 for (int64_t d = 0; d < head_dim; d++) oh[d] += w * v[d];
             }
@@ -61,22 +69,59 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
-/* attend() with the common head sizes compiled as constants. */
-static inline void attend_request(float *restrict o, const float *restrict q,
-                                  const float *restrict k_cache, const float *restrict v_cache,
-                                  const int32_t *restrict table, int64_t seq_len,
-                                  int64_t num_heads, int64_t group, int64_t head_dim,
-                                  int64_t block_size, int64_t block_stride, float scale,
-                                  float *restrict scores) {
+/* attend_range() with the common head sizes compiled as constants. */
+static inline void attend_request(float *restrict o, float *restrict max, float *restrict sum,
+                                  const float *restrict q, const float *restrict k_cache,
+                                  const float *restrict v_cache, const int32_t *restrict table,
+                                  int64_t begin, int64_t end, int64_t num_heads, int64_t group,
+                                  int64_t head_dim, int64_t block_size, int64_t block_stride,
+                                  float scale, float *restrict scores) {
     if (head_dim == 64)
-        attend(o, q, k_cache, v_cache, table, seq_len, num_heads, group, 64, block_size,
-               block_stride, scale, scores);
+        attend_range(o, max, sum, q, k_cache, v_cache, table, begin, end, num_heads, group, 64,
+                     block_size, block_stride, scale, scores);
     else if (head_dim == 128)
-        attend(o, q, k_cache, v_cache, table, seq_len, num_heads, group, 128, block_size,
-               block_stride, scale, scores);
+        attend_range(o, max, sum, q, k_cache, v_cache, table, begin, end, num_heads, group, 128,
+                     block_size, block_stride, scale, scores);
     else
-        attend(o, q, k_cache, v_cache, table, seq_len, num_heads, group, head_dim, block_size,
-               block_stride, scale, scores);
+        attend_range(o, max, sum, q, k_cache, v_cache, table, begin, end, num_heads, group,
+                     head_dim, block_size, block_stride, scale, scores);
+}
+
+/* o[h] /= sum[h]: the softmax of a whole context (every sum >= 1: the max term is e^0). */
+static inline void attend_normalize(float *restrict o, const float *restrict sum,
+                                    int64_t num_heads, int64_t head_dim) {
+    for (int64_t h = 0; h < num_heads; h++) {
+        const float inv = 1.0f / sum[h];
+        for (int64_t d = 0; d < head_dim; d++) o[h * head_dim + d] *= inv;
+    }
+}
+
+/* The attention of a context split in num_parts ranges from their attend_range results,
+ * part i at parts + i * part_stride laid out as [o: num_heads * head_dim | max: num_heads |
+ * sum: num_heads]: o[h] = sum_i e^(m_i - m) o_i[h] / sum_i e^(m_i - m) sum_i[h], m the
+ * largest m_i (empty parts, with max -inf, weigh 0). */
+static inline void attend_combine(float *restrict o, const float *restrict parts,
+                                  int64_t part_stride, int num_parts, int64_t num_heads,
+                                  int64_t head_dim) {
+    const int64_t max_at = num_heads * head_dim, sum_at = max_at + num_heads;
+    for (int64_t h = 0; h < num_heads; h++) {
+        float m = -INFINITY, total = 0.0f;
+        for (int i = 0; i < num_parts; i++) {
+            const float mi = parts[i * part_stride + max_at + h];
+            m = mi > m ? mi : m;
+        }
+        float *oh = o + h * head_dim;
+        for (int64_t d = 0; d < head_dim; d++) oh[d] = 0.0f;
+        for (int i = 0; i < num_parts; i++) {
+            const float *part = parts + i * part_stride;
+            if (part[sum_at + h] == 0.0f) continue;  /* empty */
+            const float w = exp_f32(part[max_at + h] - m);
+            total += w * part[sum_at + h];
+            for (int64_t d = 0; d < head_dim; d++) oh[d] += w * part[h * head_dim + d];
+        }
+        const float inv = 1.0f / total;
+        for (int64_t d = 0; d < head_dim; d++) oh[d] *= inv;
+    }
 }
 
 #endif /* AIOENGINE_ATTENTION_H */

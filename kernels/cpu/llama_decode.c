@@ -7,8 +7,12 @@
  * layer is ~12 torch ops and kernel calls, ~130 us, 4 ms of a 19 ms step. Here one OpenMP
  * region runs every layer: the projections split by weight rows across the threads
  * (gemv.h); the per-token work (residual add, RMSNorm, SiLU-and-mul) done by every thread
- * on its own copy of the residual stream, which is cheaper than a barrier; RoPE, the cache
- * write and attention one request per thread. Four barriers a layer.
+ * on its own copy of the residual stream, which is cheaper than a barrier. Attention takes
+ * one request per thread when there are at least as many requests as threads; otherwise
+ * (one request on two cores) each request's context is split across the threads by blocks
+ * (flash-decoding) and every thread combines the parts on its own copy: a lone request's
+ * attention was ~1 ms of a 15 ms step on one thread while the other waited. Four barriers
+ * a layer.
  *
  * Per layer, with x the previous layer's output (the embeddings for layer 0):
  *   residual += x (layer 0: residual = x);  h = rms_norm(residual) * input_norm
@@ -48,6 +52,53 @@ static void head_rms_norm(float *restrict x, const float *restrict weight, int64
     }
 }
 
+/* What attention needs from the step, the same for every layer. */
+typedef struct {
+    int64_t num_heads, num_kv_heads, head_dim, q_size, kv_size, num_slots, block_size,
+        table_stride;
+    float eps, scale;
+    const int64_t *positions, *slot_mapping;
+    const int32_t *block_tables, *seq_lens;
+    const float *cos_table, *sin_table;
+} attention_step;
+
+/* Token t's q heads from its qkv row into q: normed (q_norm, Qwen3), then rotated. */
+static void prepare_q(float *restrict q, const float *restrict qkv_row,
+                      const decode_layer *layer, const attention_step *s, int64_t t) {
+    memcpy(q, qkv_row, sizeof(float) * (size_t)s->q_size);
+    if (layer->q_norm != NULL) head_rms_norm(q, layer->q_norm, s->num_heads, s->head_dim, s->eps);
+    const int64_t half = s->head_dim / 2;
+    rotate_token(q, s->num_heads, s->head_dim, s->cos_table + s->positions[t] * half,
+                 s->sin_table + s->positions[t] * half);
+}
+
+/* Token t's k heads normed (k_norm) and rotated in its qkv row, then its k and v written to
+ * the layer's cache at its slot. */
+static void write_kv(float *restrict qkv_row, const decode_layer *layer,
+                     const attention_step *s, int64_t t) {
+    float *k = qkv_row + s->q_size, *v = k + s->kv_size;
+    if (layer->k_norm != NULL)
+        head_rms_norm(k, layer->k_norm, s->num_kv_heads, s->head_dim, s->eps);
+    const int64_t half = s->head_dim / 2;
+    rotate_token(k, s->num_kv_heads, s->head_dim, s->cos_table + s->positions[t] * half,
+                 s->sin_table + s->positions[t] * half);
+    float *k_cache = layer->kv_cache, *v_cache = k_cache + s->num_slots * s->kv_size;
+    const size_t bytes = sizeof(float) * (size_t)s->kv_size;
+    memcpy(k_cache + s->slot_mapping[t] * s->kv_size, k, bytes);
+    memcpy(v_cache + s->slot_mapping[t] * s->kv_size, v, bytes);
+}
+
+/* Token t's attention over context positions [begin, end), unnormalised (attend_range). */
+static void attend_part(float *restrict o, float *restrict max, float *restrict sum,
+                        const float *restrict q, const decode_layer *layer,
+                        const attention_step *s, int64_t t, int64_t begin, int64_t end,
+                        float *restrict scores) {
+    const float *k_cache = layer->kv_cache, *v_cache = k_cache + s->num_slots * s->kv_size;
+    attend_request(o, max, sum, q, k_cache, v_cache, s->block_tables + t * s->table_stride,
+                   begin, end, s->num_heads, s->num_heads / s->num_kv_heads, s->head_dim,
+                   s->block_size, s->block_size * s->kv_size, s->scale, scores);
+}
+
 /* x [num_tokens, hidden]: the embeddings in, the final-normed hidden states out.
  * positions, slot_mapping [num_tokens] int64; block_tables [num_tokens, table_stride] and
  * seq_lens [num_tokens] int32 (as for paged_decode_attention_f32); cos/sin tables
@@ -65,28 +116,41 @@ int64_t llama_decode_f32(float *restrict x, const decode_layer *restrict layers,
                          int64_t block_size, int num_threads) {
     const int64_t M = num_tokens, q_size = num_heads * head_dim;
     const int64_t kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
-    const int64_t num_slots = num_blocks * block_size, half = head_dim / 2;
-    const int64_t group = num_heads / num_kv_heads, block_stride = block_size * kv_size;
+    const attention_step step = {
+        .num_heads = num_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
+        .q_size = q_size, .kv_size = kv_size, .num_slots = num_blocks * block_size,
+        .block_size = block_size, .table_stride = table_stride, .eps = eps, .scale = scale,
+        .positions = positions, .slot_mapping = slot_mapping, .block_tables = block_tables,
+        .seq_lens = seq_lens, .cos_table = cos_table, .sin_table = sin_table};
     int64_t bad = 0, max_seq_len = 1;
     for (int64_t t = 0; t < M; t++) {
-        bad += slot_mapping[t] < 0 || slot_mapping[t] >= num_slots;
+        bad += slot_mapping[t] < 0 || slot_mapping[t] >= step.num_slots;
         if (seq_lens[t] > max_seq_len) max_seq_len = seq_lens[t];
     }
     if (bad) return bad;
-    /* Shared: the qkv projection, the attention output, the gate_up projection. */
-    float *shared = malloc(sizeof(float) * (size_t)(M * (qkv_size + q_size + 2 * intermediate)));
+    /* A part of a split attention: [o: q_size | max: num_heads | sum: num_heads]. */
+    const int64_t part_stride = q_size + 2 * num_heads;
+    /* Shared: the qkv projection, the attention output (one request per thread) or its
+     * parts (split requests), the gate_up projection. */
+    const int64_t attn_floats = M * (q_size > num_threads * part_stride ? q_size
+                                                                       : num_threads * part_stride);
+    float *shared = malloc(sizeof(float) * (size_t)(M * (qkv_size + 2 * intermediate) + attn_floats));
     if (shared == NULL) return -1;
-    float *qkv = shared, *attn = qkv + M * qkv_size, *gate_up = attn + M * q_size;
+    float *qkv = shared, *gate_up = qkv + M * qkv_size, *attn = gate_up + M * 2 * intermediate;
     const int64_t wide = hidden > intermediate ? hidden : intermediate;
     int failed = 0;
 
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        /* Private: the residual stream, the normed input of a projection, attention scores. */
-        float *residual = malloc(sizeof(float) *
-                                 (size_t)(M * (hidden + wide) + num_heads * max_seq_len));
-        float *h = residual + M * hidden, *scores = h + M * wide;
+        const int split = M < nt;
+        /* Private: the residual stream, the normed input of a projection, a rotated q, the
+         * combined attention of split requests, scores and the softmax's max and sum. */
+        float *residual = malloc(sizeof(float) * (size_t)(M * (hidden + wide + q_size) + q_size +
+                                                          num_heads * (max_seq_len + 2)));
+        float *h = residual + M * hidden, *own_attn = h + M * wide, *q = own_attn + M * q_size;
+        float *scores = q + q_size, *max = scores + num_heads * max_seq_len;
+        float *sum = max + num_heads;
         /* A thread without memory skips the work but still meets every barrier. */
         const int ok = residual != NULL;
         failed = !ok;
@@ -106,25 +170,39 @@ int64_t llama_decode_f32(float *restrict x, const decode_layer *restrict layers,
                 gemv_part(qkv, h, layer->qkv, layer->qkv_bias, M, qkv_size, hidden, tid, nt);
             }
 #pragma omp barrier
-            float *k_cache = layer->kv_cache, *v_cache = k_cache + num_slots * kv_size;
+            const float *attn_out = attn;
+            if (!split) {
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < M; t++) {
-                if (!ok) continue;
-                float *q = qkv + t * qkv_size, *k = q + q_size, *v = k + kv_size;
-                if (layer->q_norm != NULL) {
-                    head_rms_norm(q, layer->q_norm, num_heads, head_dim, eps);
-                    head_rms_norm(k, layer->k_norm, num_kv_heads, head_dim, eps);
+                for (int64_t t = 0; t < M; t++) {
+                    if (!ok) continue;
+                    float *row = qkv + t * qkv_size, *o = attn + t * q_size;
+                    write_kv(row, layer, &step, t);
+                    prepare_q(q, row, layer, &step, t);
+                    attend_part(o, max, sum, q, layer, &step, t, 0, seq_lens[t], scores);
+                    attend_normalize(o, sum, num_heads, head_dim);
+                } /* implicit barrier: attn complete */
+            } else {
+                /* Thread nt - 1's blocks hold the new token: it writes the token's K/V
+                 * before reading them, and nobody else reads that block. */
+                for (int64_t t = 0; t < M && ok; t++) {
+                    float *row = qkv + t * qkv_size;
+                    if (tid == nt - 1) write_kv(row, layer, &step, t);
+                    prepare_q(q, row, layer, &step, t);
+                    const int64_t blocks = (seq_lens[t] + block_size - 1) / block_size;
+                    const int64_t begin = blocks * tid / nt * block_size;
+                    int64_t end = blocks * (tid + 1) / nt * block_size;
+                    end = end < seq_lens[t] ? end : seq_lens[t];
+                    float *part = attn + (t * nt + tid) * part_stride;
+                    attend_part(part, part + q_size, part + q_size + num_heads, q, layer, &step,
+                                t, begin, end, scores);
                 }
-                /* q and k heads are adjacent: one rotation over both. */
-                rotate_token(q, num_heads + num_kv_heads, head_dim,
-                             cos_table + positions[t] * half, sin_table + positions[t] * half);
-                memcpy(k_cache + slot_mapping[t] * kv_size, k, sizeof(float) * (size_t)kv_size);
-                memcpy(v_cache + slot_mapping[t] * kv_size, v, sizeof(float) * (size_t)kv_size);
-                attend_request(attn + t * q_size, q, k_cache, v_cache,
-                               block_tables + t * table_stride, seq_lens[t], num_heads, group,
-                               head_dim, block_size, block_stride, scale, scores);
-            } /* implicit barrier: attn complete */
-            if (ok) gemv_part(x, attn, layer->o, NULL, M, hidden, q_size, tid, nt);
+#pragma omp barrier
+                for (int64_t t = 0; t < M && ok; t++)
+                    attend_combine(own_attn + t * q_size, attn + t * nt * part_stride,
+                                   part_stride, nt, num_heads, head_dim);
+                attn_out = own_attn;
+            }
+            if (ok) gemv_part(x, attn_out, layer->o, NULL, M, hidden, q_size, tid, nt);
 #pragma omp barrier
             if (ok) {
                 for (int64_t t = 0; t < M; t++) {

@@ -38,15 +38,19 @@ int paged_decode_attention_f32(float *restrict out, const float *restrict q,
 
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(num_heads * max_seq_len));
+        /* scores [num_heads, max_seq_len], then the softmax's max and sum per head. */
+        float *scores = malloc(sizeof(float) * (size_t)(num_heads * (max_seq_len + 2)));
         if (scores == NULL) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t n = 0; n < num_reqs; n++) {
             if (scores == NULL) continue;
             const int64_t offset = n * num_heads * head_dim;
             const int32_t *table = block_tables + n * table_stride;
-            attend_request(out + offset, q + offset, k_cache, v_cache, table, seq_lens[n],
-                           num_heads, group, head_dim, block_size, block_stride, scale, scores);
+            float *max = scores + num_heads * max_seq_len, *sum = max + num_heads;
+            attend_request(out + offset, max, sum, q + offset, k_cache, v_cache, table, 0,
+                           seq_lens[n], num_heads, group, head_dim, block_size, block_stride,
+                           scale, scores);
+            attend_normalize(out + offset, sum, num_heads, head_dim);
         }
         free(scores);
     }
