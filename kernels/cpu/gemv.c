@@ -5,6 +5,8 @@
  */
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "gemv.h"
 
@@ -17,6 +19,14 @@ void gemv_f32(float *restrict y, const float *restrict x, const float *restrict 
         gemv_part(y, x, w, bias, m, n, k, 0, 1);
         return;
     }
+    gemv_claim *claims = aligned_alloc(64, sizeof(gemv_claim) * (size_t)num_threads);
+    if (claims == NULL) {  /* static shares need no counters */
 #pragma omp parallel num_threads(num_threads)
-    gemv_part(y, x, w, bias, m, n, k, omp_get_thread_num(), omp_get_num_threads());
+        gemv_part(y, x, w, bias, m, n, k, omp_get_thread_num(), omp_get_num_threads());
+        return;
+    }
+    memset(claims, 0, sizeof(gemv_claim) * (size_t)num_threads);
+#pragma omp parallel num_threads(num_threads)
+    gemv_shared(y, x, w, bias, m, n, k, omp_get_thread_num(), omp_get_num_threads(), claims);
+    free(claims);
 }

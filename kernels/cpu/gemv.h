@@ -50,12 +50,11 @@ static inline __attribute__((always_inline)) void gemv_rows(
     }
 }
 
-/* Thread `tid` of `num_threads`' share of y = x w^T (+ bias): a contiguous range of rows.
- * x [M, k], y [M, n], both contiguous; more than 4 rows of x go 4 at a time. */
-static inline void gemv_part(float *restrict y, const float *restrict x,
-                             const float *restrict w, const float *restrict bias, int64_t M,
-                             int64_t n, int64_t k, int tid, int num_threads) {
-    const int64_t lo = n * tid / num_threads, hi = n * (tid + 1) / num_threads;
+/* Rows [lo, hi) of y = x w^T (+ bias); x [M, k], y [M, n], both contiguous; more than 4
+ * rows of x go 4 at a time. */
+static inline void gemv_range(float *restrict y, const float *restrict x,
+                              const float *restrict w, const float *restrict bias, int64_t M,
+                              int64_t n, int64_t k, int64_t lo, int64_t hi) {
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
         float *ym = y + m0 * n;
         const float *xm = x + m0 * k;
@@ -64,6 +63,45 @@ static inline void gemv_part(float *restrict y, const float *restrict x,
         case 2: gemv_rows(ym, n, xm, w, bias, lo, hi, k, 2, 4); break;
         case 3: gemv_rows(ym, n, xm, w, bias, lo, hi, k, 3, 2); break;
         default: gemv_rows(ym, n, xm, w, bias, lo, hi, k, 4, 2); break;
+        }
+    }
+}
+
+/* Thread `tid` of `num_threads`' share of y = x w^T (+ bias): a contiguous range of rows. */
+static inline void gemv_part(float *restrict y, const float *restrict x,
+                             const float *restrict w, const float *restrict bias, int64_t M,
+                             int64_t n, int64_t k, int tid, int num_threads) {
+    gemv_range(y, x, w, bias, M, n, k, n * tid / num_threads, n * (tid + 1) / num_threads);
+}
+
+/* A claim counter for gemv_shared, alone on its cache line. */
+typedef struct {
+    int64_t next;
+    char pad[56];
+} gemv_claim;
+
+/* Rows per claim: ~64 KB of weights. */
+#define GEMV_CLAIM_BYTES 65536
+
+/* y = x w^T (+ bias) by all num_threads threads together, each calling this: every thread
+ * starts on its own contiguous range (as gemv_part), taking ~64 KB of rows at a time, then
+ * takes what is left of the others' ranges. A thread the OS preempts (the engine's event
+ * loop shares these cores) then delays the product by a chunk, not by its whole share.
+ * `claims` [num_threads], zeroed, used for this product only. */
+static inline void gemv_shared(float *restrict y, const float *restrict x,
+                               const float *restrict w, const float *restrict bias, int64_t M,
+                               int64_t n, int64_t k, int tid, int num_threads,
+                               gemv_claim *claims) {
+    int64_t chunk = GEMV_CLAIM_BYTES / ((int64_t)sizeof(float) * k);
+    chunk = chunk > 0 ? chunk : 1;
+    for (int i = 0; i < num_threads; i++) {
+        const int r = (tid + i) % num_threads;
+        const int64_t lo = n * r / num_threads, hi = n * (r + 1) / num_threads;
+        for (;;) {
+            const int64_t start = lo + chunk * __atomic_fetch_add(&claims[r].next, 1,
+                                                                  __ATOMIC_RELAXED);
+            if (start >= hi) break;
+            gemv_range(y, x, w, bias, M, n, k, start, start + chunk < hi ? start + chunk : hi);
         }
     }
 }

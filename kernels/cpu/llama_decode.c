@@ -5,10 +5,11 @@
  * At a few tokens the layers are bound by streaming their weights from memory (14 MB a
  * layer for SmolLM2-135M) and everything else is small; but layer by layer from Python each
  * layer is ~12 torch ops and kernel calls, ~130 us, 4 ms of a 19 ms step. Here one OpenMP
- * region runs every layer: the projections split by weight rows across the threads
- * (gemv.h); the per-token work (residual add, RMSNorm, SiLU-and-mul) done by every thread
- * on its own copy of the residual stream, which is cheaper than a barrier. Attention takes
- * one request per thread when there are at least as many requests as threads; otherwise
+ * region runs every layer: the projections split by weight rows across the threads, each
+ * thread taking the rest of another's share once done with its own (gemv_shared in gemv.h);
+ * the per-token work (residual add, RMSNorm, SiLU-and-mul) done by every thread on its own
+ * copy of the residual stream, which is cheaper than a barrier. Attention takes one
+ * request per thread when there are at least as many requests as threads; otherwise
  * (one request on two cores) each request's context is split across the threads by blocks
  * (flash-decoding) and every thread combines the parts on its own copy: a lone request's
  * attention was ~1 ms of a 15 ms step on one thread while the other waited. Four barriers
@@ -138,6 +139,14 @@ int64_t llama_decode_f32(float *restrict x, const decode_layer *restrict layers,
     if (shared == NULL) return -1;
     float *qkv = shared, *gate_up = qkv + M * qkv_size, *attn = gate_up + M * 2 * intermediate;
     const int64_t wide = hidden > intermediate ? hidden : intermediate;
+    /* Claim counters of every projection of the step: [num_layers, 4, num_threads]. */
+    const size_t claims_bytes = sizeof(gemv_claim) * (size_t)(num_layers * 4 * num_threads);
+    gemv_claim *claims = aligned_alloc(64, claims_bytes);
+    if (claims == NULL) {
+        free(shared);
+        return -1;
+    }
+    memset(claims, 0, claims_bytes);
     int failed = 0;
 
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
@@ -156,6 +165,7 @@ int64_t llama_decode_f32(float *restrict x, const decode_layer *restrict layers,
         failed = !ok;
         for (int64_t l = 0; l < num_layers; l++) {
             const decode_layer *layer = layers + l;
+            gemv_claim *c = claims + l * 4 * num_threads;
             if (ok) {
                 for (int64_t t = 0; t < M; t++) {
                     float *ht = h + t * hidden, *rt = residual + t * hidden;
@@ -167,7 +177,7 @@ int64_t llama_decode_f32(float *restrict x, const decode_layer *restrict layers,
                         fused_add_rms_norm_row(ht, rt, layer->input_norm, hidden, eps);
                     }
                 }
-                gemv_part(qkv, h, layer->qkv, layer->qkv_bias, M, qkv_size, hidden, tid, nt);
+                gemv_shared(qkv, h, layer->qkv, layer->qkv_bias, M, qkv_size, hidden, tid, nt, c);
             }
 #pragma omp barrier
             const float *attn_out = attn;
@@ -202,7 +212,7 @@ int64_t llama_decode_f32(float *restrict x, const decode_layer *restrict layers,
                                    part_stride, nt, num_heads, head_dim);
                 attn_out = own_attn;
             }
-            if (ok) gemv_part(x, attn_out, layer->o, NULL, M, hidden, q_size, tid, nt);
+            if (ok) gemv_shared(x, attn_out, layer->o, NULL, M, hidden, q_size, tid, nt, c + num_threads);
 #pragma omp barrier
             if (ok) {
                 for (int64_t t = 0; t < M; t++) {
@@ -211,8 +221,8 @@ int64_t llama_decode_f32(float *restrict x, const decode_layer *restrict layers,
                     fused_add_rms_norm_row(ht, residual + t * hidden, layer->post_norm, hidden,
                                            eps);
                 }
-                gemv_part(gate_up, h, layer->gate_up, NULL, M, 2 * intermediate, hidden, tid,
-                          nt);
+                gemv_shared(gate_up, h, layer->gate_up, NULL, M, 2 * intermediate, hidden, tid,
+                            nt, c + 2 * num_threads);
             }
 #pragma omp barrier
             if (ok) {
@@ -220,7 +230,7 @@ int64_t llama_decode_f32(float *restrict x, const decode_layer *restrict layers,
                     const float *g = gate_up + t * 2 * intermediate;
                     silu_and_mul_row(h + t * intermediate, g, g + intermediate, intermediate);
                 }
-                gemv_part(x, h, layer->down, NULL, M, hidden, intermediate, tid, nt);
+                gemv_shared(x, h, layer->down, NULL, M, hidden, intermediate, tid, nt, c + 3 * num_threads);
             }
 #pragma omp barrier
         }
@@ -230,6 +240,7 @@ int64_t llama_decode_f32(float *restrict x, const decode_layer *restrict layers,
                                        eps);
         free(residual);
     }
+    free(claims);
     free(shared);
     return failed ? -1 : 0;
 }
