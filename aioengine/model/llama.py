@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aioengine.kernels import cpu as cpu_kernels
+from aioengine.model import hugepages
 from aioengine.model.arch import ModelArchConfig
 from aioengine.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from aioengine.model.layers import (fused_add_rms_norm, linear, pack_linear_weight, rms_norm,
@@ -98,8 +99,9 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    # Uninitialised: every parameter is overwritten by load_weights (which checks that).
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+    # Uninitialised: every parameter is overwritten by load_weights (which checks that). In
+    # huge pages on the CPU: decode streams every weight once per token (hugepages.py).
+    return nn.Parameter(hugepages.empty(shape, dtype, device), requires_grad=False)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -347,9 +349,11 @@ def make_kv_caches(arch: ModelArchConfig, num_blocks: int, block_size: int,
 
     Zeroed, not empty: padded decode reads touch slots no request wrote, and although their
     attention weight is 0, a NaN left in uninitialised memory would still poison 0 * NaN.
+    In huge pages on the CPU, like the weights: decode attention streams the context's K/V.
     """
     shape = (2, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_hidden_layers)]
+    return [hugepages.empty(shape, dtype, device).zero_()
+            for _ in range(arch.num_hidden_layers)]
 
 
 def kv_cache_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -1,0 +1,57 @@
+"""hugepages.empty: large CPU tensors start on a 2 MB boundary and ask for huge pages."""
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+import torch
+
+from aioengine.model import hugepages
+
+CPU = torch.device("cpu")
+
+
+def _thp_mode() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return re.search(r"\[(\w+)\]", f.read()).group(1)
+    except (OSError, AttributeError):
+        return None
+
+
+def _anon_huge_kb(address: int) -> int:
+    """AnonHugePages of the mapping that holds `address`, from /proc/self/smaps."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            m = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+            if m:
+                inside = int(m.group(1), 16) <= address < int(m.group(2), 16)
+            elif inside and line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.parametrize("shape,dtype", [((3072, 576), torch.float32), ((576, 576), torch.float32),
+                                         ((5, 300_001), torch.float16)])
+def test_large_tensors_are_aligned_views_that_work_like_empty(shape, dtype) -> None:
+    t = hugepages.empty(shape, dtype, CPU)
+    assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+    if sys.platform.startswith("linux"):
+        assert t.data_ptr() % hugepages.HUGE_PAGE == 0
+    t.fill_(3)  # every byte is ours to write
+    assert bool((t == 3).all())
+
+
+def test_small_tensors_are_plain_empty() -> None:
+    t = hugepages.empty((100, 100), torch.float32, CPU)  # 40 KB
+    assert t.shape == (100, 100) and t.untyped_storage().nbytes() == 40_000
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"),
+                    reason="transparent huge pages are off on this machine")
+def test_large_tensors_get_huge_pages() -> None:
+    t = hugepages.empty((4 << 20,), torch.float32, CPU)  # 16 MB
+    t.fill_(1)
+    assert _anon_huge_kb(t.data_ptr()) >= 2048
