@@ -13,11 +13,13 @@ output token cannot drop below the time to stream the weights from memory:
   (at these lengths they are a few percent of the weights).
 - Bandwidth (`measure_read_bandwidth`): the median of several `.sum()` over a buffer of
   `--bandwidth-mib` (1 GiB by default, far larger than the caches), on the same torch
-  thread count as the engines, in a child process, right before every timed run. Each run's
-  TPOT / floor uses the bandwidth measured just before it: these machines drift by 20-30%
-  over minutes, and a floor from one moment against a TPOT from another measured the drift
-  (one bandwidth at the start gave 1.25-1.72x for the same code). The report's floor is the
-  median of those measurements.
+  thread count as the engines, in a child process, before and after every timed run (one
+  measurement between two runs serves both). Each run's TPOT / floor uses the higher of the
+  two: these machines drift by 20-30% over minutes, and a floor from one moment against a
+  TPOT from another measured the drift (one bandwidth at the start gave 1.25-1.72x for the
+  same code); and for seconds at a time their sequential reads run ~1.8x faster, so a run
+  during which such a phase starts or ends is held to the faster one. The report's floor is
+  the median of the runs' bandwidths.
 
 Engines, on the same weights and thread count, each after `--warmup` untimed runs:
 
@@ -76,10 +78,9 @@ def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = BANDWIDTH_RE
     """Memory read bandwidth in bytes/s: the median of `repeats` sums of a float32 buffer
     of `num_bytes`, with torch's current thread count, in a child process.
 
-    The median, not the fastest: on the 2-core VMs this was written on, the machine now and
-    then reads at 44-57 GB/s for a few seconds where the sustained rate is 30-33 GB/s (the
-    weight-streaming matrix-vector products reach 28-30 GB/s, 94% of it). A floor from the
-    fastest single pass measured a spike.
+    The median, not the fastest single pass, which catches transients. The buffer is in huge
+    pages, as the model's weights are. On the 2-core VMs this was written on the rate has
+    phases: ~33 GB/s usually, 50-64 GB/s for seconds to minutes at a time.
 
     A child process, because OpenMP work started in this one costs the engine: a thread that
     has run torch ops keeps an OpenMP thread team, and with a second team next to the
@@ -113,13 +114,33 @@ def _bandwidth_here(num_bytes: int, repeats: int, threads: int) -> float:
     return buf.numel() * buf.element_size() / statistics.median(times)
 
 
+class BandwidthProbe:
+    """The bandwidth for each timed run: the higher of the measurements just before and just
+    after it, the one between two runs serving both."""
+
+    def __init__(self, num_bytes: int) -> None:
+        self.num_bytes = num_bytes
+        self._last: float | None = None
+
+    def before_run(self) -> None:
+        if self._last is None:
+            self._last = measure_read_bandwidth(self.num_bytes)
+
+    def after_run(self) -> float:
+        before = self._last
+        if before is None:
+            raise RuntimeError("BandwidthProbe.after_run without before_run")
+        self._last = measure_read_bandwidth(self.num_bytes)
+        return max(before, self._last)
+
+
 # ---- one run of one request -------------------------------------------------------------
 
 
 @dataclass
 class LatencyRun:
     """One request's token arrival times, in seconds since it was submitted, and the memory
-    read bandwidth (bytes/s) measured just before it."""
+    read bandwidth (bytes/s) for its floor (`BandwidthProbe`)."""
 
     token_times_s: list[float]
     bandwidth: float = 0.0
@@ -165,7 +186,7 @@ class EngineLatency:
 
     def summary(self, weight_bytes: int | None = None) -> dict[str, Any]:
         """Median and best (min) over runs of each per-run number; with `weight_bytes`, also
-        each run's TPOT over the floor from the bandwidth measured just before it."""
+        each run's TPOT over the floor from its bandwidth (`BandwidthProbe`)."""
         per_run = [r.to_json() for r in self.runs]
         if weight_bytes is not None:
             for run, summary in zip(self.runs, per_run):
@@ -190,11 +211,13 @@ async def _aioengine_runs(model: str | None, kwargs: dict[str, Any], prompt: lis
     torch.set_num_threads(threads)  # the benchmark's thread count wins, as in `offline`
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     runs = []
+    probe = BandwidthProbe(bandwidth_bytes)
     try:
         for i in range(warmup + repeats):
             if not engine.core.kv_cache_manager.reset_prefix_cache():
                 raise RuntimeError("aioengine: KV blocks still in use between runs")
-            bandwidth = measure_read_bandwidth(bandwidth_bytes) if i >= warmup else 0.0
+            if i >= warmup:
+                probe.before_run()
             times: list[float] = []
             start = time.perf_counter()
             async for out in engine.generate(prompt, params):
@@ -202,7 +225,7 @@ async def _aioengine_runs(model: str | None, kwargs: dict[str, Any], prompt: lis
                 # Tokens that reach the caller together share an arrival time.
                 times += [now] * sum(len(c.token_ids) for c in out.outputs)
             if i >= warmup:
-                runs.append(_checked(OUR_ENGINE, times, output_len, bandwidth))
+                runs.append(_checked(OUR_ENGINE, times, output_len, probe.after_run()))
         weight_bytes = weight_bytes_per_token(engine.core.loaded.model)
     finally:
         await engine.shutdown()
@@ -244,8 +267,10 @@ def run_hf(model: str, prompt: list[int], output_len: int, warmup: int, repeats:
     hf_model = load_hf_model(model)
     ids = torch.tensor([prompt], dtype=torch.long)
     runs = []
+    probe = BandwidthProbe(bandwidth_bytes)
     for i in range(warmup + repeats):
-        bandwidth = measure_read_bandwidth(bandwidth_bytes) if i >= warmup else 0.0
+        if i >= warmup:
+            probe.before_run()
         clock = TokenClock()
         with torch.inference_mode():
             # eos_token_id=None: never stop early (our ignore_eos), as in `offline`.
@@ -255,7 +280,7 @@ def run_hf(model: str, prompt: list[int], output_len: int, warmup: int, repeats:
                               eos_token_id=None, temperature=None, top_p=None, top_k=None,
                               streamer=clock)
         if i >= warmup:
-            runs.append(_checked("hf", clock.times, output_len, bandwidth))
+            runs.append(_checked("hf", clock.times, output_len, probe.after_run()))
     return EngineLatency("hf", runs, torch.get_num_threads())
 
 
@@ -276,7 +301,7 @@ class LatencyConfig:
 
 
 def run_latency(config: LatencyConfig) -> dict[str, Any]:
-    """Each engine in turn, the bandwidth measured before each timed run; returns the
+    """Each engine in turn, the bandwidth measured around each timed run; returns the
     report's floor, results, ratios and skipped engines."""
     from aioengine.model.loader import load_model
 
@@ -355,7 +380,7 @@ def format_latency(report: dict[str, Any]) -> str:
         f"{cfg['warmup']} warm-up",
         "",
         f"{'memory read bandwidth':<26}{floor['bandwidth_gb_per_s']:>10.2f} GB/s "
-        f"(median over the timed runs; before each, the median of "
+        f"(median over the timed runs; each the higher of before and after it, a median of "
         f"{floor['bandwidth_repeats']} sums over "
         f"{floor['bandwidth_buffer_bytes'] / 2**20:.0f} MiB)",
         f"{'weights read per token':<26}{floor['weight_bytes'] / 1e6:>10.1f} MB",
@@ -365,7 +390,7 @@ def format_latency(report: dict[str, Any]) -> str:
         f"{'e2e ms':>19} {'TPOT / floor':>14}",
     ]
     for name, r in report["results"].items():
-        ratio = r["tpot_over_floor"]  # each run against the bandwidth measured before it
+        ratio = r["tpot_over_floor"]  # each run against its own bandwidth
         lines.append(f"{name:<10} {cell(r['ttft_ms']):>17} {cell(r['tpot_ms']):>17} "
                      f"{cell(r['itl_median_ms']):>17} {cell(r['e2e_ms']):>19} "
                      f"{ratio['median']:>6.2f} ({ratio['best']:.2f})")

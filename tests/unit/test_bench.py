@@ -12,8 +12,8 @@ from aioengine.bench import build_parser
 from aioengine.bench.datasets import (PROMPTS_FILE, BenchRequest, Workload,
                                       load_prompt_texts, normal_vocab, random_dataset,
                                       shared_prefix_dataset, text_dataset, with_text)
-from aioengine.bench.latency import (EngineLatency, LatencyRun, measure_read_bandwidth,
-                                     parse_latency_engines)
+from aioengine.bench.latency import (BandwidthProbe, EngineLatency, LatencyRun,
+                                     measure_read_bandwidth, parse_latency_engines)
 from aioengine.bench.metrics import (RequestResult, latency_stats, meets_slo, parse_slo,
                                      summarize, throughput_over_time)
 from aioengine.bench.offline import compare_outputs, engine_stats, parse_engines
@@ -301,3 +301,16 @@ def test_latency_command_line_and_bandwidth() -> None:
         with pytest.raises(argparse.ArgumentTypeError):
             parse_latency_engines(bad)
     assert measure_read_bandwidth(1 << 20, repeats=2) > 0
+
+
+def test_bandwidth_probe_takes_the_higher_of_before_and_after() -> None:
+    probe = BandwidthProbe(1 << 20)
+    with pytest.raises(RuntimeError):
+        probe.after_run()
+    probe.before_run()
+    before = probe._last
+    first = probe.after_run()  # measures once more: the next run's "before"
+    assert first == max(before, probe._last) > 0
+    probe.before_run()  # reuses the measurement after the previous run
+    between = probe._last
+    assert probe.after_run() == max(between, probe._last)
