@@ -27,11 +27,12 @@ from aioengine.model.layers import (fused_add_rms_norm, linear, pack_linear_weig
 
 
 # Decode-only steps of up to this many tokens run the decoder layers in one C call where it
-# applies (LlamaForCausalLM.use_fused_decode). One token: the layers' forward 14.6 -> 10.7
-# ms on 2 cores (it streams the 425 MB of layer weights with ~1 ms of other work, where
-# layer by layer from Python the other work was ~4 ms); 2 tokens 21 -> 17 ms; 3-4 tokens
-# 26-30 -> 22-25 ms. At 5+ rows oneDNN's packed matmul streams the weights better.
-FUSED_DECODE_MAX_TOKENS = 4
+# applies (LlamaForCausalLM.use_fused_decode). Forward + LM head on 2 cores, against the
+# layer path in the same process: 1 token 20.4-21.8 -> 17.5-18.1 ms (the ~4 ms of per-layer
+# Python and op dispatch gone), 2 tokens 25.8 -> 21.1, 4 tokens 33.4-33.8 -> 23.8-28.4,
+# 8 tokens 37.6 -> 34.2; at 12 they are even (oneDNN's GEMM takes over), at 16 the layer
+# path wins (52.6 vs 58.1).
+FUSED_DECODE_MAX_TOKENS = 8
 
 
 def rope_inv_freq(arch: ModelArchConfig) -> Tensor:

@@ -1,6 +1,6 @@
 /*
- * The decoder layers of a Llama-family model for a decode step of 1-4 tokens (one per
- * request), float32 on the CPU, in one call.
+ * The decoder layers of a Llama-family model for a decode step of a few tokens (one per
+ * request; the model uses it up to 8), float32 on the CPU, in one call.
  *
  * At a few tokens the layers are bound by streaming their weights from memory (14 MB a
  * layer for SmolLM2-135M) and everything else is small; but layer by layer from Python each

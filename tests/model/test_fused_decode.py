@@ -74,10 +74,11 @@ def _decode(model, fused: bool, caches, input_ids, positions, meta):
 
 
 @pytest.mark.parametrize("seq_lens", [[1], [9], [4, 17], [30, 2, 13], [5, 8, 21, 12],
-                                      [3, 6, 9, 12, 15]])
+                                      [3, 6, 9, 12, 15], [2, 4, 6, 8, 10, 12, 14, 16, 18]])
 def test_fused_decode_matches_the_layer_path(model, seq_lens: list[int], fused_calls) -> None:
     """Hidden states and every layer's new K/V as the layer-by-layer path computes them,
-    for 1 to 4 requests (and 5, which takes the layer path either way)."""
+    for 1 to 5 requests (more than 4 x-rows go through the gemv 4 at a time) and 9, which
+    takes the layer path either way."""
     case = _prefilled(model, seq_lens)
     ours, ours_caches = _decode(model, True, *case)
     expected_calls = [len(seq_lens)] if len(seq_lens) <= FUSED_DECODE_MAX_TOKENS else []
