@@ -179,7 +179,8 @@ class LlamaForCausalLM(nn.Module):
         # Decode steps of a few tokens through cpu_kernels.llama_decode (off: layer by layer).
         self.use_fused_decode = True
         # (the KV caches' data pointers, the pointer table llama_decode reads) for the last
-        # kv_caches seen: built once, the weights are updated in place.
+        # kv_caches seen: built once, the weights being updated in place. Whatever replaces
+        # a parameter tensor (rather than copying into it) must reset it to None.
         self._decode_table: tuple[tuple[int, ...], Tensor] | None = None
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
@@ -279,6 +280,7 @@ class LlamaForCausalLM(nn.Module):
         Raises ValueError for an unknown name, a shape mismatch, or any parameter (or part of
         a fused one) left unloaded.
         """
+        self._decode_table = None  # raw pointers to the parameters: rebuilt on next use
         parts_loaded: dict[str, int] = {}
         for hf_name, tensor in weights:
             target = self._locate(hf_name)
