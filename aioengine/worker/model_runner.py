@@ -134,8 +134,14 @@ class ModelRunner:
             owners.append(item)
         if not rows:
             return
-        # Logits only for the rows that sample; the LM head is the largest matmul.
-        logits = self.model.compute_logits(hidden[torch.tensor(row_index, device=self.device)])
+        # Logits only for the rows that sample; the LM head is the largest matmul. When every
+        # row samples once, in order (decode steps), no gather: it cost 0.17 ms a step on
+        # the CPU, right after a forward has streamed the weights through the caches.
+        if row_index == list(range(hidden.shape[0])):
+            sample_hidden = hidden
+        else:
+            sample_hidden = hidden[torch.tensor(row_index, device=self.device)]
+        logits = self.model.compute_logits(sample_hidden)
         if grammar_bitmask is not None:
             # Before every sampling parameter, so logprobs are those of the masked logits.
             # Waits for the loop to finish filling the mask (it does so during the forward).
