@@ -313,6 +313,8 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor | None
 # The pointers of one decoder layer, in the order of llama_decode.c's `decode_layer`.
 DECODE_LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm",
                        "gate_up", "down", "kv_cache")
+# The ones a model may lack (null pointers for the kernel).
+_OPTIONAL_DECODE_FIELDS = frozenset({"qkv_bias", "q_norm", "k_norm"})
 
 
 def decode_layer_table(layers: list[dict[str, Tensor | None]]) -> Tensor | None:
@@ -326,7 +328,7 @@ def decode_layer_table(layers: list[dict[str, Tensor | None]]) -> Tensor | None:
         for name in DECODE_LAYER_FIELDS:
             t = layer[name]
             if t is None:
-                if name not in ("qkv_bias", "q_norm", "k_norm"):
+                if name not in _OPTIONAL_DECODE_FIELDS:
                     return None
                 row.append(0)
             elif not _f32_rows(t):

@@ -33,7 +33,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> T
     rounded-up tensor, for the alignment (the slack is never touched: address space, not
     memory), and lives as long as the tensor or any view of it."""
     numel = math.prod(shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     nbytes = numel * itemsize
     if torch.device(device).type != "cpu" or nbytes < MIN_BYTES or _MADV_HUGEPAGE is None:
         return torch.empty(shape, dtype=dtype, device=device)

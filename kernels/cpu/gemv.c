@@ -5,7 +5,6 @@
  */
 #include <omp.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "gemv.h"
@@ -16,17 +15,11 @@ void gemv_f32(float *restrict y, const float *restrict x, const float *restrict 
     /* Below ~64K weights (256 KB) one thread is done before a second would start (and see
      * parallel.h on entering OpenMP for nothing). */
     if (n * k < 65536 || num_threads < 2) {
-        gemv_part(y, x, w, bias, m, n, k, 0, 1);
+        gemv_range(y, x, w, bias, m, n, k, 0, n);
         return;
     }
-    gemv_claim *claims = aligned_alloc(64, sizeof(gemv_claim) * (size_t)num_threads);
-    if (claims == NULL) {  /* static shares need no counters */
-#pragma omp parallel num_threads(num_threads)
-        gemv_part(y, x, w, bias, m, n, k, omp_get_thread_num(), omp_get_num_threads());
-        return;
-    }
-    memset(claims, 0, sizeof(gemv_claim) * (size_t)num_threads);
+    gemv_claim claims[num_threads];
+    memset(claims, 0, sizeof(claims));
 #pragma omp parallel num_threads(num_threads)
     gemv_shared(y, x, w, bias, m, n, k, omp_get_thread_num(), omp_get_num_threads(), claims);
-    free(claims);
 }

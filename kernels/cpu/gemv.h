@@ -67,14 +67,8 @@ static inline void gemv_range(float *restrict y, const float *restrict x,
     }
 }
 
-/* Thread `tid` of `num_threads`' share of y = x w^T (+ bias): a contiguous range of rows. */
-static inline void gemv_part(float *restrict y, const float *restrict x,
-                             const float *restrict w, const float *restrict bias, int64_t M,
-                             int64_t n, int64_t k, int tid, int num_threads) {
-    gemv_range(y, x, w, bias, M, n, k, n * tid / num_threads, n * (tid + 1) / num_threads);
-}
-
-/* A claim counter for gemv_shared, alone on its cache line. */
+/* A claim counter for gemv_shared, padded to 64 bytes: two counters of an array are never
+ * on one cache line, whatever the array's alignment. */
 typedef struct {
     int64_t next;
     char pad[56];
@@ -84,7 +78,7 @@ typedef struct {
 #define GEMV_CLAIM_BYTES 65536
 
 /* y = x w^T (+ bias) by all num_threads threads together, each calling this: every thread
- * starts on its own contiguous range (as gemv_part), taking ~64 KB of rows at a time, then
+ * starts on its own contiguous range (n / num_threads rows), taking ~64 KB of rows at a time, then
  * takes what is left of the others' ranges. A thread the OS preempts (the engine's event
  * loop shares these cores) then delays the product by a chunk, not by its whole share.
  * `claims` [num_threads], zeroed, used for this product only. */

@@ -140,13 +140,11 @@ int64_t llama_decode_f32(float *restrict x, const decode_layer *restrict layers,
     float *qkv = shared, *gate_up = qkv + M * qkv_size, *attn = gate_up + M * 2 * intermediate;
     const int64_t wide = hidden > intermediate ? hidden : intermediate;
     /* Claim counters of every projection of the step: [num_layers, 4, num_threads]. */
-    const size_t claims_bytes = sizeof(gemv_claim) * (size_t)(num_layers * 4 * num_threads);
-    gemv_claim *claims = aligned_alloc(64, claims_bytes);
+    gemv_claim *claims = calloc((size_t)(num_layers * 4 * num_threads), sizeof(gemv_claim));
     if (claims == NULL) {
         free(shared);
         return -1;
     }
-    memset(claims, 0, claims_bytes);
     int failed = 0;
 
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)

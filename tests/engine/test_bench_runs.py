@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from aioengine.bench import main as bench_main
-from aioengine.bench.latency import weight_bytes_per_token
+from aioengine.bench.floor import weight_bytes_per_token
 from aioengine.model.loader import load_model
 
 from tests.tiny_models import make_tiny_model_dir

@@ -12,8 +12,8 @@ from aioengine.bench import build_parser
 from aioengine.bench.datasets import (PROMPTS_FILE, BenchRequest, Workload,
                                       load_prompt_texts, normal_vocab, random_dataset,
                                       shared_prefix_dataset, text_dataset, with_text)
-from aioengine.bench.latency import (BandwidthProbe, EngineLatency, LatencyRun,
-                                     measure_read_bandwidth, parse_latency_engines)
+from aioengine.bench.floor import BandwidthProbe, measure_read_bandwidth
+from aioengine.bench.latency import EngineLatency, LatencyRun, parse_latency_engines
 from aioengine.bench.metrics import (RequestResult, latency_stats, meets_slo, parse_slo,
                                      summarize, throughput_over_time)
 from aioengine.bench.offline import compare_outputs, engine_stats, parse_engines
