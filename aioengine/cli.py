@@ -31,6 +31,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--structured-jump-forward", action=argparse.BooleanOptionalAction,
                    default=True, help="append grammar-forced tokens without sampling them")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="schedule each decode step while the previous one runs")
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="priority: lower `priority` first (the request body's vLLM extra)")
 
@@ -43,7 +45,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         structured_jump_forward=args.structured_jump_forward,
-        scheduling_policy=args.scheduling_policy)
+        async_scheduling=args.async_scheduling, scheduling_policy=args.scheduling_policy)
 
 
 async def _generate(args: argparse.Namespace) -> int:

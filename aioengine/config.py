@@ -59,6 +59,9 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     # Structured output: append grammar-forced tokens without sampling them one by one.
     structured_jump_forward: bool = True
+    # AsyncEngine: schedule a decode step while the one before it runs, so the worker goes
+    # straight on to it (Scheduler.schedule_ahead). The synchronous LLM never does.
+    async_scheduling: bool = True
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineArgs:

@@ -23,6 +23,10 @@ from aioengine.core.kv_cache_manager import KVCacheManager
 from aioengine.outputs import PositionLogprobs
 from aioengine.request import Request, RequestStatus
 
+# The input id of a token scheduled ahead (async scheduling): the runner replaces it with
+# the token the previous step sampled for that request.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass
 class ScheduledRequest:
@@ -80,6 +84,11 @@ class SchedulerOutput:
     # engine after scheduling when a sampled row is constrained; filled while the forward
     # runs, applied by the runner before sampling.
     grammar_bitmask: Any = None
+    step_id: int = 0  # the scheduler's count of steps handed out
+    # Async scheduling: set on a step scheduled ahead, while step `follows_step` ran. Each
+    # of its requests computes one token, whose id (PLACEHOLDER_TOKEN_ID here) is the one
+    # that step samples for it.
+    follows_step: int | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -96,6 +105,8 @@ class Scheduler:
         self.num_preemptions = 0
         # Requests the scheduler itself failed (they can never fit); drained by the engine.
         self.newly_failed: list[Request] = []
+        self.num_steps = 0
+        self.num_steps_ahead = 0  # of them, scheduled ahead (schedule_ahead)
 
     # ---- queue management --------------------------------------------------------------
 
@@ -264,12 +275,77 @@ class Scheduler:
             ))
         # Decodes first: the attention backend batches all single-token rows in one call.
         items.sort(key=lambda s: s.num_new_tokens != 1)
+        self.num_steps += 1
         return SchedulerOutput(
             scheduled=items,
             total_num_scheduled_tokens=sum(n for _, n in scheduled),
             blocks_to_copy=self.kv_cache_manager.take_copy_ops(),
             preempted=preempted,
+            step_id=self.num_steps,
         )
+
+    # ---- async scheduling ------------------------------------------------------------
+
+    def schedule_ahead(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
+        """vLLM's async scheduling: the step after `in_flight`, scheduled while it runs and
+        before its tokens are known. Each of its requests computes one more token, the one
+        `in_flight` samples for it (the runner fills the id in), so the worker goes from
+        one step to the next without waiting for the loop's update and schedule.
+
+        Only in the steady state where that is exactly what schedule() would hand out after
+        the update: nothing waiting, every running request in `in_flight` with one sampled
+        row, and nothing in its sampling that reads the output tokens (a grammar, penalties,
+        min_tokens still banning stop tokens). None otherwise: the engine then waits for the
+        update and calls schedule(). Requests that `in_flight` surely ends (max_tokens,
+        max_model_len) are left out; one that it ends by a stop token computes one token in
+        vain, which update_from_output drops, as for an abort.
+
+        Only schedule() admits, preempts or hits the prefix cache, and only with no step in
+        flight. A step ahead writes K/V only into its requests' unhashed tail blocks, so a
+        block freed meanwhile (stop, abort) and handed out again is rewritten by its new
+        owner in a later step (the worker runs steps in order) before anyone reads it.
+        """
+        live = [item for item in in_flight.scheduled if not item.request.is_finished]
+        if (self.waiting or len(live) != len(self.running)
+                or len(live) > self.config.max_num_batched_tokens
+                or not all(self._can_run_ahead(item) for item in live)):
+            return None
+        ahead = [item for item in live if not self._ends_by_length(item.request)]
+        if not ahead or not self._allocate_ahead(ahead):
+            return None
+        items = [ScheduledRequest(
+            request=item.request,
+            num_computed_tokens=item.num_computed_tokens + item.num_new_tokens,
+            token_ids=[PLACEHOLDER_TOKEN_ID],
+            block_ids=self.kv_cache_manager.get_block_ids(item.request.request_id),
+            num_samples=1) for item in ahead]
+        self.kv_cache_manager.observe_peak_usage()
+        self.num_steps += 1
+        self.num_steps_ahead += 1
+        return SchedulerOutput(scheduled=items, total_num_scheduled_tokens=len(items),
+                               blocks_to_copy=self.kv_cache_manager.take_copy_ops(),
+                               step_id=self.num_steps, follows_step=in_flight.step_id)
+
+    def _can_run_ahead(self, item: ScheduledRequest) -> bool:
+        request, params = item.request, item.request.sampling_params
+        return (item.num_samples == 1 and request.structured is None
+                and request.num_computed_tokens == item.num_computed_tokens
+                and request.num_output_tokens >= params.min_tokens
+                and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
+                and params.presence_penalty == 0.0)
+
+    def _ends_by_length(self, request: Request) -> bool:
+        """Whether the token being sampled for `request` will end it (_check_stop)."""
+        return (request.num_output_tokens + 1 >= (request.sampling_params.max_tokens or 0)
+                or request.num_tokens + 1 >= self.config.max_model_len)
+
+    def _allocate_ahead(self, ahead: list[ScheduledRequest]) -> bool:
+        """Slots for one token past each in-flight step. On a shortage some requests may
+        keep the blocks they got: their next allocate_slots counts them as theirs."""
+        for item in ahead:
+            if self.kv_cache_manager.allocate_slots(item.request, item.num_new_tokens + 1) is None:
+                return False
+        return True
 
     # ---- after the forward -------------------------------------------------------------
 

@@ -3,6 +3,10 @@
     loop task:  schedule N ─┬─> forward N (worker thread) ─┬─> update N ─> schedule N+1 ...
                             └─> detokenize + stream N-1 ───┘   (on the loop, overlapped)
 
+With async scheduling, in steady decoding, step N+1 is scheduled and queued right after
+step N is submitted (its input ids are the tokens N samples), so the worker runs
+N, N+1, N+2, ... back to back while the loop updates, streams and schedules behind it.
+
 Callers `async for out in engine.generate(...)`; each request has an asyncio.Queue the
 output processor fills. Cancelling the consuming task aborts the request.
 """
@@ -14,12 +18,13 @@ import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Union
+from typing import AsyncIterator, Callable, TypeVar, Union
 
 from aioengine.config import EngineArgs
 from aioengine.core.scheduler import EngineCoreOutput, SchedulerOutput
 from aioengine.engine.core import EngineCore
 from aioengine.engine.output_processor import OutputProcessor
+from aioengine.engine.step_worker import StepWorker
 from aioengine.engine.timeline import StepRecord, StepTimeline, step_kind
 from aioengine.errors import EngineDeadError, InvalidRequestError
 from aioengine.metrics import EngineMetrics
@@ -29,6 +34,8 @@ from aioengine.sampling_params import SamplingParams
 from aioengine.tokenizer_utils import apply_chat_template, encode_prompt
 
 logger = logging.getLogger("aioengine")
+
+T = TypeVar("T")
 
 # A prompt: text, token ids, or chat messages ({"role", "content"} dicts).
 PromptType = Union[str, list[int], list[dict]]
@@ -67,6 +74,7 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._wakeup = asyncio.Event()
         self._executor = executor or _forward_executor()
+        self._worker = StepWorker(self._executor, self.core.execute)
         self._dead: BaseException | None = None
         self._closing = False
         self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
@@ -144,6 +152,12 @@ class AsyncEngine:
                 self._abort(request_id)
             self._forget(request_id)
 
+    async def run_on_forward_thread(self, fn: Callable[[], T]) -> T:
+        """Runs `fn` on the thread that runs every forward, between steps. Torch work on
+        any other thread of this process starts a second OpenMP thread team, and with more
+        spinning threads than cores every later forward gets slower."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)
 
@@ -173,30 +187,26 @@ class AsyncEngine:
     # ---- the engine loop ---------------------------------------------------------------
 
     async def _run_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         pending: list[EngineCoreOutput] = []
+        # A step scheduled ahead (async scheduling), already queued behind the one running.
+        ahead: tuple[SchedulerOutput, asyncio.Future] | None = None
         try:
             while not self._closing:
-                if not self.core.has_unfinished_requests():
-                    self._process(pending)
-                    pending = []
-                    if not self.core.has_unfinished_requests():
-                        self._wakeup.clear()
-                        self.timeline.mark_idle()
-                        await self._wakeup.wait()
-                    continue
                 started = time.perf_counter()
-                scheduler_output = self.core.schedule()
+                if ahead is None:
+                    step = await self._schedule(pending)
+                    if step is None:
+                        pending = []
+                        continue
+                else:
+                    step, ahead = ahead, None
+                scheduler_output, future = step
+                # Step N+1 is queued before the loop turns to anything else, so the worker
+                # goes on to it as soon as step N ends.
+                next_output = self.core.schedule_ahead(scheduler_output)
+                if next_output is not None:
+                    ahead = next_output, self._submit(next_output)
                 scheduled = time.perf_counter()
-                self._process([], self.core.take_failed())
-                if scheduler_output.is_empty:
-                    self._process(pending)
-                    pending = []
-                    # Only compiling grammars can leave waiting requests unschedulable
-                    # here: yield briefly rather than spin against the compile threads.
-                    await asyncio.sleep(0.001 if self.core.has_unfinished_requests() else 0)
-                    continue
-                future = loop.run_in_executor(self._executor, self.core.execute, scheduler_output)
                 # Overlap: fill step N's grammar bitmask and stream step N-1 while step N
                 # runs on the worker thread.
                 self.core.fill_bitmask(scheduler_output)
@@ -209,12 +219,38 @@ class AsyncEngine:
                                     idle=self.timeline.take_idle())
                 pending = await self._finish_step(future, scheduler_output, record)
             self._process(pending)
+            if ahead is not None:  # shutting down: let the queued step end quietly
+                await asyncio.gather(ahead[1], return_exceptions=True)
         except BaseException as e:  # the loop itself broke: fail everything, stay dead
             self._dead = e
             logger.exception("engine loop died")
             for request_id in list(self._samples):
                 self.processor.abort(request_id, "error", error=f"engine died: {e!r}")
             raise
+
+    async def _schedule(self, pending: list[EngineCoreOutput],
+                        ) -> tuple[SchedulerOutput, asyncio.Future] | None:
+        """With no step in flight: schedules and submits the next one. None when there is
+        nothing to run (after streaming `pending` and waiting for a request)."""
+        if not self.core.has_unfinished_requests():
+            self._process(pending)
+            if not self.core.has_unfinished_requests():
+                self._wakeup.clear()
+                self.timeline.mark_idle()
+                await self._wakeup.wait()
+            return None
+        scheduler_output = self.core.schedule()
+        self._process([], self.core.take_failed())
+        if scheduler_output.is_empty:
+            self._process(pending)
+            # Only compiling grammars can leave waiting requests unschedulable here: yield
+            # briefly rather than spin against the compile threads.
+            await asyncio.sleep(0.001 if self.core.has_unfinished_requests() else 0)
+            return None
+        return scheduler_output, self._submit(scheduler_output)
+
+    def _submit(self, scheduler_output: SchedulerOutput) -> asyncio.Future:
+        return self._worker.submit(scheduler_output)
 
     async def _finish_step(self, future: asyncio.Future, scheduler_output: SchedulerOutput,
                            record: StepRecord) -> list[EngineCoreOutput]:

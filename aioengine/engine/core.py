@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import Callable
 
 import torch
 
@@ -203,14 +204,24 @@ class EngineCore:
         scheduler_output.grammar_bitmask = self.structured.prepare_bitmask(scheduler_output)
         return scheduler_output
 
+    def schedule_ahead(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
+        """The next step, scheduled while `in_flight` runs (Scheduler.schedule_ahead), or
+        None: then update `in_flight` and call schedule()."""
+        if not self.args.async_scheduling:
+            return None
+        return self.scheduler.schedule_ahead(in_flight)
+
     def fill_bitmask(self, scheduler_output: SchedulerOutput) -> None:
         """Fills the step's grammar bitmask (on the loop, while the forward runs: the
         runner waits for it only at sampling time). Never raises."""
         if scheduler_output.grammar_bitmask is not None:
             scheduler_output.grammar_bitmask.fill()
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output)
+    def execute(self, scheduler_output: SchedulerOutput,
+                before_forward: Callable[[], None] | None = None) -> ModelRunnerOutput:
+        """Runs the step (off the loop); `before_forward()` is called once its inputs are
+        ready, right before the model runs."""
+        return self.runner.execute_model(scheduler_output, before_forward)
 
     def update(self, scheduler_output: SchedulerOutput,
                runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:

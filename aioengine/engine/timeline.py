@@ -6,7 +6,8 @@
 
 `process` (detokenize + stream of the previous step) and grammar filling run on the loop
 while the worker runs the step: the overlap is the share of that loop work hidden behind
-the worker. Recording costs a few perf_counter() calls per step; it is off unless enabled.
+the worker. With async scheduling the worker runs steps back to back and the loop's
+schedule, update and wait of one step all fall inside the worker's next step. Recording costs a few perf_counter() calls per step; it is off unless enabled.
 """
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ class StepRecord:
     kind: str
     num_tokens: int
     num_reqs: int
-    schedule: float = 0.0  # loop: scheduler.schedule()
+    # loop: scheduler.schedule() (none for a step scheduled ahead) + scheduling the next
+    # step ahead (async scheduling, while this one runs)
+    schedule: float = 0.0
     prepare: float = 0.0  # worker: input tensors and attention metadata
     forward: float = 0.0  # worker: the model
     sample: float = 0.0  # worker: logits of the sampling rows, sampler, logprobs

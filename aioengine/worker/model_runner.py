@@ -10,6 +10,7 @@ SchedulerOutput plus request fields the loop does not change during a step.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 
@@ -42,29 +43,37 @@ class ModelRunner:
         if device.type == "cuda":
             self.stream = torch.cuda.Stream(device)
             self.stream.wait_stream(torch.cuda.current_stream(device))  # KV caches zeroed
+        # The last step run and what it sampled: the input ids of a step scheduled ahead.
+        self._last_step_id: int | None = None
+        self._last_sampled: dict[str, list[int]] = {}
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      before_forward: Callable[[], None] | None = None) -> ModelRunnerOutput:
+        """`before_forward()` runs once the inputs are ready, right before the model."""
         if self.stream is None:
-            return self._execute(scheduler_output)
+            return self._execute(scheduler_output, before_forward)
         with torch.cuda.stream(self.stream):
-            return self._execute(scheduler_output)
+            return self._execute(scheduler_output, before_forward)
 
     @torch.inference_mode()
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def _execute(self, scheduler_output: SchedulerOutput,
+                 before_forward: Callable[[], None] | None) -> ModelRunnerOutput:
         # On CUDA "forward" is launch time; the sync lands in "sample" (.tolist()).
         start = time.perf_counter()
         scheduled = scheduler_output.scheduled
         if scheduler_output.blocks_to_copy:
             src, dst = zip(*scheduler_output.blocks_to_copy)
             copy_blocks(self.kv_caches, list(src), list(dst))
-        input_ids = torch.tensor([t for s in scheduled for t in s.token_ids],
-                                 dtype=torch.long, device=self.device)
+        input_ids = torch.tensor(self._input_ids(scheduler_output), dtype=torch.long,
+                                 device=self.device)
         attn_metadata, positions = build_attention_metadata(
             query_lens=[s.num_new_tokens for s in scheduled],
             seq_lens=[s.num_computed_tokens + s.num_new_tokens for s in scheduled],
             block_tables=[s.block_ids for s in scheduled],
             block_size=self.block_size, device=self.device)
         prepared = time.perf_counter()
+        if before_forward is not None:
+            before_forward()
         hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata)
         forwarded = time.perf_counter()
 
@@ -72,9 +81,21 @@ class ModelRunner:
         self._sample(scheduled, hidden, attn_metadata.query_start_loc_cpu, output,
                      scheduler_output.grammar_bitmask)
         self._prompt_logprobs(scheduled, hidden, attn_metadata.query_start_loc_cpu, output)
+        self._last_step_id, self._last_sampled = scheduler_output.step_id, output.sampled_token_ids
         output.timings = {"prepare": prepared - start, "forward": forwarded - prepared,
                           "sample": time.perf_counter() - forwarded}
         return output
+
+    def _input_ids(self, scheduler_output: SchedulerOutput) -> list[int]:
+        """The step's tokens; a step scheduled ahead takes them from the step before it,
+        which must be the last one run (a failed one leaves nothing to take)."""
+        last_step, self._last_step_id = self._last_step_id, None
+        if scheduler_output.follows_step is None:
+            return [t for s in scheduler_output.scheduled for t in s.token_ids]
+        if last_step != scheduler_output.follows_step:
+            raise RuntimeError(f"step {scheduler_output.step_id} was scheduled after step "
+                               f"{scheduler_output.follows_step}, which did not complete")
+        return [self._last_sampled[s.request.request_id][0] for s in scheduler_output.scheduled]
 
     @torch.inference_mode()
     def warm_up(self, max_num_tokens: int, max_model_len: int) -> int:

@@ -1,0 +1,119 @@
+"""Async scheduling: Scheduler.schedule_ahead hands out the next decode step while the
+one before it is in flight, only where schedule() would hand out the same after the update."""
+from __future__ import annotations
+
+import pytest
+
+from aioengine.core.scheduler import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SchedulerOutput
+from aioengine.request import RequestStatus
+
+from tests.unit.test_scheduler import (EOS, fake_forward, make_request, make_scheduler,
+                                       scheduled_tokens, step)
+
+
+def ahead_of(s, out: SchedulerOutput) -> SchedulerOutput:
+    ahead = s.schedule_ahead(out)
+    assert ahead is not None
+    return ahead
+
+
+def test_pipelined_decode_equals_step_by_step() -> None:
+    """Prompt 6, block size 4: the first step computes the prompt, each step ahead one
+    more position (6, 7, 8), scheduled while the step before it is in flight. Position 8
+    opens a third block."""
+    s = make_scheduler(block_size=4)
+    r = make_request("a", 6, max_tokens=10)
+    s.add_request(r)
+    in_flight = s.schedule()
+    steps = [in_flight]
+    for position, token in zip((6, 7, 8), (30, 31, 32)):
+        ahead = ahead_of(s, in_flight)
+        assert ahead.follows_step == in_flight.step_id and ahead.step_id == in_flight.step_id + 1
+        item = ahead.scheduled[0]
+        assert (item.num_computed_tokens, item.token_ids, item.num_samples) == (
+            position, [PLACEHOLDER_TOKEN_ID], 1)
+        assert len(item.block_ids) == position // 4 + 1
+        s.update_from_output(in_flight, fake_forward(in_flight, token=token))
+        assert r.num_computed_tokens == position and r.output_token_ids[-1] == token
+        in_flight = ahead
+        steps.append(ahead)
+    s.update_from_output(in_flight, fake_forward(in_flight, token=33))
+    assert r.num_computed_tokens == 9 and r.output_token_ids == [30, 31, 32, 33]
+    assert steps[1].scheduled[0].block_ids == steps[2].scheduled[0].block_ids
+    assert steps[3].scheduled[0].block_ids[:2] == steps[2].scheduled[0].block_ids
+    s.kv_cache_manager.check_integrity()
+    # The same request scheduled one step at a time: the same blocks and tokens.
+    t = make_scheduler(block_size=4)
+    twin = make_request("a", 6, max_tokens=10)
+    t.add_request(twin)
+    for token in (30, 31, 32, 33):
+        step(t, token)
+    assert twin.output_token_ids == r.output_token_ids
+    assert t.kv_cache_manager.get_block_ids("a") == s.kv_cache_manager.get_block_ids("a")
+    assert s.num_steps_ahead == 3 and t.num_steps_ahead == 0
+
+
+@pytest.mark.parametrize("params", [
+    dict(repetition_penalty=1.2), dict(frequency_penalty=0.5), dict(presence_penalty=0.5),
+    dict(min_tokens=3),
+])
+def test_declines_when_sampling_reads_the_output_tokens(params: dict) -> None:
+    s = make_scheduler()
+    s.add_request(make_request("a", 5, max_tokens=10, **params))
+    out = s.schedule()
+    assert s.schedule_ahead(out) is None
+
+
+def test_declines_with_requests_waiting_or_left_out() -> None:
+    s = make_scheduler(budget=8)
+    s.add_request(make_request("a", 4, max_tokens=10))
+    step(s)
+    out = s.schedule()
+    s.add_request(make_request("b", 4, max_tokens=10, arrival=1.0))
+    assert s.schedule_ahead(out) is None  # b must be admitted by schedule()
+
+    s = make_scheduler(budget=8)
+    s.add_request(make_request("a", 4, max_tokens=10))
+    s.add_request(make_request("b", 20, max_tokens=10, arrival=1.0))
+    out = s.schedule()  # a's prompt and a chunk of b's: b samples nothing yet
+    assert scheduled_tokens(out) == {"a": 4, "b": 4}
+    assert s.schedule_ahead(out) is None
+
+    s = make_scheduler()
+    parent = make_request("p#0", 4, max_tokens=10)
+    parent.pending_forks = [make_request("p#1", 4, max_tokens=10)]
+    s.add_request(parent)
+    assert s.schedule_ahead(s.schedule()) is None  # n = 2: the fork starts at the update
+
+
+def test_requests_their_step_ends_by_length_are_left_out() -> None:
+    s = make_scheduler()
+    s.add_request(make_request("short", 4, max_tokens=1))
+    s.add_request(make_request("long", 4, max_tokens=10, first_token=100))
+    out = s.schedule()
+    assert scheduled_tokens(ahead_of(s, out)) == {"long": 1}
+    s = make_scheduler()
+    s.add_request(make_request("short", 4, max_tokens=1))
+    assert s.schedule_ahead(s.schedule()) is None
+
+
+def test_a_stop_token_or_an_abort_drops_the_token_computed_ahead() -> None:
+    s = make_scheduler(block_size=4)
+    stops = make_request("stops", 7, max_tokens=10)
+    aborted = make_request("aborted", 7, max_tokens=10, first_token=100)
+    s.add_request(stops)
+    s.add_request(aborted)
+    step(s)
+    out = s.schedule()
+    ahead = ahead_of(s, out)
+    s.update_from_output(out, ModelRunnerOutput({"stops": [EOS], "aborted": [5]}))
+    assert stops.status == RequestStatus.FINISHED_STOPPED
+    s.finish_requests(["aborted"], RequestStatus.FINISHED_ABORTED)  # a stop string, say
+    kv = s.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks  # freed at once, the step ahead in flight
+    outputs = s.update_from_output(ahead, fake_forward(ahead, token=9))
+    assert outputs == []
+    assert stops.output_token_ids == [7, EOS] and aborted.output_token_ids == [7, 5]
+    assert stops.num_computed_tokens == 8  # not advanced by the dropped step
+    kv.check_integrity()
+    assert not s.has_unfinished_requests()
