@@ -2,8 +2,9 @@
 
     floor_ms = weight bytes read per token / memory read bandwidth
 
-`weight_bytes_per_token` counts the bytes, `measure_read_bandwidth` measures the bandwidth
-in a child process, and `BandwidthProbe` gives each timed run the higher of the
+`weight_bytes_per_token` counts the bytes. The bandwidth is the higher of two reads: a
+buffer in a child process (`BandwidthProbe`) and the model's own weights
+(`weights_read_bandwidth`); `PerRunBandwidth` gives each timed run the higher of the
 bandwidths measured before and after it (latency.py's docstring says why).
 """
 from __future__ import annotations
@@ -34,8 +35,14 @@ BANDWIDTH_REPEATS = 5
 
 
 def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = BANDWIDTH_REPEATS) -> float:
-    """Memory read bandwidth in bytes/s: the median of `repeats` sums of a float32 buffer
-    of `num_bytes`, with torch's current thread count, in a child process.
+    """Memory read bandwidth in bytes/s, measured once by a BandwidthProbe."""
+    with BandwidthProbe(num_bytes, repeats) as probe:
+        return probe.measure()
+
+
+class BandwidthProbe:
+    """Measures memory read bandwidth: the median of `repeats` sums of a float32 buffer of
+    `num_bytes`, with torch's current thread count, in a child process.
 
     The median, not the fastest single pass, which catches transients. The buffer is in huge
     pages, as the model's weights are. On the 2-core VMs this was written on the rate has
@@ -44,50 +51,126 @@ def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = BANDWIDTH_RE
     A child process, because OpenMP work started in this one costs the engine: a thread that
     has run torch ops keeps an OpenMP thread team, and with a second team next to the
     engine's forward thread, libgomp throttles its spin-waits. Measuring on a thread of this
-    process between runs (the thread then exits) still made our TPOT 15% slower
-    (21.5 -> 24.8 ms).
+    process between runs (the thread then exits) made our TPOT 15% slower (21.5 -> 24.8 ms).
+
+    One child for the probe's life, which keeps its buffer: a child per measurement freed
+    1 GiB each time, the VM reported those free pages to its host (virtio free page
+    reporting, 2 MiB at a time), and in the next run the engine's forward stalled for
+    30-50 ms several times (a 12-19 ms step; 1-2 such steps per run without the probe).
+    Close it (or use it as a context manager) to end the child.
     """
-    code = ("import sys; from aioengine.bench.floor import _bandwidth_here; "
-            "print(_bandwidth_here(*map(int, sys.argv[1:])))")
-    proc = subprocess.run([sys.executable, "-c", code, str(num_bytes), str(repeats),
-                           str(torch.get_num_threads())],
-                          capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"memory bandwidth measurement failed: {proc.stderr.strip()[-2000:]}")
-    return float(proc.stdout.strip().splitlines()[-1])
+
+    def __init__(self, num_bytes: int, repeats: int = BANDWIDTH_REPEATS) -> None:
+        self.num_bytes = num_bytes
+        self.repeats = repeats
+        self._last: float | None = None
+        self._proc: subprocess.Popen[str] | None = None
+
+    def measure(self) -> float:
+        if self._proc is None:
+            code = ("import sys; from aioengine.bench.floor import _serve_measurements; "
+                    "_serve_measurements(*map(int, sys.argv[1:]))")
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", code, str(self.num_bytes), str(self.repeats),
+                 str(torch.get_num_threads())],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True)
+        proc = self._proc
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            proc.stdin.write("measure\n")
+            proc.stdin.flush()
+            line = proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        if not line:
+            self.close()
+            err = proc.stderr.read() if proc.stderr else ""
+            raise RuntimeError(f"memory bandwidth measurement failed: {err.strip()[-2000:]}")
+        return float(line)
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.stdin is not None:
+            try:
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def __enter__(self) -> BandwidthProbe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
-def _bandwidth_here(num_bytes: int, repeats: int, threads: int) -> float:
-    """The measurement itself (run by `measure_read_bandwidth` in a child). The buffer is in
-    huge pages, as the model's weights are (hugepages.py: a 4 KB-paged buffer reads ~10%
-    slower here), and filled first, so no timed pass pays for page faults."""
+def weights_read_bandwidth(model: torch.nn.Module, repeats: int = BANDWIDTH_REPEATS) -> float:
+    """Read bandwidth over the model's own weights, in bytes/s: the median of `repeats`
+    passes that sum every parameter of 1 MiB or more (all but ~0.03% of the bytes), on the
+    calling thread. Call it on the thread that runs the model's forward (torch work on
+    another thread of the process starts a second OpenMP team, which slows the forward).
+
+    The weights may not read at the rate of a fresh buffer: on the VMs this was written on,
+    one process read its weights at the fast rate while the probe's buffer in another read
+    at the slow one, for minutes. Taking the higher of the two holds the engine to the
+    faster. One op per tensor (121 of them for SmolLM2-135M) costs ~0.2 ms of a ~10 ms
+    pass, so this alone would read a little low."""
+    params = [p for p in model.parameters() if p.numel() * p.element_size() >= 1 << 20]
+    num_bytes = sum(p.numel() * p.element_size() for p in params)
+    if not params:
+        return 0.0
+    with torch.inference_mode():
+        for p in params:  # untimed: threads up
+            p.sum()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for p in params:
+                p.sum()
+            times.append(time.perf_counter() - start)
+    return num_bytes / statistics.median(times)
+
+
+class PerRunBandwidth:
+    """Each timed run's bandwidth: the higher of the measurements just before and just
+    after it, the one between two runs serving both (so N runs take N + 1 measurements)."""
+
+    def __init__(self) -> None:
+        self._last: float | None = None
+
+    @property
+    def needs_before(self) -> bool:
+        return self._last is None
+
+    def before_run(self, bandwidth: float) -> None:
+        self._last = bandwidth
+
+    def after_run(self, bandwidth: float) -> float:
+        before = self._last
+        if before is None:
+            raise RuntimeError("PerRunBandwidth.after_run without before_run")
+        self._last = bandwidth
+        return max(before, bandwidth)
+
+
+def _serve_measurements(num_bytes: int, repeats: int, threads: int) -> None:
+    """The child's side of BandwidthProbe: one bandwidth per line read from stdin. The
+    buffer is filled first, so no timed pass pays for page faults."""
     torch.set_num_threads(threads)
     buf = hugepages.empty((max(num_bytes // 4, 1),), torch.float32, torch.device("cpu"))
     buf.fill_(1.0)
     buf.sum()  # one untimed pass: threads up, buffer resident
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        buf.sum()
-        times.append(time.perf_counter() - start)
-    return buf.numel() * buf.element_size() / statistics.median(times)
-
-
-class BandwidthProbe:
-    """The bandwidth for each timed run: the higher of the measurements just before and just
-    after it, the one between two runs serving both."""
-
-    def __init__(self, num_bytes: int) -> None:
-        self.num_bytes = num_bytes
-        self._last: float | None = None
-
-    def before_run(self) -> None:
-        if self._last is None:
-            self._last = measure_read_bandwidth(self.num_bytes)
-
-    def after_run(self) -> float:
-        before = self._last
-        if before is None:
-            raise RuntimeError("BandwidthProbe.after_run without before_run")
-        self._last = measure_read_bandwidth(self.num_bytes)
-        return max(before, self._last)
+    for _ in sys.stdin:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            buf.sum()
+            times.append(time.perf_counter() - start)
+        print(buf.numel() * buf.element_size() / statistics.median(times), flush=True)
