@@ -56,6 +56,8 @@ def build_attention_metadata(query_lens: list[int], seq_lens: list[int],
     num_reqs = len(query_lens)
     if not (num_reqs == len(seq_lens) == len(block_tables)) or num_reqs == 0:
         raise ValueError("query_lens, seq_lens and block_tables must be non-empty and equally long")
+    if num_reqs <= SMALL_DECODE_MAX_REQS and all(n == 1 for n in query_lens):
+        return _small_decode_metadata(seq_lens, block_tables, block_size, device)
     q = np.asarray(query_lens, dtype=np.int64)
     s = np.asarray(seq_lens, dtype=np.int64)
     if (q < 1).any() or (s < q).any():
@@ -93,6 +95,44 @@ def build_attention_metadata(query_lens: list[int], seq_lens: list[int],
         max_decode_seq_len=int(s[:num_decodes].max()) if num_decodes else 0,
     )
     return meta, torch.from_numpy(positions).to(device)
+
+
+# Decode steps of up to this many requests take plain Python lists instead of numpy: for
+# one request the numpy path cost ~0.23 ms inside the engine, a fiftieth of a decode step.
+SMALL_DECODE_MAX_REQS = 8
+
+
+def _small_decode_metadata(seq_lens: list[int], block_tables: list[list[int]],
+                           block_size: int, device: torch.device,
+                           ) -> tuple[AttentionMetadata, Tensor]:
+    """build_attention_metadata for a step of single-token requests, without numpy."""
+    if min(seq_lens) < 1:
+        raise ValueError(f"need 1 <= query_len <= seq_len, got 1s / {seq_lens}")
+    if any(len(bt) * block_size < n for bt, n in zip(block_tables, seq_lens)):
+        raise ValueError("a block table is too short for its seq_len")
+    num_reqs = len(seq_lens)
+    positions = [n - 1 for n in seq_lens]
+    slots = [bt[p // block_size] * block_size + p % block_size
+             for bt, p in zip(block_tables, positions)]
+    width = max(len(bt) for bt in block_tables)
+    table = [bt + [0] * (width - len(bt)) for bt in block_tables]
+    qsl = list(range(num_reqs + 1))
+    max_seq_len = max(seq_lens)
+    meta = AttentionMetadata(
+        num_actual_tokens=num_reqs,
+        num_reqs=num_reqs,
+        num_decodes=num_reqs,
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(table, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        max_query_len=1,
+        max_seq_len=max_seq_len,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=list(seq_lens),
+        max_decode_seq_len=max_seq_len,
+    )
+    return meta, torch.tensor(positions, dtype=torch.int64, device=device)
 
 
 class AttentionBackend(abc.ABC):

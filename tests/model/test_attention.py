@@ -42,7 +42,26 @@ def test_num_decodes_counts_only_the_leading_run() -> None:
     assert meta.num_decodes == 0
 
 
+def test_small_decode_steps_get_the_same_metadata_without_numpy(monkeypatch) -> None:
+    from aioengine.model import attention
+
+    seq_lens, tables = [5, 9, 1, 16], [[7, 2], [4, 0, 9], [6], [1, 3, 5, 8]]
+    small, small_pos = build_attention_metadata([1] * 4, seq_lens, tables, 4, CPU)
+    monkeypatch.setattr(attention, "SMALL_DECODE_MAX_REQS", 0)  # the numpy path
+    full, full_pos = build_attention_metadata([1] * 4, seq_lens, tables, 4, CPU)
+    assert small_pos.tolist() == full_pos.tolist() == [4, 8, 0, 15]
+    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+        a, b = getattr(small, name), getattr(full, name)
+        assert a.dtype == b.dtype and a.tolist() == b.tolist(), name
+    for name in ("num_actual_tokens", "num_reqs", "num_decodes", "max_query_len",
+                 "max_seq_len", "query_start_loc_cpu", "seq_lens_cpu", "max_decode_seq_len"):
+        assert getattr(small, name) == getattr(full, name), name
+    assert small.slot_mapping.tolist() == [2 * 4 + 0, 9 * 4 + 0, 6 * 4 + 0, 8 * 4 + 3]
+
+
 @pytest.mark.parametrize("query_lens,seq_lens,tables,match", [
+    ([1], [0], [[0]], "query_len"),
+    ([1], [5], [[0]], "too short"),
     ([3], [2], [[0]], "query_len"),
     ([0], [2], [[0]], "query_len"),
     ([2], [9], [[0, 1]], "too short"),
