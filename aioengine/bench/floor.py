@@ -2,10 +2,9 @@
 
     floor_ms = weight bytes read per token / memory read bandwidth
 
-`weight_bytes_per_token` counts the bytes. The bandwidth is the higher of two reads: a
-buffer in a child process (`BandwidthProbe`) and the model's own weights
-(`weights_read_bandwidth`); `PerRunBandwidth` gives each timed run the higher of the
-bandwidths measured before and after it (latency.py's docstring says why).
+`weight_bytes_per_token` counts the bytes, `BandwidthProbe` measures the bandwidth in a
+child process, and `PerRunBandwidth` gives each timed run the higher of the bandwidths
+measured before and after it (latency.py's docstring says why).
 """
 from __future__ import annotations
 
@@ -58,11 +57,17 @@ class BandwidthProbe:
     reporting, 2 MiB at a time), and in the next run the engine's forward stalled for
     30-50 ms several times (a 12-19 ms step; 1-2 such steps per run without the probe).
     Close it (or use it as a context manager) to end the child.
+
+    Each measurement waits `settle_s` first: after a run, the caller's OpenMP threads keep
+    spin-waiting for a while and take CPU from the child. Measured right after a run the
+    rate came out 15-20% low (22-27 GB/s, 27-33 after 0.3 s or more).
     """
 
-    def __init__(self, num_bytes: int, repeats: int = BANDWIDTH_REPEATS) -> None:
+    def __init__(self, num_bytes: int, repeats: int = BANDWIDTH_REPEATS,
+                 settle_s: float = 0.5) -> None:
         self.num_bytes = num_bytes
         self.repeats = repeats
+        self.settle_s = settle_s
         self._last: float | None = None
         self._proc: subprocess.Popen[str] | None = None
 
@@ -77,6 +82,7 @@ class BandwidthProbe:
                 text=True)
         proc = self._proc
         assert proc.stdin is not None and proc.stdout is not None
+        time.sleep(self.settle_s)
         try:
             proc.stdin.write("measure\n")
             proc.stdin.flush()
@@ -109,33 +115,6 @@ class BandwidthProbe:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def weights_read_bandwidth(model: torch.nn.Module, repeats: int = BANDWIDTH_REPEATS) -> float:
-    """Read bandwidth over the model's own weights, in bytes/s: the median of `repeats`
-    passes that sum every parameter of 1 MiB or more (all but ~0.03% of the bytes), on the
-    calling thread. Call it on the thread that runs the model's forward (torch work on
-    another thread of the process starts a second OpenMP team, which slows the forward).
-
-    The weights may not read at the rate of a fresh buffer: on the VMs this was written on,
-    one process read its weights at the fast rate while the probe's buffer in another read
-    at the slow one, for minutes. Taking the higher of the two holds the engine to the
-    faster. One op per tensor (121 of them for SmolLM2-135M) costs ~0.2 ms of a ~10 ms
-    pass, so this alone would read a little low."""
-    params = [p for p in model.parameters() if p.numel() * p.element_size() >= 1 << 20]
-    num_bytes = sum(p.numel() * p.element_size() for p in params)
-    if not params:
-        return 0.0
-    with torch.inference_mode():
-        for p in params:  # untimed: threads up
-            p.sum()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for p in params:
-                p.sum()
-            times.append(time.perf_counter() - start)
-    return num_bytes / statistics.median(times)
 
 
 class PerRunBandwidth:

@@ -11,18 +11,16 @@ output token cannot drop below the time to stream the weights from memory:
   head counts once, in full: the LM head reads all of it every token. An untied embedding
   counts one row: the lookup reads only that. The KV cache reads are not in the floor
   (at these lengths they are a few percent of the weights).
-- Bandwidth: the higher of two reads, each the median of several passes, on the same torch
-  thread count as the engines: `.sum()` over a buffer of `--bandwidth-mib` (1 GiB by
-  default, far larger than the caches) in a child process that keeps it between
-  measurements (`floor.BandwidthProbe`), and `.sum()` over the engine's own weights on
-  the thread that runs its forward (`floor.weights_read_bandwidth`). Measured before and
-  after every timed run (one measurement between two runs serves both); each run's
-  TPOT / floor uses the higher of the two. These machines drift by 20-30% over minutes,
-  and a floor from one moment against a TPOT from another measured the drift (one
-  bandwidth at the start gave 1.25-1.72x for the same code); for seconds to minutes their
-  sequential reads run ~1.8x faster, and not always for every region of memory at once,
-  so a run is held to the fastest read seen around it. The report's floor is the median
-  of the runs' bandwidths.
+- Bandwidth (`floor.BandwidthProbe`): the median of several `.sum()` over a buffer of
+  `--bandwidth-mib` (1 GiB by default, far larger than the caches), on the same torch
+  thread count as the engines, in a child process that keeps the buffer between
+  measurements, before and after every timed run (one measurement between two runs serves
+  both). Each run's TPOT / floor uses the higher of the two: these machines drift by
+  20-30% over minutes, and a floor from one moment against a TPOT from another measured
+  the drift (one bandwidth at the start gave 1.25-1.72x for the same code); and for
+  seconds to minutes at a time their sequential reads run ~1.8x faster, so a run during
+  which such a phase starts or ends is held to the faster one. The report's floor is the
+  median of the runs' bandwidths.
 
 Engines, on the same weights and thread count, each after `--warmup` untimed runs:
 
@@ -51,7 +49,7 @@ from typing import Any
 import torch
 
 from aioengine.bench.floor import (BANDWIDTH_REPEATS, BandwidthProbe, PerRunBandwidth,
-                                   weight_bytes_per_token, weights_read_bandwidth)
+                                   weight_bytes_per_token)
 
 OUR_ENGINE = "aioengine"
 LATENCY_ENGINES = (OUR_ENGINE, "hf")
@@ -135,20 +133,14 @@ async def _aioengine_runs(model: str | None, kwargs: dict[str, Any], prompt: lis
     torch.set_num_threads(threads)  # the benchmark's thread count wins, as in `offline`
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     runs = []
-    model_weights = engine.core.loaded.model
     per_run = PerRunBandwidth()
     probe = BandwidthProbe(bandwidth_bytes)
-
-    async def bandwidth() -> float:
-        own = await engine.run_on_forward_thread(lambda: weights_read_bandwidth(model_weights))
-        return max(probe.measure(), own)
-
     try:
         for i in range(warmup + repeats):
             if not engine.core.kv_cache_manager.reset_prefix_cache():
                 raise RuntimeError("aioengine: KV blocks still in use between runs")
             if i >= warmup and per_run.needs_before:
-                per_run.before_run(await bandwidth())
+                per_run.before_run(probe.measure())
             times: list[float] = []
             start = time.perf_counter()
             async for out in engine.generate(prompt, params):
@@ -157,8 +149,8 @@ async def _aioengine_runs(model: str | None, kwargs: dict[str, Any], prompt: lis
                 times += [now] * sum(len(c.token_ids) for c in out.outputs)
             if i >= warmup:
                 runs.append(_checked(OUR_ENGINE, times, output_len,
-                                     per_run.after_run(await bandwidth())))
-        weight_bytes = weight_bytes_per_token(model_weights)
+                                     per_run.after_run(probe.measure())))
+        weight_bytes = weight_bytes_per_token(engine.core.loaded.model)
     finally:
         probe.close()
         await engine.shutdown()
@@ -202,12 +194,9 @@ def run_hf(model: str, prompt: list[int], output_len: int, warmup: int, repeats:
     runs = []
     per_run = PerRunBandwidth()
     with BandwidthProbe(bandwidth_bytes) as probe:
-        def bandwidth() -> float:  # generate() runs on this thread: its weights are read here
-            return max(probe.measure(), weights_read_bandwidth(hf_model))
-
         for i in range(warmup + repeats):
             if i >= warmup and per_run.needs_before:
-                per_run.before_run(bandwidth())
+                per_run.before_run(probe.measure())
             clock = TokenClock()
             with torch.inference_mode():
                 # eos_token_id=None: never stop early (our ignore_eos), as in `offline`.
@@ -217,7 +206,8 @@ def run_hf(model: str, prompt: list[int], output_len: int, warmup: int, repeats:
                                   eos_token_id=None, temperature=None, top_p=None,
                                   top_k=None, streamer=clock)
             if i >= warmup:
-                runs.append(_checked("hf", clock.times, output_len, per_run.after_run(bandwidth())))
+                runs.append(_checked("hf", clock.times, output_len,
+                                     per_run.after_run(probe.measure())))
     return EngineLatency("hf", runs, torch.get_num_threads())
 
 
@@ -317,9 +307,9 @@ def format_latency(report: dict[str, Any]) -> str:
         f"{cfg['warmup']} warm-up",
         "",
         f"{'memory read bandwidth':<26}{floor['bandwidth_gb_per_s']:>10.2f} GB/s "
-        f"(median over the timed runs; each the higher of before and after it, each of those "
-        f"the faster of {floor['bandwidth_repeats']} sums over "
-        f"{floor['bandwidth_buffer_bytes'] / 2**20:.0f} MiB and over the engine's weights)",
+        f"(median over the timed runs; each the higher of before and after it, a median of "
+        f"{floor['bandwidth_repeats']} sums over "
+        f"{floor['bandwidth_buffer_bytes'] / 2**20:.0f} MiB)",
         f"{'weights read per token':<26}{floor['weight_bytes'] / 1e6:>10.1f} MB",
         f"{'weight-streaming floor':<26}{floor['floor_ms']:>10.2f} ms/token",
         "",

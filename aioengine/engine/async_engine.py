@@ -18,7 +18,7 @@ import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Callable, TypeVar, Union
+from typing import AsyncIterator, Union
 
 from aioengine.config import EngineArgs
 from aioengine.core.scheduler import EngineCoreOutput, SchedulerOutput
@@ -34,8 +34,6 @@ from aioengine.sampling_params import SamplingParams
 from aioengine.tokenizer_utils import apply_chat_template, encode_prompt
 
 logger = logging.getLogger("aioengine")
-
-T = TypeVar("T")
 
 # A prompt: text, token ids, or chat messages ({"role", "content"} dicts).
 PromptType = Union[str, list[int], list[dict]]
@@ -151,12 +149,6 @@ class AsyncEngine:
             if not finished:
                 self._abort(request_id)
             self._forget(request_id)
-
-    async def run_on_forward_thread(self, fn: Callable[[], T]) -> T:
-        """Runs `fn` on the thread that runs every forward, between steps. Torch work on
-        any other thread of this process starts a second OpenMP thread team, and with more
-        spinning threads than cores every later forward gets slower."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)

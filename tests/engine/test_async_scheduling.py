@@ -3,12 +3,11 @@ scheduled one at a time, whatever ends the requests, and every block is released
 from __future__ import annotations
 
 import asyncio
-import threading
 from pathlib import Path
 
 import pytest
 
-from aioengine import AsyncEngine, SamplingParams
+from aioengine import LLM, AsyncEngine, SamplingParams
 from aioengine.core.scheduler import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 
 from tests.engine.conftest import assert_blocks_released
@@ -87,25 +86,17 @@ async def test_a_stop_string_and_an_abort_while_steps_run_ahead(
         await engine.shutdown()
 
 
-async def test_the_runner_refuses_a_step_ahead_of_one_that_did_not_run(
-        tiny_llama_dir: Path) -> None:
-    engine = await AsyncEngine.create(str(tiny_llama_dir), max_model_len=256)
-    try:
-        request = engine.core.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4))[0]
-        orphan = SchedulerOutput(
-            scheduled=[ScheduledRequest(request, 3, [PLACEHOLDER_TOKEN_ID], [0], 1)],
-            total_num_scheduled_tokens=1, step_id=99, follows_step=98)
-        with pytest.raises(RuntimeError, match="did not complete"):
-            await engine.run_on_forward_thread(lambda: engine.core.execute(orphan))
-        engine.core.finish_requests([request], request.status.FINISHED_ABORTED)
-    finally:
-        await engine.shutdown()
-
-
-async def test_run_on_forward_thread_uses_the_forward_thread(tiny_llama_dir: Path) -> None:
-    engine = await AsyncEngine.create(str(tiny_llama_dir), max_model_len=256)
-    try:
-        name = await engine.run_on_forward_thread(lambda: threading.current_thread().name)
-        assert name.startswith("aioengine-forward")
-    finally:
-        await engine.shutdown()
+def test_the_runner_refuses_a_step_ahead_of_one_that_did_not_run(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), max_model_len=256)
+    request = llm.core.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4))[0]
+    orphan = SchedulerOutput(
+        scheduled=[ScheduledRequest(request, 3, [PLACEHOLDER_TOKEN_ID], [0], 1)],
+        total_num_scheduled_tokens=1, step_id=99, follows_step=98)
+    with pytest.raises(RuntimeError, match="did not complete"):
+        llm.core.execute(orphan)
+    # After a step that ran, a step ahead of it takes its sampled token as input.
+    first = llm.core.schedule()
+    output = llm.core.execute(first)
+    ahead = llm.core.schedule_ahead(first)
+    assert ahead is not None and ahead.follows_step == first.step_id
+    assert llm.core.runner._input_ids(ahead) == output.sampled_token_ids["r"]
