@@ -174,6 +174,7 @@ class AsyncEngine:
         self._wakeup.set()
         await asyncio.gather(self._loop_task, return_exceptions=True)
         self._executor.shutdown(wait=True)
+        self._worker.close()
         self.core.structured.shutdown()
 
     # ---- the engine loop ---------------------------------------------------------------

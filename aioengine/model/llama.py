@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -184,9 +184,14 @@ class LlamaForCausalLM(nn.Module):
         self._decode_table: tuple[tuple[int, ...], Tensor] | None = None
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
-                attn_metadata: AttentionMetadata) -> Tensor:
-        """input_ids/positions [T] -> final-normed hidden states [T, H]."""
+                attn_metadata: AttentionMetadata,
+                before_layers: Callable[[], None] | None = None) -> Tensor:
+        """input_ids/positions [T] -> final-normed hidden states [T, H]. `before_layers()`
+        is called after the embedding lookup, right before the layers: on the fused decode
+        path nothing between the two lets go of the GIL until the C kernel does."""
         x = F.embedding(input_ids, self.embed_tokens)
+        if before_layers is not None:
+            before_layers()
         if self._fused_decode(x, positions, kv_caches, attn_metadata):
             return x
         rope = RopeStep(self.rotary, positions)

@@ -49,7 +49,8 @@ class ModelRunner:
 
     def execute_model(self, scheduler_output: SchedulerOutput,
                       before_forward: Callable[[], None] | None = None) -> ModelRunnerOutput:
-        """`before_forward()` runs once the inputs are ready, right before the model."""
+        """`before_forward()` runs once the inputs are ready, right before the model's
+        layers (after the embedding lookup: LlamaForCausalLM's `before_layers`)."""
         if self.stream is None:
             return self._execute(scheduler_output, before_forward)
         with torch.cuda.stream(self.stream):
@@ -72,9 +73,8 @@ class ModelRunner:
             block_tables=[s.block_ids for s in scheduled],
             block_size=self.block_size, device=self.device)
         prepared = time.perf_counter()
-        if before_forward is not None:
-            before_forward()
-        hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata)
+        hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata,
+                            before_layers=before_forward)
         forwarded = time.perf_counter()
 
         output = ModelRunnerOutput(sampled_token_ids={})

@@ -3,6 +3,7 @@ or, when the next step is already queued, once that step's forward begins."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -80,3 +81,17 @@ async def test_a_failed_step_delivers_the_held_result_then_its_error() -> None:
     # Step 2 never reached its forward: step 1's result went with its error.
     assert recorder.seen[2:] == [(2, "prepared", set()), (3, "prepared", {1, 2}),
                                  (3, "forward", {1, 2})]
+
+
+async def test_close_stops_listening_and_closes_the_pipe() -> None:
+    recorder = Recorder()
+    recorder.release.set()
+    with ThreadPoolExecutor(1) as executor:
+        worker = StepWorker(executor, recorder)
+        await worker.submit(step(1))
+        read_fd, write_fd = worker._pipe
+    worker.close()
+    worker.close()  # idempotent
+    for fd in (read_fd, write_fd):
+        with pytest.raises(OSError):
+            os.fstat(fd)
