@@ -6,6 +6,7 @@ from aioengine.sample.metadata import (
     SamplingMetadata,
     SamplingRow,
     SparseLogitEdit,
+    is_plain_greedy,
     make_generator,
     min_tokens_stop_ids,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "compute_probs",
     "compute_prompt_logprobs",
     "gather_logprobs",
+    "is_plain_greedy",
     "make_generator",
     "min_tokens_stop_ids",
 ]

@@ -50,6 +50,16 @@ class SamplingRow:
     generator: torch.Generator | None = None  # None = the sampler's shared RNG
 
 
+def is_plain_greedy(row: SamplingRow) -> bool:
+    """A greedy row that no logits processor edits and that wants no logprobs: Sampler
+    gives it the argmax of the raw logits, so a step of only such rows (and no grammar)
+    may take that argmax without building a SamplingMetadata (~0.1 ms of Python a step)."""
+    p = row.params
+    return (p.temperature < _SAMPLING_EPS and p.logprobs is None and not p.logit_bias
+            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0 and len(row.output_token_ids) >= p.min_tokens)
+
+
 @dataclass
 class SparseLogitEdit:
     """Distinct (row, token) positions of the logits with one value each.

@@ -22,7 +22,7 @@ from aioengine.outputs import Logprob, PositionLogprobs
 from aioengine.request import Request
 from aioengine.structured import GrammarBitmask
 from aioengine.sample import (Sampler, SamplingMetadata, SamplingRow, compute_prompt_logprobs,
-                              make_generator)
+                              is_plain_greedy, make_generator)
 
 
 class ModelRunner:
@@ -167,11 +167,14 @@ class ModelRunner:
             # Before every sampling parameter, so logprobs are those of the masked logits.
             # Waits for the loop to finish filling the mask (it does so during the forward).
             grammar_bitmask.apply(logits)
-        metadata = SamplingMetadata.build(rows, self.vocab_size, self.device)
-        result = self.sampler(logits, metadata)
-        sampled = result.sampled_token_ids.tolist()
-        logprobs = _to_position_logprobs(result.logprob_token_ids, result.logprobs,
-                                         result.sampled_token_ranks)
+        if grammar_bitmask is None and all(is_plain_greedy(row) for row in rows):
+            sampled, logprobs = logits.argmax(dim=1).tolist(), None
+        else:
+            metadata = SamplingMetadata.build(rows, self.vocab_size, self.device)
+            result = self.sampler(logits, metadata)
+            sampled = result.sampled_token_ids.tolist()
+            logprobs = _to_position_logprobs(result.logprob_token_ids, result.logprobs,
+                                             result.sampled_token_ranks)
         r = 0
         for item in owners:
             rid = item.request.request_id

@@ -20,6 +20,7 @@ from aioengine.sample import (
     SamplingRow,
     compute_probs,
     compute_prompt_logprobs,
+    is_plain_greedy,
     make_generator,
 )
 from aioengine.sample.candidates import filter_candidates
@@ -241,6 +242,23 @@ def test_greedy_is_argmax_of_processed_logits() -> None:
     assert out.sampled_token_ids[1] == 17
     assert out.sampled_token_ids[2] == logits[2].topk(2).indices[1]
     assert out.logprobs is None and out.logprob_token_ids is None
+
+
+def test_plain_greedy_rows_are_exactly_those_the_sampler_gives_the_raw_argmax() -> None:
+    plain = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, min_tokens=1),
+             SamplingParams(temperature=0.0, top_p=0.5, top_k=3, seed=4)]
+    rows = [SamplingRow(p, [1, 2], [5]) for p in plain]
+    assert all(is_plain_greedy(r) for r in rows)
+    logits = make_logits(len(rows))
+    out = Sampler()(logits.clone(), SamplingMetadata.build(rows, V, CPU))
+    assert out.sampled_token_ids.tolist() == logits.argmax(dim=1).tolist()
+    not_plain = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.0, logprobs=0),
+                 SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
+                 SamplingParams(temperature=0.0, min_tokens=2),
+                 SamplingParams(temperature=0.0, repetition_penalty=1.1),
+                 SamplingParams(temperature=0.0, frequency_penalty=0.1),
+                 SamplingParams(temperature=0.0, presence_penalty=0.1)]
+    assert not any(is_plain_greedy(SamplingRow(p, [1, 2], [5])) for p in not_plain)
 
 
 def test_mixed_batch_rows_keep_their_own_semantics() -> None:
