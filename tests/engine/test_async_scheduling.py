@@ -3,6 +3,7 @@ scheduled one at a time, whatever ends the requests, and every block is released
 from __future__ import annotations
 
 import asyncio
+import random
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,35 @@ def test_the_runner_refuses_a_step_ahead_of_one_that_did_not_run(tiny_llama_dir:
     ahead = llm.core.schedule_ahead(first)
     assert ahead is not None and ahead.follows_step == first.step_id
     assert llm.core.runner._input_ids(ahead) == output.sampled_token_ids["r"]
+
+
+async def test_staggered_arrivals_and_aborts_keep_greedy_tokens_and_blocks(
+        tiny_llama_dir: Path, tiny_prompts: list[list[int]]) -> None:
+    """Requests join and leave while steps run ahead (each arrival ends the pipeline for a
+    step, each abort frees blocks a queued step still writes): every finished request has
+    its solo greedy tokens and every block comes back."""
+    rng = random.Random(5)
+    params = [SamplingParams(temperature=0, max_tokens=rng.randrange(2, 24), ignore_eos=True)
+              for _ in tiny_prompts]
+    solo, _ = await run_all(tiny_llama_dir, tiny_prompts, params, False)
+    engine = await AsyncEngine.create(str(tiny_llama_dir), max_model_len=256,
+                                      max_num_batched_tokens=48)
+    try:
+        async def one(i: int) -> list[int] | None:
+            await asyncio.sleep(rng.random() * 0.05)
+            tokens: list[int] = []
+            abort_after = 3 if i % 3 == 2 else None
+            async for out in engine.generate(tiny_prompts[i], params[i], request_id=f"r{i}"):
+                tokens += out.outputs[0].token_ids
+                if abort_after is not None and len(tokens) >= abort_after and not out.finished:
+                    await engine.abort(f"r{i}")
+            return None if abort_after is not None else tokens
+
+        results = await asyncio.gather(*(one(i) for i in range(len(tiny_prompts))))
+        for i, tokens in enumerate(results):
+            if tokens is not None:
+                assert tokens == solo[i][0], i
+        assert_blocks_released(engine.core)
+        assert engine.core.scheduler.num_steps_ahead > 0
+    finally:
+        await engine.shutdown()
