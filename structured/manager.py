@@ -20,7 +20,7 @@ from aioengine.structured.compiler import GrammarCompileCache
 from aioengine.structured.request_state import StructuredRequestState, StructuredStats
 
 if TYPE_CHECKING:
-    from aioengine.core.scheduler import SchedulerOutput
+    from aioengine.core.scheduler_output import SchedulerOutput
 
 
 class StructuredOutputManager:

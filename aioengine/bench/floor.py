@@ -2,9 +2,9 @@
 
     floor_ms = weight bytes read per token / memory read bandwidth
 
-`weight_bytes_per_token` counts the bytes, `BandwidthProbe` measures the bandwidth in a
-child process, and `PerRunBandwidth` gives each timed run the higher of the bandwidths
-measured before and after it (latency.py's docstring says why).
+`weight_bytes_per_token` counts the bytes; `BandwidthProbe` measures the bandwidth in a
+child process and gives each timed run the higher of the bandwidths measured before and
+after it (latency.py's docstring says why).
 """
 from __future__ import annotations
 
@@ -41,7 +41,9 @@ def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = BANDWIDTH_RE
 
 class BandwidthProbe:
     """Measures memory read bandwidth: the median of `repeats` sums of a float32 buffer of
-    `num_bytes`, with torch's current thread count, in a child process.
+    `num_bytes`, with torch's current thread count, in a child process. For timed runs,
+    `before_run()` / `after_run()` give each run the higher of the measurements just before
+    and just after it, the one between two runs serving both.
 
     The median, not the fastest single pass, which catches transients. The buffer is in huge
     pages, as the model's weights are. On the 2-core VMs this was written on the rate has
@@ -95,6 +97,21 @@ class BandwidthProbe:
             raise RuntimeError(f"memory bandwidth measurement failed: {err.strip()[-2000:]}")
         return float(line)
 
+    def before_run(self) -> None:
+        """Measures before a timed run, unless the measurement after the previous run
+        stands for this one too (so N runs take N + 1 measurements)."""
+        if self._last is None:
+            self._last = self.measure()
+
+    def after_run(self) -> float:
+        """Measures after a timed run; returns the run's bandwidth, the higher of this and
+        the measurement before it."""
+        before = self._last
+        if before is None:
+            raise RuntimeError("BandwidthProbe.after_run without before_run")
+        self._last = self.measure()
+        return max(before, self._last)
+
     def close(self) -> None:
         proc, self._proc = self._proc, None
         if proc is None:
@@ -115,28 +132,6 @@ class BandwidthProbe:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class PerRunBandwidth:
-    """Each timed run's bandwidth: the higher of the measurements just before and just
-    after it, the one between two runs serving both (so N runs take N + 1 measurements)."""
-
-    def __init__(self) -> None:
-        self._last: float | None = None
-
-    @property
-    def needs_before(self) -> bool:
-        return self._last is None
-
-    def before_run(self, bandwidth: float) -> None:
-        self._last = bandwidth
-
-    def after_run(self, bandwidth: float) -> float:
-        before = self._last
-        if before is None:
-            raise RuntimeError("PerRunBandwidth.after_run without before_run")
-        self._last = bandwidth
-        return max(before, bandwidth)
 
 
 def _serve_measurements(num_bytes: int, repeats: int, threads: int) -> None:

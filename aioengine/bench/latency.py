@@ -48,8 +48,7 @@ from typing import Any
 
 import torch
 
-from aioengine.bench.floor import (BANDWIDTH_REPEATS, BandwidthProbe, PerRunBandwidth,
-                                   weight_bytes_per_token)
+from aioengine.bench.floor import BANDWIDTH_REPEATS, BandwidthProbe, weight_bytes_per_token
 
 OUR_ENGINE = "aioengine"
 LATENCY_ENGINES = (OUR_ENGINE, "hf")
@@ -133,14 +132,13 @@ async def _aioengine_runs(model: str | None, kwargs: dict[str, Any], prompt: lis
     torch.set_num_threads(threads)  # the benchmark's thread count wins, as in `offline`
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     runs = []
-    per_run = PerRunBandwidth()
     probe = BandwidthProbe(bandwidth_bytes)
     try:
         for i in range(warmup + repeats):
             if not engine.core.kv_cache_manager.reset_prefix_cache():
                 raise RuntimeError("aioengine: KV blocks still in use between runs")
-            if i >= warmup and per_run.needs_before:
-                per_run.before_run(probe.measure())
+            if i >= warmup:
+                probe.before_run()
             times: list[float] = []
             start = time.perf_counter()
             async for out in engine.generate(prompt, params):
@@ -148,8 +146,7 @@ async def _aioengine_runs(model: str | None, kwargs: dict[str, Any], prompt: lis
                 # Tokens that reach the caller together share an arrival time.
                 times += [now] * sum(len(c.token_ids) for c in out.outputs)
             if i >= warmup:
-                runs.append(_checked(OUR_ENGINE, times, output_len,
-                                     per_run.after_run(probe.measure())))
+                runs.append(_checked(OUR_ENGINE, times, output_len, probe.after_run()))
         weight_bytes = weight_bytes_per_token(engine.core.loaded.model)
     finally:
         probe.close()
@@ -192,11 +189,10 @@ def run_hf(model: str, prompt: list[int], output_len: int, warmup: int, repeats:
     hf_model = load_hf_model(model)
     ids = torch.tensor([prompt], dtype=torch.long)
     runs = []
-    per_run = PerRunBandwidth()
     with BandwidthProbe(bandwidth_bytes) as probe:
         for i in range(warmup + repeats):
-            if i >= warmup and per_run.needs_before:
-                per_run.before_run(probe.measure())
+            if i >= warmup:
+                probe.before_run()
             clock = TokenClock()
             with torch.inference_mode():
                 # eos_token_id=None: never stop early (our ignore_eos), as in `offline`.
@@ -206,8 +202,7 @@ def run_hf(model: str, prompt: list[int], output_len: int, warmup: int, repeats:
                                   eos_token_id=None, temperature=None, top_p=None,
                                   top_k=None, streamer=clock)
             if i >= warmup:
-                runs.append(_checked("hf", clock.times, output_len,
-                                     per_run.after_run(probe.measure())))
+                runs.append(_checked("hf", clock.times, output_len, probe.after_run()))
     return EngineLatency("hf", runs, torch.get_num_threads())
 
 

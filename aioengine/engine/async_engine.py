@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Union
 
 from aioengine.config import EngineArgs
-from aioengine.core.scheduler import EngineCoreOutput, SchedulerOutput
+from aioengine.core.scheduler_output import EngineCoreOutput, SchedulerOutput
 from aioengine.engine.core import EngineCore
 from aioengine.engine.output_processor import OutputProcessor
 from aioengine.engine.step_worker import StepWorker
@@ -198,7 +198,7 @@ class AsyncEngine:
                 # goes on to it as soon as step N ends.
                 next_output = self.core.schedule_ahead(scheduler_output)
                 if next_output is not None:
-                    ahead = next_output, self._submit(next_output)
+                    ahead = next_output, self._worker.submit(next_output)
                 scheduled = time.perf_counter()
                 # Overlap: fill step N's grammar bitmask and stream step N-1 while step N
                 # runs on the worker thread.
@@ -240,10 +240,7 @@ class AsyncEngine:
             # briefly rather than spin against the compile threads.
             await asyncio.sleep(0.001 if self.core.has_unfinished_requests() else 0)
             return None
-        return scheduler_output, self._submit(scheduler_output)
-
-    def _submit(self, scheduler_output: SchedulerOutput) -> asyncio.Future:
-        return self._worker.submit(scheduler_output)
+        return scheduler_output, self._worker.submit(scheduler_output)
 
     async def _finish_step(self, future: asyncio.Future, scheduler_output: SchedulerOutput,
                            record: StepRecord) -> list[EngineCoreOutput]:

@@ -19,8 +19,8 @@ from aioengine import envs
 from aioengine.config import (ConfigError, EngineArgs, SchedulerConfig,
                               default_kv_cache_memory, parse_dtype)
 from aioengine.core.kv_cache_manager import KVCacheManager
-from aioengine.core.scheduler import (EngineCoreOutput, ModelRunnerOutput, Scheduler,
-                                      SchedulerOutput)
+from aioengine.core.scheduler import Scheduler
+from aioengine.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from aioengine.errors import InvalidRequestError
 from aioengine.model.llama import kv_cache_bytes_per_block
 from aioengine.model.loader import load_model
@@ -218,10 +218,10 @@ class EngineCore:
             scheduler_output.grammar_bitmask.fill()
 
     def execute(self, scheduler_output: SchedulerOutput,
-                before_forward: Callable[[], None] | None = None) -> ModelRunnerOutput:
-        """Runs the step (off the loop); `before_forward()` is called once its inputs are
-        ready, right before the model runs."""
-        return self.runner.execute_model(scheduler_output, before_forward)
+                before_layers: Callable[[], None] | None = None) -> ModelRunnerOutput:
+        """Runs the step (off the loop); `before_layers()` is called once its inputs are
+        ready and embedded, right before the model's layers."""
+        return self.runner.execute_model(scheduler_output, before_layers)
 
     def update(self, scheduler_output: SchedulerOutput,
                runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:

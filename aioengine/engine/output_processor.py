@@ -14,7 +14,7 @@ from typing import Callable
 
 from transformers import PreTrainedTokenizerBase
 
-from aioengine.core.scheduler import EngineCoreOutput
+from aioengine.core.scheduler_output import EngineCoreOutput
 from aioengine.detokenizer import IncrementalDetokenizer
 from aioengine.metrics import EngineMetrics
 from aioengine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput

@@ -30,7 +30,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-from aioengine.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from aioengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 # (scheduler_output, before_layers) -> runner output; calls before_layers() right before the
 # model's layers run (EngineCore.execute).
@@ -38,25 +38,31 @@ ExecuteFn = Callable[[SchedulerOutput, Callable[[], None]], ModelRunnerOutput]
 _Result = tuple[asyncio.Future, ModelRunnerOutput | None, BaseException | None]
 
 
-def _write_holding_the_gil() -> Callable[[int], None]:
-    """os.write releases the GIL; libc's write called through ctypes.PyDLL does not."""
+def _make_wake() -> Callable[[int], None]:
+    """Writes one byte to a non-blocking fd: with libc's write() through ctypes.PyDLL,
+    which keeps the GIL (os.write releases it); os.write where libc's symbols are not at
+    hand. A full pipe (EAGAIN) is fine: the loop has bytes to read already."""
     try:
-        write = ctypes.PyDLL(None).write
-    except (AttributeError, OSError):  # no libc symbols in the process: plain os.write
-        return lambda fd: _ignore_full(os.write, fd, b"\0")
-    write.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t)
-    write.restype = ctypes.c_ssize_t
-    return lambda fd: write(fd, b"\0", 1) and None
+        libc_write = ctypes.PyDLL(None).write
+    except (AttributeError, OSError):
+        libc_write = None
+
+    def wake(fd: int) -> None:
+        if libc_write is not None:
+            libc_write(fd, b"\0", 1)  # returns -1 on EAGAIN, never raises
+            return
+        try:
+            os.write(fd, b"\0")
+        except BlockingIOError:
+            pass
+
+    if libc_write is not None:
+        libc_write.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t)
+        libc_write.restype = ctypes.c_ssize_t
+    return wake
 
 
-def _ignore_full(write: Callable[[int, bytes], int], fd: int, data: bytes) -> None:
-    try:
-        write(fd, data)
-    except BlockingIOError:  # the loop has bytes to read already
-        pass
-
-
-_wake = _write_holding_the_gil()
+_wake = _make_wake()
 
 
 class StepWorker:

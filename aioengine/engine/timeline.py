@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field, fields
 
-from aioengine.core.scheduler import SchedulerOutput
+from aioengine.core.scheduler_output import SchedulerOutput
 
 PHASES = ("schedule", "prepare", "forward", "sample", "process", "wait", "update", "idle")
 

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from aioengine.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from aioengine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from aioengine.model.attention import build_attention_metadata, copy_blocks
 from aioengine.model.llama import make_kv_caches
 from aioengine.model.loader import LoadedModel
@@ -48,17 +48,17 @@ class ModelRunner:
         self._last_sampled: dict[str, list[int]] = {}
 
     def execute_model(self, scheduler_output: SchedulerOutput,
-                      before_forward: Callable[[], None] | None = None) -> ModelRunnerOutput:
-        """`before_forward()` runs once the inputs are ready, right before the model's
-        layers (after the embedding lookup: LlamaForCausalLM's `before_layers`)."""
+                      before_layers: Callable[[], None] | None = None) -> ModelRunnerOutput:
+        """`before_layers()` runs once the inputs are ready, right before the model's
+        layers (after the embedding lookup: LlamaForCausalLM.forward calls it)."""
         if self.stream is None:
-            return self._execute(scheduler_output, before_forward)
+            return self._execute(scheduler_output, before_layers)
         with torch.cuda.stream(self.stream):
-            return self._execute(scheduler_output, before_forward)
+            return self._execute(scheduler_output, before_layers)
 
     @torch.inference_mode()
     def _execute(self, scheduler_output: SchedulerOutput,
-                 before_forward: Callable[[], None] | None) -> ModelRunnerOutput:
+                 before_layers: Callable[[], None] | None) -> ModelRunnerOutput:
         # On CUDA "forward" is launch time; the sync lands in "sample" (.tolist()).
         start = time.perf_counter()
         scheduled = scheduler_output.scheduled
@@ -74,7 +74,7 @@ class ModelRunner:
             block_size=self.block_size, device=self.device)
         prepared = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata,
-                            before_layers=before_forward)
+                            before_layers=before_layers)
         forwarded = time.perf_counter()
 
         output = ModelRunnerOutput(sampled_token_ids={})

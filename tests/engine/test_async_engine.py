@@ -139,11 +139,11 @@ async def test_a_failing_forward_fails_its_requests_not_the_engine(
     real = runner.execute_model
     calls = {"n": 0}
 
-    def flaky(scheduler_output, before_forward=None):
+    def flaky(scheduler_output, before_layers=None):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected device fault")
-        return real(scheduler_output, before_forward)
+        return real(scheduler_output, before_layers)
 
     monkeypatch.setattr(runner, "execute_model", flaky)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

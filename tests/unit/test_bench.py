@@ -12,7 +12,7 @@ from aioengine.bench import build_parser
 from aioengine.bench.datasets import (PROMPTS_FILE, BenchRequest, Workload,
                                       load_prompt_texts, normal_vocab, random_dataset,
                                       shared_prefix_dataset, text_dataset, with_text)
-from aioengine.bench.floor import BandwidthProbe, PerRunBandwidth, measure_read_bandwidth
+from aioengine.bench.floor import BandwidthProbe, measure_read_bandwidth
 from aioengine.bench.latency import EngineLatency, LatencyRun, parse_latency_engines
 from aioengine.bench.metrics import (RequestResult, latency_stats, meets_slo, parse_slo,
                                      summarize, throughput_over_time)
@@ -305,18 +305,14 @@ def test_latency_command_line_and_bandwidth() -> None:
 
 def test_bandwidth_probe_keeps_one_child_and_each_run_takes_the_higher() -> None:
     with BandwidthProbe(1 << 20, repeats=2, settle_s=0) as probe:
-        first = probe.measure()
-        child = probe._proc
-        assert probe.measure() > 0 and first > 0
+        with pytest.raises(RuntimeError):
+            probe.after_run()
+        probe.before_run()
+        before, child = probe._last, probe._proc
+        first = probe.after_run()  # measures once more: the next run's "before"
+        assert first == max(before, probe._last) > 0
+        probe.before_run()  # reuses the measurement after the previous run
+        between = probe._last
+        assert probe.after_run() == max(between, probe._last)
         assert probe._proc is child  # one child, and one buffer, for every measurement
     assert probe._proc is None and child.returncode == 0
-
-    per_run = PerRunBandwidth()
-    with pytest.raises(RuntimeError):
-        per_run.after_run(1.0)
-    assert per_run.needs_before
-    per_run.before_run(5.0)
-    assert not per_run.needs_before
-    assert per_run.after_run(3.0) == 5.0  # the 3.0 is also the next run's "before"
-    assert per_run.after_run(4.0) == 4.0
-

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from aioengine.config import SchedulerConfig
 from aioengine.core.kv_cache_manager import KVCacheManager
-from aioengine.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+from aioengine.core.scheduler import Scheduler
+from aioengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from aioengine.request import Request, RequestStatus
 from aioengine.sampling_params import SamplingParams
 

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from aioengine.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from aioengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from aioengine.engine.step_worker import StepWorker
 
 
@@ -28,13 +28,13 @@ class Recorder:
         time.sleep(0.05)  # time for the loop to run anything handed to it
         self.seen.append((step, when, set(self.delivered)))
 
-    def __call__(self, scheduler_output: SchedulerOutput, before_forward) -> ModelRunnerOutput:
+    def __call__(self, scheduler_output: SchedulerOutput, before_layers) -> ModelRunnerOutput:
         step = scheduler_output.step_id
         self.release.wait(5)  # lets the test queue steps before the first one runs
         self.look(step, "prepared")
         if step in self.fail:
             raise RuntimeError(f"step {step} failed")
-        before_forward()
+        before_layers()
         self.look(step, "forward")
         return ModelRunnerOutput(sampled_token_ids={"r": [step]})
 

@@ -1,0 +1,81 @@
+"""What one step hands out and gets back: the scheduler's SchedulerOutput (a snapshot of
+each scheduled request's share), the runner's ModelRunnerOutput, and the EngineCoreOutputs
+that update_from_output turns them into for the output processor."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from aioengine.outputs import PositionLogprobs
+from aioengine.request import Request
+
+# The input id of a token scheduled ahead (async scheduling): the runner replaces it with
+# the token the previous step sampled for that request.
+PLACEHOLDER_TOKEN_ID = -1
+
+
+@dataclass
+class ScheduledRequest:
+    """A snapshot of one request's share of a step, so the forward (which runs off the
+    event loop) never reads request state the loop may change meanwhile."""
+
+    request: Request
+    num_computed_tokens: int  # before this step
+    token_ids: list[int]  # the tokens computed this step
+    block_ids: list[int]
+    # Rows to sample: 0 for a prompt chunk that does not reach the end, 1 normally, and
+    # 1 + pending forks when the first sample of an n > 1 request finishes its prompt.
+    num_samples: int
+    # Prompt positions whose next-token logprobs are wanted (prompt_logprobs).
+    want_prompt_logprobs: bool = False
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class ModelRunnerOutput:
+    # request_id -> the tokens sampled from its last row: 1, or 1 + pending forks.
+    sampled_token_ids: dict[str, list[int]]
+    # request_id -> logprobs of each sampled token (aligned with sampled_token_ids).
+    logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    # request_id -> logprobs of the prompt tokens this chunk predicts (positions 1.. of the prompt).
+    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    # Seconds the worker spent in "prepare", "forward" and "sample" (for the timeline).
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step did to one sample: the detokenizer and streams take it from here."""
+
+    request: Request
+    new_token_ids: list[int]
+    new_logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.request.is_finished
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # single-token (decode) requests first
+    total_num_scheduled_tokens: int
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    # The step's grammar bitmask (aioengine.structured.GrammarBitmask), attached by the
+    # engine after scheduling when a sampled row is constrained; filled while the forward
+    # runs, applied by the runner before sampling.
+    grammar_bitmask: Any = None
+    step_id: int = 0  # the scheduler's count of steps handed out
+    # Async scheduling: set on a step scheduled ahead, while step `follows_step` ran. Each
+    # of its requests computes one token, whose id (PLACEHOLDER_TOKEN_ID here) is the one
+    # that step samples for it.
+    follows_step: int | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
