@@ -10,6 +10,13 @@
     aioengine bench latency [--input-len 256 --output-len 128 --repeats 3]
                             [--engines aioengine,hf] [engine flags]
 
+    aioengine bench export-hf [MODEL.gguf] [--dtype float32]
+
+`offline` and `latency` take `--vllm-python PATH` (and `latency` `--llamacpp-python PATH`):
+the python of a venv holding that peer, which then runs as one more engine in a child
+process (aioengine/bench/peers.py, docs/peers.md). `export-hf` writes a GGUF as the Hugging
+Face directory vLLM reads and prints its path.
+
 All modes take `--dataset random|shared-prefix|text`, `--save-json PATH`, `--plot PATH.png`
 and `--seed`. `offline` runs the workload in-process through our engine and through
 Hugging Face transformers (static batches, and its continuous batching) on the same
@@ -55,6 +62,9 @@ def _add_offline_parser(sub: Any) -> None:
     # The engine flags (vLLM names) come from the CLI so they never drift; its --seed
     # seeds both the workload and the engine, and --model names the weights for all.
     add_engine_args(p)
+    from aioengine.bench.peers import OFFLINE_PEERS, add_peer_args
+
+    add_peer_args(p, OFFLINE_PEERS)
     p.set_defaults(func=offline_main)
 
 
@@ -87,8 +97,10 @@ def offline_main(args: argparse.Namespace) -> int:
     from aioengine.bench import report as rep
     from aioengine.bench.datasets import build_workload
     from aioengine.bench.offline import load_hf_tokenizer, run_offline
+    from aioengine.bench.peers import OFFLINE_PEERS, with_peers
     from aioengine.model.default import bundled_model_path
 
+    args.engines = with_peers(args.engines, args, OFFLINE_PEERS)
     _set_threads(args.threads)
     model = args.model or bundled_model_path()
     workload = build_workload(args, load_hf_tokenizer(model))
@@ -180,6 +192,9 @@ def _add_latency_parser(sub: Any) -> None:
     p.add_argument("--save-json", default=None, metavar="PATH",
                    help="config, environment, floor and per-run numbers")
     add_engine_args(p)
+    from aioengine.bench.peers import LATENCY_PEERS, add_peer_args
+
+    add_peer_args(p, LATENCY_PEERS)
     p.set_defaults(func=latency_main)
 
 
@@ -188,9 +203,11 @@ def latency_main(args: argparse.Namespace) -> int:
     from aioengine.bench.datasets import normal_vocab, random_dataset
     from aioengine.bench.latency import LatencyConfig, format_latency, run_latency
     from aioengine.bench.offline import hf_pad_id, load_hf_tokenizer
+    from aioengine.bench.peers import LATENCY_PEERS, latency_peers, with_peers
     from aioengine.cli import engine_kwargs
     from aioengine.model.default import bundled_model_path
 
+    args.engines = with_peers(args.engines, args, LATENCY_PEERS)
     if args.output_len < 2 or args.input_len < 1 or args.repeats < 1 or args.warmup < 0:
         raise SystemExit("need --output-len >= 2 (TPOT), --input-len >= 1, --repeats >= 1 "
                          "and --warmup >= 0")
@@ -202,7 +219,8 @@ def latency_main(args: argparse.Namespace) -> int:
     config = LatencyConfig(model=model, prompt=workload.prompts[0], output_len=args.output_len,
                            warmup=args.warmup, repeats=args.repeats, engines=args.engines,
                            bandwidth_bytes=args.bandwidth_mib << 20,
-                           engine_kwargs=engine_kwargs(args), pad_token_id=hf_pad_id(tokenizer))
+                           engine_kwargs=engine_kwargs(args), pad_token_id=hf_pad_id(tokenizer),
+                           peers=latency_peers(args, args.input_len))
     report = {"mode": "latency", "environment": rep.environment_info(), "model": model,
               "config": _config(args), "workload": workload.summary(),
               **run_latency(config)}
@@ -244,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     _add_profile_parser(sub)
     _add_latency_parser(sub)
+    from aioengine.bench.hf_export import add_export_parser
+
+    add_export_parser(sub)
     return parser
 
 

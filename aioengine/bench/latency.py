@@ -33,6 +33,10 @@ Engines, on the same weights and thread count, each after `--warmup` untimed run
   same TTFT / TPOT / ITL follow. A streamer times the very run it measures, where the
   difference of two runs (`max_new_tokens` N and 1) would subtract two noisy totals.
 
+- `vllm`, `llamacpp`: peers in their own venvs (`--vllm-python`, `--llamacpp-python`), timed
+  the same way in a child process, which waits for the parent's bandwidth measurement
+  before each run (peers.py).
+
 Reported per engine: the MEDIAN over `--repeats` runs (robust on a shared machine) and, in
 brackets, the best (the least disturbed run); the JSON keeps every run.
 """
@@ -104,6 +108,10 @@ class EngineLatency:
     threads: int
     # Our engine: the weights it holds, for the floor.
     weight_bytes: int | None = field(default=None, repr=False)
+    # Each timed run's output token ids (greedy: the runs should agree with each other).
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
+    # A peer's versions and set-up (peers.py).
+    peer_info: dict[str, Any] | None = None
 
     def summary(self, weight_bytes: int | None = None) -> dict[str, Any]:
         """Median and best (min) over runs of each per-run number; with `weight_bytes`, also
@@ -119,6 +127,8 @@ class EngineLatency:
             values = [r[key] for r in per_run]
             out[key] = {"median": statistics.median(values), "best": min(values)}
         out["runs"] = per_run
+        if self.peer_info is not None:
+            out["peer_info"] = self.peer_info
         return out
 
 
@@ -131,7 +141,7 @@ async def _aioengine_runs(model: str | None, kwargs: dict[str, Any], prompt: lis
     engine = await AsyncEngine.create(model, **kwargs)
     torch.set_num_threads(threads)  # the benchmark's thread count wins, as in `offline`
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    runs = []
+    runs, outputs = [], []
     probe = BandwidthProbe(bandwidth_bytes)
     try:
         for i in range(warmup + repeats):
@@ -140,18 +150,22 @@ async def _aioengine_runs(model: str | None, kwargs: dict[str, Any], prompt: lis
             if i >= warmup:
                 probe.before_run()
             times: list[float] = []
+            ids: list[int] = []
             start = time.perf_counter()
             async for out in engine.generate(prompt, params):
                 now = time.perf_counter() - start
                 # Tokens that reach the caller together share an arrival time.
-                times += [now] * sum(len(c.token_ids) for c in out.outputs)
+                new = [t for c in out.outputs for t in c.token_ids]
+                times += [now] * len(new)
+                ids += new
             if i >= warmup:
                 runs.append(_checked(OUR_ENGINE, times, output_len, probe.after_run()))
+                outputs.append(ids)
         weight_bytes = weight_bytes_per_token(engine.core.loaded.model)
     finally:
         probe.close()
         await engine.shutdown()
-    return EngineLatency(OUR_ENGINE, runs, threads, weight_bytes)
+    return EngineLatency(OUR_ENGINE, runs, threads, weight_bytes, outputs)
 
 
 def run_aioengine(model: str | None, kwargs: dict[str, Any], prompt: list[int],
@@ -168,6 +182,7 @@ class TokenClock:
     def __init__(self) -> None:
         self.start = time.perf_counter()
         self.times: list[float] = []
+        self.token_ids: list[int] = []
         self._seen_prompt = False
 
     def put(self, value: torch.Tensor) -> None:
@@ -176,6 +191,7 @@ class TokenClock:
             return
         now = time.perf_counter() - self.start
         self.times += [now] * value.numel()  # batch 1: one token per put
+        self.token_ids += value.reshape(-1).tolist()
 
     def end(self) -> None:
         pass
@@ -188,7 +204,7 @@ def run_hf(model: str, prompt: list[int], output_len: int, warmup: int, repeats:
 
     hf_model = load_hf_model(model)
     ids = torch.tensor([prompt], dtype=torch.long)
-    runs = []
+    runs, outputs = [], []
     with BandwidthProbe(bandwidth_bytes) as probe:
         for i in range(warmup + repeats):
             if i >= warmup:
@@ -203,7 +219,8 @@ def run_hf(model: str, prompt: list[int], output_len: int, warmup: int, repeats:
                                   top_k=None, streamer=clock)
             if i >= warmup:
                 runs.append(_checked("hf", clock.times, output_len, probe.after_run()))
-    return EngineLatency("hf", runs, torch.get_num_threads())
+                outputs.append(clock.token_ids)
+    return EngineLatency("hf", runs, torch.get_num_threads(), outputs=outputs)
 
 
 # ---- the whole mode -------------------------------------------------------------------
@@ -220,6 +237,8 @@ class LatencyConfig:
     bandwidth_bytes: int
     engine_kwargs: dict[str, Any]
     pad_token_id: int  # for transformers' generate (batch 1: never used to pad)
+    # Peers in their own interpreters: name -> peers.LatencyPeer (python, options).
+    peers: dict[str, Any] = field(default_factory=dict)
 
 
 def run_latency(config: LatencyConfig) -> dict[str, Any]:
@@ -236,10 +255,17 @@ def run_latency(config: LatencyConfig) -> dict[str, Any]:
                                               config.prompt, config.output_len,
                                               config.warmup, config.repeats,
                                               config.bandwidth_bytes)
-            else:
+            elif name == "hf":
                 results[name] = run_hf(config.model, config.prompt, config.output_len,
                                        config.warmup, config.repeats, config.pad_token_id,
                                        config.bandwidth_bytes)
+            else:
+                from aioengine.bench.peers import run_peer_latency
+
+                results[name] = run_peer_latency(name, config.peers[name], config.model,
+                                                 config.prompt, config.output_len,
+                                                 config.warmup, config.repeats,
+                                                 config.bandwidth_bytes)
         except (RuntimeError, ImportError, ValueError, NotImplementedError) as e:
             if name == OUR_ENGINE:
                 raise
@@ -270,19 +296,37 @@ def run_latency(config: LatencyConfig) -> dict[str, Any]:
     if ours is not None:
         tpot = summaries[OUR_ENGINE]["tpot_ms"]
         report["tpot_over_floor"] = summaries[OUR_ENGINE]["tpot_over_floor"]
-        if "hf" in summaries:
-            hf_tpot = summaries["hf"]["tpot_ms"]
-            report["speedup_vs_hf"] = {k: hf_tpot[k] / tpot[k] for k in tpot}
+        report["speedup_vs"], report["agreement"] = {}, {}
+        for name, peer in results.items():
+            if name == OUR_ENGINE:
+                continue
+            peer_tpot = summaries[name]["tpot_ms"]
+            report["speedup_vs"][name] = {k: peer_tpot[k] / tpot[k] for k in tpot}
+            if ours.outputs and peer.outputs:
+                report["agreement"][name] = first_diff(ours.outputs[0], peer.outputs[0])
+        if "hf" in report["speedup_vs"]:
+            report["speedup_vs_hf"] = report["speedup_vs"]["hf"]
     return report
+
+
+def first_diff(ours: list[int], peer: list[int]) -> int | None:
+    """Where two greedy outputs first differ (None: equal)."""
+    if ours == peer:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(ours, peer)) if a != b),
+                min(len(ours), len(peer)))
 
 
 def parse_latency_engines(spec: str) -> list[str]:
     """`--engines` for latency: distinct names from LATENCY_ENGINES, run in order."""
+    from aioengine.bench.peers import LATENCY_PEERS
+
     engines = [e.strip() for e in spec.split(",") if e.strip()]
-    if (not engines or any(e not in LATENCY_ENGINES for e in engines)
+    known = (*LATENCY_ENGINES, *LATENCY_PEERS)
+    if (not engines or any(e not in known for e in engines)
             or len(set(engines)) != len(engines)):
         raise argparse.ArgumentTypeError(
-            f"--engines must name distinct engines from {list(LATENCY_ENGINES)}, got {spec!r}")
+            f"--engines must name distinct engines from {list(known)}, got {spec!r}")
     return engines
 
 
@@ -318,10 +362,17 @@ def format_latency(report: dict[str, Any]) -> str:
                      f"{ratio['median']:>6.2f} ({ratio['best']:.2f})")
     for name, reason in report.get("skipped", {}).items():
         lines.append(f"{name:<10} skipped: {reason}")
-    if "speedup_vs_hf" in report:
-        s = report["speedup_vs_hf"]
-        lines.append(f"{OUR_ENGINE} speed-up vs hf (hf TPOT / our TPOT): "
+    speedups = report.get("speedup_vs") or (
+        {"hf": report["speedup_vs_hf"]} if "speedup_vs_hf" in report else {})
+    for name, s in speedups.items():
+        lines.append(f"{OUR_ENGINE} speed-up vs {name} ({name} TPOT / our TPOT): "
                      f"x{s['median']:.2f} (best runs x{s['best']:.2f})")
+    for name, diff in report.get("agreement", {}).items():
+        lines.append(f"greedy output of {name} vs ours: " +
+                     ("equal" if diff is None else f"first differs at token {diff}"))
+    if any("peer_info" in r for r in report["results"].values()):
+        lines.append("TPOT / floor: against our weights' bytes; a peer holding fewer (vllm "
+                     "in bfloat16, llamacpp's quantized GGUF) can go below 1")
     if "tpot_over_floor" in report:
         ratio, target = report["tpot_over_floor"]["median"], report["target_tpot_over_floor"]
         verdict = "met" if ratio <= target else "not met"

@@ -5,7 +5,9 @@ Engines: `aioengine` (`LLM.generate`), `aioengine-no-prefix-caching` (the same w
 static batches with left padding) and `hf-cb` (transformers' own continuous batching,
 `generate_batch`), all on the same float32 weights and the same torch thread count.
 Warm-up is excluded. Our engines also report, for the timed run only, the prefix-cache hit
-rate, the preemptions and the KV waste at the peak (see `engine_stats`).
+rate, the preemptions and the KV waste at the peak (see `engine_stats`). `vllm` (vLLM's
+CPU build, in its own venv: `--vllm-python`) runs the same workload in a child process
+(peers.py).
 """
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ class EngineResult:
     outputs: list[list[int]] = field(repr=False)
     # Our engines only: see engine_stats().
     engine_stats: dict[str, Any] | None = None
+    # Peers in their own interpreters (peers.py): versions and set-up.
+    peer_info: dict[str, Any] | None = None
 
     @property
     def output_tps(self) -> float:
@@ -275,7 +279,14 @@ RUNNERS: dict[str, Runner] = {
     "hf": lambda w, model, args: run_hf(w, model, args.hf_batch_size),
     "hf-cb": lambda w, model, args: run_hf_cb(w, model, args.max_num_batched_tokens,
                                               args.max_num_seqs),
+    "vllm": lambda w, model, args: _run_vllm(w, model, args),
 }
+
+
+def _run_vllm(workload: Workload, model: str, args: argparse.Namespace) -> EngineResult:
+    from aioengine.bench.peers import run_vllm_offline
+
+    return run_vllm_offline(workload, model, args)
 
 
 def run_offline(args: argparse.Namespace, workload: Workload, model: str,
