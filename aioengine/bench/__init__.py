@@ -228,6 +228,12 @@ def latency_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_accuracy_parser(sub: Any) -> None:
+    from aioengine.bench.accuracy import add_accuracy_parser
+
+    add_accuracy_parser(sub)
+
+
 def _set_threads(threads: int | None) -> int:
     """One torch thread count for every engine (default: all CPUs)."""
     import torch
@@ -265,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     from aioengine.bench.hf_export import add_export_parser
 
     add_export_parser(sub)
+    _add_accuracy_parser(sub)
     return parser
 
 
