@@ -147,9 +147,11 @@ def format_serve(report: dict[str, Any]) -> str:
 
 
 def save_json(path: str, report: dict[str, Any]) -> None:
-    """orjson writes inf/NaN as null, so the file is always valid JSON."""
+    """orjson writes inf/NaN as null, so the file is always valid JSON; int keys (the
+    agreement's request index -> first differing token) become strings."""
     with open(path, "wb") as f:
-        f.write(orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+        f.write(orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY
+                             | orjson.OPT_NON_STR_KEYS))
         f.write(b"\n")
 
 

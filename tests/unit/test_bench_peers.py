@@ -189,22 +189,36 @@ def test_latency_report_lines_for_peers() -> None:
     assert "vllm       skipped: PeerError: no" in text and "can go below 1" in text
 
 
+def test_saved_report_takes_int_keys(tmp_path: Path) -> None:
+    """A peer whose greedy outputs differ from ours gives `first_diffs` int keys."""
+    from aioengine.bench.offline import compare_outputs
+    from aioengine.bench.report import save_json
+
+    agreement = compare_outputs([[1, 2], [3, 4]], [[1, 2], [3, 5]])
+    save_json(str(tmp_path / "r.json"), {"agreement": {"vllm": agreement.first_diffs}})
+    assert json.loads((tmp_path / "r.json").read_text()) == {"agreement": {"vllm": {"1": 1}}}
+
+
 # ---- the Hugging Face export ------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory: pytest.TempPathFactory, bundled_gguf_path: str):
+def _write_tiny_gguf(path: Path, bundled_gguf_path: str, **overrides):
     """A tiny llama GGUF (tied embeddings, q/k rows permuted as llama.cpp stores them) and
     the transformers model it is equivalent to."""
     from aioengine.model.gguf_loader import FastGGUFReader
 
-    hf = make_tiny_hf_model("llama", vocab_size=VOCAB)
-    path = tmp_path_factory.mktemp("tiny_gguf") / "tiny.gguf"
+    hf = make_tiny_hf_model("llama", vocab_size=VOCAB, **overrides)
     reference = write_tiny_gguf(hf, "llama", path, tokenizer_fields(FastGGUFReader(
         bundled_gguf_path)))
     missing, unexpected = hf.load_state_dict(reference, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     return path, hf.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory, bundled_gguf_path: str):
+    return _write_tiny_gguf(tmp_path_factory.mktemp("tiny_gguf") / "tiny.gguf",
+                            bundled_gguf_path)
 
 
 def test_export_loads_in_transformers_with_equal_logits(tiny_gguf, tmp_path: Path) -> None:
@@ -282,8 +296,10 @@ def test_llamacpp_latency_agrees_with_ours(tiny_gguf, tmp_path: Path, capsys) ->
 
 @pytest.mark.slow
 @pytest.mark.skipif(not VLLM_PYTHON, reason="set AIOENGINE_VLLM_PYTHON to run vLLM")
-def test_vllm_offline_agrees_with_ours(tiny_gguf, tmp_path: Path) -> None:
-    path, _ = tiny_gguf
+def test_vllm_offline_agrees_with_ours(tmp_path: Path, bundled_gguf_path: str) -> None:
+    # vLLM's CPU attention has kernels for some head sizes only (not 16): 2 heads of 64.
+    path, _ = _write_tiny_gguf(tmp_path / "tiny64.gguf", bundled_gguf_path, hidden_size=128,
+                               num_attention_heads=2, num_key_value_heads=1)
     out = tmp_path / "off.json"
     assert bench_main(["offline", "--model", str(path), "--num-prompts", "4",
                        "--input-len-min", "8", "--input-len-max", "24", "--output-len", "6",
