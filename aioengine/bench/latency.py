@@ -371,8 +371,8 @@ def format_latency(report: dict[str, Any]) -> str:
         lines.append(f"greedy output of {name} vs ours: " +
                      ("equal" if diff is None else f"first differs at token {diff}"))
     if any("peer_info" in r for r in report["results"].values()):
-        lines.append("TPOT / floor: against our weights' bytes; a peer holding fewer (vllm "
-                     "in bfloat16, llamacpp's quantized GGUF) can go below 1")
+        lines.append("TPOT / floor: against our weights' bytes; a peer that holds fewer "
+                     "(llamacpp's quantized GGUF, vllm in a narrower dtype) can go below 1")
     if "tpot_over_floor" in report:
         ratio, target = report["tpot_over_floor"]["median"], report["target_tpot_over_floor"]
         verdict = "met" if ratio <= target else "not met"

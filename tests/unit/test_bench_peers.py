@@ -278,13 +278,24 @@ def test_export_refuses_llama3_rope_factors(tmp_path: Path, bundled_gguf_path: s
 # ---- real peers (their venvs named in the environment) ---------------------------------
 
 
+@pytest.fixture
+def bench_threads(monkeypatch: pytest.MonkeyPatch):
+    """The benchmark sets torch's thread count and AIOENGINE_CPU_THREADS; restore both."""
+    monkeypatch.setenv("AIOENGINE_CPU_THREADS", "0")
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not LLAMACPP_PYTHON, reason="set AIOENGINE_LLAMACPP_PYTHON to run llama.cpp")
-def test_llamacpp_latency_agrees_with_ours(tiny_gguf, tmp_path: Path, capsys) -> None:
-    path, _ = tiny_gguf
+def test_llamacpp_latency_agrees_with_ours(tiny_gguf, tmp_path: Path, bench_threads,
+                                           capsys) -> None:
+    path, _ = tiny_gguf  # llama.cpp reads the GGUF itself: no export
     out = tmp_path / "lat.json"
     assert bench_main(["latency", "--model", str(path), "--input-len", "24", "--output-len",
                        "8", "--repeats", "1", "--warmup", "1", "--bandwidth-mib", "16",
+                       "--dtype", "float32",
                        "--engines", "aioengine", "--llamacpp-python", LLAMACPP_PYTHON,
                        "--save-json", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -296,7 +307,9 @@ def test_llamacpp_latency_agrees_with_ours(tiny_gguf, tmp_path: Path, capsys) ->
 
 @pytest.mark.slow
 @pytest.mark.skipif(not VLLM_PYTHON, reason="set AIOENGINE_VLLM_PYTHON to run vLLM")
-def test_vllm_offline_agrees_with_ours(tmp_path: Path, bundled_gguf_path: str) -> None:
+def test_vllm_offline_agrees_with_ours(tmp_path: Path, bundled_gguf_path: str, bench_threads,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIOENGINE_CACHE_DIR", str(tmp_path / "cache"))  # the export
     # vLLM's CPU attention has kernels for some head sizes only (not 16): 2 heads of 64.
     path, _ = _write_tiny_gguf(tmp_path / "tiny64.gguf", bundled_gguf_path, hidden_size=128,
                                num_attention_heads=2, num_key_value_heads=1)
@@ -304,7 +317,8 @@ def test_vllm_offline_agrees_with_ours(tmp_path: Path, bundled_gguf_path: str) -
     assert bench_main(["offline", "--model", str(path), "--num-prompts", "4",
                        "--input-len-min", "8", "--input-len-max", "24", "--output-len", "6",
                        "--engines", "aioengine", "--vllm-python", VLLM_PYTHON,
-                       "--vllm-dtype", "float32", "--vllm-enforce-eager", "--no-progress",
+                       "--dtype", "float32", "--vllm-dtype", "float32",
+                       "--vllm-enforce-eager", "--no-progress",
                        "--save-json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["skipped"] == {}, report["skipped"]
