@@ -17,7 +17,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="HF directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", help="auto (float32 on CPU), float32, float16, bfloat16")
+    g.add_argument("--dtype", default="auto",
+                   help="weights: auto (bfloat16 on CPUs with AVX512-BF16 or AMX and on CUDA, "
+                        "else float32), float32, float16, bfloat16")
+    g.add_argument("--quantization", "-q", choices=("int8",), default=None,
+                   help="weight-only int8 with per-output-channel scales, computed at load")
+    g.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="auto: float32 on the CPU, the model dtype on CUDA")
     g.add_argument("--device", default="auto")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-model-len", type=int, default=None)
@@ -39,7 +45,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
-        dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
+        dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        device=args.device, seed=args.seed, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,

@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from aioengine import cpu_info
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -17,14 +19,31 @@ class ConfigError(ValueError):
     """An engine setting is invalid."""
 
 
+QUANTIZATIONS = ("int8",)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
+    """What dtype="auto" means here, and why: bf16 on CUDA; on the CPU bf16 where the cores
+    have native bf16 dot products (AVX512-BF16 or AMX), else float32 (on AVX2-only cores
+    torch's bf16 matmul is ~70x slower than its fp32)."""
+    if device.type == "cuda":
+        return torch.bfloat16, "CUDA"
+    flags = cpu_info.relevant_flags()
+    shown = " ".join(flags) or "none"
+    if cpu_info.has_bf16_compute():
+        return torch.bfloat16, f"CPU has native bf16 dot products (flags: {shown})"
+    return torch.float32, f"CPU has no native bf16 dot products (flags: {shown})"
+
+
 def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """"auto" means float32 on CPU (bf16 matmul is ~70x slower there) and bf16 on CUDA."""
+    """The model's weight dtype; "auto" as `auto_dtype` decides."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ConfigError(f"unsupported dtype {dtype}; supported: {sorted(set(_DTYPES))}")
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return auto_dtype(device)[0]
     if dtype not in _DTYPES:
         raise ConfigError(f"unsupported dtype {dtype!r}; supported: auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
@@ -46,6 +65,11 @@ class EngineArgs:
     model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
+    # Weight-only quantization computed at load from any checkpoint: "int8" (per output
+    # channel scales); None keeps the weights in `dtype`.
+    quantization: str | None = None
+    # "auto": float32 on the CPU (activations are float32 there), the model dtype on CUDA.
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
@@ -90,6 +114,12 @@ class EngineArgs:
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ConfigError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {list(QUANTIZATIONS)} or None, "
+                              f"got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory is not None and self.num_kv_blocks is not None:
             raise ConfigError("set kv_cache_memory or num_kv_blocks, not both")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -17,6 +17,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 0 turns off the C kernels of aioengine.kernels.cpu (compiled on first use) and keeps
     # the plain torch paths.
     "AIOENGINE_CPU_KERNELS": lambda: os.getenv("AIOENGINE_CPU_KERNELS", "1") != "0",
+    # Forces one build of the C kernels (avx512_bf16, avx512, avx2, baseline) instead of
+    # the best this CPU runs; one it cannot run is an error.
+    "AIOENGINE_CPU_ISA": lambda: os.getenv("AIOENGINE_CPU_ISA") or None,
     # Path of the default model, overriding the bundled SmolLM2-135M-Instruct GGUF.
     "AIOENGINE_DEFAULT_MODEL": lambda: os.getenv("AIOENGINE_DEFAULT_MODEL") or None,
 }

@@ -19,11 +19,14 @@ from aioengine.model import hugepages
 
 
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
-    """Bytes of weights one decoded token reads, from the loaded model's parameters
-    (`parameters()` yields a tied embedding / LM head once)."""
+    """Bytes of weights one decoded token reads, from the loaded model's parameters in their
+    storage format (`parameters()` yields a tied embedding / LM head once) and the int8
+    scales; oneDNN-packed copies are not read by a single-stream step."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    embed = model.embed_tokens
-    if model.lm_head is not embed:
+    total += sum(lin.scales.numel() * lin.scales.element_size()
+                 for lin in model.linears() if lin.scales is not None)
+    embed = model.embed_tokens.weight
+    if model.lm_head is not model.embed_tokens:
         # Untied: the embedding lookup reads one row, not the whole table.
         total -= embed.numel() * embed.element_size()
         total += embed.shape[1] * embed.element_size()

@@ -16,14 +16,16 @@ from typing import Callable
 import torch
 
 from aioengine import envs
-from aioengine.config import (ConfigError, EngineArgs, SchedulerConfig,
+from aioengine import cpu_info
+from aioengine.config import (ConfigError, EngineArgs, SchedulerConfig, auto_dtype,
                               default_kv_cache_memory, parse_dtype)
 from aioengine.core.kv_cache_manager import KVCacheManager
 from aioengine.core.scheduler import Scheduler
 from aioengine.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from aioengine.errors import InvalidRequestError
 from aioengine.model.llama import kv_cache_bytes_per_block
-from aioengine.model.loader import load_model
+from aioengine.kernels import cpu as cpu_kernels
+from aioengine.model.loader import activation_dtype, load_model
 from aioengine.request import Request, RequestStatus
 from aioengine.sampling_params import SamplingParams
 from aioengine.structured import StructuredOutputManager
@@ -41,8 +43,17 @@ class EngineCore:
             torch.set_num_threads(envs.AIOENGINE_CPU_THREADS)
         self.device = args.resolve_device()
         self.dtype = parse_dtype(args.dtype, self.device)
+        self.dtype_reason = (auto_dtype(self.device)[1] if args.dtype == "auto"
+                             else f"dtype={args.dtype} requested")
+        compute = activation_dtype(self.dtype, self.device)
+        self.kv_cache_dtype = (compute if args.kv_cache_dtype == "auto"
+                               else parse_dtype(args.kv_cache_dtype, self.device))
+        if self.device.type == "cpu" and self.kv_cache_dtype != compute:
+            logger.warning("kv_cache_dtype %s: half the KV memory, but the C decode kernels "
+                           "read float32 K/V, so decode attention takes the torch path",
+                           args.kv_cache_dtype)
         start = time.perf_counter()
-        self.loaded = load_model(args.model, self.dtype, self.device)
+        self.loaded = load_model(args.model, self.dtype, self.device, args.quantization)
         self.tokenizer = self.loaded.tokenizer
         self.vocab_size = self.loaded.arch.vocab_size
         self.max_model_len = self._resolve_max_model_len(args)
@@ -57,8 +68,8 @@ class EngineCore:
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
             policy=args.scheduling_policy), self.kv_cache_manager)
-        self.runner = ModelRunner(self.loaded, num_blocks, args.block_size, self.device, self.dtype,
-                                  seed=args.seed)
+        self.runner = ModelRunner(self.loaded, num_blocks, args.block_size, self.device,
+                                  self.kv_cache_dtype, seed=args.seed)
         warm_start = time.perf_counter()
         warm_tokens = self.runner.warm_up(args.max_num_batched_tokens, self.max_model_len)
         logger.debug("warm-up step of %d tokens: %.2fs", warm_tokens,
@@ -69,9 +80,29 @@ class EngineCore:
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size,
                                                   self.eos_token_ids,
                                                   jump_forward=args.structured_jump_forward)
-        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, "
-                    "%.1fs", self.loaded.model_path, self.device, str(self.dtype).split(".")[-1],
-                    num_blocks, args.block_size, self.max_model_len, time.perf_counter() - start)
+        info = self.dtype_info()
+        logger.info("weights %s (%s), activations %s, KV cache %s; %.0f MiB of weights; CPU %s, "
+                    "C kernels %s", info["weights"], info["dtype_reason"], info["activations"],
+                    info["kv_cache_dtype"], info["weight_bytes"] / 2**20, info["cpu"]["model"],
+                    info["cpu"]["kernels"])
+        logger.info("engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d, "
+                    "%.1fs", self.loaded.model_path, self.device, num_blocks, args.block_size,
+                    self.max_model_len, time.perf_counter() - start)
+
+    def dtype_info(self) -> dict[str, object]:
+        """What the engine computes in and why: weights (their dtype, or int8), activations,
+        KV cache, resident weight bytes, and the CPU model, flags and C-kernel build the
+        choice was based on (the start-up log, `/version` and `/v1/models` show it)."""
+        name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
+        model = self.loaded.model
+        return {
+            "dtype": name(self.dtype), "quantization": self.args.quantization,
+            "weights": self.args.quantization or name(self.dtype),
+            "dtype_reason": self.dtype_reason, "activations": name(model.dtype),
+            "kv_cache_dtype": name(self.kv_cache_dtype), "weight_bytes": model.weight_bytes(),
+            "cpu": {"model": cpu_info.cpu_model(), "flags": cpu_info.relevant_flags(),
+                    "kernels": cpu_kernels.variant() if self.device.type == "cpu" else None},
+        }
 
     def _resolve_max_model_len(self, args: EngineArgs) -> int:
         model_len = self.loaded.max_model_len
@@ -85,7 +116,8 @@ class EngineCore:
     def _num_kv_blocks(self) -> int:
         if self.args.num_kv_blocks is not None:
             return self.args.num_kv_blocks
-        per_block = kv_cache_bytes_per_block(self.loaded.arch, self.args.block_size, self.dtype)
+        per_block = kv_cache_bytes_per_block(self.loaded.arch, self.args.block_size,
+                                             self.kv_cache_dtype)
         memory = self.args.kv_cache_memory or default_kv_cache_memory(self.device)
         # More blocks than max_num_seqs full-length requests can use only serve the prefix
         # cache; capping keeps a tiny model from building millions of block objects.

@@ -150,6 +150,7 @@ def write_to_kv_cache(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tens
     if cpu_kernels.reshape_and_cache(k, v, kv_cache, slot_mapping):
         return
     num_kv_heads, head_dim = kv_cache.shape[-2:]
+    k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
@@ -172,6 +173,10 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor,
                 meta: AttentionMetadata, scale: float) -> Tensor:
         num_tokens = meta.num_actual_tokens
+        if kv_cache.dtype != q.dtype:
+            # A cache in lower precision (kv_cache_dtype): attend to the fresh K/V as the
+            # cache holds them, so a prefix-cache hit sees what a recompute would.
+            k, v = k.to(kv_cache.dtype).to(q.dtype), v.to(kv_cache.dtype).to(q.dtype)
         # Write first: a request may read blocks another request wrote in this very step.
         write_to_kv_cache(k[:num_tokens], v[:num_tokens], kv_cache, meta.slot_mapping)
         nd = meta.num_decodes
@@ -207,6 +212,7 @@ class TorchAttentionBackend(AttentionBackend):
         # [nd, nb, bs, Hkv, D] -> [nd, Hkv, L, D]
         keys = kv_cache[0][tables].view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
         values = kv_cache[1][tables].view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
         # Query heads are grouped by KV head: head h uses KV head h // group.
         qg = q.view(nd, num_kv_heads, group, head_dim)
         o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
@@ -229,6 +235,7 @@ class TorchAttentionBackend(AttentionBackend):
         table = meta.block_tables[i, :num_blocks]
         kh = kv_cache[0][table].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
         vh = kv_cache[1][table].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        kh, vh = kh.to(q.dtype), vh.to(q.dtype)
         # Query j sits at position context_len + j and sees keys 0 .. context_len + j.
         q_pos = torch.arange(context_len, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]

@@ -1,9 +1,10 @@
-"""The model's building blocks that have a fast CPU path: projections (`linear`), RMSNorm
-with the residual add fused in, and SiLU-and-mul (vLLM's names and semantics).
+"""The model's building blocks that have a fast CPU path: projections (`Linear`, which owns
+its weight in a storage format, and `linear`), RMSNorm with the residual add fused in, and
+SiLU-and-mul (vLLM's names and semantics).
 
-Each takes the C kernel of `aioengine.kernels.cpu` where it applies (float32 on the CPU,
-kernels built) and the plain torch ops otherwise; the torch ops are the reference the
-kernels are tested against.
+Each takes the C kernel of `aioengine.kernels.cpu` where it applies (float32 activations on
+the CPU, kernels built) and the plain torch ops otherwise; the torch ops are the reference
+the kernels are tested against.
 """
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from aioengine.kernels import cpu as cpu_kernels
+from aioengine.model import hugepages
 
 
 # Up to this many rows a CPU float32 matmul is a gemv over chunks of weight rows (`linear`);
@@ -48,18 +50,21 @@ _ONEDNN_LINEAR = _onednn_linear()
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
-           packed: Tensor | None = None) -> Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N].
+           packed: Tensor | None = None, scales: Tensor | None = None) -> Tensor:
+    """x [M, K] @ weight [N, K]^T (* scales [N]) (+ bias) -> [M, N] in x's dtype.
 
-    `F.linear` on the CPU goes to MKL, which on these AMD cores runs fp32 at ~140 GFLOP/s
-    and threads few-row products badly (a 1-row product streams the weight at a third of
-    the memory bandwidth). So in float32 on the CPU:
+    `weight` is float32, bf16 or fp16, or int8 with per-row `scales` (weight-only
+    quantization). `F.linear` on the CPU goes to MKL, which on these AMD cores runs fp32 at
+    ~140 GFLOP/s and threads few-row products badly (a 1-row product streams the weight at
+    a third of the memory bandwidth). So with float32 x on the CPU:
     - up to GEMV_MAX_ROWS rows (PACKED_GEMV_MAX_ROWS with `packed`; decode of a few
-      requests): the C gemv (`cpu_kernels.gemv`), which streams each thread's weight rows
-      in order; without the kernels, one `bmm` over chunks of the weight's rows (a view, no
-      copy), so every thread streams whole chunks;
-    - otherwise oneDNN's matmul, on `packed` (the weight reordered once into oneDNN's
-      blocked layout, `pack_linear_weight`) when the model has it.
+      requests): the C gemv (`cpu_kernels.gemv`, any of the three formats), which streams
+      each thread's weight rows in order; without the kernels, one `bmm` over chunks of the
+      weight's rows (a view, no copy), so every thread streams whole chunks;
+    - otherwise oneDNN's matmul: float32 on `packed` (the weight reordered once into
+      oneDNN's blocked layout, `pack_linear_weight`) when the model has it; bf16 weights
+      take x rounded to bf16 and give a bf16 result (oneDNN accumulates in fp32), which the
+      gemv reproduces; int8 weights are widened for the call (`_int8_linear`).
     Measured over SmolLM2-135M's 30 layers of weights, 2 cores: 1 row 40 -> 17 ms
     (F.linear -> chunked gemv); in a later run chunked gemv -> C gemv 14.6 -> 14.1 ms at 1
     row, 17.5 -> 15.1 ms at 2, the LM head 3.6 -> 3.0 ms at 1; 32 rows 87 (F.linear) -> 62
@@ -67,12 +72,16 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     13 -> 10 ms.
     """
     if x.device.type != "cpu" or x.dtype != torch.float32:
-        return F.linear(x, weight, bias)
+        return _torch_linear(x, weight, bias, scales)
     m, (n, k) = x.shape[0], weight.shape
     # Packed oneDNN already beats the chunked gemv from 3-4 rows on (4 rows: 19.5 vs 25.5 ms).
     gemv_max_rows = GEMV_MAX_ROWS if packed is None else PACKED_GEMV_MAX_ROWS
-    if m <= gemv_max_rows and (out := cpu_kernels.gemv(x, weight, bias)) is not None:
+    if m <= gemv_max_rows and (out := cpu_kernels.gemv(x, weight, bias, scales)) is not None:
         return out
+    if weight.dtype == torch.int8:
+        return _int8_linear(x, weight, bias, scales)
+    if weight.dtype != torch.float32:
+        return _torch_linear(x, weight, bias, scales)
     if m <= gemv_max_rows and (c := _num_chunks(n)) > 1:
         # [c, N/c, K] @ [c, K, M] -> [c, N/c, M] = out^T. One row is already in order; the
         # view keeps the usual strides (a transposed [1, N] would pass as contiguous with
@@ -85,6 +94,27 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     return F.linear(x, weight, bias)
 
 
+def _torch_linear(x: Tensor, weight: Tensor, bias: Tensor | None,
+                  scales: Tensor | None) -> Tensor:
+    """In the weight's float dtype (x and the result rounded to it, fp32 sums: oneDNN's
+    bf16 matmul), the result in x's dtype; int8 weights as `_int8_linear`."""
+    if weight.dtype == torch.int8:
+        return _int8_linear(x, weight, bias, scales)
+    b = None if bias is None else bias.to(weight.dtype)
+    return F.linear(x.to(weight.dtype), weight, b).to(x.dtype)
+
+
+def _int8_linear(x: Tensor, weight: Tensor, bias: Tensor | None,
+                 scales: Tensor | None) -> Tensor:
+    """x @ q^T * scales (+ bias) for int8 q: q widened to x's dtype (exact: |q| <= 127),
+    then one matmul and a per-row scale: the gemv's arithmetic (x unrounded, float32 sums),
+    so a request's tokens do not depend on how many others share its step. The widened
+    copy lives for this call only: resident memory stays the int8 bytes."""
+    assert scales is not None, "an int8 weight needs its scales"
+    out = F.linear(x, weight.to(x.dtype)).mul_(scales.to(x.dtype))
+    return out if bias is None else out.add_(bias)
+
+
 # The row count oneDNN tunes a packed weight's layout for (any count works): decode batches.
 _PACK_FOR_ROWS = 32
 
@@ -95,6 +125,122 @@ def pack_linear_weight(weight: Tensor) -> Tensor | None:
     if _ONEDNN_LINEAR is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_FOR_ROWS)
+
+
+# Storage formats a Linear's weight can take ("auto" = leave it as loaded).
+WEIGHT_STORAGES = ("float32", "bfloat16", "float16", "int8")
+_FLOAT_STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                  "float16": torch.float16}
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    # Uninitialised: every parameter is overwritten by load_weights (which checks that). In
+    # huge pages on the CPU: decode streams every weight once per token (hugepages.py).
+    return nn.Parameter(hugepages.empty(shape, dtype, device), requires_grad=False)
+
+
+def quantize_int8_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric per-row int8: q = round(w / s) with s = max|w_row| / 127 (1 for a zero
+    row), so w ~ q * s with |w - q s| <= s / 2. Returns (q [N, K] int8, s [N] float32)."""
+    w = weight.float()
+    scales = w.abs().amax(dim=1) / 127.0
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scales
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b): one projection (q/k/v fused, gate/up fused, o, down, the LM head),
+    owning its weight in a storage format: float32 (with an optional oneDNN-packed copy),
+    bf16, fp16, or int8 with per-output-row scales. Callers never branch on the format:
+    `forward` and the fused decode kernel (`decode_fields`) read it from here.
+
+    Built in the checkpoint's load dtype; `load_weights` fills `weight` (and `bias`) row
+    ranges; `convert` then moves the weight to its storage format."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = _param(out_features, in_features, dtype=dtype, device=device)
+        self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
+        self.scales: Tensor | None = None  # int8: [out_features] float32
+        self.packed: Tensor | None = None  # float32: oneDNN's blocked copy
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias, self.packed, self.scales)
+
+    @property
+    def storage(self) -> torch.dtype:
+        return self.weight.dtype
+
+    @torch.no_grad()
+    def convert(self, storage: str) -> None:
+        """The weight into `storage` (WEIGHT_STORAGES), computed from the loaded weight;
+        the loaded copy is freed. The bias stays in the activations' dtype."""
+        if storage not in WEIGHT_STORAGES:
+            raise ValueError(f"unknown weight storage {storage!r}; known: {WEIGHT_STORAGES}")
+        self.packed = None
+        w = self.weight
+        if storage == "int8":
+            q, self.scales = quantize_int8_rows(w)
+            new = hugepages.empty(tuple(q.shape), torch.int8, w.device).copy_(q)
+        else:
+            dtype = _FLOAT_STORAGE[storage]
+            if w.dtype == dtype:
+                return
+            new = hugepages.empty(tuple(w.shape), dtype, w.device).copy_(w)
+            if self.bias is not None and dtype != self.bias.dtype:
+                # The bias as the low-precision matmul adds it (in its dtype), so the gemv
+                # and oneDNN add the same value.
+                self.bias.copy_(self.bias.to(dtype))
+        self.weight = nn.Parameter(new, requires_grad=False)
+
+    def pack(self) -> int:
+        """Adds the oneDNN-packed copy `linear` uses for many-row float32 products; returns
+        the bytes added (0 where it would not be used)."""
+        packed = pack_linear_weight(self.weight)
+        self.packed = packed
+        return 0 if packed is None else packed.numel() * packed.element_size()
+
+    def nbytes(self) -> int:
+        """Resident bytes: the weight, its scales, bias and packed copy."""
+        return sum(t.numel() * t.element_size()
+                   for t in (self.weight, self.scales, self.bias, self.packed) if t is not None)
+
+
+# After a bf16 LM head, each row's top candidates are recomputed in float32.
+LOGITS_REFINE_TOP = 16
+
+
+def lm_head_logits(x: Tensor, head: Linear) -> Tensor:
+    """Logits [N, V] in float32 from the final hidden states x [N, H].
+
+    A bf16 matmul's result is bf16: logits of 10-20 come in steps of 1/16, so near-ties
+    become exact ties, broken by token id (SmolLM2 then answers "What is the capital of
+    France?" with "L'Étoile..." instead of "The capital of France is Paris."). So with bf16
+    weights each row's LOGITS_REFINE_TOP largest logits are recomputed as float32 sums of
+    the same bf16 products: argmax, top-k and the head of the distribution at float32
+    resolution, the tail in bf16, the same whether the gemv or oneDNN computed the rest."""
+    logits = head(x).float()
+    w = head.weight
+    if w.dtype != torch.bfloat16 or x.dtype != torch.float32:
+        return logits
+    top = logits.topk(min(LOGITS_REFINE_TOP, logits.shape[1]), dim=-1).indices  # [N, k]
+    xb = x.to(torch.bfloat16).float().unsqueeze(-1)  # [N, H, 1], as the matmul rounds it
+    exact = torch.bmm(w[top].float(), xb).squeeze(-1)  # [N, k]
+    if head.bias is not None:
+        exact += head.bias[top]
+    return logits.scatter_(1, top, exact)
+
+
+def embed(input_ids: Tensor, table: Linear, dtype: torch.dtype) -> Tensor:
+    """The rows of an embedding matrix held as a Linear [V, H] (any storage) for input_ids
+    [T], as [T, H] in `dtype`."""
+    rows = table.weight.index_select(0, input_ids).to(dtype)
+    if table.scales is not None:
+        rows.mul_(table.scales.index_select(0, input_ids).to(dtype)[:, None])
+    return rows
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -22,8 +22,8 @@ from aioengine.kernels import cpu as cpu_kernels
 from aioengine.model import hugepages
 from aioengine.model.arch import ModelArchConfig
 from aioengine.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
-from aioengine.model.layers import (fused_add_rms_norm, linear, pack_linear_weight, rms_norm,
-                                    silu_and_mul)
+from aioengine.model.layers import (Linear, _param, embed, fused_add_rms_norm, lm_head_logits,
+                                    rms_norm, silu_and_mul)
 
 
 # Decode-only steps of up to this many tokens run the decoder layers in one C call where it
@@ -99,12 +99,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    # Uninitialised: every parameter is overwritten by load_weights (which checks that). In
-    # huge pages on the CPU: decode streams every weight once per token (hugepages.py).
-    return nn.Parameter(hugepages.empty(shape, dtype, device), requires_grad=False)
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -115,18 +109,17 @@ class LlamaDecoderLayer(nn.Module):
         self.q_size, self.kv_size = arch.q_size, arch.kv_size
         self.eps = arch.rms_norm_eps
         self.input_layernorm = _param(h, **kw)
-        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, h, **kw)
-        self.qkv_bias = (_param(self.q_size + 2 * self.kv_size, **kw)
-                         if arch.attention_bias else None)
+        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, arch.attention_bias, **kw)
         self.q_norm = _param(d, **kw) if arch.qk_norm else None
         self.k_norm = _param(d, **kw) if arch.qk_norm else None
-        self.o_proj = _param(h, self.q_size, **kw)
+        self.o_proj = Linear(self.q_size, h, False, **kw)
         self.post_attention_layernorm = _param(h, **kw)
-        self.gate_up_proj = _param(2 * arch.intermediate_size, h, **kw)
-        self.down_proj = _param(h, arch.intermediate_size, **kw)
+        self.gate_up_proj = Linear(h, 2 * arch.intermediate_size, False, **kw)
+        self.down_proj = Linear(arch.intermediate_size, h, False, **kw)
         self.scale = d ** -0.5
-        # Projection name -> its weight packed for oneDNN (LlamaForCausalLM.pack_weights).
-        self.packed: dict[str, Tensor] = {}
+
+    def projections(self) -> tuple[Linear, Linear, Linear, Linear]:
+        return self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj
 
     def forward(self, x: Tensor, residual: Tensor | None, rope: RopeStep, kv_cache: Tensor,
                 meta: AttentionMetadata, attn: AttentionBackend) -> tuple[Tensor, Tensor]:
@@ -139,8 +132,7 @@ class LlamaDecoderLayer(nn.Module):
             h, residual = rms_norm(x, self.input_layernorm, self.eps), x
         else:
             h, residual = fused_add_rms_norm(x, residual, self.input_layernorm, self.eps)
-        packed = self.packed
-        qkv = linear(h, self.qkv_proj, self.qkv_bias, packed.get("qkv_proj"))
+        qkv = self.qkv_proj(h)
         # q and k heads side by side, [T, Hq + Hkv, D], so RoPE runs once for both.
         qk_size = self.q_size + self.kv_size
         qk = qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -151,10 +143,9 @@ class LlamaDecoderLayer(nn.Module):
                             F.rms_norm(k, (self.head_dim,), self.k_norm, self.eps)), dim=1)
         q, k = rope(qk).split([self.num_heads, self.num_kv_heads], dim=1)
         o = attn.forward(q, k, v, kv_cache, meta, self.scale)
-        o = linear(o.view(t, self.q_size), self.o_proj, packed=packed.get("o_proj"))
+        o = self.o_proj(o.view(t, self.q_size))
         h, residual = fused_add_rms_norm(o, residual, self.post_attention_layernorm, self.eps)
-        gate_up = linear(h, self.gate_up_proj, packed=packed.get("gate_up_proj"))
-        return linear(silu_and_mul(gate_up), self.down_proj, packed=packed.get("down_proj")), residual
+        return self.down_proj(silu_and_mul(self.gate_up_proj(h))), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -166,16 +157,16 @@ class LlamaForCausalLM(nn.Module):
         self.device = device
         self.attn_backend = attn_backend or TorchAttentionBackend()
         kw = {"dtype": dtype, "device": device}
-        self.embed_tokens = _param(arch.vocab_size, arch.hidden_size, **kw)
+        # The embedding matrix is a Linear [V, H] too: tied, the LM head *is* it (one tensor,
+        # loaded and stored once, in the projections' storage format).
+        self.embed_tokens = Linear(arch.hidden_size, arch.vocab_size, False, **kw)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(arch, dtype, device) for _ in range(arch.num_hidden_layers))
         self.norm = _param(arch.hidden_size, **kw)
-        # Tied: the LM head *is* the embedding matrix (one tensor, loaded once).
         self.lm_head = (self.embed_tokens if arch.tie_word_embeddings
-                        else _param(arch.vocab_size, arch.hidden_size, **kw))
+                        else Linear(arch.hidden_size, arch.vocab_size, False, **kw))
         self.rotary = RotaryEmbedding(arch, dtype, device)
         self._layer_weights = _layer_weight_table(arch)
-        self.packed_lm_head: Tensor | None = None
         # Decode steps of a few tokens through cpu_kernels.llama_decode (off: layer by layer).
         self.use_fused_decode = True
         # (the KV caches' data pointers, the pointer table llama_decode reads) for the last
@@ -189,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids/positions [T] -> final-normed hidden states [T, H]. `before_layers()`
         is called after the embedding lookup, right before the layers: on the fused decode
         path nothing between the two lets go of the GIL until the C kernel does."""
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = embed(input_ids, self.embed_tokens, self.dtype)
         if before_layers is not None:
             before_layers()
         if self._fused_decode(x, positions, kv_caches, attn_metadata):
@@ -226,7 +217,8 @@ class LlamaForCausalLM(nn.Module):
             scale=self.layers[0].scale, positions=positions, cos=self.rotary.cos,
             sin=self.rotary.sin, slot_mapping=meta.slot_mapping,
             block_tables=meta.block_tables, seq_lens=meta.seq_lens, num_blocks=num_blocks,
-            block_size=block_size)
+            block_size=block_size,
+            weight_format=cpu_kernels.WEIGHT_FORMATS[self.layers[0].qkv_proj.storage])
 
     def _decode_layer_table(self, kv_caches: list[Tensor]) -> Tensor | None:
         key = tuple(c.data_ptr() for c in kv_caches)
@@ -237,10 +229,13 @@ class LlamaForCausalLM(nn.Module):
                     or kv_caches[0].dim() != 5 or kv_caches[0].shape[-2:] != kv_shape):
                 return None
             table = cpu_kernels.decode_layer_table([
-                {"input_norm": layer.input_layernorm, "qkv": layer.qkv_proj,
-                 "qkv_bias": layer.qkv_bias, "q_norm": layer.q_norm, "k_norm": layer.k_norm,
-                 "o": layer.o_proj, "post_norm": layer.post_attention_layernorm,
-                 "gate_up": layer.gate_up_proj, "down": layer.down_proj, "kv_cache": cache}
+                {"input_norm": layer.input_layernorm, "qkv": layer.qkv_proj.weight,
+                 "qkv_scales": layer.qkv_proj.scales, "qkv_bias": layer.qkv_proj.bias,
+                 "q_norm": layer.q_norm, "k_norm": layer.k_norm, "o": layer.o_proj.weight,
+                 "o_scales": layer.o_proj.scales, "post_norm": layer.post_attention_layernorm,
+                 "gate_up": layer.gate_up_proj.weight,
+                 "gate_up_scales": layer.gate_up_proj.scales, "down": layer.down_proj.weight,
+                 "down_scales": layer.down_proj.scales, "kv_cache": cache}
                 for layer, cache in zip(self.layers, kv_caches)])
             if table is None:
                 return None
@@ -249,25 +244,44 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, H] -> logits [N, V] in float32."""
-        return linear(hidden, self.lm_head, packed=self.packed_lm_head).float()
+        return lm_head_logits(hidden, self.lm_head)
+
+    def linears(self) -> list[Linear]:
+        """Every projection and the embedding / LM head, each once."""
+        out = [p for layer in self.layers for p in layer.projections()]
+        out.append(self.embed_tokens)
+        if self.lm_head is not self.embed_tokens:
+            out.append(self.lm_head)
+        return out
+
+    @torch.no_grad()
+    def convert_weights(self, storage: str) -> None:
+        """Every projection and the embedding / LM head into `storage` (layers.WEIGHT_STORAGES:
+        float32, bfloat16, float16, int8), computed from the loaded weights. Norms, biases,
+        RoPE tables and the activations keep the model's dtype."""
+        self._decode_table = None  # raw pointers to the old weights
+        for lin in self.linears():
+            lin.convert(storage)
 
     @torch.no_grad()
     def pack_weights(self) -> int:
-        """Adds a oneDNN-packed copy of every projection and of the LM head (kept beside the
-        plain weights, which the few-row path, the embedding and reloads use); returns the
-        bytes added, 0 where `linear` would not use packed weights. Call after loading."""
+        """Adds a oneDNN-packed copy of every float32 projection and of the LM head (kept
+        beside the plain weights, which the few-row path, the embedding and reloads use);
+        returns the bytes added, 0 where `linear` would not use packed weights. Call after
+        loading."""
         added = 0
-        for layer in self.layers:
-            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                packed = pack_linear_weight(getattr(layer, name))
-                if packed is None:
-                    return 0
-                layer.packed[name] = packed
-                added += packed.numel() * packed.element_size()
-        self.packed_lm_head = pack_linear_weight(self.lm_head)
-        if self.packed_lm_head is not None:
-            added += self.lm_head.numel() * self.lm_head.element_size()
+        for lin in self.linears():
+            if lin is self.embed_tokens and lin is not self.lm_head:
+                continue  # only looked up by row
+            added += lin.pack()
         return added
+
+    def weight_bytes(self) -> int:
+        """Resident bytes of every parameter in its storage format, packed copies included."""
+        lin_params = {id(t) for lin in self.linears() for t in (lin.weight, lin.bias) if t is not None}
+        rest = sum(p.numel() * p.element_size() for p in self.parameters()
+                   if id(p) not in lin_params)
+        return rest + sum(lin.nbytes() for lin in self.linears())
 
     def set_rope_freq_factors(self, factors: Tensor) -> None:
         """Divides the RoPE frequencies by per-frequency factors (GGUF's `rope_freqs`, which
@@ -300,13 +314,13 @@ class LlamaForCausalLM(nn.Module):
             dest.copy_(tensor)
             parts_loaded[name] = parts_loaded.get(name, 0) + 1
         missing = [name for name, _ in self.named_parameters()
-                   if parts_loaded.get(name, 0) < self._PARTS.get(name.rsplit(".", 1)[-1], 1)]
+                   if parts_loaded.get(name, 0) < self._PARTS.get(".".join(name.split(".")[-2:]), 1)]
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {shown}")
 
     # Fused parameters and how many checkpoint tensors fill each.
-    _PARTS = {"qkv_proj": 3, "qkv_bias": 3, "gate_up_proj": 2}
+    _PARTS = {"qkv_proj.weight": 3, "qkv_proj.bias": 3, "gate_up_proj.weight": 2}
     _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
     def _locate(self, hf_name: str) -> tuple[str, tuple[int, int] | None] | None:
@@ -314,20 +328,30 @@ class LlamaForCausalLM(nn.Module):
         if hf_name.endswith("rotary_emb.inv_freq"):
             return None  # recomputed from the config
         if hf_name == "model.embed_tokens.weight":
-            return "embed_tokens", None
+            return "embed_tokens.weight", None
         if hf_name == "model.norm.weight":
             return "norm", None
         if hf_name == "lm_head.weight":
             # Tied checkpoints sometimes store the head too; it equals the embedding.
-            return None if self.arch.tie_word_embeddings else ("lm_head", None)
+            return None if self.arch.tie_word_embeddings else ("lm_head.weight", None)
         m = self._LAYER_RE.match(hf_name)
         if m is None or int(m.group(1)) >= self.arch.num_hidden_layers:
             raise ValueError(f"unexpected weight {hf_name!r}")
         layer, rest = int(m.group(1)), m.group(2)
         target = self._layer_weights.get(rest)
-        if target is None or getattr(self.layers[layer], target[0]) is None:
+        if target is None or not _has_param(self.layers[layer], target[0]):
             raise ValueError(f"unexpected weight {hf_name!r} for {self.arch.architecture}")
         return f"layers.{layer}.{target[0]}", target[1]
+
+
+def _has_param(module: nn.Module, dotted: str) -> bool:
+    """module.<dotted> exists and is not None (a bias or norm the architecture lacks is)."""
+    obj: object = module
+    for part in dotted.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return False
+    return True
 
 
 def _layer_weight_table(arch: ModelArchConfig) -> dict[str, tuple[str, tuple[int, int] | None]]:
@@ -336,18 +360,18 @@ def _layer_weight_table(arch: ModelArchConfig) -> dict[str, tuple[str, tuple[int
     return {
         "input_layernorm.weight": ("input_layernorm", None),
         "post_attention_layernorm.weight": ("post_attention_layernorm", None),
-        "self_attn.q_proj.weight": ("qkv_proj", (0, q)),
-        "self_attn.k_proj.weight": ("qkv_proj", (q, q + kv)),
-        "self_attn.v_proj.weight": ("qkv_proj", (q + kv, q + 2 * kv)),
-        "self_attn.q_proj.bias": ("qkv_bias", (0, q)),
-        "self_attn.k_proj.bias": ("qkv_bias", (q, q + kv)),
-        "self_attn.v_proj.bias": ("qkv_bias", (q + kv, q + 2 * kv)),
-        "self_attn.o_proj.weight": ("o_proj", None),
+        "self_attn.q_proj.weight": ("qkv_proj.weight", (0, q)),
+        "self_attn.k_proj.weight": ("qkv_proj.weight", (q, q + kv)),
+        "self_attn.v_proj.weight": ("qkv_proj.weight", (q + kv, q + 2 * kv)),
+        "self_attn.q_proj.bias": ("qkv_proj.bias", (0, q)),
+        "self_attn.k_proj.bias": ("qkv_proj.bias", (q, q + kv)),
+        "self_attn.v_proj.bias": ("qkv_proj.bias", (q + kv, q + 2 * kv)),
+        "self_attn.o_proj.weight": ("o_proj.weight", None),
         "self_attn.q_norm.weight": ("q_norm", None),
         "self_attn.k_norm.weight": ("k_norm", None),
-        "mlp.gate_proj.weight": ("gate_up_proj", (0, inter)),
-        "mlp.up_proj.weight": ("gate_up_proj", (inter, 2 * inter)),
-        "mlp.down_proj.weight": ("down_proj", None),
+        "mlp.gate_proj.weight": ("gate_up_proj.weight", (0, inter)),
+        "mlp.up_proj.weight": ("gate_up_proj.weight", (inter, 2 * inter)),
+        "mlp.down_proj.weight": ("down_proj.weight", None),
     }
 
 

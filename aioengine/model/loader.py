@@ -87,18 +87,31 @@ def _load_tokenizer(path: str) -> Any:
         raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {e}") from e
 
 
-def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    """Loads weights, config and tokenizer; see the module docstring for what `model` can be."""
+def activation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the model computes in for weights of `dtype`: float32 on the CPU (norms,
+    RoPE, attention and the residual stream; bf16 weights are read as bf16 by the matmuls),
+    the weights' dtype elsewhere."""
+    return torch.float32 if device.type == "cpu" else dtype
+
+
+def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
+               quantization: str | None = None) -> LoadedModel:
+    """Loads weights, config and tokenizer; see the module docstring for what `model` can be.
+    The projections and the embedding are stored in `dtype`, or as int8 with per-row scales
+    for quantization="int8", computed from whatever the checkpoint holds."""
     if dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
         raise ModelLoadError(f"unsupported dtype {dtype}; supported: {names}")
+    if quantization not in (None, "int8"):
+        raise ModelLoadError(f"unsupported quantization {quantization!r}; supported: int8")
+    storage = quantization or str(dtype).removeprefix("torch.")
     path = resolve_model_path(model)
     start = time.perf_counter()
     try:
         if path.endswith(".gguf"):
-            loaded = _load_gguf(path, dtype, device)
+            loaded = _load_gguf(path, dtype, device, storage)
         else:
-            loaded = _load_hf_dir(path, dtype, device)
+            loaded = _load_hf_dir(path, dtype, device, storage)
     except (UnsupportedModelError, GGUFFormatError) as e:
         raise ModelLoadError(f"{path}: {e}") from e
     logger.debug("loaded %s in %.2fs", path, time.perf_counter() - start)
@@ -114,19 +127,23 @@ def _arch_config(hf_config: Any, path: str) -> ModelArchConfig:
 
 
 def _build(arch: ModelArchConfig, weights: Iterator[tuple[str, torch.Tensor]],
-           dtype: torch.dtype, device: torch.device, path: str) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(arch, dtype, device)
+           dtype: torch.dtype, device: torch.device, path: str, storage: str) -> LlamaForCausalLM:
+    compute = activation_dtype(dtype, device)
+    model = LlamaForCausalLM(arch, compute, device)
     try:
         model.load_weights(weights)
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from e
+    if storage != str(compute).removeprefix("torch."):
+        model.convert_weights(storage)
     added = model.pack_weights()
     if added:
         logger.info("packed the projections for oneDNN (+%.0f MiB)", added / 2**20)
     return model.eval()
 
 
-def _load_hf_dir(path: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def _load_hf_dir(path: str, dtype: torch.dtype, device: torch.device,
+                 storage: str) -> LoadedModel:
     from transformers import AutoConfig
 
     try:
@@ -136,7 +153,7 @@ def _load_hf_dir(path: str, dtype: torch.dtype, device: torch.device) -> LoadedM
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}") from e
     arch = _arch_config(hf_config, path)
     files = safetensors_files(path)
-    model = _build(arch, _iter_safetensors(files), dtype, device, path)
+    model = _build(arch, _iter_safetensors(files), dtype, device, path, storage)
     tokenizer = _load_tokenizer(path)
     return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, model_path=path,
                        hf_config=hf_config, max_model_len=arch.max_model_len)
@@ -170,7 +187,8 @@ def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def _load_gguf(path: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def _load_gguf(path: str, dtype: torch.dtype, device: torch.device,
+               storage: str) -> LoadedModel:
     from aioengine.model import gguf_loader
 
     try:
@@ -181,7 +199,7 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device) -> LoadedMod
     arch = _arch_config(hf_config, path)
     weights = gguf_loader.iter_gguf_weights(reader, arch.num_attention_heads,
                                             arch.num_key_value_heads)
-    model = _build(arch, weights, dtype, device, path)
+    model = _build(arch, weights, dtype, device, path, storage)
     factors = gguf_loader.rope_freq_factors(reader)
     if factors is not None:
         model.set_rope_freq_factors(factors)

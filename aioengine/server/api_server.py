@@ -138,7 +138,9 @@ class OpenAIServer:
         return json_response({"status": "ok"})
 
     async def version(self, request: web.Request) -> web.Response:
-        return json_response({"version": aioengine.__version__})
+        # The dtype choice and the CPU it was based on (dtype="auto" depends on the machine).
+        return json_response({"version": aioengine.__version__,
+                              **self.ctx.engine.core.dtype_info()})
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.ctx.engine.metrics.render(),
@@ -147,8 +149,11 @@ class OpenAIServer:
     async def models(self, request: web.Request) -> web.Response:
         ctx = self.ctx
         root = ctx.engine.core.loaded.model_path
+        info = ctx.engine.core.dtype_info()
         data = [{"id": name, "object": "model", "created": ctx.created, "owned_by": "aioengine",
                  "root": root, "parent": None, "max_model_len": ctx.max_model_len,
+                 "dtype": info["dtype"], "quantization": info["quantization"],
+                 "kv_cache_dtype": info["kv_cache_dtype"],
                  "permission": []} for name in ctx.served_model_names]
         return json_response({"object": "list", "data": data})
 

@@ -1,25 +1,36 @@
 /*
- * y = x w^T (+ bias) for a few rows of x, float32: the kernel of gemv.h on its own, for the
- * projections `linear` runs outside the fused decode of llama_decode.c (the LM head, and
+ * y = x w^T (* scales) (+ bias) for a few rows of x: the kernel of gemv.h on its own, for
+ * the projections `linear` runs outside the fused decode of llama_decode.c (the LM head, and
  * few-row steps that are not pure decode).
  */
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "gemv.h"
 
-/* x [m, k], w [n, k], y [m, n], bias [n] or NULL; all contiguous. */
-void gemv_f32(float *restrict y, const float *restrict x, const float *restrict w,
-              const float *restrict bias, int64_t m, int64_t n, int64_t k, int num_threads) {
-    /* Below ~64K weights (256 KB) one thread is done before a second would start (and see
+/* x [m, k] float32, w [n, k] in format fmt (GEMV_*), scales [n] for GEMV_I8, y [m, n],
+ * bias [n] or NULL; all contiguous. Returns 0, or -1 when out of memory. */
+int gemv(float *restrict y, const float *restrict x, const void *w, const float *scales,
+         int fmt, const float *restrict bias, int64_t m, int64_t n, int64_t k,
+         int num_threads) {
+    const gemv_weight W = {.data = w, .scales = scales, .fmt = fmt};
+    float *buf = fmt == GEMV_BF16 ? malloc(sizeof(float) * (size_t)(m * k)) : NULL;
+    if (fmt == GEMV_BF16 && buf == NULL) return -1;
+    /* Below ~64K weights one thread is done before a second would start (and see
      * parallel.h on entering OpenMP for nothing). */
     if (n * k < 65536 || num_threads < 2) {
-        gemv_range(y, x, w, bias, m, n, k, 0, n);
-        return;
-    }
-    gemv_claim claims[num_threads];
-    memset(claims, 0, sizeof(claims));
+        gemv_range(y, gemv_prepare_x(buf, x, m, k, fmt), &W, bias, m, n, k, 0, n);
+    } else {
+        gemv_claim claims[num_threads];
+        memset(claims, 0, sizeof(claims));
+        const float *xp = gemv_prepare_x(buf, x, m, k, fmt);
+        /* x prepared once, shared by the threads. */
 #pragma omp parallel num_threads(num_threads)
-    gemv_shared(y, x, w, bias, m, n, k, omp_get_thread_num(), omp_get_num_threads(), claims);
+        gemv_shared(y, xp, &W, bias, m, n, k, omp_get_thread_num(), omp_get_num_threads(),
+                    claims);
+    }
+    free(buf);
+    return 0;
 }

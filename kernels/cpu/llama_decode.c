@@ -1,6 +1,7 @@
 /*
  * The decoder layers of a Llama-family model for a decode step of a few tokens (one per
- * request; the model uses it up to 8), float32 on the CPU, in one call.
+ * request; the model uses it up to 8) on the CPU, in one call: float32 activations, the
+ * projections' weights float32, bf16 or int8 (gemv.h).
  *
  * At a few tokens the layers are bound by streaming their weights from memory (14 MB a
  * layer for SmolLM2-135M) and everything else is small; but layer by layer from Python each
@@ -36,13 +37,26 @@
 #include "rotary_embedding.h"
 
 /* One layer's weights, as LlamaDecoderLayer holds them (qkv_bias, q_norm, k_norm may be
- * NULL), and its KV cache [2, num_blocks, block_size, num_kv_heads, head_dim]. The Python
- * side passes an int64 tensor [num_layers, 10] of these pointers. */
+ * NULL; the projections in the step's weight format, with their per-row scales for int8),
+ * and its KV cache [2, num_blocks, block_size, num_kv_heads, head_dim]. The Python side
+ * passes an int64 tensor [num_layers, 14] of these pointers. */
 typedef struct {
-    const float *input_norm, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *post_norm, *gate_up,
-        *down;
+    const float *input_norm;
+    const void *qkv;
+    const float *qkv_scales, *qkv_bias, *q_norm, *k_norm;
+    const void *o;
+    const float *o_scales, *post_norm;
+    const void *gate_up;
+    const float *gate_up_scales;
+    const void *down;
+    const float *down_scales;
     float *kv_cache;
 } decode_layer;
+
+/* A projection of `layer` as gemv.h takes it. */
+static inline gemv_weight proj(const void *data, const float *scales, int fmt) {
+    return (gemv_weight){.data = data, .scales = scales, .fmt = fmt};
+}
 
 static void head_rms_norm(float *restrict x, const float *restrict weight, int64_t num_heads,
                           int64_t head_dim, float eps) {
@@ -103,9 +117,9 @@ static void attend_part(float *restrict o, float *restrict max, float *restrict 
 /* x [num_tokens, hidden]: the embeddings in, the final-normed hidden states out.
  * positions, slot_mapping [num_tokens] int64; block_tables [num_tokens, table_stride] and
  * seq_lens [num_tokens] int32 (as for paged_decode_attention_f32); cos/sin tables
- * [max_positions, head_dim / 2]. Returns 0; the number of slots outside the cache, having
+ * [max_positions, head_dim / 2]; weight_fmt the projections' GEMV_* format. Returns 0; the number of slots outside the cache, having
  * written nothing; or -1 when out of memory. */
-int64_t llama_decode_f32(float *restrict x, const decode_layer *restrict layers,
+int64_t llama_decode(float *restrict x, const decode_layer *restrict layers,
                          int64_t num_layers, const float *restrict final_norm,
                          int64_t num_tokens, int64_t hidden, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
@@ -114,7 +128,7 @@ int64_t llama_decode_f32(float *restrict x, const decode_layer *restrict layers,
                          const int64_t *restrict slot_mapping,
                          const int32_t *restrict block_tables, int64_t table_stride,
                          const int32_t *restrict seq_lens, int64_t num_blocks,
-                         int64_t block_size, int num_threads) {
+                         int64_t block_size, int weight_fmt, int num_threads) {
     const int64_t M = num_tokens, q_size = num_heads * head_dim;
     const int64_t kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
     const attention_step step = {
@@ -138,7 +152,9 @@ int64_t llama_decode_f32(float *restrict x, const decode_layer *restrict layers,
     float *shared = malloc(sizeof(float) * (size_t)(M * (qkv_size + 2 * intermediate) + attn_floats));
     if (shared == NULL) return -1;
     float *qkv = shared, *gate_up = qkv + M * qkv_size, *attn = gate_up + M * 2 * intermediate;
-    const int64_t wide = hidden > intermediate ? hidden : intermediate;
+    int64_t wide = hidden > intermediate ? hidden : intermediate;
+    wide = wide > q_size ? wide : q_size;
+    const int fmt = weight_fmt;
     /* Claim counters of every projection of the step: [num_layers, 4, num_threads]. */
     gemv_claim *claims = calloc((size_t)(num_layers * 4 * num_threads), sizeof(gemv_claim));
     if (claims == NULL) {
@@ -153,10 +169,12 @@ int64_t llama_decode_f32(float *restrict x, const decode_layer *restrict layers,
         const int split = M < nt;
         /* Private: the residual stream, the normed input of a projection, a rotated q, the
          * combined attention of split requests, scores and the softmax's max and sum. */
-        float *residual = malloc(sizeof(float) * (size_t)(M * (hidden + wide + q_size) + q_size +
-                                                          num_heads * (max_seq_len + 2)));
+        float *residual = malloc(sizeof(float) * (size_t)(M * (hidden + 2 * wide + q_size) +
+                                                          q_size + num_heads * (max_seq_len + 2)));
         float *h = residual + M * hidden, *own_attn = h + M * wide, *q = own_attn + M * q_size;
-        float *scores = q + q_size, *max = scores + num_heads * max_seq_len;
+        /* A projection's input as its weight format reads it (gemv_prepare_x). */
+        float *xbuf = q + q_size;
+        float *scores = xbuf + M * wide, *max = scores + num_heads * max_seq_len;
         float *sum = max + num_heads;
         /* A thread without memory skips the work but still meets every barrier. */
         const int ok = residual != NULL;
@@ -175,7 +193,9 @@ int64_t llama_decode_f32(float *restrict x, const decode_layer *restrict layers,
                         fused_add_rms_norm_row(ht, rt, layer->input_norm, hidden, eps);
                     }
                 }
-                gemv_shared(qkv, h, layer->qkv, layer->qkv_bias, M, qkv_size, hidden, tid, nt, c);
+                const gemv_weight w = proj(layer->qkv, layer->qkv_scales, fmt);
+                gemv_shared(qkv, gemv_prepare_x(xbuf, h, M, hidden, fmt), &w, layer->qkv_bias, M,
+                            qkv_size, hidden, tid, nt, c);
             }
 #pragma omp barrier
             const float *attn_out = attn;
@@ -210,7 +230,11 @@ int64_t llama_decode_f32(float *restrict x, const decode_layer *restrict layers,
                                    part_stride, nt, num_heads, head_dim);
                 attn_out = own_attn;
             }
-            if (ok) gemv_shared(x, attn_out, layer->o, NULL, M, hidden, q_size, tid, nt, c + num_threads);
+            if (ok) {
+                const gemv_weight w = proj(layer->o, layer->o_scales, fmt);
+                gemv_shared(x, gemv_prepare_x(xbuf, attn_out, M, q_size, fmt), &w, NULL, M, hidden,
+                            q_size, tid, nt, c + num_threads);
+            }
 #pragma omp barrier
             if (ok) {
                 for (int64_t t = 0; t < M; t++) {
@@ -219,8 +243,9 @@ int64_t llama_decode_f32(float *restrict x, const decode_layer *restrict layers,
                     fused_add_rms_norm_row(ht, residual + t * hidden, layer->post_norm, hidden,
                                            eps);
                 }
-                gemv_shared(gate_up, h, layer->gate_up, NULL, M, 2 * intermediate, hidden, tid,
-                            nt, c + 2 * num_threads);
+                const gemv_weight w = proj(layer->gate_up, layer->gate_up_scales, fmt);
+                gemv_shared(gate_up, gemv_prepare_x(xbuf, h, M, hidden, fmt), &w, NULL, M,
+                            2 * intermediate, hidden, tid, nt, c + 2 * num_threads);
             }
 #pragma omp barrier
             if (ok) {
@@ -228,7 +253,9 @@ int64_t llama_decode_f32(float *restrict x, const decode_layer *restrict layers,
                     const float *g = gate_up + t * 2 * intermediate;
                     silu_and_mul_row(h + t * intermediate, g, g + intermediate, intermediate);
                 }
-                gemv_shared(x, h, layer->down, NULL, M, hidden, intermediate, tid, nt, c + 3 * num_threads);
+                const gemv_weight w = proj(layer->down, layer->down_scales, fmt);
+                gemv_shared(x, gemv_prepare_x(xbuf, h, M, intermediate, fmt), &w, NULL, M, hidden,
+                            intermediate, tid, nt, c + 3 * num_threads);
             }
 #pragma omp barrier
         }

@@ -1,12 +1,24 @@
 """/v1/chat/completions through a real `aioengine serve` process and the `openai` client."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import openai
 import orjson
-from server_process import MODEL, ServerProcess
+import pytest
+from server_process import MODEL, ServerProcess, serving
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 STORY = [{"role": "user", "content": "Write a long story about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    # float32: a seeded sample repeats exactly even when the second request hits the prefix
+    # cache (a shorter prefill, other kernels). With bf16 weights the kernels for few and
+    # many rows round a bf16 result differently now and then; greedy tokens are invariant
+    # there (tests/engine/test_invariance_reduced.py), seeded samples only for the same batch.
+    yield from serving("--dtype", "float32")
 
 
 def test_chat_answer_and_shape(client: openai.OpenAI) -> None:

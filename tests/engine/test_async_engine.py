@@ -16,7 +16,7 @@ from tests.engine.conftest import assert_blocks_released
 
 @pytest.fixture
 async def engine(tiny_llama_dir: Path):
-    engine = await AsyncEngine.create(str(tiny_llama_dir), max_model_len=256,
+    engine = await AsyncEngine.create(str(tiny_llama_dir), max_model_len=256, dtype="float32",
                                       max_num_batched_tokens=32)
     yield engine
     await engine.shutdown()

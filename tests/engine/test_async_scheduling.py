@@ -17,7 +17,7 @@ from tests.engine.conftest import assert_blocks_released
 async def run_all(model_dir: Path, prompts: list[list[int]], params: list[SamplingParams],
                   async_scheduling: bool) -> tuple[list[tuple], int]:
     # Every prompt in the first step: the steps ahead start with the second.
-    engine = await AsyncEngine.create(str(model_dir), max_model_len=256,
+    engine = await AsyncEngine.create(str(model_dir), max_model_len=256, dtype="float32",
                                       async_scheduling=async_scheduling)
     try:
         async def one(prompt: list[int], p: SamplingParams) -> tuple:
@@ -62,7 +62,7 @@ async def test_same_tokens_as_one_step_at_a_time(tiny_llama_dir: Path,
 async def test_a_stop_string_and_an_abort_while_steps_run_ahead(
         tiny_llama_dir: Path, tiny_prompts: list[list[int]],
         tiny_reference: list[list[int]]) -> None:
-    engine = await AsyncEngine.create(str(tiny_llama_dir), max_model_len=256)
+    engine = await AsyncEngine.create(str(tiny_llama_dir), max_model_len=256, dtype="float32")
     try:
         full = engine.tokenizer.decode(tiny_reference[1], skip_special_tokens=True)
         stop = full[len(full) // 2: len(full) // 2 + 3]
@@ -88,7 +88,7 @@ async def test_a_stop_string_and_an_abort_while_steps_run_ahead(
 
 
 def test_the_runner_refuses_a_step_ahead_of_one_that_did_not_run(tiny_llama_dir: Path) -> None:
-    llm = LLM(str(tiny_llama_dir), max_model_len=256)
+    llm = LLM(str(tiny_llama_dir), max_model_len=256, dtype="float32")
     request = llm.core.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4))[0]
     orphan = SchedulerOutput(
         scheduled=[ScheduledRequest(request, 3, [PLACEHOLDER_TOKEN_ID], [0], 1)],
@@ -112,7 +112,7 @@ async def test_staggered_arrivals_and_aborts_keep_greedy_tokens_and_blocks(
     params = [SamplingParams(temperature=0, max_tokens=rng.randrange(2, 24), ignore_eos=True)
               for _ in tiny_prompts]
     solo, _ = await run_all(tiny_llama_dir, tiny_prompts, params, False)
-    engine = await AsyncEngine.create(str(tiny_llama_dir), max_model_len=256,
+    engine = await AsyncEngine.create(str(tiny_llama_dir), max_model_len=256, dtype="float32",
                                       max_num_batched_tokens=48)
     try:
         async def one(i: int) -> list[int] | None:

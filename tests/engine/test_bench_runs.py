@@ -45,7 +45,7 @@ def _embedding_bytes(model_dir: Path) -> tuple[int, int]:
 def test_latency_mode_measures_the_floor_and_both_engines(
         tiny_llama_dir: Path, tmp_path: Path, bench_threads, capsys) -> None:
     path = tmp_path / "latency.json"
-    rc = bench_main(["latency", "--model", str(tiny_llama_dir), "--input-len", "20",
+    rc = bench_main(["latency", "--model", str(tiny_llama_dir), "--dtype", "float32", "--input-len", "20",
                      "--output-len", "6", "--repeats", "2", "--warmup", "1", "--threads", "2",
                      "--bandwidth-mib", "64", "--save-json", str(path)])
     assert rc == 0

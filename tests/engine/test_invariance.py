@@ -16,7 +16,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def run(model_dir: Path, prompts: list[list[int]], **engine_args: object) -> tuple[list, LLM]:
-    llm = LLM(str(model_dir), **engine_args)
+    llm = LLM(str(model_dir), **{"dtype": "float32", **engine_args})
     outs = llm.generate(prompts, GREEDY)
     assert_blocks_released(llm.core)
     return [o.outputs[0].token_ids for o in outs], llm
@@ -52,7 +52,7 @@ def test_preemption_forced_by_a_tiny_kv_cache(tiny_llama_dir: Path,
 
 def test_alone_equals_in_a_batch(tiny_llama_dir: Path, tiny_prompts: list[list[int]],
                                  tiny_reference: list[list[int]]) -> None:
-    llm = LLM(str(tiny_llama_dir), max_model_len=512)
+    llm = LLM(str(tiny_llama_dir), max_model_len=512, dtype="float32")
     for prompt, expected in zip(tiny_prompts[:3], tiny_reference[:3]):
         assert llm.generate([prompt], GREEDY)[0].outputs[0].token_ids == expected
     assert_blocks_released(llm.core)
@@ -61,7 +61,7 @@ def test_alone_equals_in_a_batch(tiny_llama_dir: Path, tiny_prompts: list[list[i
 def test_prefix_cache_is_hit_and_output_unchanged(tiny_llama_dir: Path,
                                                   tiny_prompts: list[list[int]],
                                                   tiny_reference: list[list[int]]) -> None:
-    llm = LLM(str(tiny_llama_dir), max_model_len=512)
+    llm = LLM(str(tiny_llama_dir), max_model_len=512, dtype="float32")
     first = llm.generate(tiny_prompts[-2:-1], GREEDY)[0]
     second = llm.generate(tiny_prompts[-1:], GREEDY)[0]
     assert first.num_cached_tokens == 0

@@ -17,10 +17,22 @@ CPU = torch.device("cpu")
 BLOCK_SIZE = 4
 
 
-@pytest.fixture(scope="module", params=TINY_ARCHS)
+# Weight storage -> (dtype, quantization) and the tolerance of fused vs layer path: the same
+# arithmetic up to summation order, except that bf16 rounds each projection's output, so a
+# last-bit difference in a sum can become one bf16 ulp (2^-8 relative) there.
+STORAGES = {"float32": (torch.float32, None, 1e-5), "bfloat16": (torch.bfloat16, None, 3e-2),
+            "int8": (torch.float32, "int8", 1e-4)}
+
+
+@pytest.fixture(scope="module", params=[(a, s) for a in TINY_ARCHS for s in STORAGES],
+                ids=lambda p: f"{p[0]}-{p[1]}")
 def model(request, tiny_model_dirs):
     assert cpu_kernels.load() is not None, cpu_kernels._load_error
-    return load_model(str(tiny_model_dirs[request.param]), torch.float32, CPU).model
+    arch, storage = request.param
+    dtype, quantization, tol = STORAGES[storage]
+    loaded = load_model(str(tiny_model_dirs[arch]), dtype, CPU, quantization).model
+    loaded.test_tolerance = tol
+    return loaded
 
 
 def _prefilled(model, seq_lens: list[int], seed: int = 0):
@@ -85,9 +97,10 @@ def test_fused_decode_matches_the_layer_path(model, seq_lens: list[int], fused_c
     assert fused_calls == expected_calls  # the prefill above took the layer path
     ref, ref_caches = _decode(model, False, *case)
     assert fused_calls == expected_calls
-    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    tol = model.test_tolerance
+    torch.testing.assert_close(ours, ref, atol=tol, rtol=tol)
     for a, b in zip(ours_caches, ref_caches):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
 
 
 def test_fused_decode_rejects_a_slot_outside_the_cache(model) -> None:
@@ -116,17 +129,26 @@ def test_fused_decode_runs_only_where_it_applies(model, set_cpu_kernels, fused_c
     set_cpu_kernels("0")
     kernels_off, _ = _decode(model, True, *case)
     assert fused_calls == [2]
-    torch.testing.assert_close(torch_attention, fused, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(kernels_off, fused, atol=1e-5, rtol=1e-5)
+    tol = model.test_tolerance
+    torch.testing.assert_close(torch_attention, fused, atol=tol, rtol=tol)
+    torch.testing.assert_close(kernels_off, fused, atol=tol, rtol=tol)
 
 
 def test_decode_layer_table_declines_what_the_kernel_cannot_read() -> None:
     w = torch.ones(4, 4)
-    row = {name: w for name in cpu_kernels.DECODE_LAYER_FIELDS}
+    row = {name: None if name.endswith("_scales") else w
+           for name in cpu_kernels.DECODE_LAYER_FIELDS}
     table = cpu_kernels.decode_layer_table([row, {**row, "qkv_bias": None, "q_norm": None,
                                                   "k_norm": None}])
-    assert table is not None and table.shape == (2, 10) and table[1, 2:5].tolist() == [0, 0, 0]
-    assert table[0, 0].item() == w.data_ptr()
+    assert table is not None and table.shape == (2, 14) and table[1, 3:6].tolist() == [0, 0, 0]
+    assert table[0, 0].item() == w.data_ptr() and table[0, 2].item() == 0
+    q, s = torch.ones(4, 4, dtype=torch.int8), torch.ones(4)
+    int8_row = {**row, **{p: q for p in ("qkv", "o", "gate_up", "down")},
+                **{f"{p}_scales": s for p in ("qkv", "o", "gate_up", "down")}}
+    assert cpu_kernels.decode_layer_table([int8_row]) is not None
+    assert cpu_kernels.decode_layer_table([{**int8_row, "o_scales": None}]) is None  # int8 needs them
+    assert cpu_kernels.decode_layer_table([{**row, "qkv": w.bfloat16()}]) is None  # mixed formats
+    assert cpu_kernels.decode_layer_table([{**row, "qkv_scales": s}]) is None  # scales on float
     assert cpu_kernels.decode_layer_table([{**row, "o": None}]) is None  # required
     assert cpu_kernels.decode_layer_table([{**row, "down": w.t()}]) is None  # not contiguous
     assert cpu_kernels.decode_layer_table([{**row, "qkv": w.double()}]) is None

@@ -96,3 +96,50 @@ def test_reads_blocks_written_in_the_same_step(models) -> None:
     driver.step([(a, 12), (b, 5)])
     _check_against_hf(hf, a)
     _check_against_hf(hf, b)
+
+
+# ---- bf16 and int8 weights -----------------------------------------------------------
+#
+# The rule, since neither side is exact: our bf16 (bf16 weights, float32 activations, every
+# projection a bf16 matmul with float32 sums) must be at least as close to the float32
+# reference as transformers' own bf16 model is: RMS logit error (over the vocabulary, at
+# every generated position, along our own greedy path, prefill chunked and mixed with
+# decodes) no larger than transformers' bf16 on the same tokens (measured: 0.68-0.91x on
+# these five archs). int8 (per-row weight-only) has no transformers counterpart: its RMS
+# error must stay within 3x that of transformers' bf16 (measured 1.6-2.3x). Greedy identity
+# is not asserted for either: on these random tiny models the reference's median top-2
+# margin (~0.2) is below bf16's largest logit error (~0.25), and any "identical where the
+# margin exceeds our error" rule follows from the logit bound itself. Greedy agreement on
+# the real model is measured by `aioengine bench accuracy` (docs/benchmarks.md).
+
+
+@pytest.fixture(scope="module", params=TINY_ARCHS)
+def reduced_models(request, tiny_model_dirs):
+    """(ours bf16, ours int8, transformers fp32, transformers bf16) for one arch."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_dirs[request.param]
+    bf16 = load_model(str(path), torch.bfloat16, CPU).model
+    int8 = load_model(str(path), torch.float32, CPU, quantization="int8").model
+    hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    return bf16, int8, hf32, hf16
+
+
+@pytest.mark.parametrize("which", ["bfloat16", "int8"])
+def test_reduced_precision_against_transformers(reduced_models, which: str) -> None:
+    bf16, int8, hf32, hf16 = reduced_models
+    ours = bf16 if which == "bfloat16" else int8
+    bound = 1.0 if which == "bfloat16" else 3.0
+    seqs = [Seq(_tokens(n, seed=20 + n), num_prompt=n, max_new_tokens=12) for n in (23, 9, 31)]
+    PagedDriver(ours, num_blocks=64, block_size=4, seed=3).run(seqs, chunk_sizes=[7, 16, 3])
+    errors, hf_errors = [], []
+    for seq in seqs:
+        full = seq.token_ids
+        ref = _hf_logits(hf32, full[:-1])[seq.num_prompt - 1:]
+        errors.append(torch.stack(seq.sampled_logits) - ref)
+        hf_errors.append(_hf_logits(hf16, full[:-1])[seq.num_prompt - 1:] - ref)
+        assert seq.output_ids == torch.stack(seq.sampled_logits).argmax(-1).tolist()
+    rms = torch.cat(errors).pow(2).mean().sqrt().item()
+    hf_rms = torch.cat(hf_errors).pow(2).mean().sqrt().item()
+    assert 0 < rms <= bound * hf_rms, f"{which}: RMS logit error {rms:.4f}, transformers bf16 {hf_rms:.4f}"

@@ -42,8 +42,26 @@ def test_loaded_model_fields(tiny_model_dirs) -> None:
 
 
 def test_bfloat16_load(tiny_model_dirs) -> None:
-    loaded = load_model(str(tiny_model_dirs["qwen3"]), torch.bfloat16, CPU)
-    assert all(p.dtype == torch.bfloat16 for p in loaded.model.parameters())
+    """On the CPU bf16 is the projections' and embedding's storage; norms, RoPE tables and
+    the activations stay float32."""
+    model = load_model(str(tiny_model_dirs["qwen3"]), torch.bfloat16, CPU).model
+    assert all(lin.weight.dtype == torch.bfloat16 for lin in model.linears())
+    assert model.dtype == torch.float32 and model.norm.dtype == torch.float32
+    assert model.layers[0].q_norm.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype,quantization,itemsize", [(torch.float32, None, 4),
+                                                         (torch.bfloat16, None, 2),
+                                                         (torch.float32, "int8", 1)])
+def test_resident_weight_bytes(tiny_model_dirs, dtype, quantization, itemsize) -> None:
+    """Weights take their storage's bytes, and no more than 1.1x of them in all (float32
+    on the CPU also keeps oneDNN-packed copies of the projections: reported, not hidden)."""
+    model = load_model(str(tiny_model_dirs["llama"]), dtype, CPU, quantization).model
+    own = sum(lin.weight.numel() for lin in model.linears()) * itemsize
+    packed = sum(lin.packed.numel() * lin.packed.element_size()
+                 for lin in model.linears() if lin.packed is not None)
+    assert (packed > 0) == (dtype == torch.float32 and quantization is None)
+    assert own <= model.weight_bytes() - packed <= 1.1 * own
 
 
 def test_bad_dtype_names_supported() -> None:
