@@ -19,7 +19,7 @@ class ConfigError(ValueError):
     """An engine setting is invalid."""
 
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "w8a8")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
@@ -65,8 +65,9 @@ class EngineArgs:
     model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
-    # Weight-only quantization computed at load from any checkpoint: "int8" (per output
-    # channel scales); None keeps the weights in `dtype`.
+    # Quantization computed at load from any checkpoint: "int8" (weight-only, per output
+    # channel scales) or "w8a8" (the same weights, activations quantized per token: integer
+    # matmuls); None keeps the weights in `dtype`.
     quantization: str | None = None
     # "auto": float32 on the CPU (activations are float32 there), the model dtype on CUDA.
     kv_cache_dtype: str = "auto"

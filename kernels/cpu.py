@@ -65,8 +65,15 @@ ISA_VARIANTS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
 # Anything else (an older x86, another architecture): the compiler's default target.
 BASELINE_VARIANT = "baseline"
 
-# GEMV_* of gemv.h: the storage formats of a projection's weight.
+# GEMV_* of gemv.h: the storage formats of a projection's weight (int8 weight-only; with
+# act_quant, GEMV_I8A8: W8A8).
 WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+GEMV_I8A8 = 3
+
+
+def weight_format(weight: Tensor, act_quant: bool = False) -> int:
+    """The GEMV_* code of a weight: by dtype, W8A8 for int8 with quantized activations."""
+    return GEMV_I8A8 if act_quant else WEIGHT_FORMATS[weight.dtype]
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -365,13 +372,15 @@ def _weight_ok(weight: Tensor, scales: Tensor | None) -> bool:
 
 
 def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None,
-         scales: Tensor | None = None) -> Tensor | None:
+         scales: Tensor | None = None, act_quant: bool = False) -> Tensor | None:
     """x [M, K] @ weight [N, K]^T (* scales [N]) (+ bias [N]) -> [M, N] float32, for a few
     rows of x (decode; any M works, 4 rows at a time). x float32; weight float32, bf16
-    (x and the result rounded to bf16, as oneDNN's bf16 matmul computes) or int8 with per-row scales (weight-only: x stays float32). None when the
-    kernel does not apply or is not built."""
+    (x and the result rounded to bf16, as oneDNN's bf16 matmul computes) or int8 with
+    per-row scales: weight-only (x stays float32) or, with act_quant, W8A8 (x quantized
+    per row, exact integer sums: layers._w8a8_linear's bits). None when the kernel does
+    not apply or is not built."""
     if not (x.dim() == 2 and x.shape[1] == weight.shape[-1] and _f32_rows(x)
-            and _weight_ok(weight, scales)
+            and _weight_ok(weight, scales) and (not act_quant or weight.dtype == torch.int8)
             and (bias is None or (bias.shape == weight.shape[:1] and _f32_rows(bias)))):
         return None
     lib = load()
@@ -380,7 +389,7 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     m, (n, k) = x.shape[0], weight.shape
     out = x.new_empty((m, n))
     rc = lib.gemv(out.data_ptr(), x.data_ptr(), weight.data_ptr(),
-                  0 if scales is None else scales.data_ptr(), WEIGHT_FORMATS[weight.dtype],
+                  0 if scales is None else scales.data_ptr(), weight_format(weight, act_quant),
                   0 if bias is None else bias.data_ptr(), m, n, k, torch.get_num_threads())
     if rc != 0:
         raise MemoryError("gemv: out of memory for its input buffer")

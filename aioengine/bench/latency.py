@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from aioengine.bench.floor import BANDWIDTH_REPEATS, BandwidthProbe, weight_bytes_per_token
+from aioengine.bench.report import cpu_line
 
 OUR_ENGINE = "aioengine"
 LATENCY_ENGINES = (OUR_ENGINE, "hf")
@@ -340,6 +341,7 @@ def format_latency(report: dict[str, Any]) -> str:
         f"torch {env['torch']}, transformers {env['transformers']}, "
         f"{env['torch_threads']} torch threads, {env['cpu_count']} CPUs"
         + (f", {env['cuda']}" if env["cuda"] else ""),
+        cpu_line(env),
         f"model {report['model']}",
         f"one request: {cfg['input_len']}-token random-token prompt (seed {cfg['seed']}), "
         f"{cfg['output_len']} output tokens; median (best) of {cfg['repeats']} runs after "

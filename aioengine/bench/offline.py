@@ -144,7 +144,22 @@ def run_aioengine(workload: Workload, model: str, kwargs: dict[str, Any],
     result = make_result(name, workload, [list(o.outputs[0].token_ids) for o in outs],
                          elapsed)
     result.engine_stats = engine_stats(before, core.stats())
+    result.engine_stats["weights"] = weight_memory(core)
     return result
+
+
+def weight_memory(core: Any) -> dict[str, Any]:
+    """The weights' storage and resident bytes (packed copies included) against their own
+    bytes (the projections, embedding and norms in their storage format, once each)."""
+    info = core.dtype_info()
+    model = core.loaded.model
+    packed = sum(lin.packed.numel() * lin.packed.element_size()
+                 for lin in model.linears() if lin.packed is not None)
+    resident = info["weight_bytes"]
+    return {"storage": info["weights"], "activations": info["activations"],
+            "kv_cache_dtype": info["kv_cache_dtype"], "resident_bytes": resident,
+            "own_bytes": resident - packed, "resident_over_own": resident / (resident - packed),
+            "cpu_kernels": info["cpu"]["kernels"]}
 
 
 def _hf_location(model: str) -> dict[str, str]:

@@ -7,6 +7,7 @@ from typing import Any
 
 import orjson
 
+from aioengine import cpu_info
 from aioengine.bench.metrics import RequestResult, throughput_over_time
 
 OUR_ENGINE = "aioengine"
@@ -28,7 +29,15 @@ def environment_info() -> dict[str, Any]:
         "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cpu_model": cpu_info.cpu_model(),
+        "cpu_flags": cpu_info.relevant_flags(),
     }
+
+
+def cpu_line(env: dict[str, Any]) -> str:
+    """"CPU: model (the flags our choices depend on)", for every report's header."""
+    flags = " ".join(env.get("cpu_flags") or []) or "no relevant flags"
+    return f"CPU: {env.get('cpu_model')} ({flags})"
 
 
 def _version(module: str) -> str | None:
@@ -70,6 +79,7 @@ def format_offline(report: dict[str, Any]) -> str:
         f"torch {env['torch']}, transformers {env['transformers']}, "
         f"{env['torch_threads']} torch threads, {env['cpu_count']} CPUs"
         + (f", {env['cuda']}" if env["cuda"] else ""),
+        cpu_line(env),
         f"model {report['model']}",
         _workload_line(report["workload"]),
         "",
@@ -105,6 +115,12 @@ def format_offline(report: dict[str, Any]) -> str:
                     f"tokens hit the prefix cache")
             lines.append(f"{name}: peak {stats['kv_peak_blocks']} of {stats['num_kv_blocks']} "
                          f"KV blocks in use; {hits}")
+            w = stats.get("weights")
+            if w:
+                lines.append(f"{name}: weights {w['storage']} (activations {w['activations']}, "
+                             f"KV {w['kv_cache_dtype']}, C kernels {w['cpu_kernels']}): "
+                             f"{w['resident_bytes'] / 2**20:.0f} MiB resident, "
+                             f"{w['resident_over_own']:.2f}x their own bytes")
     return "\n".join(lines)
 
 

@@ -50,11 +50,12 @@ _ONEDNN_LINEAR = _onednn_linear()
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
-           packed: Tensor | None = None, scales: Tensor | None = None) -> Tensor:
+           packed: Tensor | None = None, scales: Tensor | None = None,
+           act_quant: bool = False) -> Tensor:
     """x [M, K] @ weight [N, K]^T (* scales [N]) (+ bias) -> [M, N] in x's dtype.
 
-    `weight` is float32, bf16 or fp16, or int8 with per-row `scales` (weight-only
-    quantization). `F.linear` on the CPU goes to MKL, which on these AMD cores runs fp32 at
+    `weight` is float32, bf16 or fp16, or int8 with per-row `scales`: weight-only, or with
+    `act_quant` W8A8 (x quantized per row). `F.linear` on the CPU goes to MKL, which on these AMD cores runs fp32 at
     ~140 GFLOP/s and threads few-row products badly (a 1-row product streams the weight at
     a third of the memory bandwidth). So with float32 x on the CPU:
     - up to GEMV_MAX_ROWS rows (PACKED_GEMV_MAX_ROWS with `packed`; decode of a few
@@ -64,13 +65,21 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     - otherwise oneDNN's matmul: float32 on `packed` (the weight reordered once into
       oneDNN's blocked layout, `pack_linear_weight`) when the model has it; bf16 weights
       take x rounded to bf16 and give a bf16 result (oneDNN accumulates in fp32), which the
-      gemv reproduces; int8 weights are widened for the call (`_int8_linear`).
+      gemv reproduces; int8 weights are widened for the call (weight-only,
+      `_int8_linear`) or take x quantized per row (W8A8, `_w8a8_linear`), each as the gemv
+      computes it (W8A8 bit for bit).
     Measured over SmolLM2-135M's 30 layers of weights, 2 cores: 1 row 40 -> 17 ms
     (F.linear -> chunked gemv); in a later run chunked gemv -> C gemv 14.6 -> 14.1 ms at 1
     row, 17.5 -> 15.1 ms at 2, the LM head 3.6 -> 3.0 ms at 1; 32 rows 87 (F.linear) -> 62
     (oneDNN) -> 52 ms (packed); 512 rows 725 -> 541 -> 526 ms; the LM head at 32 rows 33 ->
     13 -> 10 ms.
     """
+    if act_quant:
+        if x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[0] <= GEMV_MAX_ROWS:
+            out = cpu_kernels.gemv(x, weight, bias, scales, act_quant=True)
+            if out is not None:
+                return out
+        return _w8a8_linear(x, weight, bias, scales)
     if x.device.type != "cpu" or x.dtype != torch.float32:
         return _torch_linear(x, weight, bias, scales)
     m, (n, k) = x.shape[0], weight.shape
@@ -104,15 +113,43 @@ def _torch_linear(x: Tensor, weight: Tensor, bias: Tensor | None,
     return F.linear(x.to(weight.dtype), weight, b).to(x.dtype)
 
 
+# The float32 nearest 1/127 (what the C kernels multiply by).
+_INV_127 = float(torch.tensor(1.0 / 127.0, dtype=torch.float32))
+
+
+def quantize_int8_tokens(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Dynamic symmetric per-row int8 of activations x [M, K]: s = max|x_row| / 127 (1 for
+    a zero row), q = round_half_even(x / s). The C gemv quantizes its rows the same way,
+    bit for bit."""
+    scales = x.abs().amax(dim=1) * _INV_127
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return torch.round(x / scales[:, None]).clamp_(-127, 127).to(torch.int8), scales
+
+
 def _int8_linear(x: Tensor, weight: Tensor, bias: Tensor | None,
                  scales: Tensor | None) -> Tensor:
-    """x @ q^T * scales (+ bias) for int8 q: q widened to x's dtype (exact: |q| <= 127),
-    then one matmul and a per-row scale: the gemv's arithmetic (x unrounded, float32 sums),
-    so a request's tokens do not depend on how many others share its step. The widened
-    copy lives for this call only: resident memory stays the int8 bytes."""
+    """Weight-only int8: q widened to x's dtype (exact: |q| <= 127), then one matmul and a
+    per-row scale: the gemv's arithmetic (x unrounded, float32 sums), so a request's tokens
+    do not depend on how many others share its step. The widened copy lives for this call
+    only: resident memory stays the int8 bytes."""
     assert scales is not None, "an int8 weight needs its scales"
     out = F.linear(x, weight.to(x.dtype)).mul_(scales.to(x.dtype))
     return out if bias is None else out.add_(bias)
+
+
+def _w8a8_linear(x: Tensor, weight: Tensor, bias: Tensor | None,
+                 scales: Tensor | None) -> Tensor:
+    """W8A8: x quantized per row (`quantize_int8_tokens`), int8 x int8 -> int32 products
+    summed exactly (`torch._int_mm`, ~0.7-0.8 TOPS here against ~0.3-0.4 TFLOP/s for
+    oneDNN's bf16 matmul), then (acc * s_x) * s_w (+ bias). Integer sums are exact, so the
+    C gemv (VNNI or 16-bit multiply-adds) gives the same bits for a decode row: a request's
+    tokens do not depend on how many others share its step."""
+    assert scales is not None, "an int8 weight needs its scales"
+    xq, x_scales = quantize_int8_tokens(x.float())
+    out = torch._int_mm(xq, weight.t()).float().mul_(x_scales[:, None]).mul_(scales)
+    if bias is not None:
+        out.add_(bias)
+    return out.to(x.dtype)
 
 
 # The row count oneDNN tunes a packed weight's layout for (any count works): decode batches.
@@ -127,8 +164,9 @@ def pack_linear_weight(weight: Tensor) -> Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_FOR_ROWS)
 
 
-# Storage formats a Linear's weight can take ("auto" = leave it as loaded).
-WEIGHT_STORAGES = ("float32", "bfloat16", "float16", "int8")
+# Storage formats a Linear's weight can take: int8 is weight-only, w8a8 the same int8
+# weights with activations quantized per row for every product.
+WEIGHT_STORAGES = ("float32", "bfloat16", "float16", "int8", "w8a8")
 _FLOAT_STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                   "float16": torch.float16}
 
@@ -165,14 +203,21 @@ class Linear(nn.Module):
         self.weight = _param(out_features, in_features, dtype=dtype, device=device)
         self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
         self.scales: Tensor | None = None  # int8: [out_features] float32
+        self.act_quant = False  # w8a8: x quantized per row for every product
         self.packed: Tensor | None = None  # float32: oneDNN's blocked copy
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias, self.packed, self.scales)
+        return linear(x, self.weight, self.bias, self.packed, self.scales, self.act_quant)
 
     @property
-    def storage(self) -> torch.dtype:
-        return self.weight.dtype
+    def storage(self) -> str:
+        """One of WEIGHT_STORAGES."""
+        return "w8a8" if self.act_quant else str(self.weight.dtype).removeprefix("torch.")
+
+    @property
+    def gemv_format(self) -> int:
+        """The C kernels' code for this weight (cpu_kernels.weight_format)."""
+        return cpu_kernels.weight_format(self.weight, self.act_quant)
 
     @torch.no_grad()
     def convert(self, storage: str) -> None:
@@ -182,7 +227,8 @@ class Linear(nn.Module):
             raise ValueError(f"unknown weight storage {storage!r}; known: {WEIGHT_STORAGES}")
         self.packed = None
         w = self.weight
-        if storage == "int8":
+        self.act_quant = storage == "w8a8"
+        if storage in ("int8", "w8a8"):
             q, self.scales = quantize_int8_rows(w)
             new = hugepages.empty(tuple(q.shape), torch.int8, w.device).copy_(q)
         else:

@@ -218,7 +218,7 @@ class LlamaForCausalLM(nn.Module):
             sin=self.rotary.sin, slot_mapping=meta.slot_mapping,
             block_tables=meta.block_tables, seq_lens=meta.seq_lens, num_blocks=num_blocks,
             block_size=block_size,
-            weight_format=cpu_kernels.WEIGHT_FORMATS[self.layers[0].qkv_proj.storage])
+            weight_format=self.layers[0].qkv_proj.gemv_format)
 
     def _decode_layer_table(self, kv_caches: list[Tensor]) -> Tensor | None:
         key = tuple(c.data_ptr() for c in kv_caches)

@@ -102,8 +102,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     if dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
         raise ModelLoadError(f"unsupported dtype {dtype}; supported: {names}")
-    if quantization not in (None, "int8"):
-        raise ModelLoadError(f"unsupported quantization {quantization!r}; supported: int8")
+    if quantization not in (None, "int8", "w8a8"):
+        raise ModelLoadError(f"unsupported quantization {quantization!r}; supported: int8, w8a8")
     storage = quantization or str(dtype).removeprefix("torch.")
     path = resolve_model_path(model)
     start = time.perf_counter()

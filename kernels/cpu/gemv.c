@@ -10,14 +10,15 @@
 
 #include "gemv.h"
 
-/* x [m, k] float32, w [n, k] in format fmt (GEMV_*), scales [n] for GEMV_I8, y [m, n],
+/* x [m, k] float32, w [n, k] in format fmt (GEMV_*), scales [n] for the int8 ones, y [m, n],
  * bias [n] or NULL; all contiguous. Returns 0, or -1 when out of memory. */
 int gemv(float *restrict y, const float *restrict x, const void *w, const float *scales,
          int fmt, const float *restrict bias, int64_t m, int64_t n, int64_t k,
          int num_threads) {
     const gemv_weight W = {.data = w, .scales = scales, .fmt = fmt};
-    float *buf = fmt == GEMV_BF16 ? malloc(sizeof(float) * (size_t)(m * k)) : NULL;
-    if (fmt == GEMV_BF16 && buf == NULL) return -1;
+    /* bf16: x rounded; int8: x quantized (16 scales of padding + the rows). */
+    float *buf = gemv_needs_buffer(fmt) ? malloc(sizeof(float) * (size_t)(m * k + 16)) : NULL;
+    if (gemv_needs_buffer(fmt) && buf == NULL) return -1;
     /* Below ~64K weights one thread is done before a second would start (and see
      * parallel.h on entering OpenMP for nothing). */
     if (n * k < 65536 || num_threads < 2) {

@@ -169,12 +169,12 @@ int64_t llama_decode(float *restrict x, const decode_layer *restrict layers,
         const int split = M < nt;
         /* Private: the residual stream, the normed input of a projection, a rotated q, the
          * combined attention of split requests, scores and the softmax's max and sum. */
-        float *residual = malloc(sizeof(float) * (size_t)(M * (hidden + 2 * wide + q_size) +
+        float *residual = malloc(sizeof(float) * (size_t)(M * (hidden + 2 * wide + q_size) + 16 +
                                                           q_size + num_heads * (max_seq_len + 2)));
         float *h = residual + M * hidden, *own_attn = h + M * wide, *q = own_attn + M * q_size;
         /* A projection's input as its weight format reads it (gemv_prepare_x). */
         float *xbuf = q + q_size;
-        float *scores = xbuf + M * wide, *max = scores + num_heads * max_seq_len;
+        float *scores = xbuf + M * wide + 16, *max = scores + num_heads * max_seq_len;
         float *sum = max + num_heads;
         /* A thread without memory skips the work but still meets every barrier. */
         const int ok = residual != NULL;

@@ -17,6 +17,7 @@ from tests.engine.test_invariance import CONFIGS, GREEDY
 # name -> (engine settings, the projections' storage they must give)
 STORAGES = {"bfloat16": (dict(dtype="bfloat16"), "bfloat16"),
             "int8": (dict(dtype="float32", quantization="int8"), "int8"),
+            "w8a8": (dict(dtype="float32", quantization="w8a8"), "w8a8"),
             "bf16-kv-cache": (dict(dtype="float32", kv_cache_dtype="bfloat16"), "float32")}
 
 
@@ -35,7 +36,7 @@ def storage(request) -> str:
 def reference(storage: str, tiny_llama_dir: Path, tiny_prompts: list[list[int]]) -> list[list[int]]:
     settings, weights = STORAGES[storage]
     llm = LLM(str(tiny_llama_dir), max_model_len=512, **settings)
-    storages = {str(lin.storage).removeprefix("torch.") for lin in llm.core.loaded.model.linears()}
+    storages = {lin.storage for lin in llm.core.loaded.model.linears()}
     assert storages == {weights}
     assert llm.core.runner.kv_caches[0].dtype.itemsize == (2 if "kv" in storage else 4)
     return _tokens(llm, tiny_prompts)

@@ -48,6 +48,10 @@ def test_gemv_formats_match_numpy(variant: str, rows: int, k: int) -> None:
     out = cpu_kernels.gemv(xt, q, bt, s)
     ref = (x.astype(np.float64) @ q.numpy().astype(np.float64).T) * s.numpy() + bias
     np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-4)
+    # W8A8: x quantized per row, exact integer sums: the bits of the torch path.
+    from aioengine.model.layers import _w8a8_linear
+    out = cpu_kernels.gemv(xt, q, bt, s, act_quant=True)
+    assert torch.equal(out, _w8a8_linear(xt, q, bt, s))
     # ... and the quantization itself is within half a step of the weights.
     assert np.all(np.abs(q.numpy() * s.numpy()[:, None] - w) <= s.numpy()[:, None] / 2 + 1e-7)
 
@@ -82,7 +86,7 @@ def test_forcing_a_build_through_the_environment(monkeypatch: pytest.MonkeyPatch
     assert cpu_kernels.load() is not None and cpu_kernels.variant() == VARIANTS[0]
 
 
-@pytest.mark.parametrize("storage", ["bfloat16", "int8"])
+@pytest.mark.parametrize("storage", ["bfloat16", "int8", "w8a8"])
 def test_fused_decode_in_every_build(variant: str, storage: str, tiny_model_dirs,
                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """One decode step of three requests, fused vs layer by layer, under each build."""

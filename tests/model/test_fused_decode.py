@@ -21,7 +21,7 @@ BLOCK_SIZE = 4
 # arithmetic up to summation order, except that bf16 rounds each projection's output, so a
 # last-bit difference in a sum can become one bf16 ulp (2^-8 relative) there.
 STORAGES = {"float32": (torch.float32, None, 1e-5), "bfloat16": (torch.bfloat16, None, 3e-2),
-            "int8": (torch.float32, "int8", 1e-4)}
+            "int8": (torch.float32, "int8", 1e-4), "w8a8": (torch.float32, "w8a8", 1e-5)}
 
 
 @pytest.fixture(scope="module", params=[(a, s) for a in TINY_ARCHS for s in STORAGES],

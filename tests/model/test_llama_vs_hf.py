@@ -106,7 +106,8 @@ def test_reads_blocks_written_in_the_same_step(models) -> None:
 # every generated position, along our own greedy path, prefill chunked and mixed with
 # decodes) no larger than transformers' bf16 on the same tokens (measured: 0.68-0.91x on
 # these five archs). int8 (per-row weight-only) has no transformers counterpart: its RMS
-# error must stay within 3x that of transformers' bf16 (measured 1.6-2.3x). Greedy identity
+# error must stay within 3x that of transformers' bf16 (measured 1.7-1.9x), w8a8 (activations
+# quantized per token too) within 4x (measured 2.1-2.6x). Greedy identity
 # is not asserted for either: on these random tiny models the reference's median top-2
 # margin (~0.2) is below bf16's largest logit error (~0.25), and any "identical where the
 # margin exceeds our error" rule follows from the logit bound itself. Greedy agreement on
@@ -115,22 +116,22 @@ def test_reads_blocks_written_in_the_same_step(models) -> None:
 
 @pytest.fixture(scope="module", params=TINY_ARCHS)
 def reduced_models(request, tiny_model_dirs):
-    """(ours bf16, ours int8, transformers fp32, transformers bf16) for one arch."""
+    """({storage: ours}, transformers fp32, transformers bf16) for one arch."""
     from transformers import AutoModelForCausalLM
 
     path = tiny_model_dirs[request.param]
-    bf16 = load_model(str(path), torch.bfloat16, CPU).model
-    int8 = load_model(str(path), torch.float32, CPU, quantization="int8").model
+    ours = {"bfloat16": load_model(str(path), torch.bfloat16, CPU).model,
+            "int8": load_model(str(path), torch.float32, CPU, quantization="int8").model,
+            "w8a8": load_model(str(path), torch.float32, CPU, quantization="w8a8").model}
     hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    return bf16, int8, hf32, hf16
+    return ours, hf32, hf16
 
 
-@pytest.mark.parametrize("which", ["bfloat16", "int8"])
-def test_reduced_precision_against_transformers(reduced_models, which: str) -> None:
-    bf16, int8, hf32, hf16 = reduced_models
-    ours = bf16 if which == "bfloat16" else int8
-    bound = 1.0 if which == "bfloat16" else 3.0
+@pytest.mark.parametrize("which,bound", [("bfloat16", 1.0), ("int8", 3.0), ("w8a8", 4.0)])
+def test_reduced_precision_against_transformers(reduced_models, which: str, bound: float) -> None:
+    models, hf32, hf16 = reduced_models
+    ours = models[which]
     seqs = [Seq(_tokens(n, seed=20 + n), num_prompt=n, max_new_tokens=12) for n in (23, 9, 31)]
     PagedDriver(ours, num_blocks=64, block_size=4, seed=3).run(seqs, chunk_sizes=[7, 16, 3])
     errors, hf_errors = [], []
