@@ -1,6 +1,6 @@
 """`accuracy` mode: how far each engine configuration drifts from our own float32 engine.
 
-    aioengine bench accuracy --configs float32,bfloat16,int8 [--num-prompts N]
+    aioengine bench accuracy --configs float32,bfloat16,int8,w8a8 [--num-prompts N]
                              [--output-len 64] [--ppl-context 1024 --ppl-stride 512]
 
 Per configuration (one `LLM` each, freed before the next), against a float32 reference
@@ -39,6 +39,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "float32": {"dtype": "float32"},
     "bfloat16": {"dtype": "bfloat16"},
     "int8": {"dtype": "auto", "quantization": "int8"},
+    "w8a8": {"dtype": "auto", "quantization": "w8a8"},
 }
 # The engine flags that the configurations decide (so they must stay at their defaults).
 _CONFIG_FLAGS = {"dtype": "auto", "quantization": None, "kv_cache_dtype": "auto"}

@@ -44,7 +44,17 @@ def test_models_health_version(server: ServerProcess, client: openai.OpenAI) -> 
     status, body = server.request("GET", "/health")
     assert status == 200
     status, body = server.request("GET", "/version")
-    assert status == 200 and orjson.loads(body)["version"]
+    version = orjson.loads(body)
+    assert status == 200 and version["version"]
+    # dtype "auto": what it chose and the CPU flags it was based on.
+    from aioengine import cpu_info
+    expected = "bfloat16" if cpu_info.has_bf16_compute() else "float32"
+    assert version["dtype"] == expected == models[0].model_extra["dtype"]
+    assert version["activations"] == "float32" and version["kv_cache_dtype"] == "float32"
+    assert version["cpu"]["flags"] == cpu_info.relevant_flags()
+    assert version["cpu"]["kernels"] == __import__("aioengine.kernels.cpu",
+                                                   fromlist=["x"]).supported_variants()[0]
+    assert version["weight_bytes"] > 0 and version["dtype_reason"]
 
 
 def test_greedy_stream_joins_to_the_non_streamed_text(client: openai.OpenAI) -> None:
