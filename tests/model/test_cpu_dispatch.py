@@ -16,7 +16,7 @@ VARIANTS = cpu_kernels.supported_variants()
 @pytest.fixture(params=VARIANTS)
 def variant(request):
     cpu_kernels.use_variant(request.param)
-    assert cpu_kernels.load() is not None, cpu_kernels._load_error
+    assert cpu_kernels.load() is not None, cpu_kernels.load_error()
     assert cpu_kernels.variant() == request.param
     yield request.param
     cpu_kernels.use_variant(None)

@@ -18,7 +18,7 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module", autouse=True)
 def built() -> None:
     # CI and development machines have a C compiler: the kernel must build, not fall back.
-    assert cpu_kernels.load() is not None, cpu_kernels._load_error
+    assert cpu_kernels.load() is not None, cpu_kernels.load_error()
 
 
 def _decode_case(seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,

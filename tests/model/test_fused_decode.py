@@ -27,7 +27,7 @@ STORAGES = {"float32": (torch.float32, None, 1e-5), "bfloat16": (torch.bfloat16,
 @pytest.fixture(scope="module", params=[(a, s) for a in TINY_ARCHS for s in STORAGES],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def model(request, tiny_model_dirs):
-    assert cpu_kernels.load() is not None, cpu_kernels._load_error
+    assert cpu_kernels.load() is not None, cpu_kernels.load_error()
     arch, storage = request.param
     dtype, quantization, tol = STORAGES[storage]
     loaded = load_model(str(tiny_model_dirs[arch]), dtype, CPU, quantization).model

@@ -1,0 +1,206 @@
+"""Building and loading the CPU kernels of `aioengine.kernels.cpu`: one shared library per
+instruction set (ISA_VARIANTS), compiled on first use with the machine's C compiler into a
+cache directory keyed by the source, the flags and the compiler; the best build this CPU's
+flags allow is loaded at run time (AIOENGINE_CPU_ISA forces one; `use_variant` switches in
+tests). AIOENGINE_CPU_KERNELS=0 turns the kernels off (read on first use; `reset()` reads
+it again).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+import threading
+
+from aioengine import cpu_info, envs
+
+logger = logging.getLogger("aioengine.kernels.cpu")
+
+_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu")
+_SOURCES = [os.path.join(_DIR, name) for name in ("paged_decode_attention.c",
+                                                  "rotary_embedding.c", "cache.c",
+                                                  "layernorm.c", "activation.c", "gemv.c",
+                                                  "llama_decode.c")]
+_HEADERS = [os.path.join(_DIR, name) for name in ("parallel.h", "vec_math.h", "activation.h",
+                                                  "attention.h", "gemv.h", "layernorm.h",
+                                                  "rotary_embedding.h")]
+# No -ffast-math: the softmax relies on IEEE exp/max; -O3 still vectorises the dot products
+# once reassociation is allowed for them (-fassociative-math needs -fno-signed-zeros and
+# -fno-trapping-math). -std=c11 alone would turn off FMA contraction, which halves the speed
+# of polynomial code (activation.c).
+_CFLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
+           "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast",
+           "-std=c11"]
+
+# Instruction-set builds, best first: (name, -m flags, /proc/cpuinfo flags it needs).
+# x86-64-v3 is AVX2 + FMA + F16C + BMI; x86-64-v4 adds AVX-512 F/BW/CD/DQ/VL.
+_V3_FLAGS = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")
+_V4_FLAGS = _V3_FLAGS + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+ISA_VARIANTS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
+    ("avx512_bf16", ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
+     _V4_FLAGS + ("avx512_bf16", "avx512_vnni")),
+    ("avx512", ("-march=x86-64-v4",), _V4_FLAGS),
+    ("avx2", ("-march=x86-64-v3",), _V3_FLAGS),
+)
+# Anything else (an older x86, another architecture): the compiler's default target.
+BASELINE_VARIANT = "baseline"
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_load_error: str | None = None
+_variant: str | None = None  # the loaded (or chosen) build; None until load()
+# AIOENGINE_CPU_KERNELS, read once: the model calls these kernels ~150 times per decode
+# step, and reading the environment each time cost ~0.5 ms of a ~20 ms step.
+_enabled: bool | None = None
+
+
+def supported_variants() -> list[str]:
+    """The builds this CPU can run, best first (BASELINE_VARIANT always last)."""
+    flags = cpu_info.cpu_flags()
+    names = [name for name, _, needs in ISA_VARIANTS if all(f in flags for f in needs)]
+    return names + [BASELINE_VARIANT]
+
+
+def _variant_flags(name: str) -> tuple[str, ...]:
+    for variant, mflags, _ in ISA_VARIANTS:
+        if variant == name:
+            return mflags
+    if name == BASELINE_VARIANT:
+        return ()
+    raise ValueError(f"unknown CPU kernel variant {name!r}; known: "
+                     f"{[v for v, _, _ in ISA_VARIANTS] + [BASELINE_VARIANT]}")
+
+
+def _choose_variant() -> str:
+    forced = envs.AIOENGINE_CPU_ISA
+    supported = supported_variants()
+    if forced is None:
+        return supported[0]
+    _variant_flags(forced)  # a known name
+    if forced not in supported:
+        raise RuntimeError(f"AIOENGINE_CPU_ISA={forced}: this CPU runs only {supported}")
+    return forced
+
+
+def variant() -> str | None:
+    """The build in use (after the first kernel call or `load()`), None when none loaded."""
+    return _variant if _lib is not None else None
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    return shutil.which(cc.split()[0]) or shutil.which("gcc") or shutil.which("cc")
+
+
+def _cache_dir() -> str:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "aioengine", "kernels")
+
+
+def _build(name: str) -> ctypes.CDLL:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    source = b""
+    for path in _SOURCES + _HEADERS:
+        with open(path, "rb") as f:
+            source += f.read()
+    flags = [*_CFLAGS, *_variant_flags(name)]
+    key = hashlib.sha256(source + " ".join([cc, *flags]).encode()).hexdigest()[:16]
+    path = os.path.join(_cache_dir(), f"cpu_kernels-{name}-{key}.so")
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        # Build beside the target and rename: concurrent builders never see half a file.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+        os.close(fd)
+        try:
+            proc = subprocess.run([cc, *flags, *_SOURCES, "-o", tmp, "-lm"],
+                                  capture_output=True, text=True, timeout=120)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:2000]}")
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(path)
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn = lib.paged_decode_attention_f32
+    fn.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64,
+                   ctypes.c_float, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    fn = lib.rotary_embedding_f32
+    fn.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
+    fn.restype = None
+    fn = lib.reshape_and_cache_f32
+    fn.argtypes = [ptr, ptr, i64, i64, ptr, i64, ptr, i64, i64, ctypes.c_int]
+    fn.restype = i64
+    fn = lib.rms_norm_f32
+    fn.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
+    fn.restype = None
+    fn = lib.fused_add_rms_norm_f32
+    fn.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
+    fn.restype = None
+    fn = lib.silu_and_mul_f32
+    fn.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
+    fn.restype = None
+    fn = lib.gemv
+    fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int, ptr, i64, i64, i64, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    fn = lib.llama_decode
+    fn.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
+                   ctypes.c_float, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, ctypes.c_int,
+                   ctypes.c_int]
+    fn.restype = i64
+    return lib
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernels, built on the first call; None when they cannot be used here."""
+    global _lib, _load_error, _enabled, _variant
+    if _enabled is None:
+        _enabled = envs.AIOENGINE_CPU_KERNELS
+    if not _enabled:
+        return None
+    if _lib is not None or _load_error is not None:
+        return _lib
+    with _lock:
+        if _lib is None and _load_error is None:
+            try:
+                _variant = _variant or _choose_variant()
+                _lib = _build(_variant)
+                logger.debug("CPU kernels: the %s build", _variant)
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                _load_error = str(e)
+                logger.warning("CPU kernels unavailable, using the torch path: %s", e)
+    return _lib
+
+
+def use_variant(name: str | None) -> None:
+    """Loads the `name` build from now on (None: the best this CPU runs, or
+    AIOENGINE_CPU_ISA). Raises RuntimeError when this CPU cannot run it. For tests and
+    benchmarks: callers holding results of the old build are unaffected."""
+    global _lib, _load_error, _variant
+    with _lock:
+        if name is not None:
+            _variant_flags(name)
+            if name not in supported_variants():
+                raise RuntimeError(f"this CPU cannot run the {name} build: it runs "
+                                   f"{supported_variants()}")
+        _lib, _load_error, _variant = None, None, name
+
+
+def reset() -> None:
+    """Forgets the AIOENGINE_CPU_KERNELS setting read so far (for tests that change it);
+    the next call reads it again. A library already built stays loaded."""
+    global _enabled
+    _enabled = None
+
+
+def load_error() -> str | None:
+    """Why the kernels could not be built or loaded, if they could not."""
+    return _load_error
