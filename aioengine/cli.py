@@ -20,10 +20,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto",
                    help="weights: auto (bfloat16 on CPUs with AVX512-BF16 or AMX and on CUDA, "
                         "else float32), float32, float16, bfloat16")
-    g.add_argument("--quantization", "-q", choices=("int8", "w8a8"), default=None,
+    g.add_argument("--quantization", "-q", choices=("int8", "w8a8", "gguf"), default=None,
                    help="int8: weight-only int8 with per-output-channel scales, computed at "
                         "load; w8a8: the same weights with activations quantized per token "
-                        "(integer matmuls: faster, less exact)")
+                        "(integer matmuls: faster, less exact); gguf: a GGUF's own Q4_1 projections "
+                        "as stored (x quantized per 32-block)")
     g.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="auto: float32 on the CPU, the model dtype on CUDA")
     g.add_argument("--device", default="auto")

@@ -19,7 +19,7 @@ class ConfigError(ValueError):
     """An engine setting is invalid."""
 
 
-QUANTIZATIONS = ("int8", "w8a8")
+QUANTIZATIONS = ("int8", "w8a8", "gguf")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 

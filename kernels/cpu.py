@@ -26,13 +26,22 @@ __all__ = ["BASELINE_VARIANT", "ISA_VARIANTS", "load", "load_error", "reset",
 
 # GEMV_* of gemv.h: the storage formats of a projection's weight (int8 weight-only; with
 # act_quant, GEMV_I8A8: W8A8).
-WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+# uint8: the GGUF's Q4_1 blocks, [N, K / 32 * 20].
+WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 4}
 GEMV_I8A8 = 3
+Q4_1_BLOCK, Q4_1_BLOCK_BYTES = 32, 20
 
 
 def weight_format(weight: Tensor, act_quant: bool = False) -> int:
     """The GEMV_* code of a weight: by dtype, W8A8 for int8 with quantized activations."""
     return GEMV_I8A8 if act_quant else WEIGHT_FORMATS[weight.dtype]
+
+
+def weight_in_features(weight: Tensor) -> int:
+    """K of a weight [N, K] (Q4_1 blocks: 32 per 20 bytes)."""
+    if weight.dtype == torch.uint8:
+        return weight.shape[-1] // Q4_1_BLOCK_BYTES * Q4_1_BLOCK
+    return weight.shape[-1]
 
 def _f32_rows(*tensors: Tensor) -> bool:
     """Every tensor float32 on the CPU and contiguous."""
@@ -174,6 +183,8 @@ def _weight_ok(weight: Tensor, scales: Tensor | None) -> bool:
     if not (weight.dim() == 2 and weight.device.type == "cpu" and weight.is_contiguous()
             and weight.dtype in WEIGHT_FORMATS):
         return False
+    if weight.dtype == torch.uint8:
+        return scales is None and weight.shape[1] % Q4_1_BLOCK_BYTES == 0
     if weight.dtype == torch.int8:
         return scales is not None and scales.shape == weight.shape[:1] and _f32_rows(scales)
     return scales is None
@@ -185,16 +196,17 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     rows of x (decode; any M works, 4 rows at a time). x float32; weight float32, bf16
     (x and the result rounded to bf16, as oneDNN's bf16 matmul computes) or int8 with
     per-row scales: weight-only (x stays float32) or, with act_quant, W8A8 (x quantized
-    per row, exact integer sums: layers._w8a8_linear's bits). None when the kernel does
-    not apply or is not built."""
-    if not (x.dim() == 2 and x.shape[1] == weight.shape[-1] and _f32_rows(x)
+    per row, exact integer sums: layers._w8a8_linear's bits); or the GGUF's Q4_1 blocks
+    (uint8 [N, K / 32 * 20]; x quantized per 32-block, kernels/cpu/gemv_q4_1.h). None when
+    the kernel does not apply or is not built."""
+    if not (x.dim() == 2 and x.shape[1] == weight_in_features(weight) and _f32_rows(x)
             and _weight_ok(weight, scales) and (not act_quant or weight.dtype == torch.int8)
             and (bias is None or (bias.shape == weight.shape[:1] and _f32_rows(bias)))):
         return None
     lib = load()
     if lib is None:
         return None
-    m, (n, k) = x.shape[0], weight.shape
+    m, n, k = x.shape[0], weight.shape[0], x.shape[1]
     out = x.new_empty((m, n))
     rc = lib.gemv(out.data_ptr(), x.data_ptr(), weight.data_ptr(),
                   0 if scales is None else scales.data_ptr(), weight_format(weight, act_quant),

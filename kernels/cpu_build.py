@@ -27,7 +27,7 @@ _SOURCES = [os.path.join(_DIR, name) for name in ("paged_decode_attention.c",
                                                   "layernorm.c", "activation.c", "gemv.c",
                                                   "llama_decode.c")]
 _HEADERS = [os.path.join(_DIR, name) for name in ("parallel.h", "vec_math.h", "activation.h",
-                                                  "attention.h", "gemv.h", "layernorm.h",
+                                                  "attention.h", "gemv.h", "gemv_q4_1.h", "layernorm.h",
                                                   "rotary_embedding.h")]
 # No -ffast-math: the softmax relies on IEEE exp/max; -O3 still vectorises the dot products
 # once reassociation is allowed for them (-fassociative-math needs -fno-signed-zeros and

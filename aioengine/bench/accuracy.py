@@ -40,6 +40,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "bfloat16": {"dtype": "bfloat16"},
     "int8": {"dtype": "auto", "quantization": "int8"},
     "w8a8": {"dtype": "auto", "quantization": "w8a8"},
+    "gguf": {"dtype": "auto", "quantization": "gguf"},
 }
 # The engine flags that the configurations decide (so they must stay at their defaults).
 _CONFIG_FLAGS = {"dtype": "auto", "quantization": None, "kv_cache_dtype": "auto"}

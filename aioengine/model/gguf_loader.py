@@ -185,6 +185,34 @@ def iter_gguf_weights(reader: Any, num_heads: int,
         yield name, torch.from_numpy(data)
 
 
+# The projections whose Q4_1 blocks `--quantization gguf` keeps as the file stores them.
+_PROJECTION_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+                        "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+
+def iter_gguf_q4_1_blocks(reader: Any, num_heads: int,
+                          num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (HF name, uint8 [rows, cols / 32 * 20]) for every projection, its Q4_1 blocks
+    as stored (q/k rows put back in HF order: blocks run along a row, so rows move whole).
+    Raises GGUFFormatError for a projection in another format."""
+    from gguf import GGMLQuantizationType
+
+    permute = gguf_architecture(reader) == "llama"
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None or not name.endswith(_PROJECTION_SUFFIXES):
+            continue
+        if tensor.tensor_type != GGMLQuantizationType.Q4_1:
+            raise GGUFFormatError(f"{tensor.name} is {tensor.tensor_type.name}: quantization "
+                                  f"'gguf' reads Q4_1 projections only")
+        data = np.asarray(tensor.data)
+        if permute and name.endswith("q_proj.weight"):
+            data = _unpermute_rows(data, num_heads)
+        elif permute and name.endswith("k_proj.weight"):
+            data = _unpermute_rows(data, num_kv_heads)
+        yield name, torch.from_numpy(np.array(data, copy=True))
+
+
 def rope_freq_factors(reader: Any) -> torch.Tensor | None:
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS:

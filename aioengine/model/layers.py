@@ -89,6 +89,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         return out
     if weight.dtype == torch.int8:
         return _int8_linear(x, weight, bias, scales)
+    if weight.dtype == torch.uint8:
+        return _q4_1_linear(x, weight, bias)
     if weight.dtype != torch.float32:
         return _torch_linear(x, weight, bias, scales)
     if m <= gemv_max_rows and (c := _num_chunks(n)) > 1:
@@ -109,8 +111,38 @@ def _torch_linear(x: Tensor, weight: Tensor, bias: Tensor | None,
     bf16 matmul), the result in x's dtype; int8 weights as `_int8_linear`."""
     if weight.dtype == torch.int8:
         return _int8_linear(x, weight, bias, scales)
+    if weight.dtype == torch.uint8:
+        return _q4_1_linear(x.float(), weight, bias).to(x.dtype)
     b = None if bias is None else bias.to(weight.dtype)
     return F.linear(x.to(weight.dtype), weight, b).to(x.dtype)
+
+
+def dequantize_q4_1(blocks: Tensor) -> Tensor:
+    """GGUF Q4_1 rows [N, K / 32 * 20] (per block: fp16 d, fp16 m, 16 bytes of nibbles,
+    byte j = weight j low, weight j + 16 high) -> float32 [N, K], w = d q + m."""
+    n = blocks.shape[0]
+    b = blocks.view(n, -1, 20)
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, nb, 1]
+    m = b[..., 2:4].contiguous().view(torch.float16).float()
+    qs = b[..., 4:]
+    q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).float()  # [N, nb, 32]
+    return (q * d + m).view(n, -1)
+
+
+def quantize_dequantize_blocks(x: Tensor) -> Tensor:
+    """x [M, K] as the Q4_1 gemv sees it: each 32-block quantized to int8 with its own
+    scale (max|x| / 127, as kernels/cpu/gemv_q4_1.h), then multiplied back."""
+    xb = x.view(x.shape[0], -1, 32)
+    s = xb.abs().amax(dim=-1, keepdim=True) * _INV_127
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return (torch.round(xb / s).clamp_(-127, 127) * s).view_as(x)
+
+
+def _q4_1_linear(x: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
+    """The GGUF's Q4_1 weights for many rows: dequantized for this call (transient), x
+    quantized per 32-block and back: the gemv's arithmetic up to float rounding."""
+    out = F.linear(quantize_dequantize_blocks(x), dequantize_q4_1(blocks))
+    return out if bias is None else out.add_(bias)
 
 
 # The float32 nearest 1/127 (what the C kernels multiply by).
@@ -211,8 +243,21 @@ class Linear(nn.Module):
 
     @property
     def storage(self) -> str:
-        """One of WEIGHT_STORAGES."""
+        """One of WEIGHT_STORAGES, or "q4_1" (the GGUF's own blocks, `load_q4_1`)."""
+        if self.weight.dtype == torch.uint8:
+            return "q4_1"
         return "w8a8" if self.act_quant else str(self.weight.dtype).removeprefix("torch.")
+
+    def load_q4_1(self, blocks: Tensor) -> None:
+        """Takes the GGUF's Q4_1 blocks [out_features, in_features / 32 * 20] as the weight
+        (read as stored, never dequantized but per call of many rows)."""
+        expected = (self.out_features, self.in_features // 32 * 20)
+        if self.in_features % 32 or tuple(blocks.shape) != expected:
+            raise ValueError(f"Q4_1 blocks of shape {tuple(blocks.shape)}, expected {expected}")
+        self.packed, self.scales, self.act_quant = None, None, False
+        self.weight = nn.Parameter(
+            hugepages.empty(expected, torch.uint8, blocks.device).copy_(blocks),
+            requires_grad=False)
 
     @property
     def gemv_format(self) -> int:

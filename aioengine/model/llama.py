@@ -264,6 +264,34 @@ class LlamaForCausalLM(nn.Module):
             lin.convert(storage)
 
     @torch.no_grad()
+    def load_q4_1_blocks(self, blocks: Iterable[tuple[str, Tensor]]) -> None:
+        """The projections' weights from a GGUF's own Q4_1 blocks (HF-named, as
+        gguf_loader.iter_gguf_q4_1_blocks yields them), fused as load_weights fuses rows;
+        the embedding / LM head become int8 (their file format, Q8_0, is not read as is).
+        Raises ValueError for a projection the blocks leave unfilled."""
+        self._decode_table = None
+        fused: dict[str, Tensor] = {}
+        filled: dict[str, int] = {}
+        for hf_name, data in blocks:
+            name, rows = self._locate(hf_name)
+            lin = self.get_submodule(name.rsplit(".", 1)[0])
+            buf = fused.setdefault(name, torch.empty(lin.out_features, data.shape[1],
+                                                     dtype=torch.uint8))
+            lo, hi = rows if rows is not None else (0, lin.out_features)
+            buf[lo:hi].copy_(data)
+            filled[name] = filled.get(name, 0) + 1
+        for layer_index, layer in enumerate(self.layers):
+            for proj, lin in zip(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+                                 layer.projections()):
+                name = f"layers.{layer_index}.{proj}.weight"
+                if filled.get(name, 0) < self._PARTS.get(f"{proj}.weight", 1):
+                    raise ValueError(f"no Q4_1 blocks for {name}")
+                lin.load_q4_1(fused[name])
+        self.embed_tokens.convert("int8")
+        if self.lm_head is not self.embed_tokens:
+            self.lm_head.convert("int8")
+
+    @torch.no_grad()
     def pack_weights(self) -> int:
         """Adds a oneDNN-packed copy of every float32 projection and of the LM head (kept
         beside the plain weights, which the few-row path, the embedding and reloads use);

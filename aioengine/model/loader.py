@@ -102,10 +102,14 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     if dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
         raise ModelLoadError(f"unsupported dtype {dtype}; supported: {names}")
-    if quantization not in (None, "int8", "w8a8"):
-        raise ModelLoadError(f"unsupported quantization {quantization!r}; supported: int8, w8a8")
+    if quantization not in (None, "int8", "w8a8", "gguf"):
+        raise ModelLoadError(f"unsupported quantization {quantization!r}; "
+                             f"supported: int8, w8a8, gguf")
     storage = quantization or str(dtype).removeprefix("torch.")
     path = resolve_model_path(model)
+    if quantization == "gguf" and not path.endswith(".gguf"):
+        raise ModelLoadError(f"quantization 'gguf' reads a GGUF file's own blocks; {path} "
+                             f"is not a .gguf file")
     start = time.perf_counter()
     try:
         if path.endswith(".gguf"):
@@ -134,7 +138,7 @@ def _build(arch: ModelArchConfig, weights: Iterator[tuple[str, torch.Tensor]],
         model.load_weights(weights)
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from e
-    if storage != str(compute).removeprefix("torch."):
+    if storage != str(compute).removeprefix("torch.") and storage != "gguf":
         model.convert_weights(storage)
     added = model.pack_weights()
     if added:
@@ -200,6 +204,12 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device,
     weights = gguf_loader.iter_gguf_weights(reader, arch.num_attention_heads,
                                             arch.num_key_value_heads)
     model = _build(arch, weights, dtype, device, path, storage)
+    if storage == "gguf":
+        try:
+            model.load_q4_1_blocks(gguf_loader.iter_gguf_q4_1_blocks(
+                reader, arch.num_attention_heads, arch.num_key_value_heads))
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: {e}") from e
     factors = gguf_loader.rope_freq_factors(reader)
     if factors is not None:
         model.set_rope_freq_factors(factors)

@@ -42,7 +42,7 @@
 #define GEMV_VNNI 1
 #endif
 
-enum { GEMV_F32 = 0, GEMV_BF16 = 1, GEMV_I8 = 2, GEMV_I8A8 = 3 };
+enum { GEMV_F32 = 0, GEMV_BF16 = 1, GEMV_I8 = 2, GEMV_I8A8 = 3, GEMV_Q4_1 = 4 };
 
 /* A weight in its storage format; `scales` [n] for GEMV_I8 and GEMV_I8A8, else NULL. */
 typedef struct {
@@ -61,10 +61,15 @@ static inline float hsum_v8f(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-static inline int64_t gemv_elem_size(int fmt) { return fmt == GEMV_F32 ? 4 : fmt == GEMV_BF16 ? 2 : 1; }
+/* Bytes of one weight row of k elements (Q4_1: 20-byte blocks of 32). */
+static inline int64_t gemv_row_bytes(int fmt, int64_t k) {
+    return fmt == GEMV_F32 ? 4 * k : fmt == GEMV_BF16 ? 2 * k : fmt == GEMV_Q4_1 ? k / 32 * 20 : k;
+}
 
 /* Formats whose x gemv_prepare_x rewrites into a buffer. */
-static inline int gemv_needs_buffer(int fmt) { return fmt == GEMV_BF16 || fmt == GEMV_I8A8; }
+static inline int gemv_needs_buffer(int fmt) {
+    return fmt == GEMV_BF16 || fmt == GEMV_I8A8 || fmt == GEMV_Q4_1;
+}
 
 /* bf16 <-> float32: a bf16 is the top half of a float32; rounding is to nearest even. */
 static inline uint16_t f32_to_bf16(float f) {
@@ -270,11 +275,17 @@ static inline void i8_quantize_row(float *restrict sx, i8_xelem *restrict q,
     }
 }
 
+#include "gemv_q4_1.h"
+
 /* x [M, k] in the form format `fmt` reads, in buf (M * k floats) where it differs from x:
  * the rows themselves for float32 and int8, rounded to bf16 for GEMV_BF16 (packed to bf16
  * where the dot-product instruction reads them). */
 static inline const float *gemv_prepare_x(float *restrict buf, const float *restrict x,
                                           int64_t M, int64_t k, int fmt) {
+    if (fmt == GEMV_Q4_1) {
+        q41_prepare_x(buf, x, M, k);
+        return buf;
+    }
     if (fmt == GEMV_I8A8) {
         i8_xelem *q = (i8_xelem *)i8_rows(buf, M);
         for (int64_t m = 0; m < M; m++) i8_quantize_row(buf + m, q + m * k, x + m * k, k);
@@ -316,6 +327,13 @@ static inline void gemv_range(float *restrict y, const float *restrict xp, const
             GEMV_CASES(GEMV_F32)
         } else if (W->fmt == GEMV_I8) {
             GEMV_CASES(GEMV_I8)
+        } else if (W->fmt == GEMV_Q4_1) {
+            switch (m4) {
+            case 1: gemv_rows_q41(ym, n, xp, M, W, bias, lo, hi, k, m0, 1); break;
+            case 2: gemv_rows_q41(ym, n, xp, M, W, bias, lo, hi, k, m0, 2); break;
+            case 3: gemv_rows_q41(ym, n, xp, M, W, bias, lo, hi, k, m0, 3); break;
+            default: gemv_rows_q41(ym, n, xp, M, W, bias, lo, hi, k, m0, 4); break;
+            }
         } else if (W->fmt == GEMV_I8A8) {
             switch (m4) {
             case 1: gemv_rows_i8(ym, n, xp, M, W, bias, lo, hi, k, m0, 1); break;
@@ -358,7 +376,7 @@ typedef struct {
 static inline void gemv_shared(float *restrict y, const float *restrict xp, const gemv_weight *W,
                                const float *restrict bias, int64_t M, int64_t n, int64_t k,
                                int tid, int num_threads, gemv_claim *claims) {
-    int64_t chunk = GEMV_CLAIM_BYTES / (gemv_elem_size(W->fmt) * k);
+    int64_t chunk = GEMV_CLAIM_BYTES / gemv_row_bytes(W->fmt, k);
     chunk = chunk > 0 ? chunk : 1;
     for (int i = 0; i < num_threads; i++) {
         const int r = (tid + i) % num_threads;

@@ -85,7 +85,7 @@ def _add_tokenizer(w: gguf.GGUFWriter, tok: dict, vocab_size: int) -> None:
 
 
 def write_tiny_gguf(hf_model, gguf_arch: str, path: Path, tok: dict,
-                    quantize: bool = False) -> dict:
+                    quantize: bool | str = False) -> dict:
     """Writes `hf_model`; returns the HF state dict the file is equivalent to (quantization
     round-tripped), for building the reference model."""
     cfg = hf_model.config
@@ -110,7 +110,8 @@ def write_tiny_gguf(hf_model, gguf_arch: str, path: Path, tok: dict,
         data = tensor.numpy().astype(np.float32)
         qtype = None
         if quantize and data.ndim == 2:
-            qtype = gguf.GGMLQuantizationType.Q8_0
+            # True: Q8_0; or a type's name ("Q4_1", as the bundled model's projections).
+            qtype = gguf.GGMLQuantizationType[quantize if isinstance(quantize, str) else "Q8_0"]
             data = gguf.quants.dequantize(gguf.quants.quantize(data, qtype), qtype)
         reference[name] = torch.from_numpy(data.copy())
         if gguf_arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):

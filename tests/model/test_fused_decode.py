@@ -35,7 +35,7 @@ def model(request, tiny_model_dirs):
     return loaded
 
 
-def _prefilled(model, seq_lens: list[int], seed: int = 0):
+def _prefilled(model, seq_lens: list[int], seed: int = 0, vocab: int = 49152):
     """KV caches holding random prompts of seq_lens - 1 tokens (layer-by-layer prefill) on
     shuffled blocks, and the decode step's (input_ids, positions, meta)."""
     rng = random.Random(seed)
@@ -44,7 +44,7 @@ def _prefilled(model, seq_lens: list[int], seed: int = 0):
     free = list(range(num_blocks))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(-(-s // BLOCK_SIZE))] for s in seq_lens]
-    prompts = [[rng.randrange(3, 49152) for _ in range(s)] for s in seq_lens]
+    prompts = [[rng.randrange(3, vocab) for _ in range(s)] for s in seq_lens]
     context = [(s - 1, table, p[:-1]) for s, table, p in zip(seq_lens, tables, prompts) if s > 1]
     if context:
         with torch.inference_mode():

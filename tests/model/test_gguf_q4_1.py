@@ -1,0 +1,94 @@
+"""`quantization="gguf"`: the GGUF's own Q4_1 projection blocks read as stored, by the gemv
+and the fused decode (x quantized per 32-block) and, for many rows, dequantized per call."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf_writer import tokenizer_fields, write_tiny_gguf
+from test_fused_decode import _decode, _prefilled
+from test_gguf_loader import VOCAB, _our_logits
+from tiny_models import make_tiny_hf_model
+
+from aioengine import LLM, SamplingParams
+from aioengine.kernels import cpu as cpu_kernels
+from aioengine.model.gguf_loader import FastGGUFReader
+from aioengine.model.layers import _q4_1_linear, dequantize_q4_1
+from aioengine.model.loader import ModelLoadError, load_model
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def q4_1_gguf(tmp_path_factory, bundled_gguf_path: str):
+    """A tiny llama (tied embeddings, GQA) written with every matrix as Q4_1."""
+    path = tmp_path_factory.mktemp("q4_1") / "tiny.gguf"
+    write_tiny_gguf(make_tiny_hf_model("llama", vocab_size=VOCAB), "llama", path,
+                    tokenizer_fields(FastGGUFReader(bundled_gguf_path)), quantize="Q4_1")
+    return str(path)
+
+
+@pytest.mark.parametrize("variant", cpu_kernels.supported_variants())
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_q4_1_gemv_in_every_build(variant: str, rows: int) -> None:
+    cpu_kernels.use_variant(variant)
+    try:
+        rng = np.random.default_rng(rows)
+        w = rng.standard_normal((200, 576)).astype(np.float32)
+        blocks = torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1))
+        expected = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType.Q4_1)
+        assert np.array_equal(dequantize_q4_1(blocks).numpy(), expected)
+        x, bias = torch.randn(rows, 576) * 2, torch.randn(200)
+        out = cpu_kernels.gemv(x, blocks, bias)
+        assert out is not None
+        torch.testing.assert_close(out, _q4_1_linear(x, blocks, bias), rtol=1e-5, atol=1e-4)
+    finally:
+        cpu_kernels.use_variant(None)
+
+
+def test_loads_the_blocks_as_stored(q4_1_gguf: str) -> None:
+    model = load_model(q4_1_gguf, torch.float32, CPU, quantization="gguf").model
+    assert {lin.storage for layer in model.layers for lin in layer.projections()} == {"q4_1"}
+    assert model.embed_tokens.storage == "int8"
+    reader = FastGGUFReader(q4_1_gguf)
+    v = next(t for t in reader.tensors if t.name == "blk.0.attn_v.weight")
+    qkv = model.layers[0].qkv_proj.weight  # v's rows are the last of the fused q/k/v
+    assert torch.equal(qkv[-v.data.shape[0]:], torch.from_numpy(np.array(v.data)))
+    # Against the same file dequantized: only x's per-block quantization differs.
+    tokens = torch.randint(3, VOCAB, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    ref = _our_logits(load_model(q4_1_gguf, torch.float32, CPU).model, tokens)
+    got = _our_logits(model, tokens)
+    assert (got - ref).pow(2).mean().sqrt() < 0.05 * ref.pow(2).mean().sqrt()
+
+
+def test_fused_decode_reads_the_blocks(q4_1_gguf: str) -> None:
+    model = load_model(q4_1_gguf, torch.float32, CPU, quantization="gguf").model
+    case = _prefilled(model, [6, 17, 3], vocab=VOCAB)
+    ours, ours_caches = _decode(model, True, *case)
+    ref, ref_caches = _decode(model, False, *case)
+    assert model._decode_table is not None  # the fused path took the step
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    for a, b in zip(ours_caches, ref_caches):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_alone_equals_batched(q4_1_gguf: str) -> None:
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [[(7 * i + 3 * j) % (VOCAB - 3) + 3 for j in range(n)]
+               for i, n in enumerate((5, 23, 40, 9))]
+    llm = LLM(q4_1_gguf, quantization="gguf", max_model_len=256)
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    tiny = LLM(q4_1_gguf, quantization="gguf", max_model_len=256, max_num_batched_tokens=7)
+    assert batched == alone == [o.outputs[0].token_ids for o in tiny.generate(prompts, params)]
+
+
+def test_gguf_quantization_needs_a_gguf_of_q4_1(tiny_model_dirs, tmp_path, bundled_gguf_path) -> None:
+    with pytest.raises(ModelLoadError, match="not a .gguf file"):
+        load_model(str(tiny_model_dirs["llama"]), torch.float32, CPU, quantization="gguf")
+    path = tmp_path / "q8.gguf"
+    write_tiny_gguf(make_tiny_hf_model("llama", vocab_size=VOCAB), "llama", path,
+                    tokenizer_fields(FastGGUFReader(bundled_gguf_path)), quantize=True)
+    with pytest.raises(ModelLoadError, match="Q8_0: quantization 'gguf' reads Q4_1"):
+        load_model(str(path), torch.float32, CPU, quantization="gguf")
