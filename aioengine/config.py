@@ -67,7 +67,8 @@ class EngineArgs:
     dtype: str = "auto"
     # Quantization computed at load from any checkpoint: "int8" (weight-only, per output
     # channel scales) or "w8a8" (the same weights, activations quantized per token: integer
-    # matmuls); None keeps the weights in `dtype`.
+    # matmuls); "gguf" keeps a GGUF's own Q4_1 projection blocks; None keeps the weights in
+    # `dtype`.
     quantization: str | None = None
     # "auto": float32 on the CPU (activations are float32 there), the model dtype on CUDA.
     kv_cache_dtype: str = "auto"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from aioengine.model.default import bundled_model_path
 
@@ -20,3 +21,12 @@ def bundled_tokenizer(bundled_gguf_path: str):
 
     return AutoTokenizer.from_pretrained(
         os.path.dirname(bundled_gguf_path), gguf_file=os.path.basename(bundled_gguf_path))
+
+
+@pytest.fixture
+def bench_threads(monkeypatch: pytest.MonkeyPatch):
+    """The benchmark sets torch's thread count and AIOENGINE_CPU_THREADS; restore both."""
+    monkeypatch.setenv("AIOENGINE_CPU_THREADS", "0")
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)

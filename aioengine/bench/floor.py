@@ -36,6 +36,22 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
 BANDWIDTH_REPEATS = 5
 
 
+def close_child(proc: subprocess.Popen) -> None:
+    """Ends a benchmark child that reads its stdin until EOF: its pipes closed (a child
+    already gone is fine), then a minute to exit before it is killed."""
+    for stream in (proc.stdin, proc.stdout):
+        if stream is not None:
+            try:
+                stream.close()
+            except BrokenPipeError:
+                pass
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = BANDWIDTH_REPEATS) -> float:
     """Memory read bandwidth in bytes/s, measured once by a BandwidthProbe."""
     with BandwidthProbe(num_bytes, repeats) as probe:
@@ -117,18 +133,8 @@ class BandwidthProbe:
 
     def close(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.stdin is not None:
-            try:
-                proc.stdin.close()
-            except BrokenPipeError:
-                pass
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            close_child(proc)
 
     def __enter__(self) -> BandwidthProbe:
         return self

@@ -189,18 +189,9 @@ class PeerProcess:
                         f"its end:\n{log_tail(self.log_path)})")
 
     def close(self) -> None:
-        proc = self._proc
-        for stream in (proc.stdin, proc.stdout):
-            if stream is not None:
-                try:
-                    stream.close()
-                except BrokenPipeError:
-                    pass
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        from aioengine.bench.floor import close_child
+
+        close_child(self._proc)
         self._cwd.cleanup()
         if not self._failed:
             os.unlink(self.log_path)

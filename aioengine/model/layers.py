@@ -87,10 +87,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     gemv_max_rows = GEMV_MAX_ROWS if packed is None else PACKED_GEMV_MAX_ROWS
     if m <= gemv_max_rows and (out := cpu_kernels.gemv(x, weight, bias, scales)) is not None:
         return out
-    if weight.dtype == torch.int8:
-        return _int8_linear(x, weight, bias, scales)
-    if weight.dtype == torch.uint8:
-        return _q4_1_linear(x, weight, bias)
     if weight.dtype != torch.float32:
         return _torch_linear(x, weight, bias, scales)
     if m <= gemv_max_rows and (c := _num_chunks(n)) > 1:
@@ -108,7 +104,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
 def _torch_linear(x: Tensor, weight: Tensor, bias: Tensor | None,
                   scales: Tensor | None) -> Tensor:
     """In the weight's float dtype (x and the result rounded to it, fp32 sums: oneDNN's
-    bf16 matmul), the result in x's dtype; int8 weights as `_int8_linear`."""
+    bf16 matmul), the result in x's dtype; int8 weights as `_int8_linear`, Q4_1 blocks as
+    `_q4_1_linear`."""
     if weight.dtype == torch.int8:
         return _int8_linear(x, weight, bias, scales)
     if weight.dtype == torch.uint8:
@@ -131,11 +128,10 @@ def dequantize_q4_1(blocks: Tensor) -> Tensor:
 
 def quantize_dequantize_blocks(x: Tensor) -> Tensor:
     """x [M, K] as the Q4_1 gemv sees it: each 32-block quantized to int8 with its own
-    scale (max|x| / 127, as kernels/cpu/gemv_q4_1.h), then multiplied back."""
-    xb = x.view(x.shape[0], -1, 32)
-    s = xb.abs().amax(dim=-1, keepdim=True) * _INV_127
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    return (torch.round(xb / s).clamp_(-127, 127) * s).view_as(x)
+    scale (`quantize_int8_rows` over blocks, as kernels/cpu/gemv_q4_1.h), then multiplied
+    back."""
+    q, s = quantize_int8_rows(x.reshape(-1, 32))
+    return (q.float() * s[:, None]).view_as(x)
 
 
 def _q4_1_linear(x: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
@@ -149,10 +145,12 @@ def _q4_1_linear(x: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
 _INV_127 = float(torch.tensor(1.0 / 127.0, dtype=torch.float32))
 
 
-def quantize_int8_tokens(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Dynamic symmetric per-row int8 of activations x [M, K]: s = max|x_row| / 127 (1 for
-    a zero row), q = round_half_even(x / s). The C gemv quantizes its rows the same way,
-    bit for bit."""
+def quantize_int8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric per-row int8 of x [M, K] (weights at load; activations for w8a8, and per
+    32-block for Q4_1): s = max|x_row| * (the float nearest 1/127), 1 for a zero row;
+    q = round_half_even(x / s), so |x - q s| <= s / 2. The C kernels quantize their rows
+    the same way, bit for bit. Returns (q [M, K] int8, s [M] float32)."""
+    x = x.float()
     scales = x.abs().amax(dim=1) * _INV_127
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
     return torch.round(x / scales[:, None]).clamp_(-127, 127).to(torch.int8), scales
@@ -171,13 +169,13 @@ def _int8_linear(x: Tensor, weight: Tensor, bias: Tensor | None,
 
 def _w8a8_linear(x: Tensor, weight: Tensor, bias: Tensor | None,
                  scales: Tensor | None) -> Tensor:
-    """W8A8: x quantized per row (`quantize_int8_tokens`), int8 x int8 -> int32 products
+    """W8A8: x quantized per row (`quantize_int8_rows`), int8 x int8 -> int32 products
     summed exactly (`torch._int_mm`, ~0.7-0.8 TOPS here against ~0.3-0.4 TFLOP/s for
     oneDNN's bf16 matmul), then (acc * s_x) * s_w (+ bias). Integer sums are exact, so the
     C gemv (VNNI or 16-bit multiply-adds) gives the same bits for a decode row: a request's
     tokens do not depend on how many others share its step."""
     assert scales is not None, "an int8 weight needs its scales"
-    xq, x_scales = quantize_int8_tokens(x.float())
+    xq, x_scales = quantize_int8_rows(x)
     out = torch._int_mm(xq, weight.t()).float().mul_(x_scales[:, None]).mul_(scales)
     if bias is not None:
         out.add_(bias)
@@ -209,24 +207,17 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
     return nn.Parameter(hugepages.empty(shape, dtype, device), requires_grad=False)
 
 
-def quantize_int8_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric per-row int8: q = round(w / s) with s = max|w_row| / 127 (1 for a zero
-    row), so w ~ q * s with |w - q s| <= s / 2. Returns (q [N, K] int8, s [N] float32)."""
-    w = weight.float()
-    scales = w.abs().amax(dim=1) / 127.0
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scales
-
-
 class Linear(nn.Module):
     """y = x W^T (+ b): one projection (q/k/v fused, gate/up fused, o, down, the LM head),
     owning its weight in a storage format: float32 (with an optional oneDNN-packed copy),
-    bf16, fp16, or int8 with per-output-row scales. Callers never branch on the format:
-    `forward` and the fused decode kernel (`decode_fields`) read it from here.
+    bf16, fp16, int8 with per-output-row scales (weight-only, or w8a8 with `act_quant`), or
+    a GGUF's Q4_1 blocks. Callers never branch on the format: `forward` and the fused
+    decode's pointer table (LlamaForCausalLM._decode_layer_table, `gemv_format`) read it
+    from here.
 
     Built in the checkpoint's load dtype; `load_weights` fills `weight` (and `bias`) row
-    ranges; `convert` then moves the weight to its storage format."""
+    ranges; `convert` then moves the weight to its storage format (or `use_q4_1_storage`
+    makes room for the GGUF's blocks, which `load_weights` then fills the same way)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -243,21 +234,20 @@ class Linear(nn.Module):
 
     @property
     def storage(self) -> str:
-        """One of WEIGHT_STORAGES, or "q4_1" (the GGUF's own blocks, `load_q4_1`)."""
+        """One of WEIGHT_STORAGES, or "q4_1" (the GGUF's own blocks, `use_q4_1_storage`)."""
         if self.weight.dtype == torch.uint8:
             return "q4_1"
         return "w8a8" if self.act_quant else str(self.weight.dtype).removeprefix("torch.")
 
-    def load_q4_1(self, blocks: Tensor) -> None:
-        """Takes the GGUF's Q4_1 blocks [out_features, in_features / 32 * 20] as the weight
-        (read as stored, never dequantized but per call of many rows)."""
-        expected = (self.out_features, self.in_features // 32 * 20)
-        if self.in_features % 32 or tuple(blocks.shape) != expected:
-            raise ValueError(f"Q4_1 blocks of shape {tuple(blocks.shape)}, expected {expected}")
+    def use_q4_1_storage(self) -> None:
+        """Replaces the weight with room for a GGUF's Q4_1 blocks [out_features,
+        in_features / 32 * 20] (uninitialised: the loader copies the file's blocks in, and
+        they are read as stored, dequantized only per call of many rows)."""
+        if self.in_features % 32:
+            raise ValueError(f"Q4_1 needs in_features divisible by 32, got {self.in_features}")
         self.packed, self.scales, self.act_quant = None, None, False
-        self.weight = nn.Parameter(
-            hugepages.empty(expected, torch.uint8, blocks.device).copy_(blocks),
-            requires_grad=False)
+        self.weight = _param(self.out_features, self.in_features // 32 * 20, dtype=torch.uint8,
+                             device=self.weight.device)
 
     @property
     def gemv_format(self) -> int:

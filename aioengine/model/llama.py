@@ -2,15 +2,15 @@
 
 Written for few Python ops per layer: q/k/v are one matmul, gate/up are one matmul, RoPE
 reads a precomputed cos/sin table, each residual add is fused into the RMSNorm after it, and
-SiLU-and-mul is one op (`aioengine.model.layers`, with C kernels on the CPU). On the CPU in
-float32, a decode step of up to FUSED_DECODE_MAX_TOKENS requests runs all decoder layers in
-one C call instead (`cpu_kernels.llama_decode`); the layer-by-layer path is its reference.
+SiLU-and-mul is one op (`aioengine.model.layers`, with C kernels on the CPU; RoPE in
+`aioengine.model.rotary`). On the CPU (float32 activations, weights in any storage of
+`layers.Linear`), a decode step of up to FUSED_DECODE_MAX_TOKENS requests runs all decoder
+layers in one C call instead (`cpu_kernels.llama_decode`); the layer path is its reference.
 Weights arrive with Hugging Face names through `load_weights`, which fuses them into our
 layout.
 """
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Iterable
 
@@ -24,6 +24,7 @@ from aioengine.model.arch import ModelArchConfig
 from aioengine.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from aioengine.model.layers import (Linear, _param, embed, fused_add_rms_norm, lm_head_logits,
                                     rms_norm, silu_and_mul)
+from aioengine.model.rotary import RopeStep, RotaryEmbedding, rope_inv_freq
 
 
 # Decode-only steps of up to this many tokens run the decoder layers in one C call where it
@@ -33,70 +34,6 @@ from aioengine.model.layers import (Linear, _param, embed, fused_add_rms_norm, l
 # 8 tokens 37.6 -> 34.2; at 12 they are even (oneDNN's GEMM takes over), at 16 the layer
 # path wins (52.6 vs 58.1).
 FUSED_DECODE_MAX_TOKENS = 8
-
-
-def rope_inv_freq(arch: ModelArchConfig) -> Tensor:
-    """Inverse frequencies [head_dim // 2] (float32), with llama3 scaling when configured."""
-    dim = arch.head_dim
-    exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    inv_freq = 1.0 / (arch.rope_theta ** exponent)
-    scaling = arch.rope_scaling
-    if scaling is None:
-        return inv_freq
-    # llama3: long wavelengths are slowed down by `factor`, short ones kept, and the band
-    # in between interpolated smoothly.
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(medium, smoothed, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """Neox-style RoPE (rotate halves) from a cos/sin table indexed by position."""
-
-    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.max_positions = arch.max_position_embeddings
-        self.dtype = dtype
-        self.set_inv_freq(rope_inv_freq(arch), device)
-
-    def set_inv_freq(self, inv_freq: Tensor, device: torch.device) -> None:
-        # Built in float32 like the reference implementation, stored in the model dtype.
-        pos = torch.arange(self.max_positions, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq.float())
-        self.cos = freqs.cos().to(device=device, dtype=self.dtype)  # [P, D/2]
-        self.sin = freqs.sin().to(device=device, dtype=self.dtype)
-
-    def lookup(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos/sin [T, 1, D/2] for broadcasting over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-class RopeStep:
-    """One step's rotary embedding, applied by every layer to its q and k heads."""
-
-    def __init__(self, rotary: RotaryEmbedding, positions: Tensor) -> None:
-        self.rotary, self.positions = rotary, positions
-        self._cos_sin: tuple[Tensor, Tensor] | None = None
-
-    def __call__(self, x: Tensor) -> Tensor:
-        """x [T, H, D] rotated: in place by the C kernel where it applies (CPU, float32),
-        else a new tensor from the torch ops (cos/sin looked up once per step)."""
-        if cpu_kernels.rotary_embedding(x, self.positions, self.rotary.cos, self.rotary.sin):
-            return x
-        if self._cos_sin is None:
-            self._cos_sin = self.rotary.lookup(self.positions)
-        return apply_rope(x, *self._cos_sin)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [T, H, D]: rotates the pair (x[i], x[i + D/2]) by the position's angle i."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -270,23 +207,12 @@ class LlamaForCausalLM(nn.Module):
         the embedding / LM head become int8 (their file format, Q8_0, is not read as is).
         Raises ValueError for a projection the blocks leave unfilled."""
         self._decode_table = None
-        fused: dict[str, Tensor] = {}
-        filled: dict[str, int] = {}
-        for hf_name, data in blocks:
-            name, rows = self._locate(hf_name)
-            lin = self.get_submodule(name.rsplit(".", 1)[0])
-            buf = fused.setdefault(name, torch.empty(lin.out_features, data.shape[1],
-                                                     dtype=torch.uint8))
-            lo, hi = rows if rows is not None else (0, lin.out_features)
-            buf[lo:hi].copy_(data)
-            filled[name] = filled.get(name, 0) + 1
-        for layer_index, layer in enumerate(self.layers):
-            for proj, lin in zip(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
-                                 layer.projections()):
-                name = f"layers.{layer_index}.{proj}.weight"
-                if filled.get(name, 0) < self._PARTS.get(f"{proj}.weight", 1):
-                    raise ValueError(f"no Q4_1 blocks for {name}")
-                lin.load_q4_1(fused[name])
+        projections = [lin for layer in self.layers for lin in layer.projections()]
+        for lin in projections:
+            lin.use_q4_1_storage()
+        names = {id(p): n for n, p in self.named_parameters()}
+        self._check_loaded(self._copy_weights(blocks),
+                           [names[id(lin.weight)] for lin in projections], "Q4_1 blocks")
         self.embed_tokens.convert("int8")
         if self.lm_head is not self.embed_tokens:
             self.lm_head.convert("int8")
@@ -306,7 +232,8 @@ class LlamaForCausalLM(nn.Module):
 
     def weight_bytes(self) -> int:
         """Resident bytes of every parameter in its storage format, packed copies included."""
-        lin_params = {id(t) for lin in self.linears() for t in (lin.weight, lin.bias) if t is not None}
+        lin_params = {id(t) for lin in self.linears() for t in (lin.weight, lin.bias)
+                      if t is not None}
         rest = sum(p.numel() * p.element_size() for p in self.parameters()
                    if id(p) not in lin_params)
         return rest + sum(lin.nbytes() for lin in self.linears())
@@ -328,6 +255,12 @@ class LlamaForCausalLM(nn.Module):
         a fused one) left unloaded.
         """
         self._decode_table = None  # raw pointers to the parameters: rebuilt on next use
+        self._check_loaded(self._copy_weights(weights),
+                           [name for name, _ in self.named_parameters()], "weight(s)")
+
+    def _copy_weights(self, weights: Iterable[tuple[str, Tensor]]) -> dict[str, int]:
+        """Copies each HF-named tensor into its parameter (or its rows of a fused one);
+        returns how many tensors went into each parameter."""
         parts_loaded: dict[str, int] = {}
         for hf_name, tensor in weights:
             target = self._locate(hf_name)
@@ -341,11 +274,15 @@ class LlamaForCausalLM(nn.Module):
                                  f"expected {tuple(dest.shape)}")
             dest.copy_(tensor)
             parts_loaded[name] = parts_loaded.get(name, 0) + 1
-        missing = [name for name, _ in self.named_parameters()
-                   if parts_loaded.get(name, 0) < self._PARTS.get(".".join(name.split(".")[-2:]), 1)]
+        return parts_loaded
+
+    def _check_loaded(self, parts_loaded: dict[str, int], names: list[str], what: str) -> None:
+        """Raises ValueError naming the parameters among `names` left (partly) unloaded."""
+        missing = [name for name in names if parts_loaded.get(name, 0)
+                   < self._PARTS.get(".".join(name.split(".")[-2:]), 1)]
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-            raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {shown}")
+            raise ValueError(f"checkpoint is missing {len(missing)} {what}: {shown}")
 
     # Fused parameters and how many checkpoint tensors fill each.
     _PARTS = {"qkv_proj.weight": 3, "qkv_proj.bias": 3, "gate_up_proj.weight": 2}

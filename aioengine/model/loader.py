@@ -98,7 +98,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                quantization: str | None = None) -> LoadedModel:
     """Loads weights, config and tokenizer; see the module docstring for what `model` can be.
     The projections and the embedding are stored in `dtype`, or as int8 with per-row scales
-    for quantization="int8", computed from whatever the checkpoint holds."""
+    for quantization="int8" / "w8a8", computed from whatever the checkpoint holds; "gguf"
+    keeps a GGUF's own Q4_1 projection blocks."""
     if dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
         raise ModelLoadError(f"unsupported dtype {dtype}; supported: {names}")
@@ -131,14 +132,19 @@ def _arch_config(hf_config: Any, path: str) -> ModelArchConfig:
 
 
 def _build(arch: ModelArchConfig, weights: Iterator[tuple[str, torch.Tensor]],
-           dtype: torch.dtype, device: torch.device, path: str, storage: str) -> LlamaForCausalLM:
+           dtype: torch.dtype, device: torch.device, path: str, storage: str,
+           q4_1_blocks: Iterator[tuple[str, torch.Tensor]] | None = None) -> LlamaForCausalLM:
+    """The model in `storage`: loaded from `weights` (in the activations' dtype), then
+    converted, or given a GGUF's own Q4_1 blocks (`q4_1_blocks`, storage "gguf")."""
     compute = activation_dtype(dtype, device)
     model = LlamaForCausalLM(arch, compute, device)
     try:
         model.load_weights(weights)
+        if q4_1_blocks is not None:
+            model.load_q4_1_blocks(q4_1_blocks)
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from e
-    if storage != str(compute).removeprefix("torch.") and storage != "gguf":
+    if q4_1_blocks is None and storage != str(compute).removeprefix("torch."):
         model.convert_weights(storage)
     added = model.pack_weights()
     if added:
@@ -203,13 +209,10 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device,
     arch = _arch_config(hf_config, path)
     weights = gguf_loader.iter_gguf_weights(reader, arch.num_attention_heads,
                                             arch.num_key_value_heads)
-    model = _build(arch, weights, dtype, device, path, storage)
-    if storage == "gguf":
-        try:
-            model.load_q4_1_blocks(gguf_loader.iter_gguf_q4_1_blocks(
-                reader, arch.num_attention_heads, arch.num_key_value_heads))
-        except ValueError as e:
-            raise ModelLoadError(f"{path}: {e}") from e
+    blocks = (gguf_loader.iter_gguf_q4_1_blocks(reader, arch.num_attention_heads,
+                                                arch.num_key_value_heads)
+              if storage == "gguf" else None)
+    model = _build(arch, weights, dtype, device, path, storage, blocks)
     factors = gguf_loader.rope_freq_factors(reader)
     if factors is not None:
         model.set_rope_freq_factors(factors)

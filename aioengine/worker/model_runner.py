@@ -27,14 +27,15 @@ from aioengine.sample import (Sampler, SamplingMetadata, SamplingRow, compute_pr
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
+                 device: torch.device, kv_cache_dtype: torch.dtype, seed: int = 0) -> None:
         self.model = loaded.model
         self.arch = loaded.arch
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.vocab_size = loaded.arch.vocab_size
-        self.kv_caches = make_kv_caches(loaded.arch, num_blocks, block_size, dtype, device)
+        self.kv_caches = make_kv_caches(loaded.arch, num_blocks, block_size, kv_cache_dtype,
+                                        device)
         # Unseeded requests share this generator (engine seed); seeded ones have their own.
         self.sampler = Sampler(torch.Generator(device).manual_seed(seed))
         # On CUDA the forward is issued on its own stream (from the worker thread); reading

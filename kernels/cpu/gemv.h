@@ -114,9 +114,9 @@ static inline __attribute__((always_inline)) void gemv_rows(
     float *restrict y, int64_t y_stride, const float *restrict x, const gemv_weight *W,
     const float *restrict bias, int64_t lo, int64_t hi, int64_t k, const int M, const int A,
     const int F) {
-    const int64_t step = 8 * A, k_vec = k - k % step, esize = F == GEMV_F32 ? 4 : F == GEMV_BF16 ? 2 : 1;
+    const int64_t step = 8 * A, k_vec = k - k % step, row_bytes = gemv_row_bytes(F, k);
     for (int64_t r = lo; r < hi; r++) {
-        const void *wr = (const char *)W->data + r * k * esize;
+        const void *wr = (const char *)W->data + r * row_bytes;
         v8f acc[M][A];
         for (int m = 0; m < M; m++)
             for (int a = 0; a < A; a++) acc[m][a] = (v8f){0};
@@ -309,6 +309,16 @@ static inline const float *gemv_prepare_x(float *restrict buf, const float *rest
     default: gemv_rows(ym, n, xm, W, bias, lo, hi, k, 4, 2, F); break;                     \
     }
 
+/* The kernels whose x gemv_prepare_x quantized (all M rows in one buffer): rows m0 to
+ * m0 + m4 of it. */
+#define QUANTIZED_X_CASES(fn)                                                               \
+    switch (m4) {                                                                          \
+    case 1: fn(ym, n, xp, M, W, bias, lo, hi, k, m0, 1); break;                            \
+    case 2: fn(ym, n, xp, M, W, bias, lo, hi, k, m0, 2); break;                            \
+    case 3: fn(ym, n, xp, M, W, bias, lo, hi, k, m0, 3); break;                            \
+    default: fn(ym, n, xp, M, W, bias, lo, hi, k, m0, 4); break;                           \
+    }
+
 /* Rows [lo, hi) of y = x w^T (+ bias); x [M, k] as gemv_prepare_x leaves it, y [M, n],
  * both contiguous; more than 4 rows of x go 4 at a time. */
 static inline void gemv_range(float *restrict y, const float *restrict xp, const gemv_weight *W,
@@ -328,19 +338,9 @@ static inline void gemv_range(float *restrict y, const float *restrict xp, const
         } else if (W->fmt == GEMV_I8) {
             GEMV_CASES(GEMV_I8)
         } else if (W->fmt == GEMV_Q4_1) {
-            switch (m4) {
-            case 1: gemv_rows_q41(ym, n, xp, M, W, bias, lo, hi, k, m0, 1); break;
-            case 2: gemv_rows_q41(ym, n, xp, M, W, bias, lo, hi, k, m0, 2); break;
-            case 3: gemv_rows_q41(ym, n, xp, M, W, bias, lo, hi, k, m0, 3); break;
-            default: gemv_rows_q41(ym, n, xp, M, W, bias, lo, hi, k, m0, 4); break;
-            }
+            QUANTIZED_X_CASES(gemv_rows_q41)
         } else if (W->fmt == GEMV_I8A8) {
-            switch (m4) {
-            case 1: gemv_rows_i8(ym, n, xp, M, W, bias, lo, hi, k, m0, 1); break;
-            case 2: gemv_rows_i8(ym, n, xp, M, W, bias, lo, hi, k, m0, 2); break;
-            case 3: gemv_rows_i8(ym, n, xp, M, W, bias, lo, hi, k, m0, 3); break;
-            default: gemv_rows_i8(ym, n, xp, M, W, bias, lo, hi, k, m0, 4); break;
-            }
+            QUANTIZED_X_CASES(gemv_rows_i8)
         } else {
 #ifdef GEMV_DPBF16
             const uint16_t *xb = (const uint16_t *)xm;

@@ -91,7 +91,7 @@ static inline __attribute__((always_inline)) void gemv_rows_q41(
     float *restrict y, int64_t y_stride, const float *restrict xp, int64_t M_all,
     const gemv_weight *W, const float *restrict bias, int64_t lo, int64_t hi, int64_t k,
     int64_t m0, const int M) {
-    (void)M_all;
+    (void)M_all; /* gemv_rows_i8's signature: rows here are m0-relative, whatever M_all */
     const int64_t nb = k / 32, xrow = q41_x_row_bytes(k);
     const uint8_t *x0 = (const uint8_t *)xp + m0 * xrow;
     for (int64_t r = lo; r < hi; r++) {

@@ -19,15 +19,6 @@ from aioengine.model.loader import load_model
 from tests.tiny_models import make_tiny_model_dir
 
 
-@pytest.fixture
-def bench_threads(monkeypatch: pytest.MonkeyPatch):
-    """The benchmark sets torch's thread count and AIOENGINE_CPU_THREADS; restore both."""
-    monkeypatch.setenv("AIOENGINE_CPU_THREADS", "0")
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 def _safetensors_data_bytes(path: Path) -> int:
     """Tensor bytes of a safetensors file: its size minus the 8-byte length and the header."""
     with open(path, "rb") as f:

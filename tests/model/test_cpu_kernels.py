@@ -10,7 +10,7 @@ from aioengine.model.attention import TorchAttentionBackend, build_attention_met
 from aioengine.model import layers
 from aioengine.model.layers import (GEMV_MAX_ROWS, _num_chunks, fused_add_rms_norm, linear,
                                     pack_linear_weight, rms_norm, silu_and_mul)
-from aioengine.model.llama import apply_rope
+from aioengine.model.rotary import apply_rope
 
 CPU = torch.device("cpu")
 

@@ -19,9 +19,11 @@ BLOCK_SIZE = 4
 
 # Weight storage -> (dtype, quantization) and the tolerance of fused vs layer path: the same
 # arithmetic up to summation order, except that bf16 rounds each projection's output, so a
-# last-bit difference in a sum can become one bf16 ulp (2^-8 relative) there.
+# last-bit difference in a sum can become one bf16 ulp (2^-8 relative) there, and w8a8
+# quantizes each projection's input, so one can become a quantization step (the
+# projections themselves are bit-exact: tests/model/test_cpu_dispatch.py).
 STORAGES = {"float32": (torch.float32, None, 1e-5), "bfloat16": (torch.bfloat16, None, 3e-2),
-            "int8": (torch.float32, "int8", 1e-4), "w8a8": (torch.float32, "w8a8", 1e-5)}
+            "int8": (torch.float32, "int8", 1e-4), "w8a8": (torch.float32, "w8a8", 3e-2)}
 
 
 @pytest.fixture(scope="module", params=[(a, s) for a in TINY_ARCHS for s in STORAGES],

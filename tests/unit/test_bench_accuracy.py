@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from aioengine.bench import build_parser
-from aioengine.bench.accuracy import (CONFIGS, PPL_TEXT_FILE, PplWindow, config_kwargs,
-                                      first_divergence, format_accuracy, greedy_agreement,
-                                      parse_configs, perplexity, ppl_windows, window_nll)
+from aioengine.bench.accuracy import (CONFIGS, PPL_TEXT_FILE, config_kwargs, format_accuracy,
+                                      parse_configs)
+from aioengine.bench.accuracy_metrics import (PplWindow, first_divergence, greedy_agreement,
+                                              perplexity, ppl_windows, window_nll)
 from aioengine.outputs import Logprob
 
 from tests.tiny_models import make_tiny_model_dir

@@ -278,15 +278,6 @@ def test_export_refuses_llama3_rope_factors(tmp_path: Path, bundled_gguf_path: s
 # ---- real peers (their venvs named in the environment) ---------------------------------
 
 
-@pytest.fixture
-def bench_threads(monkeypatch: pytest.MonkeyPatch):
-    """The benchmark sets torch's thread count and AIOENGINE_CPU_THREADS; restore both."""
-    monkeypatch.setenv("AIOENGINE_CPU_THREADS", "0")
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not LLAMACPP_PYTHON, reason="set AIOENGINE_LLAMACPP_PYTHON to run llama.cpp")
 def test_llamacpp_latency_agrees_with_ours(tiny_gguf, tmp_path: Path, bench_threads,
