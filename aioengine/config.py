@@ -56,6 +56,10 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # "fcfs" or "priority" (lower value first, then arrival)
+    # Speculative decoding: drafts per request per step (0 = off), and the batch size above
+    # which a step verifies none (None = no limit).
+    num_speculative_tokens: int = 0
+    spec_disable_by_batch_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,9 @@ class EngineArgs:
     # AsyncEngine: schedule a decode step while the one before it runs, so the worker goes
     # straight on to it (Scheduler.schedule_ahead). The synchronous LLM never does.
     async_scheduling: bool = True
+    # vLLM's speculative_config (a dict or its JSON text), validated by
+    # aioengine.spec_decode.SpeculativeConfig.parse; None = no speculative decoding.
+    speculative_config: dict | str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineArgs:

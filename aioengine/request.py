@@ -79,6 +79,9 @@ class Request:
     # The grammar matcher state of a structured-output request (aioengine.structured's
     # StructuredRequestState); None when unconstrained. Each sample has its own.
     structured: Any = None
+    # Draft tokens proposed after the last step (speculative decoding), verified in the
+    # next one; never part of all_token_ids (nor of any block hash) until accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

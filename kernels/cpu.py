@@ -257,16 +257,21 @@ def llama_decode(x: Tensor, layer_table: Tensor, final_norm: Tensor, *, num_head
                  num_kv_heads: int, head_dim: int, intermediate_size: int, eps: float,
                  scale: float, positions: Tensor, cos: Tensor, sin: Tensor,
                  slot_mapping: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                 num_blocks: int, block_size: int, weight_format: int = 0) -> bool:
-    """Runs every decoder layer and the final norm for a decode step, one token per request,
-    in place: x [T, H] goes in as the embeddings and comes out as the final-normed hidden
-    states; each layer's K/V are written into its cache (kernels/cpu/llama_decode.c).
+                 num_blocks: int, block_size: int, weight_format: int = 0,
+                 aux: Tensor | None = None, aux_layers: Tensor | None = None) -> bool:
+    """Runs every decoder layer and the final norm for a decode step of T single-token rows
+    (one per request, or several of one request: each row's K/V are written before any row
+    attends), in place: x [T, H] goes in as the embeddings and comes out as the final-normed
+    hidden states; each layer's K/V are written into its cache (kernels/cpu/llama_decode.c).
 
     layer_table from `decode_layer_table`; positions and slot_mapping [T] int64;
     block_tables [T, max_blocks] and seq_lens [T] int32 (AttentionMetadata's); cos/sin
     [max_positions, head_dim / 2]; weight_format the projections' WEIGHT_FORMATS value.
-    Raises IndexError, writing nothing, for a slot outside the caches. Returns False, changing nothing, when the kernel does not apply or is not
-    built.
+    aux [T, L * H] float32 with aux_layers [L] int64 (each in [0, num_layers)), or both
+    None: aux[:, j*H:(j+1)*H] receives the residual stream into layer aux_layers[j] (the
+    embeddings for 0), before its input norm. Raises IndexError, writing nothing, for a
+    slot outside the caches; ValueError for a layer index out of range. Returns False,
+    changing nothing, when the kernel does not apply or is not built.
     """
     t = x.shape[0]
     if not (x.dim() == 2 and _f32_rows(x, final_norm, cos, sin)
@@ -280,6 +285,18 @@ def llama_decode(x: Tensor, layer_table: Tensor, final_norm: Tensor, *, num_head
             and block_tables.is_contiguous() and seq_lens.shape == (t,)
             and seq_lens.is_contiguous() and cos.shape[-1] * 2 == head_dim):
         return False
+    num_aux, aux_ptr, aux_layers_ptr = 0, 0, 0  # 0: NULL, no aux output
+    if aux is not None or aux_layers is not None:
+        if not (aux is not None and aux_layers is not None and aux_layers.dim() == 1
+                and aux_layers.device.type == "cpu"
+                and aux_layers.dtype == torch.int64 and aux_layers.is_contiguous()
+                and aux.shape == (t, aux_layers.shape[0] * x.shape[-1]) and _f32_rows(aux)):
+            return False
+        indices = aux_layers.tolist()  # a few: cheaper than tensor ops
+        if indices and not 0 <= min(indices) <= max(indices) < layer_table.shape[0]:
+            raise ValueError(f"llama_decode: aux layer indices {indices} outside "
+                             f"[0, {layer_table.shape[0]})")
+        num_aux, aux_ptr, aux_layers_ptr = len(indices), aux.data_ptr(), aux_layers.data_ptr()
     lib = load()
     if lib is None:
         return False
@@ -288,7 +305,7 @@ def llama_decode(x: Tensor, layer_table: Tensor, final_norm: Tensor, *, num_head
         x.shape[1], num_heads, num_kv_heads, head_dim, intermediate_size, eps, scale,
         positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
         block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), num_blocks,
-        block_size, weight_format, torch.get_num_threads())
+        block_size, weight_format, aux_ptr, aux_layers_ptr, num_aux, torch.get_num_threads())
     if rc > 0:
         raise IndexError(f"llama_decode: {rc} slot(s) outside the cache's "
                          f"{num_blocks * block_size} slots")

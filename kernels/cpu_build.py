@@ -154,7 +154,7 @@ def _build(name: str) -> ctypes.CDLL:
     fn = lib.llama_decode
     fn.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
                    ctypes.c_float, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, ctypes.c_int,
-                   ctypes.c_int]
+                   ptr, ptr, i64, ctypes.c_int]
     fn.restype = i64
     return lib
 

@@ -25,10 +25,13 @@ _FILL_TIMEOUT_S = 120.0
 
 @dataclass(eq=False)
 class GrammarBitmask:
-    """Invariant: `states[i]` is the grammar state of sampled row i (None = unconstrained)."""
+    """Invariant: `states[i]` is the grammar state of sampled row i (None = unconstrained);
+    `drafts[i]`, when given, the draft tokens before row i's position (speculative
+    decoding: the row is filled as if they had been accepted, then they are rolled back)."""
 
     states: list[StructuredRequestState | None]
     vocab_size: int
+    drafts: list[list[int]] | None = None
     bitmask: torch.Tensor = field(init=False)  # [rows, ceil(vocab / 32)] int32, CPU
     ready: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
@@ -49,7 +52,7 @@ class GrammarBitmask:
         try:
             for i, state in enumerate(self.states):
                 if state is not None:
-                    state.fill_bitmask(self.bitmask, i)
+                    state.fill_bitmask(self.bitmask, i, self.drafts[i] if self.drafts else ())
         except Exception as e:  # noqa: BLE001 - handed to the worker
             self.error = e
         finally:

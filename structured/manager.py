@@ -65,14 +65,21 @@ class StructuredOutputManager:
         that samples, its request then the forks sampled with it. None if no row is
         constrained."""
         states: list[StructuredRequestState | None] = []
+        drafts: list[list[int]] = []
         for item in scheduler_output.scheduled:
             if item.num_samples == 0:
                 continue
+            if item.spec_token_ids:  # one row per verified position, after drafts[:j]
+                n = len(item.spec_token_ids) + 1
+                states.extend([item.request.structured] * n)
+                drafts.extend(item.spec_token_ids[:j] for j in range(n))
+                continue
             samples = [item.request] + item.request.pending_forks[:item.num_samples - 1]
             states.extend(sample.structured for sample in samples)
+            drafts.extend([] for _ in samples)
         if all(s is None for s in states):
             return None
-        return GrammarBitmask(states, self.vocab_size)
+        return GrammarBitmask(states, self.vocab_size, drafts)
 
     # ---- numbers ----------------------------------------------------------------------
 

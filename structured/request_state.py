@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import xgrammar as xgr
@@ -59,10 +59,28 @@ class StructuredRequestState:
         """The grammar accepted a stop token: the output is complete."""
         return self.matcher.is_terminated()
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int] = ()) -> None:
         """Allowed next tokens into `bitmask[row]`; a terminated matcher allows only its
-        stop tokens (xgrammar's own convention), which end the request anyway."""
-        self.matcher.fill_next_token_bitmask(bitmask, row)
+        stop tokens (xgrammar's own convention), which end the request anyway. With
+        `drafts` (valid ones: num_valid_drafts), the tokens allowed after them."""
+        matcher = self.matcher
+        for token_id in drafts:
+            if not matcher.accept_token(token_id):
+                raise RuntimeError(f"draft token {token_id} was validated but is rejected")
+        matcher.fill_next_token_bitmask(bitmask, row)
+        if drafts:
+            matcher.rollback(len(drafts))
+
+    def num_valid_drafts(self, drafts: Sequence[int]) -> int:
+        """How many leading draft tokens the grammar accepts from here (matcher unchanged)."""
+        matcher, num_valid = self.matcher, 0
+        for token_id in drafts:
+            if matcher.is_terminated() or not matcher.accept_token(token_id):
+                break
+            num_valid += 1
+        if num_valid:
+            matcher.rollback(num_valid)
+        return num_valid
 
     def accept(self, token_id: int) -> bool:
         """Advances with a sampled token; False if the grammar rejects it (which the mask

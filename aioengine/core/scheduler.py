@@ -24,6 +24,29 @@ from aioengine.core.scheduler_output import (PLACEHOLDER_TOKEN_ID, EngineCoreOut
                                              SchedulerOutput)
 from aioengine.request import Request, RequestStatus
 
+class SpecDecodingStats:
+    """vLLM's speculative-decoding counters: steps with drafts, draft tokens verified,
+    drafts accepted, and acceptances at each draft position."""
+
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = [0] * num_speculative_tokens
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.num_accepted_tokens_per_pos[pos] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verification step: 1 (the one it samples anyway) + accepted drafts."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
@@ -36,6 +59,7 @@ class Scheduler:
         self.newly_failed: list[Request] = []
         self.num_steps = 0
         self.num_steps_ahead = 0  # of them, scheduled ahead (schedule_ahead)
+        self.spec_stats = SpecDecodingStats(config.num_speculative_tokens)
 
     # ---- queue management --------------------------------------------------------------
 
@@ -80,8 +104,9 @@ class Scheduler:
         if self.config.policy == "priority":
             self.running.sort(key=self._queue_key)
         budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: list[tuple[Request, int, int]] = []  # (request, new tokens, of them drafts)
         preempted: list[Request] = []
+        speculate = self._speculates(len(self.running))
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -90,10 +115,15 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            if not self._allocate_or_preempt(request, num_new, preempted):
+            # Drafts ride along with a decode (one token left to compute), within the budget;
+            # their slots are allocated like any token's (rejected ones are rewritten later).
+            num_spec = 0
+            if speculate and request.num_tokens - request.num_computed_tokens == 1:
+                num_spec = min(len(request.spec_token_ids), budget - num_new)
+            if not self._allocate_or_preempt(request, num_new + num_spec, preempted):
                 break  # the request itself was preempted: nothing after it fits either
-            scheduled.append((request, num_new))
-            budget -= num_new
+            scheduled.append((request, num_new + num_spec, num_spec))
+            budget -= num_new + num_spec
             i += 1
 
         # Admit waiting requests only when nobody had to be preempted this step.
@@ -108,7 +138,7 @@ class Scheduler:
             num_new = self._admit(request, budget)
             if num_new is None:
                 break
-            scheduled.append((request, num_new))
+            scheduled.append((request, num_new, 0))
             budget -= num_new
 
         ready = [r for r in list(self.waiting) if self._grammar_ready(r)]
@@ -175,6 +205,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue_waiting(request)
@@ -187,31 +218,41 @@ class Scheduler:
         self.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
         self.newly_failed.append(request)
 
-    def _make_output(self, scheduled: list[tuple[Request, int]],
+    def _make_output(self, scheduled: list[tuple[Request, int, int]],
                      preempted: list[Request]) -> SchedulerOutput:
         items = []
-        for request, num_new in scheduled:
+        for request, num_new, num_spec in scheduled:
             start = request.num_computed_tokens
-            reaches_end = start + num_new == request.num_tokens
+            end = start + num_new - num_spec
+            drafts = request.spec_token_ids[:num_spec]
             items.append(ScheduledRequest(
                 request=request,
                 num_computed_tokens=start,
-                token_ids=request.all_token_ids[start:start + num_new],
+                token_ids=request.all_token_ids[start:end] + drafts,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                num_samples=(1 + len(request.pending_forks)) if reaches_end else 0,
+                num_samples=(1 + len(request.pending_forks)) if end == request.num_tokens else 0,
                 want_prompt_logprobs=(request.sampling_params.prompt_logprobs is not None
                                       and start < request.num_prompt_tokens),
+                spec_token_ids=drafts,
             ))
-        # Decodes first: the attention backend batches all single-token rows in one call.
-        items.sort(key=lambda s: s.num_new_tokens != 1)
+        # Decodes first: the attention backend batches all single-token rows in one call
+        # (a request with drafts is one decode row per position).
+        items.sort(key=lambda s: not s.is_decode)
         self.num_steps += 1
         return SchedulerOutput(
             scheduled=items,
-            total_num_scheduled_tokens=sum(n for _, n in scheduled),
+            total_num_scheduled_tokens=sum(n for _, n, _ in scheduled),
             blocks_to_copy=self.kv_cache_manager.take_copy_ops(),
             preempted=preempted,
             step_id=self.num_steps,
+            propose_drafts=self._speculates(len(self.running)),
         )
+
+    def _speculates(self, num_running: int) -> bool:
+        """Whether a step of `num_running` requests verifies (and proposes) drafts."""
+        limit = self.config.spec_disable_by_batch_size
+        return (self.config.num_speculative_tokens > 0
+                and (limit is None or num_running <= limit))
 
     # ---- async scheduling ------------------------------------------------------------
 
@@ -235,7 +276,8 @@ class Scheduler:
         owner in a later step (the worker runs steps in order) before anyone reads it.
         """
         live = [item for item in in_flight.scheduled if not item.request.is_finished]
-        if (self.waiting or len(live) != len(self.running)
+        # With drafts proposed after `in_flight`, the next step needs its update first.
+        if (in_flight.propose_drafts or self.waiting or len(live) != len(self.running)
                 or len(live) > self.config.max_num_batched_tokens
                 or not all(self._can_run_ahead(item) for item in live)):
             return None
@@ -286,13 +328,21 @@ class Scheduler:
 
         A request finished while the forward ran (abort, stop string) is skipped: the token
         computed for it is dropped.
+
+        With drafts, the sampled tokens (accepted drafts, then the token after them) are
+        appended one at a time, each checked as if it were the step's only token: the run
+        ends at the first that stops the request or is followed by jump-forward tokens, and
+        `num_computed_tokens` covers only the positions whose input was kept. The KV of the
+        rest stays in its slots, to be rewritten.
         """
         outputs: list[EngineCoreOutput] = []
         for item in scheduler_output.scheduled:
             request = item.request
             if request.is_finished:
                 continue
-            request.num_computed_tokens += item.num_new_tokens
+            num_drafts = len(item.spec_token_ids)
+            request.num_computed_tokens += item.num_new_tokens - num_drafts
+            request.spec_token_ids = []
             rid = request.request_id
             prompt_lps = runner_output.prompt_logprobs.get(rid)
             tokens = runner_output.sampled_token_ids.get(rid)
@@ -301,24 +351,61 @@ class Scheduler:
                     outputs.append(EngineCoreOutput(request, [], prompt_logprobs=prompt_lps))
                 continue
             logprobs = runner_output.logprobs.get(rid)
+            if num_drafts:
+                self.spec_stats.observe(num_drafts, len(tokens) - 1)
             samples = [request] + self._fork(request)
+            if len(samples) == 1:
+                outputs.append(self._append_run(request, tokens, logprobs, prompt_lps,
+                                                runner_output.spec_token_ids.get(rid)))
+                continue
             for i, (sample, token) in enumerate(zip(samples, tokens)):
-                sample.append_output_token_ids([token])
-                new_token_ids = [token]
-                if sample.structured is not None:
-                    new_token_ids += self._advance_structured(sample, token)
-                if not sample.is_finished:
-                    self._check_stop(sample)
-                outputs.append(EngineCoreOutput(
-                    sample, new_token_ids,
-                    new_logprobs=logprobs[i:i + 1] if logprobs else None,
-                    prompt_logprobs=prompt_lps if i == 0 else None))
+                out = self._append_run(sample, [token], logprobs[i:i + 1] if logprobs else None,
+                                       prompt_lps if i == 0 else None,
+                                       runner_output.spec_token_ids.get(sample.request_id))
+                outputs.append(out)
         for out in outputs:
             if out.finished and out.request.request_id in self.requests:
                 self.running.remove(out.request)
                 del self.requests[out.request.request_id]
                 self.kv_cache_manager.free(out.request)
         return outputs
+
+    def _append_run(self, request: Request, tokens: list[int], logprobs: list | None,
+                    prompt_lps: list | None, drafts: list[int] | None) -> EngineCoreOutput:
+        """Appends `tokens` (sampled in one step for `request`, each after the one before)
+        until one ends the request or brings jump-forward tokens; takes the drafts the
+        runner proposed after them only if every token was kept."""
+        new_token_ids: list[int] = []
+        kept = 0
+        for token in tokens:
+            if kept:
+                request.num_computed_tokens += 1  # the previous token's KV is now verified
+            kept += 1
+            request.append_output_token_ids([token])
+            new_token_ids.append(token)
+            extra = self._advance_structured(request, token) if request.structured else []
+            new_token_ids += extra
+            if not request.is_finished:
+                self._check_stop(request)
+            if request.is_finished or extra:
+                break
+        if drafts and kept == len(tokens) and not request.is_finished and not extra:
+            request.spec_token_ids = self._usable_drafts(request, drafts)
+        return EngineCoreOutput(request, new_token_ids,
+                                new_logprobs=logprobs[:kept] if logprobs else None,
+                                prompt_logprobs=prompt_lps)
+
+    def _usable_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        """The drafts that can matter next step: no more than the tokens the request may
+        still produce after the one the step samples anyway, and, under a grammar, the
+        prefix the matcher accepts."""
+        params = request.sampling_params
+        room = min((params.max_tokens or 0) - request.num_output_tokens,
+                   self.config.max_model_len - request.num_tokens) - 1
+        drafts = drafts[:max(room, 0)]
+        if drafts and request.structured is not None:
+            drafts = drafts[:request.structured.num_valid_drafts(drafts)]
+        return drafts
 
     def _fork(self, request: Request) -> list[Request]:
         """The first sample of an n > 1 request just finished its prompt: the others start

@@ -28,15 +28,31 @@ class ScheduledRequest:
     num_samples: int
     # Prompt positions whose next-token logprobs are wanted (prompt_logprobs).
     want_prompt_logprobs: bool = False
+    # Speculative decoding: the draft tokens verified this step, the last len() entries of
+    # token_ids. The runner computes each of the 1 + len() positions as its own row and
+    # samples all of them (spec_decode's rejection sampler).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_new_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def is_decode(self) -> bool:
+        """One token, or one plus drafts: every row attends as a decode row."""
+        return len(self.token_ids) == 1 or bool(self.spec_token_ids)
+
+    @property
+    def num_logits_rows(self) -> int:
+        """Rows of logits the runner samples for this item, in order (the grammar bitmask
+        has the same rows): one per verified position with drafts, else num_samples."""
+        return len(self.spec_token_ids) + 1 if self.spec_token_ids else self.num_samples
+
 
 @dataclass
 class ModelRunnerOutput:
-    # request_id -> the tokens sampled from its last row: 1, or 1 + pending forks.
+    # request_id -> the tokens sampled from its last row: 1, or 1 + pending forks; with
+    # drafts, the accepted drafts then one token sampled after them (1 .. 1 + drafts).
     sampled_token_ids: dict[str, list[int]]
     # request_id -> logprobs of each sampled token (aligned with sampled_token_ids).
     logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
@@ -44,6 +60,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     # Seconds the worker spent in "prepare", "forward" and "sample" (for the timeline).
     timings: dict[str, float] = field(default_factory=dict)
+    # Speculative decoding: request_id -> drafts proposed for the step after this one,
+    # assuming every token in sampled_token_ids is kept (else update_from_output drops them).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -75,6 +94,9 @@ class SchedulerOutput:
     # of its requests computes one token, whose id (PLACEHOLDER_TOKEN_ID here) is the one
     # that step samples for it.
     follows_step: int | None = None
+    # Speculative decoding: whether the runner proposes drafts after this step (off for
+    # batches above the configured disable_by_batch_size).
+    propose_drafts: bool = False
 
     @property
     def is_empty(self) -> bool:

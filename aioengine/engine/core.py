@@ -28,6 +28,7 @@ from aioengine.kernels import cpu as cpu_kernels
 from aioengine.model.loader import activation_dtype, load_model
 from aioengine.request import Request, RequestStatus
 from aioengine.sampling_params import SamplingParams
+from aioengine.spec_decode import SpeculativeConfig, make_proposer
 from aioengine.structured import StructuredOutputManager
 from aioengine.tokenizer_utils import get_eos_token_ids
 from aioengine.worker.model_runner import ModelRunner
@@ -39,6 +40,7 @@ class EngineCore:
     def __init__(self, args: EngineArgs) -> None:
         args.validate()
         self.args = args
+        self.speculative_config = SpeculativeConfig.parse(args.speculative_config)
         if envs.AIOENGINE_CPU_THREADS > 0:
             torch.set_num_threads(envs.AIOENGINE_CPU_THREADS)
         self.device = args.resolve_device()
@@ -62,14 +64,19 @@ class EngineCore:
                 f"without chunked prefill max_num_batched_tokens ({args.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len})")
         num_blocks = self._num_kv_blocks()
+        spec = self.speculative_config
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size,
                                                enable_caching=args.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
-            policy=args.scheduling_policy), self.kv_cache_manager)
+            policy=args.scheduling_policy,
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
+        ), self.kv_cache_manager)
+        proposer = make_proposer(spec, self.loaded, num_blocks, args.block_size, self.device)
         self.runner = ModelRunner(self.loaded, num_blocks, args.block_size, self.device,
-                                  self.kv_cache_dtype, seed=args.seed)
+                                  self.kv_cache_dtype, seed=args.seed, proposer=proposer)
         warm_start = time.perf_counter()
         warm_tokens = self.runner.warm_up(args.max_num_batched_tokens, self.max_model_len)
         logger.debug("warm-up step of %d tokens: %.2fs", warm_tokens,
@@ -220,7 +227,18 @@ class EngineCore:
             "kv_peak_empty_slots": kv.peak_num_empty_slots,
             "kv_waste_at_peak": kv.waste_at_peak,
             **self.structured.get_stats(),
+            **self.spec_decode_stats(),
         }
+
+    def spec_decode_stats(self) -> dict[str, float]:
+        """vLLM's spec_decode_* counters (empty without speculative decoding)."""
+        if self.speculative_config is None:
+            return {}
+        st = self.scheduler.spec_stats
+        return {"spec_decode_num_drafts": st.num_drafts,
+                "spec_decode_num_draft_tokens": st.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": st.num_accepted_tokens,
+                "spec_decode_mean_acceptance_length": st.mean_acceptance_length}
 
     def reset_kv_peak_stats(self) -> None:
         """Starts a new KV peak measurement (`kv_peak_*` and `kv_waste_at_peak` in stats())."""

@@ -130,6 +130,14 @@ class OutputProcessor:
         delta = sample.detokenizer.get_next_output_text(finished, delta=True)
         sample.text += delta
         token_ids = request.output_token_ids
+        new_logprobs = out.new_logprobs
+        if stop_str is not None:
+            # Tokens after the stop string's end (a step can bring several: drafts,
+            # jump-forward) are dropped, as a one-token step would never have made them.
+            kept = len(sample.detokenizer.output_token_ids)
+            if new_logprobs is not None:
+                new_logprobs = new_logprobs[:max(0, len(new_logprobs) - (len(token_ids) - kept))]
+            token_ids = token_ids[:kept]
         new_ids = token_ids[sample.num_sent_tokens:]
         sample.num_sent_tokens = len(token_ids)
         sample.finished = finished
@@ -142,7 +150,7 @@ class OutputProcessor:
         return CompletionOutput(
             index=request.sample_index, text=delta, token_ids=new_ids,
             cumulative_text=sample.text, cumulative_token_ids=list(token_ids),
-            logprobs=self._decode_logprobs(out.new_logprobs),
+            logprobs=self._decode_logprobs(new_logprobs),
             finished=finished, finish_reason=reason if finished else None,
             stop_reason=stop_reason if finished else None), stop_str
 

@@ -110,31 +110,62 @@ class LlamaForCausalLM(nn.Module):
         # kv_caches seen: built once, the weights being updated in place. Whatever replaces
         # a parameter tensor (rather than copying into it) must reset it to None.
         self._decode_table: tuple[tuple[int, ...], Tensor] | None = None
+        # EAGLE-3 (vLLM's aux_hidden_state_layers): the layers whose input residual stream
+        # `forward` returns beside the hidden states; set once by the engine. Empty: forward
+        # returns the hidden states alone, at no cost.
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
                 attn_metadata: AttentionMetadata,
-                before_layers: Callable[[], None] | None = None) -> Tensor:
+                before_layers: Callable[[], None] | None = None,
+                ) -> Tensor | tuple[Tensor, Tensor]:
         """input_ids/positions [T] -> final-normed hidden states [T, H]. `before_layers()`
         is called after the embedding lookup, right before the layers: on the fused decode
-        path nothing between the two lets go of the GIL until the C kernel does."""
+        path nothing between the two lets go of the GIL until the C kernel does.
+
+        With aux_hidden_state_layers set, (hidden, aux): aux [T, L * H] float32 holds side by
+        side, for each listed layer i in the given order, the residual stream into layer i
+        before its input norm (the embeddings for i = 0; Hugging Face's
+        output_hidden_states[i]). Raises ValueError for an index outside [0, num_layers)."""
         x = embed(input_ids, self.embed_tokens, self.dtype)
+        aux_layers = self.aux_hidden_state_layers
+        aux: Tensor | None = None
+        aux_index: Tensor | None = None
+        h = self.arch.hidden_size
+        if aux_layers:  # allocated before before_layers(): these let go of the GIL
+            if not all(0 <= i < len(self.layers) for i in aux_layers):
+                raise ValueError(f"aux_hidden_state_layers {aux_layers}: layer indices must be "
+                                 f"in [0, {len(self.layers)})")
+            aux = torch.empty((x.shape[0], len(aux_layers) * h), dtype=torch.float32,
+                              device=x.device)
+            aux_index = torch.tensor(aux_layers, dtype=torch.int64)
         if before_layers is not None:
             before_layers()
-        if self._fused_decode(x, positions, kv_caches, attn_metadata):
-            return x
+        if self._fused_decode(x, positions, kv_caches, attn_metadata, aux, aux_index):
+            return x if aux is None else (x, aux)
         rope = RopeStep(self.rotary, positions)
         residual: Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if aux is not None and i in aux_layers:
+                # What the layer's input norm sees: x + residual (vLLM's hidden + residual).
+                stream = x if residual is None else x + residual
+                for j, listed in enumerate(aux_layers):
+                    if listed == i:
+                        aux[:, j * h:(j + 1) * h] = stream
             x, residual = layer(x, residual, rope, kv_cache, attn_metadata, self.attn_backend)
         if residual is None:  # no layers
-            return rms_norm(x, self.norm, self.arch.rms_norm_eps)
-        return fused_add_rms_norm(x, residual, self.norm, self.arch.rms_norm_eps)[0]
+            hidden = rms_norm(x, self.norm, self.arch.rms_norm_eps)
+        else:
+            hidden = fused_add_rms_norm(x, residual, self.norm, self.arch.rms_norm_eps)[0]
+        return hidden if aux is None else (hidden, aux)
 
     def _fused_decode(self, x: Tensor, positions: Tensor, kv_caches: list[Tensor],
-                      meta: AttentionMetadata) -> bool:
+                      meta: AttentionMetadata, aux: Tensor | None = None,
+                      aux_index: Tensor | None = None) -> bool:
         """Runs the layers and the final norm on x in place through the C decode kernel when
         the step is decode-only, small, and on the default attention backend with its C
-        kernel (float32 on the CPU); False, having done nothing, otherwise."""
+        kernel (float32 on the CPU); False, having done nothing, otherwise. aux/aux_index:
+        forward's aux output and its layer indices (int64), filled by the kernel too."""
         num_tokens = x.shape[0]
         backend = self.attn_backend
         if not (self.use_fused_decode and 0 < num_tokens <= FUSED_DECODE_MAX_TOKENS
@@ -155,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
             sin=self.rotary.sin, slot_mapping=meta.slot_mapping,
             block_tables=meta.block_tables, seq_lens=meta.seq_lens, num_blocks=num_blocks,
             block_size=block_size,
-            weight_format=self.layers[0].qkv_proj.gemv_format)
+            weight_format=self.layers[0].qkv_proj.gemv_format, aux=aux, aux_layers=aux_index)
 
     def _decode_layer_table(self, kv_caches: list[Tensor]) -> Tensor | None:
         key = tuple(c.data_ptr() for c in kv_caches)

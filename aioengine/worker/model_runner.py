@@ -4,8 +4,14 @@ Runs off the event loop (a worker thread on CPU), so it reads only the snapshot 
 SchedulerOutput plus request fields the loop does not change during a step.
 
     flattened step (decodes first, then prefill chunks), T tokens:
-    input_ids   [ d0 | d1 | p0 p0 p0 p0 | p1 p1 ]
-    sample rows [ d0 | d1 |          p0 |       ]   <- only where a chunk reaches the end
+    input_ids   [ d0 | d1 | s0 s0 s0 | p0 p0 p0 p0 | p1 p1 ]
+    sample rows [ d0 | d1 | s0 s0 s0 |          p0 |       ]  <- only where a chunk ends
+    attention   [ decode rows ........ | prefill chunks      ]
+
+s0 is a decode with two drafts (speculative decoding): each of its positions is its own
+decode row (its own position and seq_len, the request's block table) and is sampled; the
+rejection sampler (aioengine.spec_decode) keeps the drafts the target agrees with. After
+sampling, the proposer (if any) drafts the next step's tokens.
 """
 from __future__ import annotations
 
@@ -21,14 +27,20 @@ from aioengine.model.loader import LoadedModel
 from aioengine.outputs import Logprob, PositionLogprobs
 from aioengine.request import Request
 from aioengine.structured import GrammarBitmask
-from aioengine.sample import (Sampler, SamplingMetadata, SamplingRow, compute_prompt_logprobs,
-                              is_plain_greedy, make_generator)
+from aioengine.sample import (Sampler, SamplingMetadata, SamplingRow, compute_probs,
+                              compute_prompt_logprobs, gather_logprobs, is_plain_greedy,
+                              make_generator)
+from aioengine.spec_decode.proposer import ProposeContext, Proposer
+from aioengine.spec_decode.rejection_sampler import VerifyRows, accept_greedy, accept_sampled
 
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
-                 device: torch.device, kv_cache_dtype: torch.dtype, seed: int = 0) -> None:
+                 device: torch.device, kv_cache_dtype: torch.dtype, seed: int = 0,
+                 proposer: Proposer | None = None) -> None:
         self.model = loaded.model
+        # Speculative decoding: drafts the next step's tokens after sampling (None = off).
+        self.proposer = proposer
         self.arch = loaded.arch
         self.device = device
         self.block_size = block_size
@@ -68,20 +80,26 @@ class ModelRunner:
             copy_blocks(self.kv_caches, list(src), list(dst))
         input_ids = torch.tensor(self._input_ids(scheduler_output), dtype=torch.long,
                                  device=self.device)
+        query_lens, seq_lens, block_tables, item_starts = _step_layout(scheduled)
         attn_metadata, positions = build_attention_metadata(
-            query_lens=[s.num_new_tokens for s in scheduled],
-            seq_lens=[s.num_computed_tokens + s.num_new_tokens for s in scheduled],
-            block_tables=[s.block_ids for s in scheduled],
+            query_lens=query_lens, seq_lens=seq_lens, block_tables=block_tables,
             block_size=self.block_size, device=self.device)
         prepared = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata,
                             before_layers=before_layers)
+        aux_hidden = None
+        if isinstance(hidden, tuple):  # the model hands out auxiliary layers' hidden states
+            hidden, aux_hidden = hidden
         forwarded = time.perf_counter()
 
         output = ModelRunnerOutput(sampled_token_ids={})
-        self._sample(scheduled, hidden, attn_metadata.query_start_loc_cpu, output,
-                     scheduler_output.grammar_bitmask)
-        self._prompt_logprobs(scheduled, hidden, attn_metadata.query_start_loc_cpu, output)
+        self._sample(scheduled, hidden, item_starts, output, scheduler_output.grammar_bitmask)
+        self._prompt_logprobs(scheduled, hidden, item_starts, output)
+        if self.proposer is not None and scheduler_output.propose_drafts:
+            output.spec_token_ids = self.proposer.propose(ProposeContext(
+                scheduled=scheduled, sampled_token_ids=output.sampled_token_ids,
+                item_starts=item_starts, input_ids=input_ids, positions=positions,
+                hidden=hidden, aux_hidden=aux_hidden, attn_metadata=attn_metadata))
         self._last_step_id, self._last_sampled = scheduler_output.step_id, output.sampled_token_ids
         output.timings = {"prepare": prepared - start, "forward": forwarded - prepared,
                           "sample": time.perf_counter() - forwarded}
@@ -140,19 +158,28 @@ class ModelRunner:
         return num_tokens
 
     def _sample(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor,
-                query_start_loc: list[int], output: ModelRunnerOutput,
+                item_starts: list[int], output: ModelRunnerOutput,
                 grammar_bitmask: GrammarBitmask | None = None) -> None:
+        """Logits for every row that samples (ScheduledRequest.num_logits_rows, in item
+        order, as the grammar bitmask has them), then tokens: the Sampler for plain rows,
+        the rejection sampler for items with drafts."""
         row_index: list[int] = []
         rows: list[SamplingRow] = []
         owners: list[ScheduledRequest] = []
         for i, item in enumerate(scheduled):
             if item.num_samples == 0:
                 continue
-            last = query_start_loc[i + 1] - 1
-            samples = [item.request] + item.request.pending_forks[:item.num_samples - 1]
-            for sample in samples:
-                row_index.append(last)
-                rows.append(self._sampling_row(sample))
+            end = item_starts[i + 1]
+            drafts = item.spec_token_ids
+            if drafts:
+                row_index.extend(range(end - len(drafts) - 1, end))
+                rows.extend(self._sampling_row(item.request, drafts[:j])
+                            for j in range(len(drafts) + 1))
+            else:
+                samples = [item.request] + item.request.pending_forks[:item.num_samples - 1]
+                for sample in samples:
+                    row_index.append(end - 1)
+                    rows.append(self._sampling_row(sample))
             owners.append(item)
         if not rows:
             return
@@ -168,7 +195,25 @@ class ModelRunner:
             # Before every sampling parameter, so logprobs are those of the masked logits.
             # Waits for the loop to finish filling the mask (it does so during the forward).
             grammar_bitmask.apply(logits)
-        if grammar_bitmask is None and all(is_plain_greedy(row) for row in rows):
+        if not any(item.spec_token_ids for item in owners):
+            self._sample_plain(logits, rows, owners, output, grammar_bitmask is not None)
+            return
+        plain_rows, verify_rows, r = [], [], 0
+        for item in owners:
+            (verify_rows if item.spec_token_ids else plain_rows).extend(
+                range(r, r + item.num_logits_rows))
+            r += item.num_logits_rows
+        if plain_rows:
+            self._sample_plain(logits[plain_rows], [rows[i] for i in plain_rows],
+                               [item for item in owners if not item.spec_token_ids], output, True)
+        self._verify(logits[verify_rows], [rows[i] for i in verify_rows],
+                     [item for item in owners if item.spec_token_ids], output)
+
+    def _sample_plain(self, logits: torch.Tensor, rows: list[SamplingRow],
+                      owners: list[ScheduledRequest], output: ModelRunnerOutput,
+                      masked: bool) -> None:
+        """One token per row through the Sampler (1, or 1 + forks, per item)."""
+        if not masked and all(is_plain_greedy(row) for row in rows):
             sampled, logprobs = logits.argmax(dim=1).tolist(), None
         else:
             metadata = SamplingMetadata.build(rows, self.vocab_size, self.device)
@@ -186,16 +231,49 @@ class ModelRunner:
                 output.logprobs[rid] = [_top(lp, k) for lp in logprobs[r:r + n]]
             r += n
 
-    def _sampling_row(self, request: Request) -> SamplingRow:
+    def _verify(self, logits: torch.Tensor, rows: list[SamplingRow],
+                owners: list[ScheduledRequest], output: ModelRunnerOutput) -> None:
+        """Items with drafts: row j of an item is its target distribution after its first j
+        drafts; the rejection sampler turns them into the tokens the item keeps."""
+        raw_logprobs = None
+        if any(row.params.logprobs is not None for row in rows):
+            raw_logprobs = torch.log_softmax(logits, dim=1)  # before any processor (vLLM)
+        probs = None
+        if all(is_plain_greedy(row) for row in rows):
+            argmax = logits.argmax(dim=1).tolist()
+        else:
+            metadata = SamplingMetadata.build(rows, self.vocab_size, self.device)
+            probs = compute_probs(logits, metadata)  # one-hot for greedy rows
+            argmax = probs.argmax(dim=1).tolist()
+        r = 0
+        for item in owners:
+            request, drafts = item.request, item.spec_token_ids
+            params = request.sampling_params
+            if probs is None or params.temperature < _GREEDY_EPS:
+                tokens = accept_greedy(argmax, drafts, r)
+            else:
+                tokens = accept_sampled(probs, VerifyRows(r, drafts, False, request.generator),
+                                        self.sampler.generator)
+            output.sampled_token_ids[request.request_id] = tokens
+            if params.logprobs is not None and raw_logprobs is not None:
+                ids, lps, ranks = gather_logprobs(
+                    raw_logprobs[r:r + len(tokens)],
+                    torch.tensor(tokens, dtype=torch.long, device=self.device), params.logprobs)
+                output.logprobs[request.request_id] = _to_position_logprobs(ids, lps, ranks) or []
+            r += len(drafts) + 1
+
+    def _sampling_row(self, request: Request, drafts: list[int] | None = None) -> SamplingRow:
+        """The row of `request`'s next token; with `drafts`, of the token after them (they
+        count as output tokens: penalties and min_tokens see them as a later step would)."""
         params = request.sampling_params
         if params.seed is not None and request.generator is None:
             request.generator = make_generator(params.seed, self.device)
+        outputs = request.output_token_ids + drafts if drafts else request.output_token_ids
         return SamplingRow(params=params, prompt_token_ids=request.prompt_token_ids,
-                           output_token_ids=request.output_token_ids,
-                           generator=request.generator)
+                           output_token_ids=outputs, generator=request.generator)
 
     def _prompt_logprobs(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor,
-                         query_start_loc: list[int], output: ModelRunnerOutput) -> None:
+                         item_starts: list[int], output: ModelRunnerOutput) -> None:
         """Position p of the prompt predicts prompt token p + 1: a chunk covering
         positions [start, end) yields entries for tokens start+1 .. min(end, P-1)."""
         for i, item in enumerate(scheduled):
@@ -207,12 +285,39 @@ class ModelRunner:
             if end <= start:
                 output.prompt_logprobs[request.request_id] = []
                 continue
-            rows = hidden[query_start_loc[i]:query_start_loc[i] + end - start]
+            rows = hidden[item_starts[i]:item_starts[i] + end - start]
             targets = torch.tensor(request.prompt_token_ids[start + 1:end + 1],
                                    dtype=torch.long, device=self.device)
             k = request.sampling_params.prompt_logprobs or 0
             ids, lps, ranks = compute_prompt_logprobs(self.model.compute_logits(rows), targets, k)
             output.prompt_logprobs[request.request_id] = _to_position_logprobs(ids, lps, ranks)
+
+
+# Temperatures below this sample greedily (the sampler's rule, sample/metadata.py).
+_GREEDY_EPS = 1e-5
+
+
+def _step_layout(scheduled: list[ScheduledRequest],
+                 ) -> tuple[list[int], list[int], list[list[int]], list[int]]:
+    """The attention's query_lens, seq_lens and block tables, one entry per attention
+    sequence (an item with drafts is one decode row per position, each seeing the
+    positions before it), and where each item's tokens start in the step ([items + 1])."""
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    tables: list[list[int]] = []
+    starts = [0]
+    for s in scheduled:
+        n, context = s.num_new_tokens, s.num_computed_tokens
+        if s.spec_token_ids:
+            query_lens.extend([1] * n)
+            seq_lens.extend(range(context + 1, context + n + 1))
+            tables.extend([s.block_ids] * n)
+        else:
+            query_lens.append(n)
+            seq_lens.append(context + n)
+            tables.append(s.block_ids)
+        starts.append(starts[-1] + n)
+    return query_lens, seq_lens, tables, starts
 
 
 def _to_position_logprobs(ids: torch.Tensor | None, lps: torch.Tensor | None,

@@ -13,8 +13,10 @@
  * request per thread when there are at least as many requests as threads; otherwise
  * (one request on two cores) each request's context is split across the threads by blocks
  * (flash-decoding) and every thread combines the parts on its own copy: a lone request's
- * attention was ~1 ms of a 15 ms step on one thread while the other waited. Four barriers
- * a layer.
+ * attention was ~1 ms of a 15 ms step on one thread while the other waited. Five barriers
+ * a layer, one of them between writing every token's K/V and any token attending: the
+ * tokens of one request (speculative decoding's verified tokens, each its own row with its
+ * own position and seq_len) read the slots the tokens before them write.
  *
  * Per layer, with x the previous layer's output (the embeddings for layer 0):
  *   residual += x (layer 0: residual = x);  h = rms_norm(residual) * input_norm
@@ -24,6 +26,8 @@
  *   x = silu_and_mul(h gate_up^T) down^T
  * and at the end x = rms_norm(residual + x) * final_norm: the arithmetic of
  * LlamaDecoderLayer.forward, which stays the reference the tests compare this with.
+ * Optionally (EAGLE-3's auxiliary hidden states) the residual stream into some layers
+ * (`residual` after the layer's first line) is copied out as well.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -117,8 +121,11 @@ static void attend_part(float *restrict o, float *restrict max, float *restrict 
 /* x [num_tokens, hidden]: the embeddings in, the final-normed hidden states out.
  * positions, slot_mapping [num_tokens] int64; block_tables [num_tokens, table_stride] and
  * seq_lens [num_tokens] int32 (as for paged_decode_attention_f32); cos/sin tables
- * [max_positions, head_dim / 2]; weight_fmt the projections' GEMV_* format. Returns 0; the number of slots outside the cache, having
- * written nothing; or -1 when out of memory. */
+ * [max_positions, head_dim / 2]; weight_fmt the projections' GEMV_* format. aux NULL, or
+ * [num_tokens, num_aux * hidden]: its j-th hidden-wide column block receives the residual
+ * stream into layer aux_layers[j] (each in [0, num_layers); the embeddings for 0), the
+ * input of that layer's input norm. Returns 0; the number of slots outside the cache,
+ * having written nothing; or -1 when out of memory. */
 int64_t llama_decode(float *restrict x, const decode_layer *restrict layers,
                          int64_t num_layers, const float *restrict final_norm,
                          int64_t num_tokens, int64_t hidden, int64_t num_heads,
@@ -128,7 +135,9 @@ int64_t llama_decode(float *restrict x, const decode_layer *restrict layers,
                          const int64_t *restrict slot_mapping,
                          const int32_t *restrict block_tables, int64_t table_stride,
                          const int32_t *restrict seq_lens, int64_t num_blocks,
-                         int64_t block_size, int weight_fmt, int num_threads) {
+                         int64_t block_size, int weight_fmt, float *restrict aux,
+                         const int64_t *restrict aux_layers, int64_t num_aux,
+                         int num_threads) {
     const int64_t M = num_tokens, q_size = num_heads * head_dim;
     const int64_t kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
     const attention_step step = {
@@ -193,29 +202,39 @@ int64_t llama_decode(float *restrict x, const decode_layer *restrict layers,
                         fused_add_rms_norm_row(ht, rt, layer->input_norm, hidden, eps);
                     }
                 }
+                /* The residual stream into this layer, where asked for (every thread holds
+                 * the same copy: one writes it out). */
+                if (aux != NULL && tid == 0)
+                    for (int64_t j = 0; j < num_aux; j++)
+                        if (aux_layers[j] == l)
+                            for (int64_t t = 0; t < M; t++)
+                                memcpy(aux + (t * num_aux + j) * hidden, residual + t * hidden,
+                                       sizeof(float) * (size_t)hidden);
                 const gemv_weight w = proj(layer->qkv, layer->qkv_scales, fmt);
                 gemv_shared(qkv, gemv_prepare_x(xbuf, h, M, hidden, fmt), &w, layer->qkv_bias, M,
                             qkv_size, hidden, tid, nt, c);
             }
 #pragma omp barrier
+            /* Every token's K/V into the cache before any token attends: the tokens of one
+             * request (speculative decoding verifies several, each its own row) read the
+             * slots the ones before them write. */
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < M; t++)
+                if (ok) write_kv(qkv + t * qkv_size, layer, &step, t);
+            /* implicit barrier: the step's K/V written */
             const float *attn_out = attn;
             if (!split) {
 #pragma omp for schedule(static)
                 for (int64_t t = 0; t < M; t++) {
                     if (!ok) continue;
                     float *row = qkv + t * qkv_size, *o = attn + t * q_size;
-                    write_kv(row, layer, &step, t);
                     prepare_q(q, row, layer, &step, t);
                     attend_part(o, max, sum, q, layer, &step, t, 0, seq_lens[t], scores);
                     attend_normalize(o, sum, num_heads, head_dim);
                 } /* implicit barrier: attn complete */
             } else {
-                /* Thread nt - 1's blocks hold the new token: it writes the token's K/V
-                 * before reading them, and nobody else reads that block. */
                 for (int64_t t = 0; t < M && ok; t++) {
-                    float *row = qkv + t * qkv_size;
-                    if (tid == nt - 1) write_kv(row, layer, &step, t);
-                    prepare_q(q, row, layer, &step, t);
+                    prepare_q(q, qkv + t * qkv_size, layer, &step, t);
                     const int64_t blocks = (seq_lens[t] + block_size - 1) / block_size;
                     const int64_t begin = blocks * tid / nt * block_size;
                     int64_t end = blocks * (tid + 1) / nt * block_size;

@@ -1,0 +1,93 @@
+"""`speculative_config`: vLLM's dict, validated into a frozen SpeculativeConfig.
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+     "prompt_lookup_max": 5}
+    {"method": "eagle3", "num_speculative_tokens": 3, "model": "/path/to/draft"}
+
+Every error is a ConfigError naming the offending field, raised at engine start-up.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+from aioengine.config import ConfigError
+
+METHODS = ("ngram", "eagle", "eagle3")
+MAX_SPECULATIVE_TOKENS = 16
+# vLLM's default when neither prompt_lookup_min nor prompt_lookup_max is given.
+DEFAULT_PROMPT_LOOKUP = 5
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
+    model: str | None = None  # the draft head's directory (eagle, eagle3)
+    # Steps with more running requests than this verify no drafts (vLLM's
+    # disable_by_batch_size): at large batches the forward is compute-bound and drafts
+    # only add work. None = always speculate.
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def parse(cls, value: dict[str, Any] | str | SpeculativeConfig | None,
+              ) -> SpeculativeConfig | None:
+        """From the dict (or its JSON text, as `--speculative-config` takes it)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ConfigError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError("speculative_config must be a JSON object / dict")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config has unknown field(s) {unknown}; "
+                              f"known: {sorted(known)}")
+        method = value.get("method")
+        if method not in METHODS:
+            raise ConfigError(f"speculative_config.method must be one of {list(METHODS)}, "
+                              f"got {method!r}")
+        k = value.get("num_speculative_tokens")
+        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError("speculative_config.num_speculative_tokens must be an integer in "
+                              f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if v is not None and (not _is_int(v) or v < 1):
+                raise ConfigError(f"speculative_config.{name} must be an integer >= 1, got {v!r}")
+        # vLLM: one given sets the other; neither gives 5 and 5.
+        lo, hi = lo or hi or DEFAULT_PROMPT_LOOKUP, hi or lo or DEFAULT_PROMPT_LOOKUP
+        if lo > hi:
+            raise ConfigError(f"speculative_config.prompt_lookup_min ({lo}) must be <= "
+                              f"prompt_lookup_max ({hi})")
+        model = value.get("model")
+        if method == "ngram":
+            if model is not None:
+                raise ConfigError("speculative_config.model is not used by method 'ngram'")
+        elif not isinstance(model, str) or not model:
+            raise ConfigError(f"speculative_config.model (the draft head's directory) is "
+                              f"required for method {method!r}")
+        elif not os.path.isdir(model):
+            raise ConfigError(f"speculative_config.model: no directory {model!r}")
+        limit = value.get("disable_by_batch_size")
+        if limit is not None and (not _is_int(limit) or limit < 1):
+            raise ConfigError("speculative_config.disable_by_batch_size must be an integer "
+                              f">= 1, got {limit!r}")
+        return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo,
+                   prompt_lookup_max=hi, model=model, disable_by_batch_size=limit)
+
+    def enabled_for(self, num_running: int) -> bool:
+        """Whether a step with `num_running` running requests verifies drafts."""
+        return self.disable_by_batch_size is None or num_running <= self.disable_by_batch_size
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

@@ -1,0 +1,67 @@
+"""The seam between the model runner and a draft proposer.
+
+After sampling a step, the runner hands the proposer the step as it ran (a ProposeContext)
+and gets back drafts for the next step: request_id -> up to k token ids, proposed as if
+every sampled token is kept (the scheduler drops them otherwise). The runner knows nothing
+of how drafts are made: n-gram lookup reads token ids, EAGLE runs its head over the
+target's hidden states.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from aioengine.core.scheduler_output import ScheduledRequest
+from aioengine.model.attention import AttentionMetadata
+from aioengine.request import Request
+from aioengine.spec_decode.ngram import NgramLookup
+
+
+@dataclass
+class ProposeContext:
+    scheduled: list[ScheduledRequest]
+    sampled_token_ids: dict[str, list[int]]  # the runner's output for this step
+    item_starts: list[int]  # item i's tokens are rows item_starts[i]:item_starts[i + 1]
+    input_ids: Tensor  # [T] the step's tokens (drafts included)
+    positions: Tensor  # [T]
+    hidden: Tensor  # [T, H] the target's final-normed hidden states
+    aux_hidden: Tensor | None  # [T, n * H] the target's auxiliary layers (EAGLE-3)
+    attn_metadata: AttentionMetadata
+
+    def samples(self) -> list[tuple[int, Request, list[int]]]:
+        """(item index, sample, the tokens just sampled for it) for every sample that got
+        tokens this step; the forks of an n > 1 request each with their one token."""
+        out = []
+        for i, item in enumerate(self.scheduled):
+            tokens = self.sampled_token_ids.get(item.request.request_id)
+            if not tokens:
+                continue
+            if item.num_samples > 1:
+                forks = item.request.pending_forks[:item.num_samples - 1]
+                out.extend((i, s, [t]) for s, t in zip([item.request] + forks, tokens))
+            else:
+                out.append((i, item.request, tokens))
+        return out
+
+
+class Proposer(abc.ABC):
+    @abc.abstractmethod
+    def propose(self, ctx: ProposeContext) -> dict[str, list[int]]:
+        """Drafts for the step after `ctx` (runs on the worker, after sampling)."""
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup over each sample's own tokens (spec_decode/ngram.py)."""
+
+    def __init__(self, min_n: int, max_n: int, k: int) -> None:
+        self.lookup = NgramLookup(min_n, max_n, k)
+
+    def propose(self, ctx: ProposeContext) -> dict[str, list[int]]:
+        drafts = {}
+        for _, sample, tokens in ctx.samples():
+            draft = self.lookup.propose(sample.all_token_ids + tokens)
+            if draft:
+                drafts[sample.request_id] = draft
+        return drafts
