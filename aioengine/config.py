@@ -60,6 +60,8 @@ class SchedulerConfig:
     # which a step verifies none (None = no limit).
     num_speculative_tokens: int = 0
     spec_disable_by_batch_size: int | None = None
+    # Slots allocated past each step's tokens for a draft head's chain (EAGLE: k).
+    num_lookahead_tokens: int = 0
 
 
 @dataclass(frozen=True)

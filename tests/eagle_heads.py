@@ -31,12 +31,13 @@ _COPIED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_v
 def make_random_eagle_head_dir(target_model_dir: str | Path, out_dir: str | Path, method: str,
                                *, draft_vocab_size: int | None = None,
                                aux_layer_ids: list[int] | None = None, seed: int = 0,
-                               fc_bias: bool = False, input_layernorm: bool = False) -> Path:
+                               fc_bias: bool = False, input_layernorm: bool = False,
+                               draft_token_ids: list[int] | None = None) -> Path:
     """Writes config.json + model.safetensors of a random `method` ("eagle" | "eagle3")
     head for the target whose config.json is in `target_model_dir`; returns out_dir.
 
     EAGLE-3: `draft_vocab_size` (default: the target's) picks a random sorted subset of the
-    target vocabulary (d2t); `aux_layer_ids` go to eagle_config (default: none written, fc
+    target vocabulary (d2t), or `draft_token_ids` is that vocabulary; `aux_layer_ids` go to eagle_config (default: none written, fc
     sized for default_aux_layer_ids). EAGLE-1: `fc_bias` and `input_layernorm` add those
     optional tensors."""
     if method not in ("eagle", "eagle3"):
@@ -72,9 +73,11 @@ def make_random_eagle_head_dir(target_model_dir: str | Path, out_dir: str | Path
                tie_word_embeddings=False, torch_dtype="float32", initializer_range=_SCALE)
     if eagle3:
         num_aux = len(aux_layer_ids or default_aux_layer_ids(target["num_hidden_layers"]))
-        n = draft_vocab_size or vocab
+        n = len(draft_token_ids) if draft_token_ids else draft_vocab_size or vocab
         ids = torch.randperm(vocab, generator=gen)[:n].sort().values if n < vocab \
             else torch.arange(vocab)
+        if draft_token_ids:
+            ids = torch.tensor(sorted(draft_token_ids))
         t2d = torch.zeros(vocab, dtype=torch.bool)
         t2d[ids] = True
         w.update({"fc.weight": rand(h, num_aux * h),

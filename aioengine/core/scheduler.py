@@ -120,7 +120,9 @@ class Scheduler:
             num_spec = 0
             if speculate and request.num_tokens - request.num_computed_tokens == 1:
                 num_spec = min(len(request.spec_token_ids), budget - num_new)
-            if not self._allocate_or_preempt(request, num_new + num_spec, preempted):
+            if not self._allocate_or_preempt(request, num_new + num_spec, preempted,
+                                             self._lookahead(request, request.num_computed_tokens
+                                                             + num_new + num_spec, speculate)):
                 break  # the request itself was preempted: nothing after it fits either
             scheduled.append((request, num_new + num_spec, num_spec))
             budget -= num_new + num_spec
@@ -168,11 +170,22 @@ class Scheduler:
             return 0
         return min(num_new, budget)
 
+    def _lookahead(self, request: Request, end: int, speculate: bool) -> int:
+        """Slots past a step ending at token `end` that a draft head writes its chain into
+        (vLLM's num_lookahead_tokens), never past the request's last possible token (so a
+        request that fits the cache still does)."""
+        if not speculate:
+            return 0
+        last = min(self.config.max_model_len,
+                   request.num_prompt_tokens + (request.sampling_params.max_tokens or 0))
+        return max(0, min(self.config.num_lookahead_tokens, last - end))
+
     def _allocate_or_preempt(self, request: Request, num_new: int,
-                             preempted: list[Request]) -> bool:
-        """Allocates slots, preempting the lowest-priority running request (the last one in
-        `running`, never one already scheduled this step) until they fit."""
-        while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                             preempted: list[Request], lookahead: int = 0) -> bool:
+        """Allocates slots (and `lookahead` more), preempting the lowest-priority running
+        request (the last one in `running`, never one already scheduled this step) until
+        they fit."""
+        while self.kv_cache_manager.allocate_slots(request, num_new + lookahead) is None:
             victim = self.running.pop()
             self._preempt(victim)
             preempted.append(victim)
@@ -188,7 +201,10 @@ class Scheduler:
         num_new = self._num_new_tokens(request, num_hit, budget)
         if num_new == 0:
             return None
-        if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
+        lookahead = self._lookahead(request, num_hit + num_new,
+                                    self._speculates(len(self.running) + 1))
+        if self.kv_cache_manager.allocate_slots(request, num_new + lookahead,
+                                                computed_blocks) is None:
             return None
         self.waiting.remove(request)
         request.num_computed_tokens = num_hit

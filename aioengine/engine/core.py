@@ -28,7 +28,7 @@ from aioengine.kernels import cpu as cpu_kernels
 from aioengine.model.loader import activation_dtype, load_model
 from aioengine.request import Request, RequestStatus
 from aioengine.sampling_params import SamplingParams
-from aioengine.spec_decode import SpeculativeConfig, make_proposer
+from aioengine.spec_decode import SpeculativeConfig, make_proposer, num_lookahead_tokens
 from aioengine.structured import StructuredOutputManager
 from aioengine.tokenizer_utils import get_eos_token_ids
 from aioengine.worker.model_runner import ModelRunner
@@ -73,8 +73,10 @@ class EngineCore:
             policy=args.scheduling_policy,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
+            num_lookahead_tokens=num_lookahead_tokens(spec),
         ), self.kv_cache_manager)
-        proposer = make_proposer(spec, self.loaded, num_blocks, args.block_size, self.device)
+        proposer = make_proposer(spec, self.loaded, num_blocks, args.block_size, self.dtype,
+                                 self.device)
         self.runner = ModelRunner(self.loaded, num_blocks, args.block_size, self.device,
                                   self.kv_cache_dtype, seed=args.seed, proposer=proposer)
         warm_start = time.perf_counter()

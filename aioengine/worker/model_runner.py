@@ -151,6 +151,8 @@ class ModelRunner:
         for query_lens in (lens, [1] * len(lens)):  # the prompts, then one decode each
             meta, positions = build_attention_metadata(query_lens, lens, tables, bs, self.device)
             hidden = self.model(input_ids[:sum(query_lens)], positions, self.kv_caches, meta)
+            if isinstance(hidden, tuple):  # (hidden, auxiliary layers' hidden states)
+                hidden = hidden[0]
             last = torch.tensor(meta.query_start_loc_cpu[1:], device=self.device) - 1
             self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
         for cache in self.kv_caches:

@@ -1,0 +1,103 @@
+"""The EAGLE proposer: the draft head runs after every target step, on the worker.
+
+EAGLE's row at position p reads the target's hidden state at p and the token at p + 1 and
+predicts the token at p + 2. So after each step the head first catches up over the
+positions whose target KV the step verified (one chunk per request, its own paged KV cache
+in the same block tables, the next tokens shifted in), then drafts a chain:
+
+    step rows     t_c  d_1  d_2        (d_1 kept, d_2 rejected; x sampled after d_1)
+    head inputs   (h_c, d_1) (h_c+1, x)  -> draft 1 at the last row
+    chain         (draft 1, head's own hidden) -> draft 2 -> ... -> draft k
+
+Prompt chunks are caught up over too (their last next token is the next prompt token, or
+the sampled one). Rows past the kept ones are dropped; their head KV slots, like the
+target's, are rewritten by a later step before anything reads them. The chain writes the
+head's KV a few positions past the step (the scheduler allocates num_speculative_tokens
+lookahead slots for it). Drafts are the head's argmax (point masses for the rejection
+sampler).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from aioengine.model.attention import build_attention_metadata
+from aioengine.spec_decode.eagle import EagleHead
+from aioengine.spec_decode.proposer import ProposeContext, Proposer
+
+
+class EagleProposer(Proposer):
+    def __init__(self, head: EagleHead, target: torch.nn.Module, k: int, num_blocks: int,
+                 block_size: int) -> None:
+        self.head = head
+        self.target = target  # its embedding and LM head are shared with the head
+        self.k = k
+        self.block_size = block_size
+        self.kv_cache = head.make_kv_cache(num_blocks, block_size)
+        # EAGLE-3 reads the target's auxiliary layers, EAGLE-1 its final hidden states.
+        self.uses_aux = head.method == "eagle3" and bool(head.aux_layer_ids)
+
+    @torch.inference_mode()
+    def propose(self, ctx: ProposeContext) -> dict[str, list[int]]:
+        rows: list[int] = []  # step rows the head catches up over
+        next_ids: list[int] = []  # the token after each of them
+        query_lens, seq_lens, tables = [], [], []
+        drafting: list[tuple[str, int, list[int]]] = []  # (request_id, last position, table)
+        for i, item in enumerate(ctx.scheduled):
+            request = item.request
+            start, end = ctx.item_starts[i], ctx.item_starts[i + 1]
+            sampled = ctx.sampled_token_ids.get(request.request_id)
+            step_ids = ctx.input_ids[start:end].tolist()
+            if item.spec_token_ids:  # the kept positions: t_c and the accepted drafts
+                n, after = len(sampled), sampled
+            elif sampled:  # a decode or a prompt's last chunk: the (first) sampled token
+                n, after = end - start, step_ids[1:] + sampled[:1]
+            else:  # a prompt chunk: the next prompt token
+                n = end - start
+                after = step_ids[1:] + [request.all_token_ids[item.num_computed_tokens + n]]
+            rows.extend(range(start, start + n))
+            next_ids.extend(after[:n])
+            query_lens.append(n)
+            seq_lens.append(item.num_computed_tokens + n)
+            tables.append(item.block_ids)
+            if sampled and not request.is_finished:
+                drafting.append((request.request_id, len(rows) - 1, item.block_ids))
+        if not drafting:
+            self._catch_up(ctx, rows, next_ids, query_lens, seq_lens, tables)
+            return {}
+        logits_hidden, next_hidden, positions = self._catch_up(
+            ctx, rows, next_ids, query_lens, seq_lens, tables)
+        last = torch.tensor([r for _, r, _ in drafting], device=logits_hidden.device)
+        draft = self.head.compute_logits(logits_hidden[last], self.target.lm_head).argmax(dim=1)
+        hidden, pos = next_hidden[last], positions[last]
+        drafts = [draft]
+        tables = [t for _, _, t in drafting]
+        capacity = torch.tensor([len(t) * self.block_size for t in tables], device=pos.device)
+        for _ in range(self.k - 1):
+            # A request whose slots end here (its last possible token) keeps rewriting its
+            # last slot: drafts past it are cut by the scheduler anyway (_usable_drafts).
+            pos = torch.minimum(pos + 1, capacity - 1)
+            meta, _ = build_attention_metadata([1] * len(tables), (pos + 1).tolist(), tables,
+                                               self.block_size, pos.device)
+            logits_hidden, hidden = self.head(drafts[-1], hidden, pos, self.kv_cache, meta,
+                                              self.target.embed_tokens)
+            drafts.append(self.head.compute_logits(logits_hidden,
+                                                   self.target.lm_head).argmax(dim=1))
+        out = torch.stack(drafts, dim=1).tolist()
+        return {rid: tokens for (rid, _, _), tokens in zip(drafting, out)}
+
+    def _catch_up(self, ctx: ProposeContext, rows: list[int], next_ids: list[int],
+                  query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+        """The head over the step's kept rows: writes its KV there; returns its outputs and
+        the rows' positions."""
+        device = ctx.hidden.device
+        index = torch.tensor(rows, device=device)
+        source = ctx.aux_hidden if self.uses_aux else ctx.hidden
+        assert source is not None, "EAGLE-3 needs the target's auxiliary hidden states"
+        meta, positions = build_attention_metadata(query_lens, seq_lens, tables,
+                                                   self.block_size, device)
+        ids = torch.tensor(next_ids, dtype=torch.long, device=device)
+        logits_hidden, next_hidden = self.head(ids, source[index], positions, self.kv_cache,
+                                               meta, self.target.embed_tokens)
+        return logits_hidden, next_hidden, positions
