@@ -58,7 +58,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     # request_id -> logprobs of the prompt tokens this chunk predicts (positions 1.. of the prompt).
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
-    # Seconds the worker spent in "prepare", "forward" and "sample" (for the timeline).
+    # Seconds the worker spent in "prepare", "forward", "sample" and "propose" (timeline).
     timings: dict[str, float] = field(default_factory=dict)
     # Speculative decoding: request_id -> drafts proposed for the step after this one,
     # assuming every token in sampled_token_ids is kept (else update_from_output drops them).

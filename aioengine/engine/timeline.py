@@ -1,7 +1,7 @@
 """Per-step timeline of the engine loop, for `aioengine bench profile`.
 
     loop:    |schedule|fill+process N-1|..wait..|update|idle|schedule| ...
-    worker:           |prepare|  forward  |sample|
+    worker:           |prepare|  forward  |sample|propose|
                       <---------- step N ------->
 
 `process` (detokenize + stream of the previous step) and grammar filling run on the loop
@@ -16,12 +16,14 @@ from dataclasses import asdict, dataclass, field, fields
 
 from aioengine.core.scheduler_output import SchedulerOutput
 
-PHASES = ("schedule", "prepare", "forward", "sample", "process", "wait", "update", "idle")
+PHASES = ("schedule", "prepare", "forward", "sample", "propose", "process", "wait", "update",
+          "idle")
 
 
 def step_kind(scheduler_output: SchedulerOutput) -> str:
-    """decode (every request computes one token), prefill (none does) or mixed."""
-    decodes = sum(1 for s in scheduler_output.scheduled if s.num_new_tokens == 1)
+    """decode (every request computes one token, or one and its drafts), prefill (none
+    does) or mixed."""
+    decodes = sum(1 for s in scheduler_output.scheduled if s.is_decode)
     if decodes == len(scheduler_output.scheduled):
         return "decode"
     return "prefill" if decodes == 0 else "mixed"
@@ -38,6 +40,7 @@ class StepRecord:
     prepare: float = 0.0  # worker: input tensors and attention metadata
     forward: float = 0.0  # worker: the model
     sample: float = 0.0  # worker: logits of the sampling rows, sampler, logprobs
+    propose: float = 0.0  # worker: drafts for the next step (speculative decoding)
     process: float = 0.0  # loop, during the step: grammar bitmask + outputs of step N-1
     wait: float = 0.0  # loop: waiting for the worker after its own work
     update: float = 0.0  # loop: scheduler.update_from_output()
@@ -79,7 +82,8 @@ class StepTimeline:
             # The loop's in-step work starts as the worker starts: it is hidden up to the
             # worker's own duration.
             process = sum(r.process for r in recs)
-            hidden = sum(min(r.process, r.prepare + r.forward + r.sample) for r in recs)
+            hidden = sum(min(r.process, r.prepare + r.forward + r.sample + r.propose)
+                         for r in recs)
             row["overlap"] = hidden / process if process else 1.0
             out[kind] = row
         return out

@@ -95,6 +95,7 @@ class ModelRunner:
         output = ModelRunnerOutput(sampled_token_ids={})
         self._sample(scheduled, hidden, item_starts, output, scheduler_output.grammar_bitmask)
         self._prompt_logprobs(scheduled, hidden, item_starts, output)
+        sampled = time.perf_counter()
         if self.proposer is not None and scheduler_output.propose_drafts:
             output.spec_token_ids = self.proposer.propose(ProposeContext(
                 scheduled=scheduled, sampled_token_ids=output.sampled_token_ids,
@@ -102,7 +103,7 @@ class ModelRunner:
                 hidden=hidden, aux_hidden=aux_hidden, attn_metadata=attn_metadata))
         self._last_step_id, self._last_sampled = scheduler_output.step_id, output.sampled_token_ids
         output.timings = {"prepare": prepared - start, "forward": forwarded - prepared,
-                          "sample": time.perf_counter() - forwarded}
+                          "sample": sampled - forwarded, "propose": time.perf_counter() - sampled}
         return output
 
     def _input_ids(self, scheduler_output: SchedulerOutput) -> list[int]:

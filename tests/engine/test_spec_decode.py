@@ -86,6 +86,7 @@ CONFIGS = {
     "no_chunked_prefill": dict(enable_chunked_prefill=False),
     "block_size_1": dict(block_size=1),
     "one_seq_at_a_time": dict(max_num_seqs=1),
+    "priority": dict(scheduling_policy="priority"),
     "layer_path": dict(),  # the fused C decode kernel off
 }
 
