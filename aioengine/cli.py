@@ -8,8 +8,24 @@ import asyncio
 import logging
 import os
 import sys
+from typing import Any
 
 from aioengine import envs
+
+
+def speculative_config_arg(text: str) -> dict[str, Any]:
+    """`--speculative-config`: vLLM's JSON object, validated here so a bad one stops the
+    command before anything loads (with SpeculativeConfig's ConfigError message)."""
+    import json
+
+    from aioengine.config import ConfigError
+    from aioengine.spec_decode.config import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.parse(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return json.loads(text)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +60,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="schedule each decode step while the previous one runs")
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="priority: lower `priority` first (the request body's vLLM extra)")
+    g.add_argument("--speculative-config", type=speculative_config_arg, default=None,
+                   metavar="JSON",
+                   help='speculative decoding, vLLM\'s JSON object, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+                        '"prompt_lookup_max": 5}\' (default: off)')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -55,7 +76,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         structured_jump_forward=args.structured_jump_forward,
-        async_scheduling=args.async_scheduling, scheduling_policy=args.scheduling_policy)
+        async_scheduling=args.async_scheduling, scheduling_policy=args.scheduling_policy,
+        speculative_config=args.speculative_config)
 
 
 async def _generate(args: argparse.Namespace) -> int:

@@ -22,6 +22,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "AIOENGINE_CPU_ISA": lambda: os.getenv("AIOENGINE_CPU_ISA") or None,
     # Path of the default model, overriding the bundled SmolLM2-135M-Instruct GGUF.
     "AIOENGINE_DEFAULT_MODEL": lambda: os.getenv("AIOENGINE_DEFAULT_MODEL") or None,
+    # Seconds between AsyncEngine's periodic stats log lines (vLLM's
+    # VLLM_LOG_STATS_INTERVAL); 0 turns them off.
+    "AIOENGINE_LOG_STATS_INTERVAL":
+        lambda: float(os.getenv("AIOENGINE_LOG_STATS_INTERVAL", "10")),
 }
 
 

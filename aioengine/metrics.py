@@ -2,11 +2,15 @@
 
 Each engine owns its own CollectorRegistry (several engines can live in one process, as in
 the tests). The engine loop feeds per-step numbers; the output processor feeds per-request
-latencies at the moment outputs reach the caller.
+latencies at the moment outputs reach the caller. With speculative decoding, vLLM's
+spec_decode_* counters (from the scheduler's cumulative SpecDecodingStats, at scrape time)
+and its periodic "SpecDecoding" log line (`SpecDecodingLogging`).
 """
 from __future__ import annotations
 
-from typing import Callable
+import itertools
+import logging
+from typing import Any, Callable, Mapping
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
@@ -22,11 +26,70 @@ _ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0
                 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
 _STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# EngineCore.stats() keys of speculative decoding: spec_decode_<counter>, and the drafts
+# accepted at position i (0-based) under SPEC_PER_POS_PREFIX + str(i).
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+SPEC_PER_POS_PREFIX = "spec_decode_num_accepted_tokens_per_pos_"
+
+logger = logging.getLogger("aioengine")
+
+
+def spec_decode_delta(before: Mapping[str, float],
+                      after: Mapping[str, float]) -> dict[str, Any] | None:
+    """What speculative decoding did between two `EngineCore.stats()` snapshots (`before`
+    may be {}: since the start): each counter's increase, the accepted drafts per position,
+    the mean acceptance length (tokens per verification: 1 + accepted / drafts, the token
+    sampled after the drafts included, as vLLM counts it), the draft acceptance rate and
+    the acceptance rate at each position (accepted there / drafts). None without
+    speculative decoding; the ratios are None when no draft was verified."""
+    if "spec_decode_num_drafts" not in after:
+        return None
+    counts = {name: after[f"spec_decode_{name}"] - before.get(f"spec_decode_{name}", 0)
+              for name in SPEC_COUNTERS}
+    keys = itertools.takewhile(after.__contains__,
+                               (f"{SPEC_PER_POS_PREFIX}{pos}" for pos in itertools.count()))
+    per_pos = [after[key] - before.get(key, 0) for key in keys]
+    drafts, drafted = counts["num_drafts"], counts["num_draft_tokens"]
+    accepted = counts["num_accepted_tokens"]
+    return {**counts, "num_accepted_tokens_per_pos": per_pos,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "per_position_acceptance_rate": [n / drafts for n in per_pos] if drafts else None}
+
+
+def format_spec_decode(delta: Mapping[str, Any]) -> str:
+    """`spec_decode_delta` in one line (the periodic log's, and the benchmarks')."""
+    if not delta["num_drafts"]:
+        return "no drafts verified"
+    rates = ", ".join(f"{r:.3f}" for r in delta["per_position_acceptance_rate"])
+    return (f"mean acceptance length {delta['mean_acceptance_length']:.2f}, accepted "
+            f"{delta['num_accepted_tokens']} / drafted {delta['num_draft_tokens']} tokens "
+            f"({100 * delta['acceptance_rate']:.1f}%) in {delta['num_drafts']} drafts, "
+            f"per-position acceptance rate [{rates}]")
+
+
+class SpecDecodingLogging:
+    """vLLM's periodic "SpecDecoding" log line: what speculative decoding did since the
+    previous line (nothing is logged for an interval without drafts)."""
+
+    def __init__(self, stats_provider: Callable[[], Mapping[str, float]]) -> None:
+        self.stats_provider = stats_provider
+        self._last: Mapping[str, float] = {}
+
+    def log(self) -> None:
+        stats = self.stats_provider()
+        delta = spec_decode_delta(self._last, stats)
+        self._last = stats
+        if delta is not None and delta["num_drafts"]:
+            logger.info("SpecDecoding: %s", format_spec_decode(delta))
 
 
 class EngineMetrics:
     def __init__(self, model_name: str,
-                 stats_provider: Callable[[], dict[str, float]] | None = None) -> None:
+                 stats_provider: Callable[[], dict[str, float]] | None = None,
+                 num_speculative_tokens: int = 0) -> None:
+        """`num_speculative_tokens` > 0 (speculative decoding configured) adds the
+        spec_decode_* counters, the per-position one for positions 0 .. that - 1."""
         self.stats_provider = stats_provider
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
@@ -68,6 +131,23 @@ class EngineMetrics:
                                             "Arrival to first scheduled.", _LATENCY_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens per engine step.",
                                           _STEP_TOKEN_BUCKETS)
+        # Counters that follow cumulative stats() values: (stats key, counter).
+        self._cumulative: list[tuple[str, Any]] = [
+            ("prefix_cache_queries", self.prefix_cache_queries),
+            ("prefix_cache_hits", self.prefix_cache_hits),
+            ("num_preemptions", self.num_preemptions)]
+        if num_speculative_tokens > 0:
+            docs = {"num_drafts": "Number of spec decoding drafts.",
+                    "num_draft_tokens": "Number of draft tokens.",
+                    "num_accepted_tokens": "Number of accepted tokens."}
+            self._cumulative += [(f"spec_decode_{name}", counter(f"spec_decode_{name}", doc))
+                                 for name, doc in docs.items()]
+            per_pos = Counter("aioengine:spec_decode_num_accepted_tokens_per_pos",
+                              "Accepted tokens per draft position.",
+                              ["model_name", "position"], registry=r)
+            self._cumulative += [(f"{SPEC_PER_POS_PREFIX}{pos}",
+                                  per_pos.labels(model_name, str(pos)))
+                                 for pos in range(num_speculative_tokens)]
         self._last: dict[str, float] = {}
 
     def observe_step(self, num_scheduled_tokens: int) -> None:
@@ -79,9 +159,7 @@ class EngineMetrics:
         self.num_requests_running.set(stats["num_running"])
         self.num_requests_waiting.set(stats["num_waiting"])
         self.kv_cache_usage_perc.set(stats["kv_cache_usage"])
-        for key, counter in (("prefix_cache_queries", self.prefix_cache_queries),
-                             ("prefix_cache_hits", self.prefix_cache_hits),
-                             ("num_preemptions", self.num_preemptions)):
+        for key, counter in self._cumulative:
             delta = stats[key] - self._last.get(key, 0)
             if delta > 0:
                 counter.inc(delta)

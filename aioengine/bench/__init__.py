@@ -7,8 +7,8 @@
 
     aioengine bench profile [dataset flags] [engine flags]
 
-    aioengine bench latency [--input-len 256 --output-len 128 --repeats 3]
-                            [--engines aioengine,hf] [engine flags]
+    aioengine bench latency [--input-len 256 | --dataset text|grounded] [--output-len 128]
+                            [--repeats 3] [--engines aioengine,hf] [engine flags]
 
     aioengine bench export-hf [MODEL.gguf] [--dtype float32]
 
@@ -17,8 +17,11 @@ the python of a venv holding that peer, which then runs as one more engine in a 
 process (aioengine/bench/peers.py, docs/peers.md). `export-hf` writes a GGUF as the Hugging
 Face directory vLLM reads and prints its path.
 
-All modes take `--dataset random|shared-prefix|text`, `--save-json PATH`, `--plot PATH.png`
-and `--seed`. `offline` runs the workload in-process through our engine and through
+All modes take `--dataset random|shared-prefix|text|grounded`, `--save-json PATH`,
+`--plot PATH.png` and `--seed` (`latency`: `--dataset random|text|grounded`, no plot).
+The engine flags include `--speculative-config JSON` (vLLM's); `offline` and `latency`
+then report the drafts, accepted tokens and mean acceptance length of our engine.
+`offline` runs the workload in-process through our engine and through
 Hugging Face transformers (static batches, and its continuous batching) on the same
 weights, and prints each engine's tok/s and our ratio to each. `serve` streams every
 request and reports TTFT, TPOT, ITL and end-to-end latency percentiles and goodput.
@@ -172,10 +175,14 @@ def profile_main(args: argparse.Namespace) -> int:
 
 
 def _add_latency_parser(sub: Any) -> None:
-    from aioengine.bench.latency import LATENCY_ENGINES, parse_latency_engines
+    from aioengine.bench.latency import LATENCY_DATASETS, LATENCY_ENGINES, parse_latency_engines
     from aioengine.cli import add_engine_args
 
     p = sub.add_parser("latency", help="one request: TTFT, TPOT vs the weight-streaming floor")
+    p.add_argument("--dataset", choices=LATENCY_DATASETS, default="random",
+                   help="random: --input-len random tokens; text, grounded: one prompt of "
+                        "that shipped dataset (chosen by --seed; grounded ones are answered "
+                        "largely from the prompt, for --speculative-config ngram)")
     p.add_argument("--input-len", type=int, default=256,
                    help="random-token prompt length (seeded by --seed)")
     p.add_argument("--output-len", type=int, default=128,
@@ -200,7 +207,7 @@ def _add_latency_parser(sub: Any) -> None:
 
 def latency_main(args: argparse.Namespace) -> int:
     from aioengine.bench import report as rep
-    from aioengine.bench.datasets import normal_vocab, random_dataset
+    from aioengine.bench.datasets import TEXT_FILES, normal_vocab, random_dataset, text_dataset
     from aioengine.bench.latency import LatencyConfig, format_latency, run_latency
     from aioengine.bench.offline import hf_pad_id, load_hf_tokenizer
     from aioengine.bench.peers import LATENCY_PEERS, latency_peers, with_peers
@@ -214,13 +221,17 @@ def latency_main(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     model = args.model or bundled_model_path()
     tokenizer = load_hf_tokenizer(model)
-    workload = random_dataset(normal_vocab(tokenizer), 1, args.input_len, args.input_len,
-                              args.output_len, args.seed)
+    if args.dataset == "random":
+        workload = random_dataset(normal_vocab(tokenizer), 1, args.input_len, args.input_len,
+                                  args.output_len, args.seed)
+    else:
+        workload = text_dataset(tokenizer, 1, args.output_len, args.seed,
+                                TEXT_FILES[args.dataset], args.dataset)
     config = LatencyConfig(model=model, prompt=workload.prompts[0], output_len=args.output_len,
                            warmup=args.warmup, repeats=args.repeats, engines=args.engines,
                            bandwidth_bytes=args.bandwidth_mib << 20,
                            engine_kwargs=engine_kwargs(args), pad_token_id=hf_pad_id(tokenizer),
-                           peers=latency_peers(args, args.input_len))
+                           peers=latency_peers(args, workload.requests[0].prompt_len))
     report = {"mode": "latency", "environment": rep.environment_info(), "model": model,
               "config": _config(args), "workload": workload.summary(),
               **run_latency(config)}

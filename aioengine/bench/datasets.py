@@ -4,6 +4,10 @@
     shared-prefix P random prefixes of L tokens, each followed by distinct S-token suffixes
                   (prefix caching turns all but the first use of a prefix into a cache hit)
     text          English prompts shipped with the package (data/prompts.jsonl), tokenized
+    grounded      input-grounded prompts shipped with the package (data/grounded.jsonl):
+                  150-400 words of text or Python code to repeat, correct, summarise (quoting
+                  it) or edit and return whole, so the answer copies much of the prompt:
+                  the workload of n-gram speculative decoding (`--speculative-config`)
 
 Every request asks for exactly `output_len` tokens (EOS ignored), so every engine does
 the same work and outputs are comparable position by position.
@@ -16,8 +20,12 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-DATASETS = ("random", "shared-prefix", "text")
-PROMPTS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "prompts.jsonl")
+DATASETS = ("random", "shared-prefix", "text", "grounded")
+_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+PROMPTS_FILE = os.path.join(_DATA, "prompts.jsonl")
+GROUNDED_FILE = os.path.join(_DATA, "grounded.jsonl")
+# The datasets read from a shipped file of {"prompt": ...} lines (`text_dataset`).
+TEXT_FILES = {"text": PROMPTS_FILE, "grounded": GROUNDED_FILE}
 
 
 @dataclass(frozen=True)
@@ -135,9 +143,10 @@ def load_prompt_texts(path: str = PROMPTS_FILE) -> list[str]:
 
 
 def text_dataset(tokenizer: Any, num_prompts: int, output_len: int, seed: int,
-                 path: str = PROMPTS_FILE) -> Workload:
+                 path: str = PROMPTS_FILE, name: str = "text") -> Workload:
     """`num_prompts` prompts in a seeded order, cycling through the file when it has fewer;
-    token ids are the prompt's text tokens (no BOS), as a completions server would see it."""
+    token ids are the prompt's text tokens (no BOS), as a completions server would see it.
+    `name` is the workload's dataset name (a key of TEXT_FILES)."""
     _check_counts(num_prompts, output_len)
     texts = load_prompt_texts(path)
     order = list(range(len(texts)))
@@ -147,13 +156,20 @@ def text_dataset(tokenizer: Any, num_prompts: int, output_len: int, seed: int,
         text = texts[order[i % len(order)]]
         ids = list(tokenizer.encode(text, add_special_tokens=False))
         requests.append(BenchRequest(ids, text, output_len))
-    return Workload("text", requests, seed, {"path": os.path.basename(path)})
+    return Workload(name, requests, seed, {"path": os.path.basename(path)})
+
+
+def grounded_dataset(tokenizer: Any, num_prompts: int, output_len: int,
+                     seed: int) -> Workload:
+    """The shipped input-grounded prompts (GROUNDED_FILE), as `text_dataset` reads them."""
+    return text_dataset(tokenizer, num_prompts, output_len, seed, GROUNDED_FILE, "grounded")
 
 
 def build_workload(args: Any, tokenizer: Any) -> Workload:
     """The workload the command line asks for (`--dataset` and its flags)."""
-    if args.dataset == "text":
-        return text_dataset(tokenizer, args.num_prompts, args.output_len, args.seed)
+    if args.dataset in TEXT_FILES:
+        return text_dataset(tokenizer, args.num_prompts, args.output_len, args.seed,
+                            TEXT_FILES[args.dataset], args.dataset)
     vocab = normal_vocab(tokenizer)
     if args.dataset == "random":
         return random_dataset(vocab, args.num_prompts, args.input_len_min, args.input_len_max,

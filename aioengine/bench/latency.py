@@ -27,7 +27,10 @@ Engines, on the same weights and thread count, each after `--warmup` untimed run
 - `aioengine`: the request streams through `AsyncEngine`; each token's arrival time is
   when the caller receives it. TTFT = first arrival - submit, TPOT = (e2e - TTFT) / (n - 1),
   ITL = the gaps between arrivals. The prefix cache is reset before every run, so each one
-  pays the whole prefill.
+  pays the whole prefill. With `--speculative-config` (tokens accepted in one step arrive
+  together), each run and the timed runs together also report the drafts verified, the
+  draft tokens accepted and the mean acceptance length (`aioengine.metrics.
+  spec_decode_delta`); `--dataset grounded` gives a prompt whose answer copies from it.
 - `hf`: transformers `generate`, greedy, batch 1, with a streamer that timestamps each
   token as `generate` hands it over (the first `put` is the prompt and is skipped); the
   same TTFT / TPOT / ITL follow. A streamer times the very run it measures, where the
@@ -54,9 +57,12 @@ import torch
 
 from aioengine.bench.floor import BANDWIDTH_REPEATS, BandwidthProbe, weight_bytes_per_token
 from aioengine.bench.report import cpu_line
+from aioengine.metrics import format_spec_decode, spec_decode_delta
 
 OUR_ENGINE = "aioengine"
 LATENCY_ENGINES = (OUR_ENGINE, "hf")
+# `--dataset`: random tokens (`--input-len`), or one prompt of a shipped text dataset.
+LATENCY_DATASETS = ("random", "text", "grounded")
 TARGET_TPOT_OVER_FLOOR = 1.4  # the issue's target for our TPOT
 
 
@@ -70,6 +76,8 @@ class LatencyRun:
 
     token_times_s: list[float]
     bandwidth: float = 0.0
+    # Our engine with speculative decoding: spec_decode_delta over this run.
+    spec_decode: dict[str, Any] | None = None
 
     @property
     def ttft_s(self) -> float:
@@ -89,10 +97,13 @@ class LatencyRun:
         return [b - a for a, b in zip(t, t[1:])]
 
     def to_json(self) -> dict[str, Any]:
-        return {"ttft_ms": self.ttft_s * 1e3, "tpot_ms": self.tpot_s * 1e3,
-                "itl_median_ms": statistics.median(self.itls_s) * 1e3,
-                "e2e_ms": self.e2e_s * 1e3, "num_tokens": len(self.token_times_s),
-                "bandwidth_gb_per_s": self.bandwidth / 1e9}
+        out = {"ttft_ms": self.ttft_s * 1e3, "tpot_ms": self.tpot_s * 1e3,
+               "itl_median_ms": statistics.median(self.itls_s) * 1e3,
+               "e2e_ms": self.e2e_s * 1e3, "num_tokens": len(self.token_times_s),
+               "bandwidth_gb_per_s": self.bandwidth / 1e9}
+        if self.spec_decode is not None:
+            out["spec_decode"] = self.spec_decode
+        return out
 
 
 def _checked(engine: str, times: list[float], output_len: int,
@@ -113,6 +124,8 @@ class EngineLatency:
     outputs: list[list[int]] = field(default_factory=list, repr=False)
     # A peer's versions and set-up (peers.py).
     peer_info: dict[str, Any] | None = None
+    # Our engine: spec_decode_delta over all timed runs (None without speculative decoding).
+    spec_decode: dict[str, Any] | None = None
 
     def summary(self, weight_bytes: int | None = None) -> dict[str, Any]:
         """Median and best (min) over runs of each per-run number; with `weight_bytes`, also
@@ -128,6 +141,8 @@ class EngineLatency:
             values = [r[key] for r in per_run]
             out[key] = {"median": statistics.median(values), "best": min(values)}
         out["runs"] = per_run
+        if self.engine == OUR_ENGINE:
+            out["spec_decode"] = self.spec_decode
         if self.peer_info is not None:
             out["peer_info"] = self.peer_info
         return out
@@ -144,12 +159,16 @@ async def _aioengine_runs(model: str | None, kwargs: dict[str, Any], prompt: lis
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     runs, outputs = [], []
     probe = BandwidthProbe(bandwidth_bytes)
+    first = before = engine.core.stats()
     try:
         for i in range(warmup + repeats):
             if not engine.core.kv_cache_manager.reset_prefix_cache():
                 raise RuntimeError("aioengine: KV blocks still in use between runs")
             if i >= warmup:
                 probe.before_run()
+                before = engine.core.stats()
+                if i == warmup:
+                    first = before
             times: list[float] = []
             ids: list[int] = []
             start = time.perf_counter()
@@ -160,13 +179,17 @@ async def _aioengine_runs(model: str | None, kwargs: dict[str, Any], prompt: lis
                 times += [now] * len(new)
                 ids += new
             if i >= warmup:
-                runs.append(_checked(OUR_ENGINE, times, output_len, probe.after_run()))
+                run = _checked(OUR_ENGINE, times, output_len, probe.after_run())
+                run.spec_decode = spec_decode_delta(before, engine.core.stats())
+                runs.append(run)
                 outputs.append(ids)
         weight_bytes = weight_bytes_per_token(engine.core.loaded.model)
+        spec_decode = spec_decode_delta(first, engine.core.stats())
     finally:
         probe.close()
         await engine.shutdown()
-    return EngineLatency(OUR_ENGINE, runs, threads, weight_bytes, outputs)
+    return EngineLatency(OUR_ENGINE, runs, threads, weight_bytes, outputs,
+                         spec_decode=spec_decode)
 
 
 def run_aioengine(model: str | None, kwargs: dict[str, Any], prompt: list[int],
@@ -310,6 +333,12 @@ def run_latency(config: LatencyConfig) -> dict[str, Any]:
     return report
 
 
+def spec_config_label(cfg: dict[str, Any]) -> str:
+    """`--speculative-config` in brief: "ngram, 4 tokens" (the whole dict is in the JSON)."""
+    spec = cfg.get("speculative_config") or {}
+    return f"{spec.get('method')}, {spec.get('num_speculative_tokens')} tokens"
+
+
 def first_diff(ours: list[int], peer: list[int]) -> int | None:
     """Where two greedy outputs first differ (None: equal)."""
     if ours == peer:
@@ -337,13 +366,18 @@ def format_latency(report: dict[str, Any]) -> str:
     def cell(stat: dict[str, float]) -> str:
         return f"{stat['median']:.2f} ({stat['best']:.2f})"
 
+    if cfg.get("dataset", "random") == "random":
+        prompt = f"{cfg['input_len']}-token random-token prompt"
+    else:
+        prompt = (f"{report['workload']['prompt_len_min']}-token prompt from the "
+                  f"{cfg['dataset']} dataset")
     lines = [
         f"torch {env['torch']}, transformers {env['transformers']}, "
         f"{env['torch_threads']} torch threads, {env['cpu_count']} CPUs"
         + (f", {env['cuda']}" if env["cuda"] else ""),
         cpu_line(env),
         f"model {report['model']}",
-        f"one request: {cfg['input_len']}-token random-token prompt (seed {cfg['seed']}), "
+        f"one request: {prompt} (seed {cfg['seed']}), "
         f"{cfg['output_len']} output tokens; median (best) of {cfg['repeats']} runs after "
         f"{cfg['warmup']} warm-up",
         "",
@@ -364,6 +398,10 @@ def format_latency(report: dict[str, Any]) -> str:
                      f"{ratio['median']:>6.2f} ({ratio['best']:.2f})")
     for name, reason in report.get("skipped", {}).items():
         lines.append(f"{name:<10} skipped: {reason}")
+    spec = report["results"].get(OUR_ENGINE, {}).get("spec_decode")
+    if spec is not None:
+        lines.append(f"{OUR_ENGINE} speculative decoding ({spec_config_label(cfg)}), timed "
+                     f"runs: {format_spec_decode(spec)}")
     speedups = report.get("speedup_vs") or (
         {"hf": report["speedup_vs_hf"]} if "speedup_vs_hf" in report else {})
     for name, s in speedups.items():

@@ -5,7 +5,8 @@ Engines: `aioengine` (`LLM.generate`), `aioengine-no-prefix-caching` (the same w
 static batches with left padding) and `hf-cb` (transformers' own continuous batching,
 `generate_batch`), all on the same float32 weights and the same torch thread count.
 Warm-up is excluded. Our engines also report, for the timed run only, the prefix-cache hit
-rate, the preemptions and the KV waste at the peak (see `engine_stats`). `vllm` (vLLM's
+rate, the preemptions and the KV waste at the peak, and with `--speculative-config` the
+drafts, accepted tokens and mean acceptance length (see `engine_stats`). `vllm` (vLLM's
 CPU build, in its own venv: `--vllm-python`) runs the same workload in a child process
 (peers.py).
 """
@@ -109,14 +110,18 @@ def engine_stats(before: dict[str, float], after: dict[str, float]) -> dict[str,
     """What our engine did during one run, from `EngineCore.stats()` around it (the KV
     peak reset at its start): prefix-cache lookups and hits (tokens; hit rate None when
     caching is off), preemptions, and the step with the most KV blocks in use, with the
-    share of their slots that held no token."""
+    share of their slots that held no token; `spec_decode`: speculative decoding's
+    `spec_decode_delta` (None when it is off)."""
+    from aioengine.metrics import spec_decode_delta
+
     queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
     hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
     return {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
             "prefix_cache_hit_rate": hits / queries if queries else None,
             "num_preemptions": after["num_preemptions"] - before["num_preemptions"],
             "kv_peak_blocks": after["kv_peak_blocks"], "num_kv_blocks": after["num_blocks"],
-            "kv_waste_at_peak": after["kv_waste_at_peak"]}
+            "kv_waste_at_peak": after["kv_waste_at_peak"],
+            "spec_decode": spec_decode_delta(before, after)}
 
 
 def run_aioengine(workload: Workload, model: str, kwargs: dict[str, Any],

@@ -95,6 +95,8 @@ def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.max_model_len:
         opts["max_model_len"] = args.max_model_len
+    if getattr(args, "speculative_config", None):  # vLLM reads the same dict
+        opts["speculative_config"] = args.speculative_config
     return opts
 
 

@@ -9,6 +9,7 @@ import orjson
 
 from aioengine import cpu_info
 from aioengine.bench.metrics import RequestResult, throughput_over_time
+from aioengine.metrics import format_spec_decode
 
 OUR_ENGINE = "aioengine"
 _LATENCIES = (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st)"),
@@ -49,7 +50,8 @@ def _version(module: str) -> str | None:
 
 def _workload_line(wl: dict[str, Any]) -> str:
     kind = {"random": "random-token", "shared-prefix": "shared-prefix random-token",
-            "text": "English text"}.get(wl["dataset"], wl["dataset"])
+            "text": "English text", "grounded": "input-grounded text and code"
+            }.get(wl["dataset"], wl["dataset"])
     line = (f"workload: {wl['num_prompts']} {kind} prompts of {wl['prompt_len_min']}-"
             f"{wl['prompt_len_max']} tokens ({wl['num_prompt_tokens']} in all), "
             f"{wl['output_len']} output tokens each, seed {wl['seed']}")
@@ -115,6 +117,9 @@ def format_offline(report: dict[str, Any]) -> str:
                     f"tokens hit the prefix cache")
             lines.append(f"{name}: peak {stats['kv_peak_blocks']} of {stats['num_kv_blocks']} "
                          f"KV blocks in use; {hits}")
+            if stats.get("spec_decode") is not None:
+                lines.append(f"{name}: speculative decoding: "
+                             f"{format_spec_decode(stats['spec_decode'])}")
             w = stats.get("weights")
             if w:
                 lines.append(f"{name}: weights {w['storage']} (activations {w['activations']}, "

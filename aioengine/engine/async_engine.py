@@ -20,6 +20,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Union
 
+from aioengine import envs
 from aioengine.config import EngineArgs
 from aioengine.core.scheduler_output import EngineCoreOutput, SchedulerOutput
 from aioengine.engine.core import EngineCore
@@ -27,7 +28,7 @@ from aioengine.engine.output_processor import OutputProcessor
 from aioengine.engine.step_worker import StepWorker
 from aioengine.engine.timeline import StepRecord, StepTimeline, step_kind
 from aioengine.errors import EngineDeadError, InvalidRequestError
-from aioengine.metrics import EngineMetrics
+from aioengine.metrics import EngineMetrics, SpecDecodingLogging
 from aioengine.outputs import RequestOutput
 from aioengine.request import Request, RequestStatus
 from aioengine.sampling_params import SamplingParams
@@ -64,7 +65,10 @@ class AsyncEngine:
         self.core = core
         self.tokenizer = core.tokenizer
         self.model_name = served_model_name or os.path.basename(core.loaded.model_path)
-        self.metrics = EngineMetrics(self.model_name, stats_provider=core.stats)
+        spec = core.speculative_config
+        self.metrics = EngineMetrics(self.model_name, stats_provider=core.stats,
+                                     num_speculative_tokens=spec.num_speculative_tokens
+                                     if spec else 0)
         self.processor = OutputProcessor(core.tokenizer, self.metrics)
         # Per-step timings for `aioengine bench profile`; set .enabled to record.
         self.timeline = StepTimeline()
@@ -76,6 +80,11 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._closing = False
         self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+        # The periodic stats log: only speculative decoding has a line so far.
+        interval = envs.AIOENGINE_LOG_STATS_INTERVAL
+        self._stat_logger = SpecDecodingLogging(core.stats) if spec and interval > 0 else None
+        self._log_task = (None if self._stat_logger is None else asyncio.get_running_loop()
+                          .create_task(self._log_stats(self._stat_logger, interval)))
 
     @classmethod
     async def create(cls, model: str | None = None, served_model_name: str | None = None,
@@ -173,11 +182,22 @@ class AsyncEngine:
             self._abort(request_id)
         self._wakeup.set()
         await asyncio.gather(self._loop_task, return_exceptions=True)
+        if self._log_task is not None:
+            self._log_task.cancel()
+            await asyncio.gather(self._log_task, return_exceptions=True)
+        if self._stat_logger is not None:
+            self._stat_logger.log()  # what the last interval did
         self._executor.shutdown(wait=True)
         self._worker.close()
         self.core.structured.shutdown()
 
     # ---- the engine loop ---------------------------------------------------------------
+
+    @staticmethod
+    async def _log_stats(stat_logger: SpecDecodingLogging, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            stat_logger.log()
 
     async def _run_loop(self) -> None:
         pending: list[EngineCoreOutput] = []

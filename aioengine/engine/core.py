@@ -25,6 +25,7 @@ from aioengine.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput,
 from aioengine.errors import InvalidRequestError
 from aioengine.model.llama import kv_cache_bytes_per_block
 from aioengine.kernels import cpu as cpu_kernels
+from aioengine.metrics import SPEC_PER_POS_PREFIX
 from aioengine.model.loader import activation_dtype, load_model
 from aioengine.request import Request, RequestStatus
 from aioengine.sampling_params import SamplingParams
@@ -233,14 +234,17 @@ class EngineCore:
         }
 
     def spec_decode_stats(self) -> dict[str, float]:
-        """vLLM's spec_decode_* counters (empty without speculative decoding)."""
+        """vLLM's spec_decode_* counters (empty without speculative decoding); the accepted
+        drafts at position i (0-based) are `spec_decode_num_accepted_tokens_per_pos_<i>`."""
         if self.speculative_config is None:
             return {}
         st = self.scheduler.spec_stats
         return {"spec_decode_num_drafts": st.num_drafts,
                 "spec_decode_num_draft_tokens": st.num_draft_tokens,
                 "spec_decode_num_accepted_tokens": st.num_accepted_tokens,
-                "spec_decode_mean_acceptance_length": st.mean_acceptance_length}
+                "spec_decode_mean_acceptance_length": st.mean_acceptance_length,
+                **{f"{SPEC_PER_POS_PREFIX}{pos}": n
+                   for pos, n in enumerate(st.num_accepted_tokens_per_pos)}}
 
     def reset_kv_peak_stats(self) -> None:
         """Starts a new KV peak measurement (`kv_peak_*` and `kv_waste_at_peak` in stats())."""

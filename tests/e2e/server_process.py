@@ -1,6 +1,7 @@
 """A real `aioengine serve` subprocess on a free port, for the server tests."""
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -86,11 +87,14 @@ class ServerProcess:
         assert "Traceback" not in log and " ERROR " not in log, log
 
 
-def start_server(*extra_args: str, timeout: float = 240) -> ServerProcess:
-    """Starts `aioengine serve` on the bundled model and waits for its ready line."""
+def start_server(*extra_args: str, timeout: float = 240,
+                 env: dict[str, str] | None = None) -> ServerProcess:
+    """Starts `aioengine serve` on the bundled model and waits for its ready line; `env`
+    adds to (or overrides) this process's environment."""
     cmd = [sys.executable, "-m", "aioengine.cli", "serve", "--port", "0",
            "--num-kv-blocks", "512", *extra_args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **env} if env else None)
     log: list[str] = []
     ready: list[re.Match] = []
     got_ready = threading.Event()
@@ -111,10 +115,10 @@ def start_server(*extra_args: str, timeout: float = 240) -> ServerProcess:
     return ServerProcess(proc, ready[0].group(2), ready[0].group(1), log)
 
 
-def serving(*extra_args: str) -> Iterator[ServerProcess]:
+def serving(*extra_args: str, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
     """Body of a module-scoped `server` fixture: `yield from serving(...)` starts the server,
     hands it to the tests and stops it cleanly afterwards."""
-    srv = start_server(*extra_args)
+    srv = start_server(*extra_args, env=env)
     yield srv
     srv.stop_cleanly()
 

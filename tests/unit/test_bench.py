@@ -9,15 +9,19 @@ import math
 import pytest
 
 from aioengine.bench import build_parser
-from aioengine.bench.datasets import (PROMPTS_FILE, BenchRequest, Workload,
+from aioengine.bench.datasets import (DATASETS, GROUNDED_FILE, PROMPTS_FILE, BenchRequest,
+                                      Workload, build_workload, grounded_dataset,
                                       load_prompt_texts, normal_vocab, random_dataset,
                                       shared_prefix_dataset, text_dataset, with_text)
 from aioengine.bench.floor import BandwidthProbe, measure_read_bandwidth
-from aioengine.bench.latency import EngineLatency, LatencyRun, parse_latency_engines
+from aioengine.bench.latency import (EngineLatency, LatencyRun, format_latency,
+                                     parse_latency_engines)
 from aioengine.bench.metrics import (RequestResult, latency_stats, meets_slo, parse_slo,
                                      summarize, throughput_over_time)
 from aioengine.bench.offline import compare_outputs, engine_stats, parse_engines
 from aioengine.bench.report import format_offline, format_serve, save_json
+from aioengine.metrics import (SPEC_PER_POS_PREFIX, EngineMetrics, format_spec_decode,
+                               spec_decode_delta)
 
 VOCAB = list(range(100, 1100))
 
@@ -81,6 +85,50 @@ def test_text_dataset_tokenizes_and_cycles(bundled_tokenizer) -> None:
     texts = [r.prompt_text for r in w.requests]
     assert texts[-5:] == texts[:5]  # past the end of the file it starts again
     assert w.summary()["dataset"] == "text" and w.output_len == 9
+
+
+def test_shipped_grounded_prompts_file() -> None:
+    """Input-grounded prompts: each asks to repeat, correct, summarise or edit (code) a text
+    it quotes in full, so that much of the answer is in the prompt."""
+    texts = load_prompt_texts(GROUNDED_FILE)
+    assert len(texts) == 24 and len(set(texts)) == len(texts)
+    assert all(150 <= len(t.split()) <= 400 for t in texts)
+    firsts = [t.split("\n", 1)[0].lower() for t in texts]
+    kinds = {"repeat": ("repeat", "copy", "reproduce", "echo", "type out"),
+             "correct": ("correct", "fix the spelling", "proofread"),
+             "summarise": ("summarise", "summary"),
+             "rename": ("rename",), "type hints": ("type hints", "type annotations"),
+             "fix a bug": ("bug",)}
+    for kind, words in kinds.items():
+        assert sum(any(w in f for w in words) for f in firsts) >= 3, kind
+    code = [t for t in texts if "```python" in t]
+    assert len(code) == 9 and all(t.count("```") == 2 for t in code)
+    # Shipped in the wheel: pyproject's package data takes every data/*.jsonl.
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert "data/*.jsonl" in pyproject["tool"]["setuptools"]["package-data"]["aioengine.bench"]
+
+
+def test_grounded_dataset_is_registered(bundled_tokenizer) -> None:
+    assert "grounded" in DATASETS
+    w = grounded_dataset(bundled_tokenizer, 30, output_len=9, seed=1)
+    assert w == grounded_dataset(bundled_tokenizer, 30, output_len=9, seed=1)
+    assert w.name == "grounded" and w.summary()["path"] == "grounded.jsonl"
+    texts = [r.prompt_text for r in w.requests]
+    assert set(texts) == set(load_prompt_texts(GROUNDED_FILE)) and texts[24:] == texts[:6]
+    first = w.requests[0]
+    # As the text dataset: the user's message as plain text tokens (no chat template, no
+    # BOS); `bench serve --endpoint chat` sends `prompt_text` as the user message.
+    assert first.prompt_token_ids == bundled_tokenizer.encode(first.prompt_text,
+                                                              add_special_tokens=False)
+    assert all(150 <= r.prompt_len <= 1000 for r in w.requests)
+    args = build_parser().parse_args(["offline", "--dataset", "grounded", "--num-prompts", "3"])
+    built = build_workload(args, bundled_tokenizer)
+    assert built.name == "grounded" and len(built.requests) == 3
+    assert "input-grounded text and code prompts" in format_offline({
+        **_offline_report({}), "workload": built.summary()})
 
 
 def test_with_text_decodes_token_prompts(bundled_tokenizer) -> None:
@@ -274,6 +322,128 @@ def test_format_offline_engine_stats_columns() -> None:
     assert lines[-1].endswith("prefix caching off")
 
 
+# ---- speculative decoding -----------------------------------------------------------
+
+
+def _spec_stats(drafts: int, drafted: int, accepted: int, per_pos: list[int]) -> dict:
+    return {"spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": drafted,
+            "spec_decode_num_accepted_tokens": accepted,
+            **{f"{SPEC_PER_POS_PREFIX}{i}": n for i, n in enumerate(per_pos)}}
+
+
+def test_spec_decode_delta_and_line() -> None:
+    before = _spec_stats(10, 30, 12, [7, 4, 1])
+    after = _spec_stats(30, 90, 42, [17, 15, 10])
+    d = spec_decode_delta(before, after)
+    assert (d["num_drafts"], d["num_draft_tokens"], d["num_accepted_tokens"]) == (20, 60, 30)
+    assert d["num_accepted_tokens_per_pos"] == [10, 11, 9]
+    assert d["mean_acceptance_length"] == 2.5 and d["acceptance_rate"] == 0.5
+    assert d["per_position_acceptance_rate"] == pytest.approx([0.5, 0.55, 0.45])
+    assert spec_decode_delta({}, after)["num_accepted_tokens"] == 42  # since the start
+    assert spec_decode_delta({}, {"num_running": 0}) is None  # not configured
+    idle = spec_decode_delta(after, after)
+    assert idle["mean_acceptance_length"] is None and idle["acceptance_rate"] is None
+    assert format_spec_decode(d) == (
+        "mean acceptance length 2.50, accepted 30 / drafted 60 tokens (50.0%) in 20 drafts, "
+        "per-position acceptance rate [0.500, 0.550, 0.450]")
+    assert format_spec_decode(idle) == "no drafts verified"
+
+
+def test_spec_decode_prometheus_counters() -> None:
+    stats = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0,
+             "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
+    assert b"spec_decode" not in EngineMetrics("m", lambda: stats).render()
+    current = {**stats, **_spec_stats(0, 0, 0, [0, 0])}
+    metrics = EngineMetrics("m", lambda: current, num_speculative_tokens=2)
+    assert 'aioengine:spec_decode_num_drafts_total{model_name="m"} 0.0' in \
+        metrics.render().decode()
+    current.update(_spec_stats(4, 8, 5, [3, 2]))
+    metrics.render()
+    current.update(_spec_stats(6, 12, 7, [4, 3]))  # cumulative: the counters follow
+    text = metrics.render().decode()
+    for line in ('aioengine:spec_decode_num_drafts_total{model_name="m"} 6.0',
+                 'aioengine:spec_decode_num_draft_tokens_total{model_name="m"} 12.0',
+                 'aioengine:spec_decode_num_accepted_tokens_total{model_name="m"} 7.0',
+                 'aioengine:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",'
+                 'position="0"} 4.0',
+                 'aioengine:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",'
+                 'position="1"} 3.0'):
+        assert line in text.splitlines(), line
+
+
+def test_speculative_config_flag(capsys) -> None:
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+    for mode in (["latency"], ["offline"], ["profile"]):
+        args = build_parser().parse_args([*mode, "--speculative-config", spec])
+        assert args.speculative_config == json.loads(spec)
+    from aioengine.cli import engine_kwargs
+
+    assert engine_kwargs(args)["speculative_config"] == json.loads(spec)
+    assert build_parser().parse_args(["latency"]).speculative_config is None
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["latency", "--speculative-config", '{"method": "ngram"}'])
+    assert exit_info.value.code == 2
+    assert ("argument --speculative-config: speculative_config.num_speculative_tokens must be "
+            "an integer in [1, 16], got None") in capsys.readouterr().err
+
+
+def test_engine_stats_and_offline_report_spec_decode() -> None:
+    base = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0,
+            "kv_peak_blocks": 5, "num_blocks": 64, "kv_waste_at_peak": 0.0}
+    stats = engine_stats({**base, **_spec_stats(1, 2, 1, [1, 0])},
+                         {**base, **_spec_stats(5, 10, 6, [4, 2])})
+    assert stats["spec_decode"]["num_drafts"] == 4
+    assert stats["spec_decode"]["mean_acceptance_length"] == 2.25
+    assert engine_stats(base, base)["spec_decode"] is None
+    lines = format_offline(_offline_report(stats)).splitlines()
+    assert ("aioengine: speculative decoding: mean acceptance length 2.25, accepted 5 / "
+            "drafted 8 tokens (62.5%) in 4 drafts, per-position acceptance rate "
+            "[0.750, 0.500]") in lines
+
+
+def _offline_report(stats: dict) -> dict:
+    row = {"num_requests": 2, "num_prompt_tokens": 8, "num_output_tokens": 6,
+           "elapsed_s": 1.0, "output_tok_per_s": 6.0, "total_tok_per_s": 14.0}
+    return {"environment": {"torch": "t", "transformers": "x", "torch_threads": 2,
+                            "cpu_count": 2, "cuda": None},
+            "model": "m", "workload": random_dataset(VOCAB, 2, 4, 4, 3, seed=0).summary(),
+            "results": {"aioengine": {**row, "engine_stats": stats or None}},
+            "skipped": {}, "ratios": {}, "agreement": {}}
+
+
+def test_latency_reports_spec_decode(tmp_path) -> None:
+    spec = spec_decode_delta({}, _spec_stats(10, 40, 15, [8, 4, 2, 1]))
+    run = LatencyRun([0.1, 0.3, 0.3, 0.4], 1e9, spec_decode=spec)
+    assert run.to_json()["spec_decode"] == spec
+    assert "spec_decode" not in LatencyRun([0.1, 0.2], 1e9).to_json()
+    ours = EngineLatency("aioengine", [run], 2, spec_decode=spec).summary(weight_bytes=10**8)
+    assert ours["spec_decode"]["mean_acceptance_length"] == 2.5
+    assert ours["runs"][0]["spec_decode"]["num_drafts"] == 10
+    assert EngineLatency("aioengine", [run], 2).summary()["spec_decode"] is None  # off
+    assert "spec_decode" not in EngineLatency("hf", [run], 2).summary()
+    stat = {"median": 2.0, "best": 1.0}
+    config = {"input_len": 4, "output_len": 4, "seed": 0, "repeats": 1, "warmup": 0,
+              "dataset": "grounded",
+              "speculative_config": {"method": "ngram", "num_speculative_tokens": 4}}
+    report = {"environment": {"torch": "t", "transformers": "x", "torch_threads": 2,
+                              "cpu_count": 2, "cuda": None}, "model": "m", "config": config,
+              "workload": {"dataset": "grounded", "prompt_len_min": 321},
+              "floor": {"bandwidth_gb_per_s": 1.0, "bandwidth_repeats": 5,
+                        "bandwidth_buffer_bytes": 1 << 20, "weight_bytes": 10**6,
+                        "floor_ms": 1.0},
+              "results": {"aioengine": {**ours, "tpot_over_floor": stat}}, "skipped": {}}
+    lines = format_latency(report).splitlines()
+    assert lines[3].startswith("one request: 321-token prompt from the grounded dataset")
+    assert ("aioengine speculative decoding (ngram, 4 tokens), timed runs: mean acceptance "
+            "length 2.50, accepted 15 / drafted 40 tokens (37.5%) in 10 drafts, "
+            "per-position acceptance rate [0.800, 0.400, 0.200, 0.100]") in lines
+    save_json(str(tmp_path / "r.json"), report)
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["results"]["aioengine"]["spec_decode"]["num_accepted_tokens"] == 15
+    report["results"]["aioengine"]["spec_decode"] = None
+    assert not any("speculative" in line for line in format_latency(report).splitlines())
+
+
 def test_latency_run_maths_and_summary() -> None:
     run = LatencyRun([0.1, 0.3, 0.4, 0.7])
     assert (run.ttft_s, run.e2e_s) == (0.1, 0.7)
@@ -296,6 +466,10 @@ def test_latency_command_line_and_bandwidth() -> None:
     assert (args.input_len, args.output_len, args.repeats, args.warmup, args.seed) == \
         (256, 128, 3, 1, 0)
     assert args.engines == ["aioengine", "hf"] and args.bandwidth_mib == 1024
+    assert args.dataset == "random"
+    assert build_parser().parse_args(["latency", "--dataset", "grounded"]).dataset == "grounded"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["latency", "--dataset", "shared-prefix"])
     assert parse_latency_engines("hf, aioengine") == ["hf", "aioengine"]
     for bad in ("", "hf-cb", "hf,hf", "aioengine-no-prefix-caching"):
         with pytest.raises(argparse.ArgumentTypeError):
