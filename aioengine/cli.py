@@ -82,12 +82,20 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 async def _generate(args: argparse.Namespace) -> int:
     from aioengine import AsyncEngine, SamplingParams
+    from aioengine.config import ConfigError
     from aioengine.errors import InvalidRequestError
+    from aioengine.model.default import ModelNotFoundError
+    from aioengine.model.loader import ModelLoadError
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.sample_seed)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-    async with await AsyncEngine.create(args.model, **engine_kwargs(args)) as engine:
+    try:
+        engine = await AsyncEngine.create(args.model, **engine_kwargs(args))
+    except (ConfigError, ModelLoadError, ModelNotFoundError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    async with engine:
         try:
             async for out in engine.generate(prompt, params):
                 for completion in out.outputs:

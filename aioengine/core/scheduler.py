@@ -43,7 +43,9 @@ class SpecDecodingStats:
 
     @property
     def mean_acceptance_length(self) -> float:
-        """Tokens per verification step: 1 (the one it samples anyway) + accepted drafts."""
+        """Tokens per verification step: 1 (the one it samples anyway) + accepted drafts;
+        0 before any draft was verified. Accepted counts what the rejection sampler kept
+        (vLLM's counting), including tokens a stop in the run then dropped."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
@@ -120,6 +122,11 @@ class Scheduler:
             num_spec = 0
             if speculate and request.num_tokens - request.num_computed_tokens == 1:
                 num_spec = min(len(request.spec_token_ids), budget - num_new)
+                if num_spec < len(request.spec_token_ids) and _draws_own_noise(request):
+                    # Fewer drafts would change how its generator is drawn from, so its
+                    # tokens would depend on the batch: it waits for a step with room.
+                    i += 1
+                    continue
             if not self._allocate_or_preempt(request, num_new + num_spec, preempted,
                                              self._lookahead(request, request.num_computed_tokens
                                                              + num_new + num_spec, speculate)):
@@ -147,7 +154,7 @@ class Scheduler:
         if not scheduled and not self.running and ready:
             self._fail_unfittable(ready[0])
         self.kv_cache_manager.observe_peak_usage()
-        return self._make_output(scheduled, preempted)
+        return self._make_output(scheduled, preempted, speculate)
 
     def _grammar_ready(self, request: Request) -> bool:
         """False while the request's grammar compiles; a failed compile fails the request
@@ -202,7 +209,7 @@ class Scheduler:
         if num_new == 0:
             return None
         lookahead = self._lookahead(request, num_hit + num_new,
-                                    self._speculates(len(self.running) + 1))
+                                    self._speculates(len(self.running)))
         if self.kv_cache_manager.allocate_slots(request, num_new + lookahead,
                                                 computed_blocks) is None:
             return None
@@ -235,7 +242,7 @@ class Scheduler:
         self.newly_failed.append(request)
 
     def _make_output(self, scheduled: list[tuple[Request, int, int]],
-                     preempted: list[Request]) -> SchedulerOutput:
+                     preempted: list[Request], speculate: bool = False) -> SchedulerOutput:
         items = []
         for request, num_new, num_spec in scheduled:
             start = request.num_computed_tokens
@@ -261,7 +268,9 @@ class Scheduler:
             blocks_to_copy=self.kv_cache_manager.take_copy_ops(),
             preempted=preempted,
             step_id=self.num_steps,
-            propose_drafts=self._speculates(len(self.running)),
+            # Decided once per step, from the batch before admissions: the step verifies
+            # drafts exactly when the one before proposed them.
+            propose_drafts=speculate,
         )
 
     def _speculates(self, num_running: int) -> bool:
@@ -292,8 +301,10 @@ class Scheduler:
         owner in a later step (the worker runs steps in order) before anyone reads it.
         """
         live = [item for item in in_flight.scheduled if not item.request.is_finished]
-        # With drafts proposed after `in_flight`, the next step needs its update first.
-        if (in_flight.propose_drafts or self.waiting or len(live) != len(self.running)
+        # With drafts verified in `in_flight` (its tokens unknown in number) or proposed
+        # after it, the next step needs its update first.
+        if (in_flight.propose_drafts or any(item.spec_token_ids for item in live)
+                or self.waiting or len(live) != len(self.running)
                 or len(live) > self.config.max_num_batched_tokens
                 or not all(self._can_run_ahead(item) for item in live)):
             return None
@@ -418,6 +429,9 @@ class Scheduler:
         params = request.sampling_params
         room = min((params.max_tokens or 0) - request.num_output_tokens,
                    self.config.max_model_len - request.num_tokens) - 1
+        # Never more than a step can hold, so a seeded request always gets all its drafts
+        # in some step (schedule() trims none of them for it).
+        room = min(room, self.config.max_num_batched_tokens - 1)
         drafts = drafts[:max(room, 0)]
         if drafts and request.structured is not None:
             drafts = drafts[:request.structured.num_valid_drafts(drafts)]
@@ -457,3 +471,9 @@ class Scheduler:
         elif (request.num_output_tokens >= (params.max_tokens or 0)
               or request.num_tokens >= self.config.max_model_len):
             request.status = RequestStatus.FINISHED_LENGTH
+
+
+def _draws_own_noise(request: Request) -> bool:
+    """A seeded sampled request: its tokens depend only on its seed and logits."""
+    params = request.sampling_params
+    return params.seed is not None and params.temperature >= 1e-5
