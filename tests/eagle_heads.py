@@ -37,8 +37,8 @@ def make_random_eagle_head_dir(target_model_dir: str | Path, out_dir: str | Path
     head for the target whose config.json is in `target_model_dir`; returns out_dir.
 
     EAGLE-3: `draft_vocab_size` (default: the target's) picks a random sorted subset of the
-    target vocabulary (d2t), or `draft_token_ids` is that vocabulary; `aux_layer_ids` go to eagle_config (default: none written, fc
-    sized for default_aux_layer_ids). EAGLE-1: `fc_bias` and `input_layernorm` add those
+    target vocabulary (d2t), or `draft_token_ids` is that vocabulary; `aux_layer_ids` go to
+    eagle_config (default: none written, fc sized for default_aux_layer_ids). EAGLE-1: `fc_bias` and `input_layernorm` add those
     optional tensors."""
     if method not in ("eagle", "eagle3"):
         raise ValueError(f"unknown method {method!r}")
