@@ -157,9 +157,14 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None,
+                       num_computed_tokens: int | None = None,
                        ) -> list[KVCacheBlock] | None:
         """Makes room for `num_new_tokens` more tokens after the computed ones (those of
         request.num_computed_tokens plus the prefix hits `new_computed_blocks`).
+        `num_computed_tokens` overrides the request's count: a step scheduled ahead
+        allocates for what the request will have computed once the step in flight is done
+        (with the stale count, blocks that step is writing would look unwritten and a shared
+        one would be swapped for an empty copy).
 
         Returns the blocks newly taken from the pool (copy-on-write replacements first,
         in table order, then appended blocks), or None, with nothing changed, if the pool
@@ -174,7 +179,9 @@ class KVCacheManager:
             raise ValueError(f"request {rid}: prefix hits must follow full blocks, but "
                              f"{request.num_computed_tokens} tokens are computed in "
                              f"{len(blocks)} blocks")
-        num_computed = request.num_computed_tokens + len(hits) * size
+        if num_computed_tokens is None:
+            num_computed_tokens = request.num_computed_tokens
+        num_computed = num_computed_tokens + len(hits) * size
         total = num_computed + num_new_tokens
         num_append = max(0, _cdiv(total, size) - len(blocks) - len(hits))
         cow = self._shared_written_indices(blocks, num_computed, total)

@@ -341,7 +341,9 @@ class Scheduler:
         """Slots for one token past each in-flight step. On a shortage some requests may
         keep the blocks they got: their next allocate_slots counts them as theirs."""
         for item in ahead:
-            if self.kv_cache_manager.allocate_slots(item.request, item.num_new_tokens + 1) is None:
+            done = item.num_computed_tokens + item.num_new_tokens  # once in_flight has run
+            if self.kv_cache_manager.allocate_slots(item.request, 1,
+                                                    num_computed_tokens=done) is None:
                 return False
         return True
 

@@ -259,9 +259,14 @@ async def test_async_greedy_with_drafts_equals_no_speculation(
                                             **engine_args)
     for i, (got, want) in enumerate(zip(results, async_reference)):
         assert_same_greedy_run(got, want, i)
-    assert stats["spec_decode_num_drafts"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    assert stats["spec_decode_num_drafts"] > 0
     if "disable_by_batch_size" in engine_args["speculative_config"]:
-        assert ahead > 0  # both mechanisms took turns
+        # Both mechanisms took turns. Drafts only come while at most 2 requests run, so
+        # how many (and whether any is kept) depends on timing: a loaded CI machine once
+        # verified 3 and kept none.
+        assert ahead > 0
+    else:
+        assert stats["spec_decode_num_accepted_tokens"] > 0
 
 
 def test_no_step_is_scheduled_ahead_of_a_step_that_verifies_drafts(

@@ -117,3 +117,26 @@ def test_a_stop_token_or_an_abort_drops_the_token_computed_ahead() -> None:
     assert stops.num_computed_tokens == 8  # not advanced by the dropped step
     kv.check_integrity()
     assert not s.has_unfinished_requests()
+
+
+def test_blocks_shared_within_the_step_in_flight_are_kept() -> None:
+    """Two prompts sharing 8 tokens admitted in one step: the second hits the first's two
+    full blocks while that very step computes them. The step scheduled ahead must count
+    them as written (the in-flight step's tokens), not copy-on-write them into empty
+    blocks, which once lost the first request's prefix KV (a race seen under load)."""
+    s = make_scheduler(block_size=4)
+    a = make_request("a", 10, max_tokens=5, arrival=0.0)
+    b = make_request("b", 12, max_tokens=5, arrival=1.0)
+    b.prompt_token_ids[10:] = [90, 91]
+    b.all_token_ids[:] = b.prompt_token_ids
+    s.add_request(a)
+    s.add_request(b)
+    in_flight = s.schedule()
+    table_a = s.kv_cache_manager.get_block_ids("a")
+    assert s.kv_cache_manager.get_block_ids("b")[:2] == table_a[:2]  # the hits
+    ahead = ahead_of(s, in_flight)
+    assert not ahead.blocks_to_copy
+    assert s.kv_cache_manager.get_block_ids("a")[:3] == table_a
+    s.update_from_output(in_flight, fake_forward(in_flight))
+    s.update_from_output(ahead, fake_forward(ahead))
+    s.kv_cache_manager.check_integrity()
