@@ -8,6 +8,9 @@ from typing import Any
 from aioengine.errors import InvalidRequestError
 
 _MAX_LOGPROBS = 20
+# Temperatures below this are treated as greedy: dividing logits by ~0 overflows to inf
+# and the softmax turns into NaN (vLLM uses the same epsilon).
+GREEDY_TEMPERATURE = 1e-5
 # What torch.Generator.manual_seed accepts.
 _SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1
 
@@ -173,4 +176,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below GREEDY_TEMPERATURE take the argmax (the sampler's rule)."""
+        return self.temperature < GREEDY_TEMPERATURE

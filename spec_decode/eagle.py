@@ -41,7 +41,8 @@ from aioengine.model import hugepages, layers
 from aioengine.model.arch import ModelArchConfig
 from aioengine.model.attention import AttentionMetadata, TorchAttentionBackend
 from aioengine.model.layers import Linear, _param, fused_add_rms_norm, lm_head_logits, rms_norm
-from aioengine.model.llama import LlamaDecoderLayer, _has_param, _layer_weight_table
+from aioengine.model.llama import (LlamaDecoderLayer, _has_param, _layer_weight_table,
+                                   copy_param_rows)
 from aioengine.model.loader import ModelLoadError, activation_dtype, safetensors_files
 from aioengine.model.rotary import RopeStep, RotaryEmbedding
 
@@ -341,12 +342,10 @@ def _copy_weights(head: EagleHead, tensors: dict[str, Tensor], path: str) -> Non
             unknown.append(name)
             continue
         param_name, rows = table[name]
-        param = head.get_parameter(param_name)
-        dest = param if rows is None else param.narrow(0, rows[0], rows[1] - rows[0])
-        if tuple(dest.shape) != tuple(tensor.shape):
-            raise SpeculativeConfigError(f"{_FIELD}: {name} has shape {tuple(tensor.shape)}, "
-                                         f"expected {tuple(dest.shape)}")
-        dest.copy_(tensor)
+        try:
+            copy_param_rows(head.get_parameter(param_name), rows, tensor, name)
+        except ValueError as e:
+            raise SpeculativeConfigError(f"{_FIELD}: {e}") from None
     if unknown:
         hint = (" (an EAGLE-3 head? speculative_config.method 'eagle3' reads it)"
                 if head.method == "eagle" and any(n.startswith("midlayer.") for n in unknown)

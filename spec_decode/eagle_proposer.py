@@ -42,7 +42,7 @@ class EagleProposer(Proposer):
         rows: list[int] = []  # step rows the head catches up over
         next_ids: list[int] = []  # the token after each of them
         query_lens, seq_lens, tables = [], [], []
-        drafting: list[tuple[str, int, list[int]]] = []  # (request_id, last position, table)
+        drafting: list[tuple[str, int, list[int]]] = []  # (request_id, its last row, table)
         for i, item in enumerate(ctx.scheduled):
             request = item.request
             start, end = ctx.item_starts[i], ctx.item_starts[i + 1]
@@ -62,11 +62,10 @@ class EagleProposer(Proposer):
             tables.append(item.block_ids)
             if sampled and not request.is_finished:
                 drafting.append((request.request_id, len(rows) - 1, item.block_ids))
-        if not drafting:
-            self._catch_up(ctx, rows, next_ids, query_lens, seq_lens, tables)
-            return {}
         logits_hidden, next_hidden, positions = self._catch_up(
             ctx, rows, next_ids, query_lens, seq_lens, tables)
+        if not drafting:
+            return {}
         last = torch.tensor([r for _, r, _ in drafting], device=logits_hidden.device)
         draft = self.head.compute_logits(logits_hidden[last], self.target.lm_head).argmax(dim=1)
         hidden, pos = next_hidden[last], positions[last]

@@ -32,7 +32,6 @@ class VerifyRows:
 
     first_row: int  # rows first_row .. first_row + len(draft_token_ids) of probs / argmax
     draft_token_ids: list[int]
-    greedy: bool
     generator: torch.Generator | None = None  # None = the shared generator
     draft_probs: Tensor | None = None  # [k, V] the proposer's q, None = point masses
 

@@ -22,31 +22,8 @@ from aioengine.core.kv_cache_manager import KVCacheManager
 from aioengine.core.scheduler_output import (PLACEHOLDER_TOKEN_ID, EngineCoreOutput,
                                              ModelRunnerOutput, ScheduledRequest,
                                              SchedulerOutput)
+from aioengine.core.spec_stats import SpecDecodingStats
 from aioengine.request import Request, RequestStatus
-
-class SpecDecodingStats:
-    """vLLM's speculative-decoding counters: steps with drafts, draft tokens verified,
-    drafts accepted, and acceptances at each draft position."""
-
-    def __init__(self, num_speculative_tokens: int) -> None:
-        self.num_drafts = 0
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.num_accepted_tokens_per_pos = [0] * num_speculative_tokens
-
-    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        for pos in range(num_accepted):
-            self.num_accepted_tokens_per_pos[pos] += 1
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens per verification step: 1 (the one it samples anyway) + accepted drafts;
-        0 before any draft was verified. Accepted counts what the rejection sampler kept
-        (vLLM's counting), including tokens a stop in the run then dropped."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 class Scheduler:
@@ -382,16 +359,16 @@ class Scheduler:
             logprobs = runner_output.logprobs.get(rid)
             if num_drafts:
                 self.spec_stats.observe(num_drafts, len(tokens) - 1)
+            # One run for the request, or one token for each sample an n > 1 prompt forks.
             samples = [request] + self._fork(request)
-            if len(samples) == 1:
-                outputs.append(self._append_run(request, tokens, logprobs, prompt_lps,
-                                                runner_output.spec_token_ids.get(rid)))
-                continue
-            for i, (sample, token) in enumerate(zip(samples, tokens)):
-                out = self._append_run(sample, [token], logprobs[i:i + 1] if logprobs else None,
-                                       prompt_lps if i == 0 else None,
-                                       runner_output.spec_token_ids.get(sample.request_id))
-                outputs.append(out)
+            runs = [tokens] if len(samples) == 1 else [[token] for token in tokens]
+            start = 0
+            for i, (sample, run) in enumerate(zip(samples, runs)):
+                outputs.append(self._append_run(
+                    sample, run, logprobs[start:start + len(run)] if logprobs else None,
+                    prompt_lps if i == 0 else None,
+                    runner_output.spec_token_ids.get(sample.request_id)))
+                start += len(run)
         for out in outputs:
             if out.finished and out.request.request_id in self.requests:
                 self.running.remove(out.request)
@@ -478,4 +455,4 @@ class Scheduler:
 def _draws_own_noise(request: Request) -> bool:
     """A seeded sampled request: its tokens depend only on its seed and logits."""
     params = request.sampling_params
-    return params.seed is not None and params.temperature >= 1e-5
+    return params.seed is not None and not params.greedy

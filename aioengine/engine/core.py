@@ -242,7 +242,6 @@ class EngineCore:
         return {"spec_decode_num_drafts": st.num_drafts,
                 "spec_decode_num_draft_tokens": st.num_draft_tokens,
                 "spec_decode_num_accepted_tokens": st.num_accepted_tokens,
-                "spec_decode_mean_acceptance_length": st.mean_acceptance_length,
                 **{f"{SPEC_PER_POS_PREFIX}{pos}": n
                    for pos, n in enumerate(st.num_accepted_tokens_per_pos)}}
 

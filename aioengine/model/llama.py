@@ -298,12 +298,7 @@ class LlamaForCausalLM(nn.Module):
             if target is None:
                 continue
             name, rows = target
-            param = self.get_parameter(name)
-            dest = param if rows is None else param.narrow(0, rows[0], rows[1] - rows[0])
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
+            copy_param_rows(self.get_parameter(name), rows, tensor, hf_name)
             parts_loaded[name] = parts_loaded.get(name, 0) + 1
         return parts_loaded
 
@@ -338,6 +333,16 @@ class LlamaForCausalLM(nn.Module):
         if target is None or not _has_param(self.layers[layer], target[0]):
             raise ValueError(f"unexpected weight {hf_name!r} for {self.arch.architecture}")
         return f"layers.{layer}.{target[0]}", target[1]
+
+
+def copy_param_rows(param: Tensor, rows: tuple[int, int] | None, tensor: Tensor,
+                    name: str) -> None:
+    """Copies a checkpoint tensor into `param` (or its row range of a fused parameter);
+    ValueError naming `name` on a shape mismatch."""
+    dest = param if rows is None else param.narrow(0, rows[0], rows[1] - rows[0])
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+    dest.copy_(tensor)
 
 
 def _has_param(module: nn.Module, dotted: str) -> bool:

@@ -18,9 +18,6 @@ from torch import Tensor
 
 from aioengine.sampling_params import SamplingParams
 
-# Temperatures below this are treated as greedy: dividing logits by ~0 overflows to inf
-# and the softmax turns into NaN (vLLM uses the same epsilon).
-_SAMPLING_EPS = 1e-5
 # Random rows whose top-k/top-p support fits in the `size` most likely tokens are sampled
 # from a `topk(size)` slice, trying each size in turn, instead of a full-vocabulary sort
 # (CPU only; see candidates.py).
@@ -55,7 +52,7 @@ def is_plain_greedy(row: SamplingRow) -> bool:
     gives it the argmax of the raw logits, so a step of only such rows (and no grammar)
     may take that argmax without building a SamplingMetadata (~0.1 ms of Python a step)."""
     p = row.params
-    return (p.temperature < _SAMPLING_EPS and p.logprobs is None and not p.logit_bias
+    return (p.greedy and p.logprobs is None and not p.logit_bias
             and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
             and p.presence_penalty == 0.0 and len(row.output_token_ids) >= p.min_tokens)
 
@@ -115,7 +112,7 @@ class SamplingMetadata:
         top-candidates slice; elsewhere a full sort is cheap and needs no device sync."""
         if use_candidates is None:
             use_candidates = torch.device(device).type == "cpu"
-        greedy = [row.params.temperature < _SAMPLING_EPS for row in rows]
+        greedy = [row.params.greedy for row in rows]
         random_rows = [i for i, g in enumerate(greedy) if not g]
         mixed = 0 < len(random_rows) < len(rows)
         logprob_asks = [row.params.logprobs for row in rows if row.params.logprobs is not None]

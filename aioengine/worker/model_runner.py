@@ -252,10 +252,10 @@ class ModelRunner:
         for item in owners:
             request, drafts = item.request, item.spec_token_ids
             params = request.sampling_params
-            if probs is None or params.temperature < _GREEDY_EPS:
+            if probs is None or params.greedy:
                 tokens = accept_greedy(argmax, drafts, r)
             else:
-                tokens = accept_sampled(probs, VerifyRows(r, drafts, False, request.generator),
+                tokens = accept_sampled(probs, VerifyRows(r, drafts, request.generator),
                                         self.sampler.generator)
             output.sampled_token_ids[request.request_id] = tokens
             if params.logprobs is not None and raw_logprobs is not None:
@@ -294,10 +294,6 @@ class ModelRunner:
             k = request.sampling_params.prompt_logprobs or 0
             ids, lps, ranks = compute_prompt_logprobs(self.model.compute_logits(rows), targets, k)
             output.prompt_logprobs[request.request_id] = _to_position_logprobs(ids, lps, ranks)
-
-
-# Temperatures below this sample greedily (the sampler's rule, sample/metadata.py).
-_GREEDY_EPS = 1e-5
 
 
 def _step_layout(scheduled: list[ScheduledRequest],

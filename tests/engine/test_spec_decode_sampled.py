@@ -19,10 +19,8 @@ import pytest
 
 from aioengine import LLM, AsyncEngine, SamplingParams
 
+from tests.chi_square import ALPHA, chi2_sf, two_sample_statistic
 from tests.engine.conftest import assert_blocks_released
-from tests.unit.test_rejection_sampler import chi2_sf, two_sample_statistic
-
-ALPHA = 1e-4
 
 
 def ngram(k: int, **extra: object) -> dict:

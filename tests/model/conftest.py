@@ -28,3 +28,20 @@ def set_cpu_kernels(monkeypatch: pytest.MonkeyPatch):
 
     yield set_value
     cpu_kernels.reset()
+
+
+@pytest.fixture
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The token counts of the llama_decode calls that ran the decoder layers (a spy: each
+    call goes through to the kernel)."""
+    calls: list[int] = []
+    real = cpu_kernels.llama_decode
+
+    def spy(x, *args, **kwargs):
+        done = real(x, *args, **kwargs)
+        if done:
+            calls.append(x.shape[0])
+        return done
+
+    monkeypatch.setattr(cpu_kernels, "llama_decode", spy)
+    return calls

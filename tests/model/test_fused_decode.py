@@ -59,23 +59,6 @@ def _prefilled(model, seq_lens: list[int], seed: int = 0, vocab: int = 49152):
     return caches, torch.tensor([p[-1] for p in prompts]), positions, meta
 
 
-@pytest.fixture
-def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The token counts of the llama_decode calls that ran the decoder layers (a spy: each
-    call goes through to the kernel)."""
-    calls: list[int] = []
-    real = cpu_kernels.llama_decode
-
-    def spy(x, *args, **kwargs):
-        done = real(x, *args, **kwargs)
-        if done:
-            calls.append(x.shape[0])
-        return done
-
-    monkeypatch.setattr(cpu_kernels, "llama_decode", spy)
-    return calls
-
-
 def _decode(model, fused: bool, caches, input_ids, positions, meta):
     caches = [c.clone() for c in caches]
     model.use_fused_decode = fused

@@ -108,22 +108,6 @@ class SpecStep:
         return out, caches
 
 
-@pytest.fixture
-def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The token counts of the llama_decode calls that ran the decoder layers."""
-    calls: list[int] = []
-    real = cpu_kernels.llama_decode
-
-    def spy(x, *args, **kwargs):
-        done = real(x, *args, **kwargs)
-        if done:
-            calls.append(x.shape[0])
-        return done
-
-    monkeypatch.setattr(cpu_kernels, "llama_decode", spy)
-    return calls
-
-
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_rows_of_one_request_match_the_layer_path_and_a_chunk(model, case: str, threads: int,
                                                               fused_calls) -> None:

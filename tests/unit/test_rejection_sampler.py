@@ -9,12 +9,9 @@ for every j: among trials whose first j emitted tokens are d_1..d_j and that emi
 drawn per trial from a proposer distribution q (draft_probs), with targets that depend
 on the drafts before them (a Markov chain over a 6-token vocabulary).
 
-scipy is not in the venv: the chi-square tail is computed exactly (closed forms for an
-integer number of degrees of freedom, checked against table values below).
+The chi-square arithmetic is in tests/chi_square.py.
 """
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import pytest
@@ -23,111 +20,10 @@ import torch
 from aioengine.sample.ops import exponential_race
 from aioengine.spec_decode.rejection_sampler import VerifyRows, accept_greedy, accept_sampled
 
+from tests.chi_square import ALPHA, chi2_sf, gof_statistic
+
 V = 6
 N_TRIALS = 20_000
-ALPHA = 1e-4  # each goodness-of-fit test fails a correct sampler with probability <= 1e-4
-MIN_EXPECTED = 5.0  # cells below this expected count are pooled (the usual chi-square rule)
-
-
-# ---- chi-square without scipy ------------------------------------------------------------
-
-def chi2_sf(x: float, df: int) -> float:
-    """P(X >= x) for X ~ chi-square(df), df a positive integer (exact closed forms).
-
-    even df = 2m:  exp(-x/2) * sum_{i<m} (x/2)^i / i!
-    odd df:        erfc(sqrt(x/2)) + sqrt(2x/pi) exp(-x/2) * sum_{r=1}^{(df-1)/2} x^(r-1)/(2r-1)!!
-    Terms are built by recurrence from exp(-x/2) (no overflow for the sizes used here).
-    """
-    if df < 1:
-        raise ValueError(f"df must be >= 1, got {df}")
-    if x <= 0:
-        return 1.0
-    half = x / 2.0
-    if df % 2 == 0:
-        term = total = math.exp(-half)
-        for i in range(1, df // 2):
-            term *= half / i
-            total += term
-        return min(1.0, total)
-    total = math.erfc(math.sqrt(half))
-    term = math.sqrt(2.0 * x / math.pi) * math.exp(-half)  # r = 1: x^0 / 1!!
-    for r in range(1, (df - 1) // 2 + 1):
-        if r > 1:
-            term *= x / (2 * r - 1)
-        total += term
-    return min(1.0, total)
-
-
-@pytest.mark.parametrize("x, df, p", [
-    (3.841, 1, 0.05), (6.635, 1, 0.01), (15.137, 1, 1e-4),
-    (5.991, 2, 0.05), (18.421, 2, 1e-4),
-    (7.815, 3, 0.05), (16.266, 3, 0.001),
-    (11.070, 5, 0.05), (23.209, 10, 0.01), (29.588, 10, 0.001),
-    (31.410, 20, 0.05), (124.342, 100, 0.05),
-])
-def test_chi2_sf_matches_table_values(x: float, df: int, p: float) -> None:
-    assert chi2_sf(x, df) == pytest.approx(p, rel=2e-3)
-
-
-def gof_statistic(observed: np.ndarray, expected_probs: np.ndarray) -> tuple[float, int]:
-    """Chi-square statistic and degrees of freedom of `observed` counts [V] against
-    `expected_probs` [V]. A token with probability 0 must never be observed (asserted);
-    cells with expected count < MIN_EXPECTED are pooled into one."""
-    n = observed.sum()
-    impossible = expected_probs <= 0
-    assert observed[impossible].sum() == 0, (
-        f"tokens {np.nonzero(impossible & (observed > 0))[0].tolist()} have probability 0 "
-        f"but were emitted: counts {observed.tolist()}, p {expected_probs.tolist()}")
-    obs, exp = observed[~impossible].astype(float), n * expected_probs[~impossible]
-    small = exp < MIN_EXPECTED
-    if small.any():
-        obs = np.append(obs[~small], obs[small].sum())
-        exp = np.append(exp[~small], exp[small].sum())
-        if exp[-1] < MIN_EXPECTED and len(exp) > 1:  # still too small: merge with the next
-            obs = np.append(obs[:-2], obs[-2:].sum())
-            exp = np.append(exp[:-2], exp[-2:].sum())
-    if len(exp) < 2:
-        return 0.0, 0
-    return float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1
-
-
-def two_sample_statistic(a: dict, b: dict, min_count: int = 10) -> tuple[float, int]:
-    """Chi-square statistic and degrees of freedom of the 2 x C contingency table of two
-    samples' counts over outcomes (dicts outcome -> count). Outcomes seen fewer than
-    `min_count` times in both samples together are pooled into one column."""
-    keys = sorted(set(a) | set(b), key=repr)
-    cols = [(a.get(k, 0), b.get(k, 0)) for k in keys]
-    big = [c for c in cols if c[0] + c[1] >= min_count]
-    rest = [c for c in cols if c[0] + c[1] < min_count]
-    if rest:
-        pooled = (sum(c[0] for c in rest), sum(c[1] for c in rest))
-        if sum(pooled) >= min_count or not big:
-            big.append(pooled)
-        else:  # too small on its own: add it to the smallest column
-            i = min(range(len(big)), key=lambda j: sum(big[j]))
-            big[i] = (big[i][0] + pooled[0], big[i][1] + pooled[1])
-    table = np.array(big, dtype=float).T  # [2, C]
-    if table.shape[1] < 2:
-        return 0.0, 0
-    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
-    return float(((table - expected) ** 2 / expected).sum()), table.shape[1] - 1
-
-
-def test_gof_helpers_flag_a_wrong_distribution() -> None:
-    rng = np.random.default_rng(0)
-    p = np.array([0.4, 0.3, 0.2, 0.1, 0.0, 0.0])
-    counts = np.bincount(rng.choice(V, size=5000, p=p), minlength=V)
-    stat, df = gof_statistic(counts, p)
-    assert df == 3 and chi2_sf(stat, df) > ALPHA
-    stat, df = gof_statistic(counts, np.array([0.35, 0.35, 0.2, 0.1, 0.0, 0.0]))
-    assert chi2_sf(stat, df) < ALPHA
-    with pytest.raises(AssertionError, match="probability 0"):
-        gof_statistic(counts, np.array([0.5, 0.3, 0.2, 0.0, 0.0, 0.0]))
-    same = dict(enumerate(np.bincount(rng.choice(V, size=5000, p=p), minlength=V)))
-    stat, df = two_sample_statistic(dict(enumerate(counts)), same)
-    assert df == 3 and chi2_sf(stat, df) > ALPHA
-    other = dict(enumerate(np.bincount(rng.choice(V, size=5000, p=[.3, .3, .3, .1, 0, 0]))))
-    assert chi2_sf(*two_sample_statistic(dict(enumerate(counts)), other)) < ALPHA
 
 
 # ---- synthetic verification problems -------------------------------------------------------
@@ -183,7 +79,7 @@ def run_trials(probs: torch.Tensor, drafts: list[list[int]], draft_probs: torch.
     after the first also exercises first_row), with one shared seeded generator."""
     k = len(drafts[0])
     gen = torch.Generator().manual_seed(seed)
-    return [sampler(probs, VerifyRows(i * (k + 1), d, False, None,
+    return [sampler(probs, VerifyRows(i * (k + 1), d, None,
                                       None if draft_probs is None else draft_probs[i]), gen)
             for i, d in enumerate(drafts)]
 
@@ -308,7 +204,7 @@ def _sequence_of_calls(generator: torch.Generator | None, shared: torch.Generato
     q = torch.tensor([[0.40, 0.20, 0.10, 0.10, 0.10, 0.10],
                       [0.10, 0.10, 0.10, 0.60, 0.05, 0.05],
                       [0.10, 0.70, 0.05, 0.05, 0.05, 0.05]])
-    return [accept_sampled(probs, VerifyRows(0, FIXED_DRAFTS, False, generator,
+    return [accept_sampled(probs, VerifyRows(0, FIXED_DRAFTS, generator,
                                              q if draft_probs else None), shared)
             for _ in range(300)]
 
@@ -345,9 +241,9 @@ def test_first_row_selects_the_request_rows() -> None:
     junk = torch.softmax(torch.randn(5, V, generator=torch.Generator().manual_seed(0)), 1)
     packed = torch.cat([junk, rows])
     for seed in range(50):
-        alone = accept_sampled(rows, VerifyRows(0, FIXED_DRAFTS, False,
+        alone = accept_sampled(rows, VerifyRows(0, FIXED_DRAFTS,
                                                 torch.Generator().manual_seed(seed)), None)
-        after = accept_sampled(packed, VerifyRows(5, FIXED_DRAFTS, False,
+        after = accept_sampled(packed, VerifyRows(5, FIXED_DRAFTS,
                                                   torch.Generator().manual_seed(seed)), None)
         assert alone == after
 
@@ -368,7 +264,7 @@ def test_p_of_one_always_accepts_and_all_kept_gives_k_plus_one(k: int, draft_pro
     q = torch.full((k, V), 1.0 / V) if draft_probs else None
     gen = torch.Generator().manual_seed(3)
     for _ in range(2000):
-        assert accept_sampled(probs, VerifyRows(0, drafts, False, None, q), gen) == drafts + [bonus]
+        assert accept_sampled(probs, VerifyRows(0, drafts, None, q), gen) == drafts + [bonus]
 
 
 @pytest.mark.parametrize("draft_probs", [False, True])
@@ -382,7 +278,7 @@ def test_p_of_zero_always_rejects(draft_probs: bool) -> None:
         q = torch.tensor([[0.6, 0.1, 0.1, 0.1, 0.05, 0.05],
                           [0.1, 0.1, 0.1, 0.1, 0.5, 0.1]])
     gen = torch.Generator().manual_seed(5)
-    outs = [accept_sampled(rows, VerifyRows(0, drafts, False, None, q), gen)
+    outs = [accept_sampled(rows, VerifyRows(0, drafts, None, q), gen)
             for _ in range(4000)]
     assert all(len(o) <= 2 for o in outs)
     second = [o[1] for o in outs if len(o) == 2]
@@ -402,7 +298,7 @@ def test_q_equal_to_p_always_accepts() -> None:
                                    p_tables[2][drafts[2]]]), dtype=torch.float32)
     gen = torch.Generator().manual_seed(8)
     for _ in range(2000):
-        out = accept_sampled(probs, VerifyRows(0, drafts, False, None, probs[:3].clone()), gen)
+        out = accept_sampled(probs, VerifyRows(0, drafts, None, probs[:3].clone()), gen)
         assert out[:3] == drafts and len(out) == 4 and probs[3, out[3]] > 0
 
 
@@ -412,7 +308,7 @@ def test_rejected_draft_never_reemitted_with_q() -> None:
     p = torch.tensor([[0.2, 0.3, 0.1, 0.2, 0.1, 0.1], [1 / V] * V])
     q = torch.tensor([[0.6, 0.1, 0.1, 0.1, 0.05, 0.05]])
     gen = torch.Generator().manual_seed(9)
-    outs = [accept_sampled(p, VerifyRows(0, [0], False, None, q), gen) for _ in range(4000)]
+    outs = [accept_sampled(p, VerifyRows(0, [0], None, q), gen) for _ in range(4000)]
     residual = (p[0] - q[0]).clamp(min=0).numpy().astype(np.float64)
     rejected = [o[0] for o in outs if len(o) == 1]
     stat, df = gof_statistic(np.bincount(rejected, minlength=V), residual / residual.sum())
