@@ -1,6 +1,6 @@
 """The `aioengine` command line: `aioengine serve [MODEL]` (the OpenAI-compatible server),
-`aioengine generate "prompt" [--chat]` and `aioengine bench offline|serve|profile|latency ...`
-(benchmarks)."""
+`aioengine generate "prompt" [--chat]`, `aioengine bench offline|serve|profile|latency|spec ...`
+(benchmarks) and `aioengine train-eagle` (an EAGLE-3 draft head for a model)."""
 from __future__ import annotations
 
 import argparse
@@ -167,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         from aioengine.bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["train-eagle"]:
+        from aioengine.spec_decode.train.cli import main as train_main
+
+        return train_main(argv[1:])
     parser = argparse.ArgumentParser(prog="aioengine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve_parser(sub)
@@ -181,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     # Listed for --help; main() hands `bench ...` to aioengine.bench before parsing.
     sub.add_parser("bench", add_help=False,
                    help="benchmarks: `aioengine bench offline|serve|profile|latency --help`")
+    sub.add_parser("train-eagle", add_help=False,
+                   help="train an EAGLE-3 draft head for a model: `aioengine train-eagle "
+                        "--help`")
     args = parser.parse_args(argv)
     logging.basicConfig(level=envs.AIOENGINE_LOG_LEVEL, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

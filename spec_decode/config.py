@@ -3,6 +3,8 @@
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
      "prompt_lookup_max": 5}
     {"method": "eagle3", "num_speculative_tokens": 3, "model": "/path/to/draft"}
+    {"method": "eagle3"}   (the head shipped for the target, its n_predict draft tokens:
+                            filled in by spec_decode.shipped once the target is known)
 
 Every error is a ConfigError naming the offending field, raised at engine start-up.
 """
@@ -24,10 +26,12 @@ DEFAULT_PROMPT_LOOKUP = 5
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
-    num_speculative_tokens: int
+    # None (eagle, eagle3 only) until resolve_speculative_config reads the head's n_predict.
+    num_speculative_tokens: int | None
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
-    model: str | None = None  # the draft head's directory (eagle, eagle3)
+    # The draft head's directory (eagle, eagle3); None: the head shipped for the target.
+    model: str | None = None
     # Steps with more running requests than this verify no drafts (vLLM's
     # disable_by_batch_size): at large batches the forward is compute-bound and drafts
     # only add work. None = always speculate.
@@ -56,7 +60,8 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_config.method must be one of {list(METHODS)}, "
                               f"got {method!r}")
         k = value.get("num_speculative_tokens")
-        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        if (k is not None or method == "ngram") and (
+                not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
             raise ConfigError("speculative_config.num_speculative_tokens must be an integer in "
                               f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
@@ -72,10 +77,10 @@ class SpeculativeConfig:
         if method == "ngram":
             if model is not None:
                 raise ConfigError("speculative_config.model is not used by method 'ngram'")
-        elif not isinstance(model, str) or not model:
-            raise ConfigError(f"speculative_config.model (the draft head's directory) is "
-                              f"required for method {method!r}")
-        elif not os.path.isdir(model):
+        elif model is not None and (not isinstance(model, str) or not model):
+            raise ConfigError(f"speculative_config.model (the draft head's directory) must "
+                              f"be a path, got {model!r}")
+        elif model is not None and not os.path.isdir(model):
             raise ConfigError(f"speculative_config.model: no directory {model!r}")
         limit = value.get("disable_by_batch_size")
         if limit is not None and (not _is_int(limit) or limit < 1):

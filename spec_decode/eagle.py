@@ -164,6 +164,14 @@ class EagleHead(nn.Module):
         x, residual = fused_add_rms_norm(o, residual, layer.post_attention_layernorm, self.eps)
         return layer.down_proj(layers.silu_and_mul(layer.gate_up_proj(x))), residual
 
+    def draft_argmax(self, hidden: Tensor, target_lm_head: Linear) -> Tensor:
+        """logits_hidden [N, H] -> the target id [N] of the most likely draft token:
+        compute_logits' argmax without scattering a reduced vocabulary into the target's."""
+        if self.lm_head is None:
+            return lm_head_logits(hidden, target_lm_head).argmax(dim=1)
+        best = lm_head_logits(hidden, self.lm_head).argmax(dim=1)
+        return best if self.draft_to_target is None else self.draft_to_target[best]
+
     def compute_logits(self, hidden: Tensor, target_lm_head: Linear) -> Tensor:
         """logits_hidden [N, H] -> float32 logits [N, V_target]: through the head's own
         lm_head where it has one (a reduced vocabulary scattered through d2t, the target

@@ -67,7 +67,7 @@ class EagleProposer(Proposer):
         if not drafting:
             return {}
         last = torch.tensor([r for _, r, _ in drafting], device=logits_hidden.device)
-        draft = self.head.compute_logits(logits_hidden[last], self.target.lm_head).argmax(dim=1)
+        draft = self.head.draft_argmax(logits_hidden[last], self.target.lm_head)
         hidden, pos = next_hidden[last], positions[last]
         drafts = [draft]
         tables = [t for _, _, t in drafting]
@@ -80,8 +80,7 @@ class EagleProposer(Proposer):
                                                self.block_size, pos.device)
             logits_hidden, hidden = self.head(drafts[-1], hidden, pos, self.kv_cache, meta,
                                               self.target.embed_tokens)
-            drafts.append(self.head.compute_logits(logits_hidden,
-                                                   self.target.lm_head).argmax(dim=1))
+            drafts.append(self.head.draft_argmax(logits_hidden, self.target.lm_head))
         out = torch.stack(drafts, dim=1).tolist()
         return {rid: tokens for (rid, _, _), tokens in zip(drafting, out)}
 

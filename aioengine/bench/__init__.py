@@ -12,6 +12,8 @@
 
     aioengine bench export-hf [MODEL.gguf] [--dtype float32]
 
+    aioengine bench spec [--specs off,ngram,eagle3:2,...] [--num-prompts N] [engine flags]
+
 `offline` and `latency` take `--vllm-python PATH` (and `latency` `--llamacpp-python PATH`):
 the python of a venv holding that peer, which then runs as one more engine in a child
 process (aioengine/bench/peers.py, docs/peers.md). `export-hf` writes a GGUF as the Hugging
@@ -283,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_export_parser(sub)
     _add_accuracy_parser(sub)
+    from aioengine.bench.spec import add_spec_parser
+
+    add_spec_parser(sub)
     return parser
 
 

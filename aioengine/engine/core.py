@@ -30,6 +30,7 @@ from aioengine.model.loader import activation_dtype, load_model
 from aioengine.request import Request, RequestStatus
 from aioengine.sampling_params import SamplingParams
 from aioengine.spec_decode import SpeculativeConfig, make_proposer, num_lookahead_tokens
+from aioengine.spec_decode.shipped import resolve_speculative_config
 from aioengine.structured import StructuredOutputManager
 from aioengine.tokenizer_utils import get_eos_token_ids
 from aioengine.worker.model_runner import ModelRunner
@@ -57,6 +58,8 @@ class EngineCore:
                            args.kv_cache_dtype)
         start = time.perf_counter()
         self.loaded = load_model(args.model, self.dtype, self.device, args.quantization)
+        self.speculative_config = resolve_speculative_config(
+            self.speculative_config, self.loaded.model_path, self.loaded.arch)
         self.tokenizer = self.loaded.tokenizer
         self.vocab_size = self.loaded.arch.vocab_size
         self.max_model_len = self._resolve_max_model_len(args)

@@ -234,6 +234,7 @@ def test_compute_logits_maps_draft_ids_to_target_ids(tmp_path, target_dir, targe
     assert torch.isneginf(logits[:, outside]).all()
     best = draft.argmax(-1)
     assert torch.equal(logits.argmax(-1), best + w["d2t"][best])
+    assert torch.equal(head.draft_argmax(hidden, target_head), best + w["d2t"][best])
 
 
 def test_compute_logits_eagle1_uses_target_lm_head(tmp_path, target_dir, target_arch) -> None:
@@ -243,6 +244,8 @@ def test_compute_logits_eagle1_uses_target_lm_head(tmp_path, target_dir, target_
     hidden = torch.randn(2, H)
     torch.testing.assert_close(head.compute_logits(hidden, target_head),
                                hidden @ target_head.weight.T, atol=1e-4, rtol=1e-5)
+    assert torch.equal(head.draft_argmax(hidden, target_head),
+                       (hidden @ target_head.weight.T).argmax(-1))
 
 
 # ---- errors --------------------------------------------------------------------------------

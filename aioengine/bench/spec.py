@@ -1,0 +1,190 @@
+"""`spec` mode: speculative-decoding configurations against no speculation, one request at a
+time, on the draft-head trainer's held-out chat prompts (never trained on).
+
+Every configuration is its own AsyncEngine, all loaded at once, and each prompt runs
+through all of them back to back (the order rotated per prompt), so machine drift over
+the run reaches every configuration alike. Greedy, natural EOS, `--output-len` at most: the
+outputs must be identical across configurations (verification is exact), which also
+gives every configuration the same tokens to time. Reported per configuration: TPOT over
+all prompts ((sum of e2e - TTFT) / (sum of tokens - 1)), its speedup over `off`, TTFT, the
+mean acceptance length (tokens per verification, vLLM's count) and the acceptance rate
+per draft position, and whether every output equalled `off`'s.
+
+    --specs off,ngram,eagle3:2,eagle3:4     off | ngram (k=3, lookup 2..5) | ngramK |
+                                            eagle3[:K] (the shipped head, or --draft-model)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from typing import Any
+
+from aioengine.metrics import spec_decode_delta
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 5}
+DEFAULT_SPECS = "off,ngram,eagle3:2,eagle3:3,eagle3:4,eagle3:5,eagle3:6"
+
+
+def parse_spec(name: str, draft_model: str | None) -> dict[str, Any] | None:
+    """A --specs entry -> its speculative_config (None for off)."""
+    if name == "off":
+        return None
+    if name.startswith("ngram"):
+        k = int(name[5:] or NGRAM["num_speculative_tokens"])
+        return {**NGRAM, "num_speculative_tokens": k}
+    method, _, k = name.partition(":")
+    if method not in ("eagle", "eagle3"):
+        raise argparse.ArgumentTypeError(f"unknown --specs entry {name!r}")
+    spec: dict[str, Any] = {"method": method}
+    if k:
+        spec["num_speculative_tokens"] = int(k)
+    if draft_model:
+        spec["model"] = draft_model
+    return spec
+
+
+def add_spec_parser(sub: Any) -> None:
+    from aioengine.cli import add_engine_args
+
+    p = sub.add_parser("spec", help="speculative decoding vs none: single-stream TPOT and "
+                       "acceptance on held-out chat prompts")
+    p.add_argument("--specs", default=DEFAULT_SPECS,
+                   help=f"comma-separated configurations (default {DEFAULT_SPECS}): off, "
+                        "ngram (k=3, lookup 2..5), ngramK, eagle3[:K] (K draft tokens; "
+                        "without K the head's n_predict)")
+    p.add_argument("--draft-model", default=None,
+                   help="the EAGLE head's directory (default: the one shipped for the model)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="the first N held-out prompts (default: all)")
+    p.add_argument("--output-len", type=int, default=128, help="greedy tokens at most")
+    p.add_argument("--warmup", type=int, default=1, help="untimed prompts per engine first")
+    p.add_argument("--save-json", default=None, metavar="PATH",
+                   help="config, environment, summary and per-prompt numbers")
+    add_engine_args(p)
+    p.set_defaults(func=spec_main, num_kv_blocks=512)
+
+
+async def _one(engine, prompt: list[dict], max_tokens: int) -> dict[str, Any]:
+    from aioengine.sampling_params import SamplingParams
+
+    before = engine.core.stats()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    start = time.perf_counter()
+    times: list[float] = []
+    token_ids: list[int] = []
+    async for out in engine.generate(prompt, params):
+        now = time.perf_counter() - start
+        for c in out.outputs:  # n = 1: tokens accepted in one step arrive together
+            times.extend([now] * len(c.token_ids))
+            token_ids.extend(c.token_ids)
+    delta = spec_decode_delta(before, engine.core.stats())
+    return {"token_ids": token_ids, "ttft_s": times[0], "e2e_s": times[-1],
+            "num_tokens": len(times), "spec_decode": delta}
+
+
+async def run_spec(model: str | None, specs: dict[str, dict | None], prompts: list[str],
+                   output_len: int, warmup: int, engine_kwargs: dict[str, Any],
+                   ) -> dict[str, Any]:
+    from aioengine import AsyncEngine
+    from aioengine.spec_decode.train.prompts import split_prompts
+
+    engines = {}
+    for name, spec in specs.items():
+        engines[name] = await AsyncEngine.create(model, **{**engine_kwargs,
+                                                           "speculative_config": spec})
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    try:
+        warm = [[{"role": "user", "content": p}] for p in split_prompts()[0][:warmup]]
+        for engine in engines.values():
+            for chat in warm:
+                await _one(engine, chat, output_len)
+        runs: dict[str, list[dict]] = {name: [] for name in engines}
+        names = list(engines)
+        for i, chat in enumerate(chats):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                runs[name].append(await _one(engines[name], chat, output_len))
+        resolved = {name: (e.core.speculative_config.num_speculative_tokens
+                           if e.core.speculative_config else 0) for name, e in engines.items()}
+    finally:
+        for engine in engines.values():
+            await engine.shutdown()
+    return {"runs": runs, "num_speculative_tokens": resolved}
+
+
+def summarize(runs: dict[str, list[dict]], baseline: str = "off") -> dict[str, Any]:
+    out = {}
+    base_tokens = [r["token_ids"] for r in runs.get(baseline, [])]
+    for name, rs in runs.items():
+        decode_s = sum(r["e2e_s"] - r["ttft_s"] for r in rs)
+        steps = sum(r["num_tokens"] - 1 for r in rs)
+        counters: dict[str, Any] = {}
+        for r in rs:
+            for key, value in (r["spec_decode"] or {}).items():
+                if isinstance(value, (int, float)) and value is not None and \
+                        key.startswith("num_"):
+                    counters[key] = counters.get(key, 0) + value
+                elif key == "num_accepted_tokens_per_pos":
+                    acc = counters.setdefault(key, [0] * len(value))
+                    counters[key] = [a + v for a, v in zip(acc, value)]
+        drafts = counters.get("num_drafts", 0)
+        out[name] = {
+            "tpot_ms": 1e3 * decode_s / max(steps, 1),
+            "ttft_ms_median": 1e3 * statistics.median(r["ttft_s"] for r in rs),
+            "num_tokens": sum(r["num_tokens"] for r in rs),
+            "mean_acceptance_length": (1 + counters["num_accepted_tokens"] / drafts
+                                       if drafts else None),
+            "per_position_acceptance_rate": ([n / drafts for n in
+                                              counters["num_accepted_tokens_per_pos"]]
+                                             if drafts else None),
+            "greedy_equal_to_off": ([r["token_ids"] for r in rs] == base_tokens
+                                    if base_tokens else None),
+        }
+    if baseline in out:
+        for s in out.values():
+            s["speedup_vs_off"] = out[baseline]["tpot_ms"] / s["tpot_ms"]
+    return out
+
+
+def format_spec(report: dict[str, Any]) -> str:
+    from aioengine.bench.report import cpu_line
+
+    lines = [cpu_line(report["environment"]),
+             f"{report['num_prompts']} held-out chat prompts, greedy, <= "
+             f"{report['output_len']} tokens, one request at a time",
+             f"{'config':<12} {'k':>2} {'TPOT ms':>8} {'speedup':>8} {'TTFT ms':>8} "
+             f"{'accept len':>10}  per-position acceptance  equal"]
+    for name, s in report["summary"].items():
+        acc = s["mean_acceptance_length"]
+        per = s["per_position_acceptance_rate"]
+        lines.append(
+            f"{name:<12} {report['num_speculative_tokens'][name]:>2} {s['tpot_ms']:>8.2f} "
+            f"{s.get('speedup_vs_off', float('nan')):>7.2f}x {s['ttft_ms_median']:>8.1f} "
+            f"{acc if acc is None else round(acc, 2)!s:>10}  "
+            f"{' '.join(f'{p:.2f}' for p in per) if per else '-':<23}  "
+            f"{s['greedy_equal_to_off']}")
+    return "\n".join(lines)
+
+
+def spec_main(args: argparse.Namespace) -> int:
+    from aioengine.bench import _config, _emit, _set_threads
+    from aioengine.bench.report import environment_info
+    from aioengine.cli import engine_kwargs
+    from aioengine.spec_decode.train.prompts import split_prompts
+
+    _set_threads(None)
+    specs = {name: parse_spec(name, args.draft_model) for name in args.specs.split(",")}
+    prompts = split_prompts()[1][:args.num_prompts]
+    result = asyncio.run(run_spec(args.model, specs, prompts, args.output_len, args.warmup,
+                                  engine_kwargs(args)))
+    report = {"mode": "spec", "environment": environment_info(), "model": args.model,
+              "config": _config(args), "num_prompts": len(prompts),
+              "output_len": args.output_len,
+              "num_speculative_tokens": result["num_speculative_tokens"],
+              "summary": summarize(result["runs"]),
+              "runs": {n: [{k: v for k, v in r.items() if k != "token_ids"} for r in rs]
+                       for n, rs in result["runs"].items()}}
+    _emit(report, format_spec(report), args.save_json)
+    return 0

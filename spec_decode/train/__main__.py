@@ -1,0 +1,5 @@
+import sys
+
+from aioengine.spec_decode.train.cli import main
+
+sys.exit(main())

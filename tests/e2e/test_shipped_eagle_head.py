@@ -1,0 +1,67 @@
+"""The EAGLE-3 head shipped for the bundled SmolLM2-135M-Instruct: `{"method": "eagle3"}`
+finds it with no path, and greedy output with it equals greedy output without speculation
+(chat prompts, n > 1, a JSON-schema request), with drafts really accepted."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from aioengine import LLM, SamplingParams
+from aioengine.metrics import spec_decode_delta
+from aioengine.sampling_params import StructuredOutputs
+from aioengine.spec_decode.shipped import HEADS_DIR, SHIPPED_HEADS
+from aioengine.spec_decode.train.prompts import split_prompts
+
+pytestmark = pytest.mark.slow
+
+HEAD_DIR = os.path.join(HEADS_DIR, SHIPPED_HEADS[0].directory)
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
+                                           "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+@pytest.fixture(scope="module")
+def engines() -> tuple[LLM, LLM]:
+    plain = LLM(num_kv_blocks=512)
+    spec = LLM(num_kv_blocks=512, speculative_config={"method": "eagle3"})
+    return plain, spec
+
+
+def _tokens(outs) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def test_the_shipped_head_is_found_and_small() -> None:
+    size = os.path.getsize(os.path.join(HEAD_DIR, "model.safetensors"))
+    assert size < 18 * 2**20, size
+    with open(os.path.join(HEAD_DIR, "config.json")) as f:
+        config = json.load(f)
+    assert config["n_predict"] >= 1 and config["draft_vocab_size"] < config["vocab_size"]
+
+
+def test_greedy_chat_equal_with_the_shipped_head(engines) -> None:
+    plain, spec = engines
+    assert spec.core.speculative_config.model == HEAD_DIR
+    assert spec.core.speculative_config.num_speculative_tokens == json.load(
+        open(os.path.join(HEAD_DIR, "config.json")))["n_predict"]
+    chats = [[{"role": "user", "content": p}] for p in split_prompts()[1][:6]]
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    before = spec.core.stats()
+    assert _tokens(spec.generate(chats, params)) == _tokens(plain.generate(chats, params))
+    delta = spec_decode_delta(before, spec.core.stats())
+    assert delta["num_drafts"] > 0 and delta["mean_acceptance_length"] > 1.5, delta
+
+
+def test_greedy_n2_and_json_schema_equal(engines) -> None:
+    plain, spec = engines
+    chat = [{"role": "user", "content": "Name a famous scientist and their age at death."}]
+    cases = [SamplingParams(n=2, temperature=0.0, max_tokens=48),
+             SamplingParams(temperature=0.0, max_tokens=48,
+                            structured_outputs=StructuredOutputs(json=SCHEMA))]
+    for params in cases:
+        got, want = spec.generate([chat], params), plain.generate([chat], params)
+        assert _tokens(got) == _tokens(want)
+    doc = json.loads(got[0].outputs[0].text)
+    assert set(doc) == {"name", "age"} and isinstance(doc["age"], int)
