@@ -166,10 +166,13 @@ class EagleHead(nn.Module):
 
     def draft_argmax(self, hidden: Tensor, target_lm_head: Linear) -> Tensor:
         """logits_hidden [N, H] -> the target id [N] of the most likely draft token:
-        compute_logits' argmax without scattering a reduced vocabulary into the target's."""
+        compute_logits' argmax without scattering a reduced vocabulary into the target's,
+        and without lm_head_logits' float32 refinement of bf16 near-ties (a draft is a
+        guess: a near-tie guessed wrong costs a rejected draft, never a wrong token)."""
+        head = self.lm_head if self.lm_head is not None else target_lm_head
+        best = head(hidden).argmax(dim=1)
         if self.lm_head is None:
-            return lm_head_logits(hidden, target_lm_head).argmax(dim=1)
-        best = lm_head_logits(hidden, self.lm_head).argmax(dim=1)
+            return best
         return best if self.draft_to_target is None else self.draft_to_target[best]
 
     def compute_logits(self, hidden: Tensor, target_lm_head: Linear) -> Tensor:

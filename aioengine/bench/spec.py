@@ -101,6 +101,8 @@ async def run_spec(model: str | None, specs: dict[str, dict | None], prompts: li
         for engine in engines.values():
             for chat in warm:
                 await _one(engine, chat, output_len)
+            engine.timeline.enabled = True  # the timed runs' steps only
+            engine.timeline.records.clear()
         runs: dict[str, list[dict]] = {name: [] for name in engines}
         names = list(engines)
         for i, chat in enumerate(chats):
@@ -108,10 +110,21 @@ async def run_spec(model: str | None, specs: dict[str, dict | None], prompts: li
                 runs[name].append(await _one(engines[name], chat, output_len))
         resolved = {name: (e.core.speculative_config.num_speculative_tokens
                            if e.core.speculative_config else 0) for name, e in engines.items()}
+        phases = {name: decode_phases(e.timeline.records) for name, e in engines.items()}
     finally:
         for engine in engines.values():
             await engine.shutdown()
-    return {"runs": runs, "num_speculative_tokens": resolved}
+    return {"runs": runs, "num_speculative_tokens": resolved, "decode_step_ms": phases}
+
+
+def decode_phases(records) -> dict[str, float]:
+    """Mean worker time (ms) of a decode step, per phase: the forward (k + 1 rows when it
+    verifies drafts), sampling / verification, and the proposer."""
+    steps = [r for r in records if r.kind == "decode"]
+    out = {"num_steps": len(steps)}
+    for phase in ("prepare", "forward", "sample", "propose"):
+        out[phase] = 1e3 * sum(getattr(r, phase) for r in steps) / max(len(steps), 1)
+    return out
 
 
 def summarize(runs: dict[str, list[dict]], baseline: str = "off") -> dict[str, Any]:
@@ -165,6 +178,10 @@ def format_spec(report: dict[str, Any]) -> str:
             f"{acc if acc is None else round(acc, 2)!s:>10}  "
             f"{' '.join(f'{p:.2f}' for p in per) if per else '-':<23}  "
             f"{s['greedy_equal_to_off']}")
+    lines.append("mean decode step (ms): prepare / forward / sample / propose")
+    for name, p in report["decode_step_ms"].items():
+        lines.append(f"{name:<12} {p['prepare']:.2f} / {p['forward']:.2f} / "
+                     f"{p['sample']:.2f} / {p['propose']:.2f}  ({p['num_steps']} steps)")
     return "\n".join(lines)
 
 
@@ -184,6 +201,7 @@ def spec_main(args: argparse.Namespace) -> int:
               "output_len": args.output_len,
               "num_speculative_tokens": result["num_speculative_tokens"],
               "summary": summarize(result["runs"]),
+              "decode_step_ms": result["decode_step_ms"],
               "runs": {n: [{k: v for k, v in r.items() if k != "token_ids"} for r in rs]
                        for n, rs in result["runs"].items()}}
     _emit(report, format_spec(report), args.save_json)
