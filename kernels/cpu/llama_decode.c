@@ -9,11 +9,14 @@
  * region runs every layer: the projections split by weight rows across the threads, each
  * thread taking the rest of another's share once done with its own (gemv_shared in gemv.h);
  * the per-token work (residual add, RMSNorm, SiLU-and-mul) done by every thread on its own
- * copy of the residual stream, which is cheaper than a barrier. Attention takes one
- * request per thread when there are at least as many requests as threads; otherwise
- * (one request on two cores) each request's context is split across the threads by blocks
- * (flash-decoding) and every thread combines the parts on its own copy: a lone request's
- * attention was ~1 ms of a 15 ms step on one thread while the other waited. Five barriers
+ * copy of the residual stream, which is cheaper than a barrier. Attention splits every
+ * token's context across the threads by blocks (flash-decoding) and every thread combines
+ * the parts on its own copy: a lone request's attention was ~1 ms of a 15 ms step on one
+ * thread while the other waited. Split for every step, not only those with fewer tokens
+ * than threads, a token's arithmetic does not depend on how many tokens the step has: a
+ * verification step of k + 1 rows computes each row exactly as a one-token step would, so
+ * greedy speculative decoding keeps the very tokens of plain decoding (with one request
+ * per thread the summation order differed and bf16 near-ties flipped). Five barriers
  * a layer, one of them between writing every token's K/V and any token attending: the
  * tokens of one request (speculative decoding's verified tokens, each its own row with its
  * own position and seq_len) read the slots the tokens before them write.
@@ -175,7 +178,7 @@ int64_t llama_decode(float *restrict x, const decode_layer *restrict layers,
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int split = M < nt;
+        const int split = nt > 1;  /* the same arithmetic for every M (see the top) */
         /* Private: the residual stream, the normed input of a projection, a rotated q, the
          * combined attention of split requests, scores and the softmax's max and sum. */
         float *residual = malloc(sizeof(float) * (size_t)(M * (hidden + 2 * wide + q_size) + 16 +

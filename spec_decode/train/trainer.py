@@ -170,7 +170,7 @@ def train(cfg: TrainConfig) -> dict:
                 model.draft_vocab_size, 100 * coverage, total_steps, cfg.epochs, bf16)
     bar = _Progress(max(total_steps, 1))
     start, step = time.perf_counter(), state["step"]
-    window_loss, window_tokens, window_t = 0.0, 0, time.perf_counter()
+    window_loss, window_steps, window_tokens, window_t = 0.0, 0, 0, time.perf_counter()
     stopped_early = False
     while step < total_steps:
         epoch, index = divmod(step, batches_per_epoch)
@@ -190,15 +190,16 @@ def train(cfg: TrainConfig) -> dict:
             opt.step()
             step += 1
             window_loss += losses[0].item() if losses else 0.0
+            window_steps += 1
             window_tokens += batch.num_tokens
             state["tokens"] += batch.num_tokens
             if step % cfg.log_every == 0 or step == total_steps:
                 now = time.perf_counter()
                 tps = window_tokens / (now - window_t)
-                state["history"].append({"step": step, "loss": window_loss / cfg.log_every,
+                state["history"].append({"step": step, "loss": window_loss / window_steps,
                                          "tokens_per_s": tps})
-                bar.update(step, loss=window_loss / cfg.log_every, tps=tps)
-                window_loss, window_tokens, window_t = 0.0, 0, now
+                bar.update(step, loss=window_loss / window_steps, tps=tps)
+                window_loss, window_steps, window_tokens, window_t = 0.0, 0, 0, now
             if step % cfg.eval_every == 0 or step == total_steps:
                 metrics = evaluate(model, held_batches, t2d, cfg.ttt_steps, bf16)
                 state["history"].append({"step": step, **metrics})
