@@ -351,7 +351,13 @@ def test_sampled_logprobs_with_drafts_are_the_models_own(tiny_llama_dir: Path) -
             assert sorted(e.rank for e in others) == [r for r in range(1, k + 1)
                                                       if r != lp.rank or len(others) == k]
             assert lp.logprob == pytest.approx(want[tok].logprob, abs=1e-4), f"position {pos}"
-            assert lp.rank == want[tok].rank, f"position {pos}"
+            # Past the top K a rank counts the vocabulary's larger logits, thousands of them
+            # computed by the decode kernel here and by a prefill there: ties within float
+            # rounding may order differently (rank 6022 vs 6023 seen, equal logprobs).
+            if lp.rank <= k:
+                assert lp.rank == want[tok].rank, f"position {pos}"
+            else:
+                assert abs(lp.rank - want[tok].rank) <= 2, f"position {pos}"
             assert entry.keys() == want.keys(), f"position {pos}"
             assert ({t: e.logprob for t, e in entry.items()}
                     == pytest.approx({t: e.logprob for t, e in want.items()}, abs=1e-4))
