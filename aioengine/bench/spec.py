@@ -136,8 +136,7 @@ def summarize(runs: dict[str, list[dict]], baseline: str = "off") -> dict[str, A
         counters: dict[str, Any] = {}
         for r in rs:
             for key, value in (r["spec_decode"] or {}).items():
-                if isinstance(value, (int, float)) and value is not None and \
-                        key.startswith("num_"):
+                if isinstance(value, (int, float)) and key.startswith("num_"):
                     counters[key] = counters.get(key, 0) + value
                 elif key == "num_accepted_tokens_per_pos":
                     acc = counters.setdefault(key, [0] * len(value))

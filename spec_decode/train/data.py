@@ -39,17 +39,11 @@ class DataConfig:
     max_tokens: int = 320
     top_k_labels: int = 8
     shard_prompts: int = 256
-    self_prompts_per_topic: int = 3  # model-written requests per topic (0: none)
     seed: int = 0
 
 
 def shard_path(out_dir: str, index: int) -> str:
     return os.path.join(out_dir, f"shard_{index:04d}.safetensors")
-
-
-def list_shards(out_dir: str) -> list[str]:
-    return sorted(os.path.join(out_dir, f) for f in os.listdir(out_dir)
-                  if f.startswith("shard_") and f.endswith(".safetensors"))
 
 
 def chat(prompt: str) -> list[dict]:

@@ -10,7 +10,6 @@ import json
 import logging
 import math
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass
@@ -120,8 +119,9 @@ def evaluate(model: TrainableEagle3, batches: list[Batch], t2d: Tensor, num_step
             step_rows[j] += int(run.sum())
             run = run & hit
             accepted += run.float()
-        accepted_sum += float((1 + accepted)[batch.greedy_rows(first)].sum())
-        origins_total += int(batch.greedy_rows(first).sum())
+        greedy = batch.greedy_rows(first)
+        accepted_sum += float((1 + accepted)[greedy].sum())
+        origins_total += int(greedy.sum())
     model.train()
     out = {"heldout_loss": loss_sum / max(n_rows, 1),
            "acceptance_length": accepted_sum / max(origins_total, 1)}
@@ -303,7 +303,3 @@ class _Progress:
         if self.tty:
             sys.stderr.write("\n")
 
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
