@@ -26,6 +26,8 @@ _EXPORTS = {
     "EngineArgs": "aioengine.config",
     "EngineDeadError": "aioengine.errors",
     "InvalidRequestError": "aioengine.errors",
+    "NotFoundError": "aioengine.errors",
+    "LoRARequest": "aioengine.lora.request",
     "CompletionOutput": "aioengine.outputs",
     "Logprob": "aioengine.outputs",
     "RequestOutput": "aioengine.outputs",

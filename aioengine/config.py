@@ -62,6 +62,8 @@ class SchedulerConfig:
     spec_disable_by_batch_size: int | None = None
     # Slots allocated past each step's tokens for a draft head's chain (EAGLE: k).
     num_lookahead_tokens: int = 0
+    # Multi-LoRA: distinct adapters one step may hold (0 = LoRA off).
+    max_loras: int = 0
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,12 @@ class EngineArgs:
     # vLLM's speculative_config (a dict or its JSON text), validated by
     # aioengine.spec_decode.SpeculativeConfig.parse; None = no speculative decoding.
     speculative_config: dict | str | None = None
+    # Multi-LoRA (vLLM's names): adapters per step, their largest rank, adapters kept
+    # loaded in CPU memory (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineArgs:
@@ -135,6 +143,12 @@ class EngineArgs:
             raise ConfigError("set kv_cache_memory or num_kv_blocks, not both")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ConfigError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} "
+                              f"and {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                              f"({self.max_loras})")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ConfigError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
 

@@ -12,3 +12,7 @@ class InvalidRequestError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped (shut down, or died); no request can be served."""
+
+
+class NotFoundError(LookupError):
+    """What the request names does not exist (HTTP 404): a model or adapter name."""

@@ -79,12 +79,20 @@ class Request:
     # The grammar matcher state of a structured-output request (aioengine.structured's
     # StructuredRequestState); None when unconstrained. Each sample has its own.
     structured: Any = None
+    # The adapter it runs with (aioengine.lora's LoRARequest, as registered: its
+    # lora_int_id is unique to one load); None = the base model.
+    lora_request: Any = None
     # Draft tokens proposed after the last step (speculative decoding), verified in the
     # next one; never part of all_token_ids (nor of any block hash) until accepted.
     spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def lora_id(self) -> int:
+        """The adapter's lora_int_id; 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -15,6 +15,8 @@ otherwise costs a fifth of the step.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -258,7 +260,8 @@ def llama_decode(x: Tensor, layer_table: Tensor, final_norm: Tensor, *, num_head
                  scale: float, positions: Tensor, cos: Tensor, sin: Tensor,
                  slot_mapping: Tensor, block_tables: Tensor, seq_lens: Tensor,
                  num_blocks: int, block_size: int, weight_format: int = 0,
-                 aux: Tensor | None = None, aux_layers: Tensor | None = None) -> bool:
+                 aux: Tensor | None = None, aux_layers: Tensor | None = None,
+                 lora: LoRADecodeArgs | None = None) -> bool:
     """Runs every decoder layer and the final norm for a decode step of T single-token rows
     (one per request, or several of one request: each row's K/V are written before any row
     attends), in place: x [T, H] goes in as the embeddings and comes out as the final-normed
@@ -269,7 +272,9 @@ def llama_decode(x: Tensor, layer_table: Tensor, final_norm: Tensor, *, num_head
     [max_positions, head_dim / 2]; weight_format the projections' WEIGHT_FORMATS value.
     aux [T, L * H] float32 with aux_layers [L] int64 (each in [0, num_layers)), or both
     None: aux[:, j*H:(j+1)*H] receives the residual stream into layer aux_layers[j] (the
-    embeddings for 0), before its input norm. Raises IndexError, writing nothing, for a
+    embeddings for 0), before its input norm. `lora`: the step's adapter slots (each
+    token's update added to every projection, as `lora_apply` computes it), or None.
+    Raises IndexError, writing nothing, for a
     slot outside the caches; ValueError for a layer index out of range. Returns False,
     changing nothing, when the kernel does not apply or is not built.
     """
@@ -297,6 +302,15 @@ def llama_decode(x: Tensor, layer_table: Tensor, final_norm: Tensor, *, num_head
             raise ValueError(f"llama_decode: aux layer indices {indices} outside "
                              f"[0, {layer_table.shape[0]})")
         num_aux, aux_ptr, aux_layers_ptr = len(indices), aux.data_ptr(), aux_layers.data_ptr()
+    lora_ptr, slots_ptr, lora_rank = 0, 0, 0
+    if lora is not None:
+        if not (lora.table.dtype == torch.int64 and lora.table.is_contiguous()
+                and lora.table.shape == (layer_table.shape[0], 12)
+                and lora.token_slots.dtype == torch.int32 and lora.token_slots.shape == (t,)
+                and lora.token_slots.is_contiguous()):
+            return False
+        lora_ptr, slots_ptr, lora_rank = (lora.table.data_ptr(), lora.token_slots.data_ptr(),
+                                          lora.max_rank)
     lib = load()
     if lib is None:
         return False
@@ -305,10 +319,49 @@ def llama_decode(x: Tensor, layer_table: Tensor, final_norm: Tensor, *, num_head
         x.shape[1], num_heads, num_kv_heads, head_dim, intermediate_size, eps, scale,
         positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
         block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), num_blocks,
-        block_size, weight_format, aux_ptr, aux_layers_ptr, num_aux, torch.get_num_threads())
+        block_size, weight_format, aux_ptr, aux_layers_ptr, num_aux, lora_ptr, slots_ptr,
+        lora_rank, torch.get_num_threads())
     if rc > 0:
         raise IndexError(f"llama_decode: {rc} slot(s) outside the cache's "
                          f"{num_blocks * block_size} slots")
     if rc < 0:
         raise MemoryError("llama_decode: out of memory for its buffers")
+    return True
+
+
+@dataclass
+class LoRADecodeArgs:
+    """What llama_decode needs to apply a step's adapters: `table` [num_layers, 12] int64,
+    per layer the (a, bt, ranks) pointers of qkv, o, gate_up and down (LinearWithLoRA's
+    lora_a, lora_b, ranks, float32 / int32 contiguous on the CPU); `token_slots` [T] int32
+    (-1: the base model); `max_rank`, the slots' padded rank R."""
+
+    table: Tensor
+    token_slots: Tensor
+    max_rank: int
+
+
+def lora_apply(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, ranks: Tensor,
+               slices: Tensor, token_slots: Tensor) -> bool:
+    """y [T, N] += each token's adapter update for x [T, K] in place (kernels/cpu/lora.c):
+    lora_a [L, S, R, K], lora_b [L, R, N] (B transposed) float32, ranks [L, S] int32,
+    slices [S] int64 (the slices' output sizes), token_slots [T] int32 (-1: none; each must
+    be < L, the caller's invariant). Returns False, changing nothing, where it does not
+    apply (float32 contiguous CPU tensors) or the kernels are not built."""
+    if not (x.dim() == y.dim() == 2 and _f32_rows(y, x, lora_a, lora_b)
+            and ranks.dtype == token_slots.dtype == torch.int32 and ranks.is_contiguous()
+            and token_slots.is_contiguous() and slices.dtype == torch.int64
+            and slices.is_contiguous()):
+        return False
+    num_slots, s, r, k = lora_a.shape
+    t, n = y.shape
+    if x.shape != (t, k) or lora_b.shape != (num_slots, r, n) or token_slots.shape != (t,):
+        return False
+    lib = load()
+    if lib is None:
+        return False
+    if lib.lora_apply_f32(y.data_ptr(), x.data_ptr(), lora_a.data_ptr(), lora_b.data_ptr(),
+                          ranks.data_ptr(), slices.data_ptr(), token_slots.data_ptr(), t, s, r,
+                          k, n, torch.get_num_threads()) != 0:
+        raise MemoryError("lora_apply: out of memory for its buffer")
     return True

@@ -25,7 +25,7 @@ _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu")
 _SOURCES = [os.path.join(_DIR, name) for name in ("paged_decode_attention.c",
                                                   "rotary_embedding.c", "cache.c",
                                                   "layernorm.c", "activation.c", "gemv.c",
-                                                  "llama_decode.c")]
+                                                  "llama_decode.c", "lora.c")]
 _HEADERS = [os.path.join(_DIR, name) for name in ("parallel.h", "vec_math.h", "activation.h",
                                                   "attention.h", "gemv.h", "gemv_q4_1.h", "layernorm.h",
                                                   "rotary_embedding.h")]
@@ -154,8 +154,11 @@ def _build(name: str) -> ctypes.CDLL:
     fn = lib.llama_decode
     fn.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
                    ctypes.c_float, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, ctypes.c_int,
-                   ptr, ptr, i64, ctypes.c_int]
+                   ptr, ptr, i64, ptr, ptr, i64, ctypes.c_int]
     fn.restype = i64
+    fn = lib.lora_apply_f32
+    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_int]
+    fn.restype = ctypes.c_int
     return lib
 
 

@@ -113,7 +113,9 @@ class Scheduler:
             i += 1
 
         # Admit waiting requests only when nobody had to be preempted this step.
-        # A request whose grammar is still compiling is skipped, not waited for.
+        # A request whose grammar is still compiling is skipped, not waited for; so is one
+        # whose adapter would be one more than max_loras in the step.
+        loras = {r.lora_id for r in self.running if r.lora_id}
         w = 0
         while (not preempted and w < len(self.waiting) and budget > 0
                and len(self.running) < self.config.max_num_seqs):
@@ -121,9 +123,15 @@ class Scheduler:
             if not self._grammar_ready(request):
                 w += 0 if request.is_finished else 1  # a failed one left the queue
                 continue
+            if (request.lora_id and request.lora_id not in loras
+                    and len(loras) >= self.config.max_loras):
+                w += 1
+                continue
             num_new = self._admit(request, budget)
             if num_new is None:
                 break
+            if request.lora_id:
+                loras.add(request.lora_id)
             scheduled.append((request, num_new, 0))
             budget -= num_new
 

@@ -28,6 +28,7 @@ from aioengine.engine.output_processor import OutputProcessor
 from aioengine.engine.step_worker import StepWorker
 from aioengine.engine.timeline import StepRecord, StepTimeline, step_kind
 from aioengine.errors import EngineDeadError, InvalidRequestError
+from aioengine.lora.request import LoRARequest
 from aioengine.metrics import EngineMetrics, SpecDecodingLogging
 from aioengine.outputs import RequestOutput
 from aioengine.request import Request, RequestStatus
@@ -117,8 +118,9 @@ class AsyncEngine:
     # ---- requests -----------------------------------------------------------------------
 
     def _add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                     request_id: str | None = None,
-                     priority: int = 0) -> tuple[str, asyncio.Queue[RequestOutput]]:
+                     request_id: str | None = None, priority: int = 0,
+                     lora_request: LoRARequest | None = None,
+                     ) -> tuple[str, asyncio.Queue[RequestOutput]]:
         """Validates and queues a request; returns its id and output queue. Raises
         InvalidRequestError for bad input (nothing is queued then). Only generate() calls
         it: its `finally` is what forgets the queue."""
@@ -129,7 +131,8 @@ class AsyncEngine:
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         text, token_ids = render_prompt(self.tokenizer, prompt)
-        samples = self.core.add_request(request_id, token_ids, params, priority)
+        samples = self.core.add_request(request_id, token_ids, params, priority,
+                                        lora_request=lora_request)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = queue
         self._samples[request_id] = samples
@@ -138,16 +141,24 @@ class AsyncEngine:
         return request_id, queue
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0,
+                       lora_request: LoRARequest | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
         """Streams RequestOutputs until the request finishes. Cancelling the task aborts
         the request and frees its KV blocks at once; so does closing the generator early
         (`contextlib.aclosing`, or when Python collects it). Raises InvalidRequestError
         for bad input on the first iteration, before anything is queued (an invalid schema,
-        regex or grammar too: it is compiled first, on a thread pool)."""
+        regex or grammar too: it is compiled first, on a thread pool).
+
+        `lora_request` runs it with an adapter: one loaded under that name, or else loaded
+        from its lora_path first (off the loop). Raises LoRANotFoundError (an unknown name,
+        a missing path) or LoRAError (bad adapter files)."""
         if sampling_params is not None and sampling_params.structured_outputs is not None:
             await self.core.structured.compile_async(sampling_params.structured_outputs)
-        request_id, queue = self._add_request(prompt, sampling_params, request_id, priority)
+        if lora_request is not None:
+            lora_request = await self._ensure_lora(lora_request)
+        request_id, queue = self._add_request(prompt, sampling_params, request_id, priority,
+                                              lora_request)
         finished = False
         try:
             while not finished:
@@ -158,6 +169,34 @@ class AsyncEngine:
             if not finished:
                 self._abort(request_id)
             self._forget(request_id)
+
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ----------------------
+
+    async def _ensure_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        registered = self.core.lora.get(lora_request.lora_name) if self.core.lora else None
+        if registered is not None and not lora_request.lora_path:
+            return registered  # the common case, without a thread hop
+        return await self._off_loop(self.core.ensure_lora, lora_request)
+
+    async def _off_loop(self, fn, *args):
+        """On the forward's own thread, between steps: a thread of its own would start a
+        second OpenMP thread team, and with more teams than cores every later step pays
+        futex wake-ups (see `create`)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        """Loads an adapter (its files read off the loop) and registers it under its name;
+        returns it with the lora_int_id of this load. Raises LoRAError when the name is
+        taken or the files are bad, LoRANotFoundError for a missing path."""
+        return await self._off_loop(self.core.add_lora, lora_request)
+
+    async def remove_lora(self, lora_name: str) -> None:
+        """Unloads an adapter: new requests naming it are refused at once, those already
+        running finish on it. Raises LoRANotFoundError for a name not loaded."""
+        self.core.remove_lora(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.core.list_loras()
 
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)

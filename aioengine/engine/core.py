@@ -25,6 +25,9 @@ from aioengine.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput,
 from aioengine.errors import InvalidRequestError
 from aioengine.model.llama import kv_cache_bytes_per_block
 from aioengine.kernels import cpu as cpu_kernels
+from aioengine.lora.adapter import LoRAError, LoRANotFoundError
+from aioengine.lora.manager import LoRAConfig, LoRAManager
+from aioengine.lora.request import LoRARequest
 from aioengine.metrics import SPEC_PER_POS_PREFIX
 from aioengine.model.loader import activation_dtype, load_model
 from aioengine.request import Request, RequestStatus
@@ -78,11 +81,22 @@ class EngineCore:
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
             num_lookahead_tokens=num_lookahead_tokens(spec),
+            max_loras=args.max_loras if args.enable_lora else 0,
         ), self.kv_cache_manager)
+        # Multi-LoRA: wraps the projections (after the weights are in their final storage).
+        self.lora: LoRAManager | None = None
+        if args.enable_lora:
+            self.lora = LoRAManager(self.loaded.model, LoRAConfig(
+                max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                max_cpu_loras=args.max_cpu_loras))
+            logger.info("LoRA: %d slots of rank %d (%.1f MiB), up to %d adapters in CPU memory",
+                        args.max_loras, args.max_lora_rank, self.lora.slot_bytes() / 2**20,
+                        self.lora.config.cpu_capacity)
         proposer = make_proposer(spec, self.loaded, num_blocks, args.block_size, self.dtype,
                                  self.device)
         self.runner = ModelRunner(self.loaded, num_blocks, args.block_size, self.device,
-                                  self.kv_cache_dtype, seed=args.seed, proposer=proposer)
+                                  self.kv_cache_dtype, seed=args.seed, proposer=proposer,
+                                  lora=self.lora)
         warm_start = time.perf_counter()
         warm_tokens = self.runner.warm_up(args.max_num_batched_tokens, self.max_model_len)
         logger.debug("warm-up step of %d tokens: %.2fs", warm_tokens,
@@ -175,10 +189,68 @@ class EngineCore:
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.eos_token_ids
 
+    # ---- LoRA adapters ------------------------------------------------------------------
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.lora is None:
+            raise InvalidRequestError("LoRA is not enabled on this engine (enable_lora, "
+                                      "--enable-lora)", "lora_request")
+        return self.lora
+
+    def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        """Loads and registers an adapter (blocking: reads its files); returns it with the
+        lora_int_id of this load. Raises LoRAError / LoRANotFoundError."""
+        return self._lora_manager().add(lora_request)
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Forgets an adapter: new requests for it are refused, running ones finish on it.
+        Raises LoRANotFoundError for a name not loaded."""
+        if self._lora_manager().remove(lora_name) is None:
+            raise LoRANotFoundError(f"the LoRA adapter {lora_name!r} is not loaded")
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.lora is None else self.lora.list_loras()
+
+    def lora_requests_info(self) -> tuple[list[str], list[str]]:
+        """The adapters (names) of the running and of the waiting requests (vLLM's
+        lora_requests_info metric), each sorted."""
+        def names(requests: list[Request]) -> list[str]:
+            return sorted({r.lora_request.lora_name for r in requests if r.lora_request})
+        return names(self.scheduler.running), names(self.scheduler.waiting)
+
+    def resolve_lora(self, lora_request: LoRARequest | None) -> LoRARequest | None:
+        """The registered adapter a request names (by lora_name), without loading; raises
+        LoRANotFoundError when it is not loaded."""
+        if lora_request is None:
+            return None
+        registered = self._lora_manager().get(lora_request.lora_name)
+        if registered is None:
+            raise LoRANotFoundError(f"the LoRA adapter {lora_request.lora_name!r} is not loaded")
+        if lora_request.lora_path and lora_request.lora_path != registered.lora_path:
+            raise LoRAError(f"LoRA adapter {lora_request.lora_name!r} is loaded from "
+                            f"{registered.lora_path}, not {lora_request.lora_path}")
+        return registered
+
+    def ensure_lora(self, lora_request: LoRARequest | None) -> LoRARequest | None:
+        """resolve_lora, loading the adapter first when it names a path not yet loaded."""
+        if lora_request is None:
+            return None
+        manager = self._lora_manager()
+        if manager.get(lora_request.lora_name) is None and lora_request.lora_path:
+            try:
+                return manager.add(lora_request)
+            except LoRAError:
+                if manager.get(lora_request.lora_name) is None:  # not a concurrent load
+                    raise
+        return self.resolve_lora(lora_request)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None) -> list[Request]:
+                    priority: int = 0, arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> list[Request]:
         """Queues one request; returns its samples (n > 1 samples fork from the first once
-        its prompt is computed). Sample i's seed is `seed + i`."""
+        its prompt is computed). Sample i's seed is `seed + i`. `lora_request` must name a
+        loaded adapter (ensure_lora loads one)."""
+        lora = self.resolve_lora(lora_request)
         self.validate_prompt(prompt_token_ids, params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         samples = []
@@ -190,7 +262,11 @@ class EngineCore:
                 request_id=request_id if params.n == 1 else f"{request_id}#{i}",
                 prompt_token_ids=list(prompt_token_ids), sampling_params=sample_params,
                 arrival_time=arrival, priority=priority, parent_id=request_id, sample_index=i,
-                structured=self.structured.new_request_state(sample_params)))
+                structured=self.structured.new_request_state(sample_params),
+                lora_request=lora,
+                # The adapter's load is part of every block hash: KV computed under one
+                # adapter (or an earlier load of the same name) is never reused by another.
+                cache_salt=None if lora is None else ("lora", lora.lora_int_id)))
         samples[0].pending_forks = samples[1:]
         self.scheduler.add_request(samples[0])
         return samples
@@ -233,6 +309,7 @@ class EngineCore:
             "kv_peak_empty_slots": kv.peak_num_empty_slots,
             "kv_waste_at_peak": kv.waste_at_peak,
             **self.structured.get_stats(),
+            **({} if self.lora is None else self.lora.stats()),
             **self.spec_decode_stats(),
         }
 

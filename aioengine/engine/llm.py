@@ -8,6 +8,7 @@ from aioengine.config import EngineArgs
 from aioengine.engine.async_engine import PromptType, render_prompt
 from aioengine.engine.core import EngineCore
 from aioengine.engine.output_processor import OutputProcessor
+from aioengine.lora.request import LoRARequest
 from aioengine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from aioengine.sampling_params import SamplingParams
 
@@ -22,13 +23,21 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  ) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or one (or None) per prompt; an
+        adapter not loaded yet is loaded from its lora_path."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]  # a single prompt
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(lora_request)} LoRA requests")
+        loras = [self.core.ensure_lora(lora) for lora in lora_request]
         latest: dict[str, dict[int, CompletionOutput]] = {}
         logprobs: dict[tuple[str, int], list[PositionLogprobs]] = {}
         finals: dict[str, RequestOutput] = {}
@@ -51,9 +60,9 @@ class LLM:
             if params.structured_outputs is not None:  # a bad grammar raises here
                 self.core.structured.compile(params.structured_outputs)
         ids = []
-        for i, (text, token_ids, params) in enumerate(rendered):
+        for i, ((text, token_ids, params), lora) in enumerate(zip(rendered, loras)):
             request_id = f"llm-{id(self)}-{i}"
-            samples = self.core.add_request(request_id, token_ids, params)
+            samples = self.core.add_request(request_id, token_ids, params, lora_request=lora)
             self.processor.add_request(request_id, text, samples, sink)
             ids.append(request_id)
         while self.core.has_unfinished_requests():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,13 @@ from aioengine.model.attention import AttentionBackend, AttentionMetadata, Torch
 from aioengine.model.layers import (Linear, _param, embed, fused_add_rms_norm, lm_head_logits,
                                     rms_norm, silu_and_mul)
 from aioengine.model.rotary import RopeStep, RotaryEmbedding, rope_inv_freq
+
+
+class LoRADecodeSource(Protocol):
+    """Whatever applies adapters to the projections (aioengine.lora.LoRAManager)."""
+
+    def decode_args(self) -> cpu_kernels.LoRADecodeArgs | None:
+        """The current step's adapter slots for llama_decode; None when no token has one."""
 
 
 # Decode-only steps of up to this many tokens run the decoder layers in one C call where it
@@ -114,6 +122,9 @@ class LlamaForCausalLM(nn.Module):
         # `forward` returns beside the hidden states; set once by the engine. Empty: forward
         # returns the hidden states alone, at no cost.
         self.aux_hidden_state_layers: tuple[int, ...] = ()
+        # Multi-LoRA (aioengine.lora wraps the projections and sets this): the step's
+        # adapter slots for the fused decode kernel. None: no adapters, at no cost.
+        self.lora: LoRADecodeSource | None = None
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
                 attn_metadata: AttentionMetadata,
@@ -186,7 +197,8 @@ class LlamaForCausalLM(nn.Module):
             sin=self.rotary.sin, slot_mapping=meta.slot_mapping,
             block_tables=meta.block_tables, seq_lens=meta.seq_lens, num_blocks=num_blocks,
             block_size=block_size,
-            weight_format=self.layers[0].qkv_proj.gemv_format, aux=aux, aux_layers=aux_index)
+            weight_format=self.layers[0].qkv_proj.gemv_format, aux=aux, aux_layers=aux_index,
+            lora=None if self.lora is None else self.lora.decode_args())
 
     def _decode_layer_table(self, kv_caches: list[Tensor]) -> Tensor | None:
         key = tuple(c.data_ptr() for c in kv_caches)

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from aioengine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from aioengine.lora.manager import LoRAManager
 from aioengine.model.attention import build_attention_metadata, copy_blocks
 from aioengine.model.llama import make_kv_caches
 from aioengine.model.loader import LoadedModel
@@ -37,8 +38,10 @@ from aioengine.spec_decode.rejection_sampler import VerifyRows, accept_greedy, a
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
                  device: torch.device, kv_cache_dtype: torch.dtype, seed: int = 0,
-                 proposer: Proposer | None = None) -> None:
+                 proposer: Proposer | None = None, lora: LoRAManager | None = None) -> None:
         self.model = loaded.model
+        # Multi-LoRA: puts each step's adapters in slots and sets every token's slot.
+        self.lora = lora
         # Speculative decoding: drafts the next step's tokens after sampling (None = off).
         self.proposer = proposer
         self.arch = loaded.arch
@@ -64,10 +67,17 @@ class ModelRunner:
                       before_layers: Callable[[], None] | None = None) -> ModelRunnerOutput:
         """`before_layers()` runs once the inputs are ready, right before the model's
         layers (after the embedding lookup: LlamaForCausalLM.forward calls it)."""
-        if self.stream is None:
-            return self._execute(scheduler_output, before_layers)
-        with torch.cuda.stream(self.stream):
-            return self._execute(scheduler_output, before_layers)
+        if self.lora is not None:
+            self.lora.prepare_step([s.request.lora_request for s in scheduler_output.scheduled
+                                    for _ in range(s.num_new_tokens)])
+        try:
+            if self.stream is None:
+                return self._execute(scheduler_output, before_layers)
+            with torch.cuda.stream(self.stream):
+                return self._execute(scheduler_output, before_layers)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
 
     @torch.inference_mode()
     def _execute(self, scheduler_output: SchedulerOutput,

@@ -31,6 +31,14 @@
  * LlamaDecoderLayer.forward, which stays the reference the tests compare this with.
  * Optionally (EAGLE-3's auxiliary hidden states) the residual stream into some layers
  * (`residual` after the layer's first line) is copied out as well.
+ *
+ * With LoRA (`lora` not NULL), every token whose `token_slots` entry is >= 0 adds its
+ * adapter's update to each projection's output (lora.h's rows, as the layer path's
+ * lora_apply computes them) where the output is consumed, so no barrier is added: qkv's by
+ * the thread that writes the token's K/V, o's, gate_up's and down's by every thread on its
+ * own copy (o's and down's into the normed copy of the residual input, gate_up's into a
+ * private copy of the row before SiLU-and-mul), the shrinks computed from each thread's
+ * own copy of the projection's input.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -41,6 +49,7 @@
 #include "attention.h"
 #include "gemv.h"
 #include "layernorm.h"
+#include "lora.h"
 #include "rotary_embedding.h"
 
 /* One layer's weights, as LlamaDecoderLayer holds them (qkv_bias, q_norm, k_norm may be
@@ -59,6 +68,26 @@ typedef struct {
     const float *down_scales;
     float *kv_cache;
 } decode_layer;
+
+/* One projection's adapter slots (lora.h): a [L, S, R, K], bt [L, R, N], ranks [L, S]. */
+typedef struct {
+    const float *a, *bt;
+    const int32_t *ranks;
+} lora_proj;
+
+/* A layer's adapter slots; the Python side passes an int64 tensor [num_layers, 12]. */
+typedef struct {
+    lora_proj qkv, o, gate_up, down;
+} lora_layer;
+
+/* y[0, n) += token t's update of projection p (S slices of `slices`, rank R, input x). */
+static void lora_row(float *restrict y, const float *restrict x, const lora_proj *p,
+                     int64_t slot, const int64_t *slices, int64_t S, int64_t R, int64_t K,
+                     int64_t N, float *restrict u) {
+    const int32_t *ranks = p->ranks + slot * S;
+    lora_shrink(u, x, p->a + slot * S * R * K, ranks, R, K, 0, S * R);
+    lora_expand(y, u, p->bt + slot * R * N, ranks, slices, S, R, N, 0, N);
+}
 
 /* A projection of `layer` as gemv.h takes it. */
 static inline gemv_weight proj(const void *data, const float *scales, int fmt) {
@@ -127,7 +156,9 @@ static void attend_part(float *restrict o, float *restrict max, float *restrict 
  * [max_positions, head_dim / 2]; weight_fmt the projections' GEMV_* format. aux NULL, or
  * [num_tokens, num_aux * hidden]: its j-th hidden-wide column block receives the residual
  * stream into layer aux_layers[j] (each in [0, num_layers); the embeddings for 0), the
- * input of that layer's input norm. Returns 0; the number of slots outside the cache,
+ * input of that layer's input norm. lora NULL, or [num_layers] adapter slots with
+ * token_slots [num_tokens] (-1: the base model) and the slots' padded rank lora_rank.
+ * Returns 0; the number of slots outside the cache,
  * having written nothing; or -1 when out of memory. */
 int64_t llama_decode(float *restrict x, const decode_layer *restrict layers,
                          int64_t num_layers, const float *restrict final_norm,
@@ -140,7 +171,8 @@ int64_t llama_decode(float *restrict x, const decode_layer *restrict layers,
                          const int32_t *restrict seq_lens, int64_t num_blocks,
                          int64_t block_size, int weight_fmt, float *restrict aux,
                          const int64_t *restrict aux_layers, int64_t num_aux,
-                         int num_threads) {
+                         const lora_layer *restrict lora, const int32_t *restrict token_slots,
+                         int64_t lora_rank, int num_threads) {
     const int64_t M = num_tokens, q_size = num_heads * head_dim;
     const int64_t kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
     const attention_step step = {
@@ -174,6 +206,13 @@ int64_t llama_decode(float *restrict x, const decode_layer *restrict layers,
         return -1;
     }
     int failed = 0;
+    const int64_t R = lora_rank;
+    const int64_t qkv_slices[3] = {q_size, kv_size, kv_size};
+    const int64_t gate_up_slices[2] = {intermediate, intermediate};
+    const int64_t hidden_slices[1] = {hidden};
+    /* Private LoRA buffers: one token's shrink, every token's gate_up and down shrinks, one
+     * gate_up row. */
+    const int64_t lora_floats = lora == NULL ? 0 : 3 * R + M * 3 * R + 2 * intermediate;
 
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -182,12 +221,15 @@ int64_t llama_decode(float *restrict x, const decode_layer *restrict layers,
         /* Private: the residual stream, the normed input of a projection, a rotated q, the
          * combined attention of split requests, scores and the softmax's max and sum. */
         float *residual = malloc(sizeof(float) * (size_t)(M * (hidden + 2 * wide + q_size) + 16 +
-                                                          q_size + num_heads * (max_seq_len + 2)));
+                                                          q_size + num_heads * (max_seq_len + 2) +
+                                                          lora_floats));
         float *h = residual + M * hidden, *own_attn = h + M * wide, *q = own_attn + M * q_size;
         /* A projection's input as its weight format reads it (gemv_prepare_x). */
         float *xbuf = q + q_size;
         float *scores = xbuf + M * wide + 16, *max = scores + num_heads * max_seq_len;
         float *sum = max + num_heads;
+        float *lora_u = sum + num_heads, *lora_gate_up = lora_u + 3 * R;
+        float *lora_down = lora_gate_up + M * 2 * R, *lora_row_buf = lora_down + M * R;
         /* A thread without memory skips the work but still meets every barrier. */
         const int ok = residual != NULL;
         failed = !ok;
@@ -202,6 +244,11 @@ int64_t llama_decode(float *restrict x, const decode_layer *restrict layers,
                         rms_norm_row(ht, rt, layer->input_norm, hidden, eps);
                     } else {
                         memcpy(ht, x + t * hidden, sizeof(float) * (size_t)hidden);
+                        if (lora != NULL && token_slots[t] >= 0)  /* the last layer's down */
+                            lora_expand(ht, lora_down + t * R,
+                                        lora[l - 1].down.bt + token_slots[t] * R * hidden,
+                                        lora[l - 1].down.ranks + token_slots[t], hidden_slices,
+                                        1, R, hidden, 0, hidden);
                         fused_add_rms_norm_row(ht, rt, layer->input_norm, hidden, eps);
                     }
                 }
@@ -222,8 +269,13 @@ int64_t llama_decode(float *restrict x, const decode_layer *restrict layers,
              * request (speculative decoding verifies several, each its own row) read the
              * slots the ones before them write. */
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < M; t++)
-                if (ok) write_kv(qkv + t * qkv_size, layer, &step, t);
+            for (int64_t t = 0; t < M; t++) {
+                if (!ok) continue;
+                if (lora != NULL && token_slots[t] >= 0)
+                    lora_row(qkv + t * qkv_size, h + t * hidden, &lora[l].qkv, token_slots[t],
+                             qkv_slices, 3, R, hidden, qkv_size, lora_u);
+                write_kv(qkv + t * qkv_size, layer, &step, t);
+            }
             /* implicit barrier: the step's K/V written */
             const float *attn_out = attn;
             if (!split) {
@@ -262,6 +314,9 @@ int64_t llama_decode(float *restrict x, const decode_layer *restrict layers,
                 for (int64_t t = 0; t < M; t++) {
                     float *ht = h + t * hidden;
                     memcpy(ht, x + t * hidden, sizeof(float) * (size_t)hidden);
+                    if (lora != NULL && token_slots[t] >= 0)
+                        lora_row(ht, attn_out + t * q_size, &lora[l].o, token_slots[t],
+                                 hidden_slices, 1, R, q_size, hidden, lora_u);
                     fused_add_rms_norm_row(ht, residual + t * hidden, layer->post_norm, hidden,
                                            eps);
                 }
@@ -271,20 +326,48 @@ int64_t llama_decode(float *restrict x, const decode_layer *restrict layers,
             }
 #pragma omp barrier
             if (ok) {
+                const lora_proj *gu = lora == NULL ? NULL : &lora[l].gate_up;
+                if (gu != NULL)  /* from h before SiLU-and-mul overwrites it */
+                    for (int64_t t = 0; t < M; t++)
+                        if (token_slots[t] >= 0)
+                            lora_shrink(lora_gate_up + t * 2 * R, h + t * hidden,
+                                        gu->a + token_slots[t] * 2 * R * hidden,
+                                        gu->ranks + token_slots[t] * 2, R, hidden, 0, 2 * R);
                 for (int64_t t = 0; t < M; t++) {
                     const float *g = gate_up + t * 2 * intermediate;
+                    if (gu != NULL && token_slots[t] >= 0) {
+                        memcpy(lora_row_buf, g, sizeof(float) * (size_t)(2 * intermediate));
+                        lora_expand(lora_row_buf, lora_gate_up + t * 2 * R,
+                                    gu->bt + token_slots[t] * R * 2 * intermediate,
+                                    gu->ranks + token_slots[t] * 2, gate_up_slices, 2, R,
+                                    2 * intermediate, 0, 2 * intermediate);
+                        g = lora_row_buf;
+                    }
                     silu_and_mul_row(h + t * intermediate, g, g + intermediate, intermediate);
                 }
                 const gemv_weight w = proj(layer->down, layer->down_scales, fmt);
                 gemv_shared(x, gemv_prepare_x(xbuf, h, M, intermediate, fmt), &w, NULL, M, hidden,
                             intermediate, tid, nt, c + 3 * num_threads);
+                if (lora != NULL)  /* applied where the next layer (or the final norm) reads x */
+                    for (int64_t t = 0; t < M; t++)
+                        if (token_slots[t] >= 0)
+                            lora_shrink(lora_down + t * R, h + t * intermediate,
+                                        lora[l].down.a + token_slots[t] * R * intermediate,
+                                        lora[l].down.ranks + token_slots[t], R, intermediate, 0,
+                                        R);
             }
 #pragma omp barrier
         }
         if (tid == 0 && ok)
-            for (int64_t t = 0; t < M; t++)
+            for (int64_t t = 0; t < M; t++) {
+                if (lora != NULL && token_slots[t] >= 0)
+                    lora_expand(x + t * hidden, lora_down + t * R,
+                                lora[num_layers - 1].down.bt + token_slots[t] * R * hidden,
+                                lora[num_layers - 1].down.ranks + token_slots[t], hidden_slices,
+                                1, R, hidden, 0, hidden);
                 fused_add_rms_norm_row(x + t * hidden, residual + t * hidden, final_norm, hidden,
                                        eps);
+            }
         free(residual);
     }
     free(claims);

@@ -1,0 +1,164 @@
+"""The seam: a projection (`aioengine.model.layers.Linear`) wrapped by LinearWithLoRA (vLLM's
+BaseLinearLayerWithLoRA), which adds each token's adapter update to the base output.
+
+A wrapped projection holds `max_loras` adapter slots, zero-padded to `max_lora_rank`:
+
+    lora_a  [max_loras, S, R, K]   the A of each of its S slices (qkv: q, k, v; gate_up: 2)
+    lora_b  [max_loras, R, N]      B transposed: row j holds column j of every slice's B
+    ranks   [max_loras, S] int32   the rank of each slot's slice (0: not targeted)
+
+and for a step whose per-token slots are `LoRAStep.token_slots` (-1 = base model):
+
+    u[t, s] = lora_a[slot_t, s, :r] x[t]            (shrink, r = ranks[slot_t, s])
+    y[t, n] += sum_j u[t, s(n), j] lora_b[slot_t, j, n]  (expand, j < r; the scaling is
+                                                          folded into B at load)
+
+The C kernel (`cpu_kernels.lora_apply`) computes this row by row; the torch form below,
+which groups the rows of each adapter (no per-row copy of the weights), is its reference
+and the path off the CPU. The fused decode kernel applies the same row arithmetic inside
+its single call (LoRAManager.decode_args).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from aioengine.kernels import cpu as cpu_kernels
+from aioengine.model.layers import Linear
+
+
+class LoRAStep:
+    """The adapter slot of every token of the step being run, shared by every wrapped
+    projection of the model (set by the runner before the forward, cleared after)."""
+
+    def __init__(self) -> None:
+        self.token_slots: Tensor | None = None  # int32 [T]; None: no adapter in the step
+        # (slot, rows) for each slot in use: rows a slice when contiguous, else an index.
+        self.groups: list[tuple[int, slice | Tensor]] = []
+
+    def set(self, token_slots: list[int], device: torch.device) -> None:
+        self.clear()
+        if all(s < 0 for s in token_slots):
+            return
+        self.token_slots = torch.tensor(token_slots, dtype=torch.int32)
+        rows: dict[int, list[int]] = {}
+        for t, slot in enumerate(token_slots):
+            if slot >= 0:
+                rows.setdefault(slot, []).append(t)
+        for slot, ts in rows.items():
+            if ts[-1] - ts[0] + 1 == len(ts):
+                self.groups.append((slot, slice(ts[0], ts[-1] + 1)))
+            else:
+                self.groups.append((slot, torch.tensor(ts, dtype=torch.long, device=device)))
+
+    def clear(self) -> None:
+        self.token_slots, self.groups = None, []
+
+
+class LinearWithLoRA(nn.Module):
+    """`base_layer`'s output plus the step's adapter updates. Reads as the Linear it wraps
+    (weight, bias, scales, storage, gemv_format, ...), so the model and its fused decode
+    kernel see the same weights as before."""
+
+    def __init__(self, base_layer: Linear, slice_sizes: tuple[int, ...], max_loras: int,
+                 max_rank: int, step: LoRAStep, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if sum(slice_sizes) != base_layer.out_features:
+            raise ValueError(f"slices {slice_sizes} do not add up to {base_layer.out_features}")
+        self.base_layer = base_layer
+        self.slice_sizes = slice_sizes
+        self.offsets = [sum(slice_sizes[:i]) for i in range(len(slice_sizes))]
+        self.step = step
+        device = base_layer.weight.device
+        k, n, s = base_layer.in_features, base_layer.out_features, len(slice_sizes)
+        self.lora_a = torch.zeros(max_loras, s, max_rank, k, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(max_loras, max_rank, n, dtype=dtype, device=device)
+        self.ranks = torch.zeros(max_loras, s, dtype=torch.int32)
+        self.slice_sizes_t = torch.tensor(slice_sizes, dtype=torch.int64)
+        self._ranks: list[list[int]] = [[0] * s for _ in range(max_loras)]
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.base_layer(x)
+        if self.step.token_slots is not None:
+            self.apply_lora(y, x)
+        return y
+
+    def apply_lora(self, y: Tensor, x: Tensor) -> None:
+        """y [T, N] += each token's adapter update for x [T, K], in place."""
+        slots = self.step.token_slots
+        assert slots is not None and slots.shape[0] == x.shape[0] == y.shape[0]
+        if cpu_kernels.lora_apply(y, x, self.lora_a, self.lora_b, self.ranks,
+                                  self.slice_sizes_t, slots):
+            return
+        for slot, rows in self.step.groups:
+            xs = x[rows].to(self.lora_a.dtype)
+            for s, (off, n) in enumerate(zip(self.offsets, self.slice_sizes)):
+                r = self._ranks[slot][s]
+                if r:
+                    u = xs @ self.lora_a[slot, s, :r].t()
+                    y[rows, off:off + n] += (u @ self.lora_b[slot, :r, off:off + n]).to(y.dtype)
+
+    @torch.no_grad()
+    def set_slot(self, slot: int, slices: list[tuple[Tensor, Tensor] | None]) -> None:
+        """Slot `slot` <- one (A [r, K], B [N_s, r]) per slice, None where not targeted."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        for s, pair in enumerate(slices):
+            r = 0
+            if pair is not None:
+                a, b = pair
+                r = a.shape[0]
+                off, n = self.offsets[s], self.slice_sizes[s]
+                self.lora_a[slot, s, :r].copy_(a)
+                self.lora_b[slot, :r, off:off + n].copy_(b.t())
+            self.ranks[slot, s] = r
+            self._ranks[slot][s] = r
+
+    def slot_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.lora_a, self.lora_b, self.ranks))
+
+    # ---- reads as the wrapped Linear -------------------------------------------------
+    @property
+    def weight(self) -> Tensor:
+        return self.base_layer.weight
+
+    @property
+    def bias(self) -> Tensor | None:
+        return self.base_layer.bias
+
+    @property
+    def scales(self) -> Tensor | None:
+        return self.base_layer.scales
+
+    @property
+    def packed(self) -> Tensor | None:
+        return self.base_layer.packed
+
+    @property
+    def act_quant(self) -> bool:
+        return self.base_layer.act_quant
+
+    @property
+    def in_features(self) -> int:
+        return self.base_layer.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base_layer.out_features
+
+    @property
+    def storage(self) -> str:
+        return self.base_layer.storage
+
+    @property
+    def gemv_format(self) -> int:
+        return self.base_layer.gemv_format
+
+    def nbytes(self) -> int:
+        return self.base_layer.nbytes()
+
+    def convert(self, storage: str) -> None:
+        self.base_layer.convert(storage)
+
+    def pack(self) -> int:
+        return self.base_layer.pack()

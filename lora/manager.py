@@ -1,0 +1,221 @@
+"""LoRAManager: the adapters of one engine, from their names to the slots of a step.
+
+    registered  name -> LoRARequest (lora_int_id unique to the load)        [event loop]
+    CPU cache   lora_int_id -> LoRAModel, at most max_cpu_loras, LRU       [either side]
+    slots       max_loras per wrapped projection, LRU among those a step   [worker]
+                does not use; a step never names more than max_loras
+                adapters (the scheduler's invariant)
+
+Loading reads and checks the files (off the event loop: `add` blocks); an adapter evicted
+from the CPU cache is read again from its path when a step needs it, after checking the
+file is the one first loaded. Unloading forgets the name at once (new requests are
+refused); requests already holding its LoRARequest keep running on it.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from aioengine.kernels.cpu import LoRADecodeArgs
+from aioengine.lora.adapter import LoRAError, LoRAModel, file_stamp, load_adapter
+from aioengine.lora.layers import LinearWithLoRA, LoRAStep
+from aioengine.lora.request import LoRARequest
+
+logger = logging.getLogger("aioengine")
+
+# Our fused projections and the PEFT modules that are their slices, in output order.
+PROJECTION_SLICES: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    max_loras: int = 1  # distinct adapters in one step (vLLM's default)
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept loaded; None: max_loras
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
+class LoRAManager:
+    def __init__(self, model: torch.nn.Module, config: LoRAConfig) -> None:
+        self.config = config
+        self.step = LoRAStep()
+        self.device = model.device
+        arch = model.arch
+        sizes = {"qkv_proj": (arch.q_size, arch.kv_size, arch.kv_size),
+                 "o_proj": (arch.hidden_size,),
+                 "gate_up_proj": (arch.intermediate_size, arch.intermediate_size),
+                 "down_proj": (arch.hidden_size,)}
+        # The seam: every projection of every layer wrapped once; nothing else changes.
+        self.layers: list[dict[str, LinearWithLoRA]] = []
+        self.module_shapes: dict[tuple[int, str], tuple[int, int]] = {}
+        for i, layer in enumerate(model.layers):
+            wrapped = {}
+            for attr, slices in sizes.items():
+                w = LinearWithLoRA(getattr(layer, attr), slices, config.max_loras,
+                                   config.max_lora_rank, self.step, model.dtype)
+                setattr(layer, attr, w)
+                wrapped[attr] = w
+                for module, size in zip(PROJECTION_SLICES[attr], slices):
+                    self.module_shapes[(i, module)] = (w.in_features, size)
+            self.layers.append(wrapped)
+        self._table = torch.tensor(
+            [[t.data_ptr() for attr in PROJECTION_SLICES
+              for t in (wrapped[attr].lora_a, wrapped[attr].lora_b, wrapped[attr].ranks)]
+             for wrapped in self.layers], dtype=torch.int64)
+        self.dtype = model.dtype
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._registered: dict[str, LoRARequest] = {}
+        self._stamps: dict[int, tuple[int, int]] = {}  # lora_int_id -> its file when loaded
+        self._cpu: OrderedDict[int, LoRAModel] = OrderedDict()  # least recently used first
+        self._slot_ids: list[int] = [0] * config.max_loras  # lora_int_id per slot, 0 = empty
+        self._slot_last_used: list[int] = [0] * config.max_loras
+        self._num_steps = 0
+        self.num_loads = self.num_slot_loads = 0
+        model.lora = self  # the fused decode kernel asks decode_args()
+
+    # ---- names (event loop) ---------------------------------------------------------
+
+    def get(self, name: str) -> LoRARequest | None:
+        return self._registered.get(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self._registered.values())
+
+    def add(self, lora_request: LoRARequest) -> LoRARequest:
+        """Loads and registers an adapter under its name (blocking: file reads); returns the
+        registered LoRARequest with its lora_int_id. Raises LoRAError (already loaded, bad
+        files, rank above max_lora_rank) or LoRANotFoundError (no such path)."""
+        name = lora_request.lora_name
+        if name in self._registered:
+            raise LoRAError(f"the LoRA adapter {name!r} has already been loaded")
+        if not lora_request.lora_path:
+            raise LoRAError(f"LoRA adapter {name!r}: lora_path is required")
+        lora_id = next(self._ids)
+        model = load_adapter(name, lora_id, lora_request.lora_path, self.module_shapes,
+                             self.config.max_lora_rank, self.dtype)
+        registered = LoRARequest(name, lora_request.lora_path, lora_id)
+        with self._lock:
+            if name in self._registered:  # loaded meanwhile by another caller
+                raise LoRAError(f"the LoRA adapter {name!r} has already been loaded")
+            self._cache(model)
+            self._registered[name] = registered
+            self._stamps[lora_id] = model.stamp
+        self.num_loads += 1
+        logger.info("LoRA adapter %r loaded from %s: rank %d, %.1f MiB", name,
+                    lora_request.lora_path, model.rank, model.nbytes() / 2**20)
+        return registered
+
+    def remove(self, name: str) -> LoRARequest | None:
+        """Forgets `name` (None if unknown); its CPU copy goes unless a slot holds it."""
+        with self._lock:
+            registered = self._registered.pop(name, None)
+            if registered is not None and registered.lora_int_id not in self._slot_ids:
+                self._cpu.pop(registered.lora_int_id, None)
+        return registered
+
+    def _cache(self, model: LoRAModel) -> None:
+        """Into the CPU cache (lock held), evicting the least recently used beyond its size,
+        those not in a slot first."""
+        self._cpu[model.lora_id] = model
+        self._cpu.move_to_end(model.lora_id)
+        while len(self._cpu) > self.config.cpu_capacity:
+            idle = [i for i in self._cpu if i not in self._slot_ids and i != model.lora_id]
+            victim = idle[0] if idle else next(iter(self._cpu))
+            del self._cpu[victim]
+
+    # ---- the step (worker) ------------------------------------------------------------
+
+    def prepare_step(self, token_loras: list[LoRARequest | None]) -> None:
+        """Puts the step's adapters in slots and sets every token's slot (-1: base);
+        `token_loras` holds each token's LoRARequest, None for the base model."""
+        self._num_steps += 1
+        slot_of: dict[int, int] = {}
+        for lora in token_loras:
+            if lora is not None and lora.lora_int_id not in slot_of:
+                slot_of[lora.lora_int_id] = self._slot_for(lora, slot_of)
+        if not slot_of:
+            self.step.clear()
+            return
+        self.step.set([-1 if lora is None else slot_of[lora.lora_int_id]
+                       for lora in token_loras], self.device)
+
+    def end_step(self) -> None:
+        self.step.clear()
+
+    def _slot_for(self, lora: LoRARequest, taken: dict[int, int]) -> int:
+        lora_id = lora.lora_int_id
+        if lora_id in self._slot_ids:
+            slot = self._slot_ids.index(lora_id)
+        else:
+            in_use = set(taken.values())
+            free = [s for s in range(len(self._slot_ids)) if s not in in_use]
+            if not free:
+                raise RuntimeError(f"a step names more than max_loras "
+                                   f"({self.config.max_loras}) adapters")
+            slot = min(free, key=lambda s: self._slot_last_used[s])
+            self._activate(slot, self._model_for(lora))
+        self._slot_last_used[slot] = self._num_steps
+        return slot
+
+    def _model_for(self, lora: LoRARequest) -> LoRAModel:
+        with self._lock:
+            model = self._cpu.get(lora.lora_int_id)
+            if model is not None:
+                self._cpu.move_to_end(lora.lora_int_id)
+                return model
+        # Evicted from the CPU cache: read again, if the file is still the one loaded.
+        if file_stamp(lora.lora_path) != self._stamps.get(lora.lora_int_id):
+            raise LoRAError(f"LoRA adapter {lora.lora_name!r}: {lora.lora_path} changed since "
+                            f"it was loaded; load it again to use the new weights")
+        model = load_adapter(lora.lora_name, lora.lora_int_id, lora.lora_path,
+                             self.module_shapes, self.config.max_lora_rank, self.dtype)
+        with self._lock:
+            if self._registered.get(lora.lora_name) is lora:
+                self._cache(model)
+        return model
+
+    def _activate(self, slot: int, model: LoRAModel) -> None:
+        for i, wrapped in enumerate(self.layers):
+            for attr, modules in PROJECTION_SLICES.items():
+                wrapped[attr].set_slot(slot, [model.weights.get((i, m)) for m in modules])
+        self._slot_ids[slot] = model.lora_id
+        self.num_slot_loads += 1
+
+    def decode_args(self) -> LoRADecodeArgs | None:
+        slots = self.step.token_slots
+        if slots is None:
+            return None
+        return LoRADecodeArgs(self._table, slots, self.config.max_lora_rank)
+
+    # ---- what it holds ----------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            cpu_bytes = sum(m.nbytes() for m in self._cpu.values())
+            num_cpu = len(self._cpu)
+        return {"lora_num_registered": len(self._registered), "lora_num_cpu": num_cpu,
+                "lora_cpu_bytes": cpu_bytes, "lora_slot_bytes": self.slot_bytes(),
+                "lora_num_loads": self.num_loads, "lora_num_slot_loads": self.num_slot_loads}
+
+    def slot_bytes(self) -> int:
+        return sum(w.slot_nbytes() for wrapped in self.layers for w in wrapped.values())
