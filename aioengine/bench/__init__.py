@@ -288,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     from aioengine.bench.spec import add_spec_parser
 
     add_spec_parser(sub)
+    from aioengine.bench.lora import add_lora_parser
+
+    add_lora_parser(sub)
     return parser
 
 

@@ -174,7 +174,7 @@ class AsyncEngine:
 
     async def _ensure_lora(self, lora_request: LoRARequest) -> LoRARequest:
         registered = self.core.lora.get(lora_request.lora_name) if self.core.lora else None
-        if registered is not None and not lora_request.lora_path:
+        if registered is not None and lora_request.lora_path in ("", registered.lora_path):
             return registered  # the common case, without a thread hop
         return await self._off_loop(self.core.ensure_lora, lora_request)
 
