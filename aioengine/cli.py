@@ -28,6 +28,13 @@ def speculative_config_arg(text: str) -> dict[str, Any]:
     return json.loads(text)
 
 
+def lora_modules_arg(text: str) -> list:
+    """One `--lora-modules` value: name=path, a JSON object or a JSON list of them."""
+    from aioengine.server.serving_models import parse_lora_modules
+
+    return parse_lora_modules(text)
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine settings under vLLM's flag names."""
     g = parser.add_argument_group("engine")
@@ -108,12 +115,18 @@ async def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lora_engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(enable_lora=args.enable_lora, max_loras=args.max_loras,
+                max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+
+
 async def _serve(args: argparse.Namespace) -> int:
     from aioengine import AsyncEngine
     from aioengine.config import ConfigError
     from aioengine.model.default import ModelNotFoundError
     from aioengine.model.loader import ModelLoadError
     from aioengine.server.api_server import ServerConfig, bind_socket, serve
+    from aioengine.server.serving_models import LoRAModuleError
 
     model = args.model_positional or args.model
     try:
@@ -124,14 +137,21 @@ async def _serve(args: argparse.Namespace) -> int:
     try:
         names = args.served_model_name or [_default_model_name(model)]
         engine = await AsyncEngine.create(model, served_model_name=names[0],
-                                          **engine_kwargs(args))
+                                          **engine_kwargs(args), **_lora_engine_kwargs(args))
     except (ConfigError, ModelLoadError, ModelNotFoundError, FileNotFoundError) as e:
         sock.close()
         print(f"error: {e}", file=sys.stderr)
         return 2
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
-                          max_request_body_bytes=args.max_request_body_bytes)
-    await serve(engine, names, config, sock)
+                          max_request_body_bytes=args.max_request_body_bytes,
+                          lora_modules=tuple(args.lora_modules or ()),
+                          allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+    try:
+        await serve(engine, names, config, sock)
+    except LoRAModuleError as e:
+        sock.close()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -158,6 +178,45 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
                      help="larger request bodies get a 413")
     add_engine_args(srv)
+    _add_lora_args(srv)
+
+
+def _add_lora_args(parser: argparse.ArgumentParser) -> None:
+    """Multi-LoRA under vLLM's flag names (serve only)."""
+    g = parser.add_argument_group("LoRA adapters")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve PEFT LoRA adapters, each under its own model name")
+    g.add_argument("--lora-modules", type=lora_modules_arg, nargs="+", action="extend",
+                   default=None, metavar="NAME=PATH|JSON",
+                   help="adapters loaded at start-up: name=path, or a JSON object "
+                        '\'{"name": "name", "path": "lora_path", "base_model_name": "id"}\' '
+                        "(base_model_name: its parent in /v1/models); several allowed")
+    g.add_argument("--max-loras", type=int, default=1,
+                   help="distinct adapters in one batch (default: 1)")
+    g.add_argument("--max-lora-rank", type=int, default=16,
+                   help="largest adapter rank that loads (default: 16)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept in CPU memory, least recently used evicted and read "
+                        "again when needed (default: --max-loras)")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                        "(vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; for trusted clients only)")
+
+
+def _check_lora_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Flattens --lora-modules; LoRA flags without --enable-lora and adapter directories
+    that do not exist stop the command before anything loads."""
+    args.lora_modules = [m for group in args.lora_modules or () for m in group]
+    given = [flag for flag, on in (("--lora-modules", args.lora_modules),
+                                   ("--allow-runtime-lora-updating",
+                                    args.allow_runtime_lora_updating)) if on]
+    if given and not args.enable_lora:
+        parser.error(f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} "
+                     f"--enable-lora")
+    for m in args.lora_modules:
+        if not os.path.isdir(m.path):
+            parser.error(f"--lora-modules {m.name}={m.path}: no LoRA adapter directory at "
+                         f"{m.path!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="train an EAGLE-3 draft head for a model: `aioengine train-eagle "
                         "--help`")
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        _check_lora_args(sub.choices["serve"], args)
     logging.basicConfig(level=envs.AIOENGINE_LOG_LEVEL, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "generate":

@@ -2,7 +2,8 @@
 
 Each engine owns its own CollectorRegistry (several engines can live in one process, as in
 the tests). The engine loop feeds per-step numbers; the output processor feeds per-request
-latencies at the moment outputs reach the caller. With speculative decoding, vLLM's
+latencies at the moment outputs reach the caller. With LoRA, vLLM's lora_requests_info
+gauge (`track_lora_requests`). With speculative decoding, vLLM's
 spec_decode_* counters (from the scheduler's cumulative SpecDecodingStats, at scrape time)
 and its periodic "SpecDecoding" log line (`SpecDecodingLogging`).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from typing import Any, Callable, Mapping
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
@@ -149,6 +151,31 @@ class EngineMetrics:
                                   per_pos.labels(model_name, str(pos)))
                                  for pos in range(num_speculative_tokens)]
         self._last: dict[str, float] = {}
+        self._lora_info: Gauge | None = None
+        self._lora_max = 0
+        self._lora_provider: Callable[[], tuple[list[str], list[str]]] | None = None
+
+    def track_lora_requests(self, max_loras: int,
+                            provider: Callable[[], tuple[list[str], list[str]]]) -> None:
+        """vLLM's `lora_requests_info` gauge: labels `max_lora`, `waiting_lora_adapters` and
+        `running_lora_adapters` (the adapter names of the waiting and of the running requests
+        from `provider()`, sorted, comma-joined), value the time (Unix seconds) of the update,
+        at each scrape. Only the current label set is kept (vLLM keeps every one it has
+        seen; readers take the newest either way)."""
+        if self._lora_info is None:  # a second call only replaces the source
+            self._lora_info = Gauge("aioengine:lora_requests_info",
+                                    "Running stats on LoRA requests.",
+                                    ["max_lora", "waiting_lora_adapters",
+                                     "running_lora_adapters"], registry=self.registry)
+        self._lora_max, self._lora_provider = max_loras, provider
+
+    def _refresh_lora_info(self) -> None:
+        if self._lora_info is None or self._lora_provider is None:
+            return
+        running, waiting = self._lora_provider()
+        self._lora_info.clear()
+        self._lora_info.labels(str(self._lora_max), ",".join(sorted(waiting)),
+                               ",".join(sorted(running))).set(time.time())
 
     def observe_step(self, num_scheduled_tokens: int) -> None:
         self.iteration_tokens.observe(num_scheduled_tokens)
@@ -184,4 +211,5 @@ class EngineMetrics:
     def render(self) -> bytes:
         if self.stats_provider is not None:
             self.refresh(self.stats_provider())
+        self._refresh_lora_info()
         return generate_latest(self.registry)

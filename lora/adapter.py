@@ -30,6 +30,15 @@ _KEY_RE = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|ml
                      r"(\w+)\.lora_(A|B)\.weight$")
 
 
+# adapter_config.json options that change what the adapter computes beyond x A^T B^T:
+# refused when set.
+_UNSUPPORTED_OPTIONS = {
+    "use_dora": "DoRA", "alora_invocation_tokens": "activated LoRA",
+    "target_parameters": "LoRA on parameters", "layer_replication": "layer replication",
+    "trainable_token_indices": "trainable tokens", "lora_bias": "LoRA biases",
+    "use_qalora": "QA-LoRA"}
+
+
 class LoRAError(InvalidRequestError):
     """An adapter that cannot be loaded or used (HTTP 400)."""
 
@@ -127,8 +136,8 @@ def _read_config(path: str) -> dict:
     problems = []
     if config.get("peft_type", "LORA") != "LORA":
         problems.append(f"peft_type {config.get('peft_type')!r} (only LORA)")
-    if config.get("use_dora"):
-        problems.append("use_dora (DoRA)")
+    problems += [f"{key} ({what})" for key, what in _UNSUPPORTED_OPTIONS.items()
+                 if config.get(key)]
     if config.get("modules_to_save"):
         problems.append(f"modules_to_save {config['modules_to_save']}")
     if config.get("bias", "none") != "none":

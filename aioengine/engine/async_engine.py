@@ -70,6 +70,9 @@ class AsyncEngine:
         self.metrics = EngineMetrics(self.model_name, stats_provider=core.stats,
                                      num_speculative_tokens=spec.num_speculative_tokens
                                      if spec else 0)
+        if core.lora is not None:  # vLLM's lora_requests_info gauge
+            self.metrics.track_lora_requests(core.lora.config.max_loras,
+                                             core.lora_requests_info)
         self.processor = OutputProcessor(core.tokenizer, self.metrics)
         # Per-step timings for `aioengine bench profile`; set .enabled to record.
         self.timeline = StepTimeline()
@@ -197,6 +200,10 @@ class AsyncEngine:
 
     def list_loras(self) -> list[LoRARequest]:
         return self.core.list_loras()
+
+    def get_lora(self, lora_name: str) -> LoRARequest | None:
+        """The adapter loaded under `lora_name`, or None."""
+        return None if self.core.lora is None else self.core.lora.get(lora_name)
 
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)

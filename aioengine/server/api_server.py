@@ -3,6 +3,9 @@
     client ──HTTP──> middleware (errors -> OpenAI error bodies, bearer auth on /v1/*)
                         └─> route handler ─> engine.generate(...) per prompt ─> JSON or SSE
 
+`model` names the base model (a served name) or a LoRA adapter (serving_models.py, with
+vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter).
+
 Handlers run with `handler_cancellation=True`, so a client that disconnects cancels its
 handler at once, which aborts its engine requests and frees their KV blocks.
 """
@@ -20,13 +23,14 @@ from aiohttp import web
 
 import aioengine
 from aioengine.engine.async_engine import AsyncEngine
-from aioengine.errors import EngineDeadError, InvalidRequestError
+from aioengine.errors import EngineDeadError, InvalidRequestError, NotFoundError
 from aioengine.metrics import CONTENT_TYPE
 from aioengine.server.protocol import (ApiError, error_body, get_bool, get_int_list, get_str,
                                        parse_json_object)
 from aioengine.server.serving_chat import ChatHandler
 from aioengine.server.serving_completions import CompletionsHandler
-from aioengine.server.serving_engine import ServingContext, json_response
+from aioengine.server.serving_engine import ServingContext, json_response, not_found_body
+from aioengine.server.serving_models import LoRAModulePath, ServingModels
 from aioengine.tokenizer_utils import ChatTemplateError, apply_chat_template, encode_prompt
 
 logger = logging.getLogger("aioengine.server")
@@ -51,6 +55,10 @@ class ServerConfig:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     # Seconds to wait for open connections after in-flight requests were aborted.
     shutdown_timeout: float = 5.0
+    # Adapters loaded before serving (--lora-modules); the load/unload routes
+    # (--allow-runtime-lora-updating).
+    lora_modules: tuple[LoRAModulePath, ...] = ()
+    allow_runtime_lora_updating: bool = False
 
 
 @web.middleware
@@ -67,6 +75,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return json_response(error_body(e.status, e.reason, kind), e.status)
     except InvalidRequestError as e:
         return json_response(error_body(400, str(e), "invalid_request_error", e.param), 400)
+    except NotFoundError as e:
+        return json_response(not_found_body(e), 404)
     except EngineDeadError as e:
         return json_response(error_body(503, f"the engine is not running: {e}",
                                         "service_unavailable_error"), 503)
@@ -123,6 +133,10 @@ class OpenAIServer:
         app.router.add_post("/detokenize", self._json(self.detokenize))
         app.router.add_post("/v1/completions", self._json(self.completions))
         app.router.add_post("/v1/chat/completions", self._json(self.chat))
+        if self.config.allow_runtime_lora_updating:
+            app.router.add_post("/v1/load_lora_adapter", self._json(self.load_lora_adapter))
+            app.router.add_post("/v1/unload_lora_adapter",
+                                self._json(self.unload_lora_adapter))
         return app
 
     def _json(self, handler: JsonHandler) -> Handler:
@@ -147,15 +161,29 @@ class OpenAIServer:
                             headers={"Content-Type": CONTENT_TYPE})
 
     async def models(self, request: web.Request) -> web.Response:
+        """The base model under each served name, then each LoRA adapter (vLLM's cards:
+        `root` its path, `parent` the served name of its base model)."""
         ctx = self.ctx
-        root = ctx.engine.core.loaded.model_path
         info = ctx.engine.core.dtype_info()
-        data = [{"id": name, "object": "model", "created": ctx.created, "owned_by": "aioengine",
-                 "root": root, "parent": None, "max_model_len": ctx.max_model_len,
-                 "dtype": info["dtype"], "quantization": info["quantization"],
-                 "kv_cache_dtype": info["kv_cache_dtype"],
-                 "permission": []} for name in ctx.served_model_names]
+
+        def card(name: str, root: str, parent: str | None) -> dict:
+            return {"id": name, "object": "model", "created": ctx.created,
+                    "owned_by": "aioengine", "root": root, "parent": parent,
+                    "max_model_len": ctx.max_model_len, "dtype": info["dtype"],
+                    "quantization": info["quantization"],
+                    "kv_cache_dtype": info["kv_cache_dtype"], "permission": []}
+
+        root = ctx.engine.core.loaded.model_path
+        data = [card(name, root, None) for name in ctx.served_model_names]
+        data += [card(lora.lora_name, lora.lora_path, parent)
+                 for lora, parent in ctx.models.lora_cards()]
         return json_response({"object": "list", "data": data})
+
+    async def load_lora_adapter(self, request: web.Request, body: dict) -> web.Response:
+        return web.Response(text=await self.ctx.models.load_lora_adapter(body))
+
+    async def unload_lora_adapter(self, request: web.Request, body: dict) -> web.Response:
+        return web.Response(text=await self.ctx.models.unload_lora_adapter(body))
 
     async def tokenize(self, request: web.Request, body: dict) -> web.Response:
         self.ctx.check_model(body)
@@ -200,10 +228,20 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 async def serve(engine: AsyncEngine, served_model_names: list[str], config: ServerConfig,
                 sock: socket.socket | None = None) -> None:
-    """Serves on `sock` (default: bound from `config`) until SIGINT/SIGTERM, then stops
-    accepting, aborts in-flight requests (their streams end with finish_reason "abort"),
-    and closes the connections."""
-    ctx = ServingContext(engine, served_model_names)
+    """Loads the `--lora-modules` adapters (LoRAModuleError: none is served), then serves
+    on `sock` (default: bound from `config`) until SIGINT/SIGTERM, then stops accepting,
+    aborts in-flight requests (their streams end with finish_reason "abort"), and closes
+    the connections. The engine is shut down in every case."""
+    ctx = ServingContext(engine, ServingModels(engine, served_model_names))
+    try:
+        await ctx.models.init_static_loras(list(config.lora_modules))
+    except BaseException:
+        await engine.shutdown()
+        raise
+    if config.allow_runtime_lora_updating:
+        logger.warning("LoRA dynamic loading & unloading is enabled in the API server "
+                       "(POST /v1/load_lora_adapter, /v1/unload_lora_adapter). This should "
+                       "ONLY be used for local development!")
     app = OpenAIServer(ctx, config).build_app()
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=config.shutdown_timeout)
@@ -211,14 +249,14 @@ async def serve(engine: AsyncEngine, served_model_names: list[str], config: Serv
     try:
         site = web.SockSite(runner, sock or bind_socket(config.host, config.port))
         await site.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # before the ready line: clients act on it
+            loop.add_signal_handler(sig, stop.set)
         host, port = runner.addresses[0][:2]
         url_host = f"[{host}]" if ":" in host else host
         logger.info("aioengine %s ready: serving %s at http://%s:%d (OpenAI API under /v1)",
                     aioengine.__version__, ctx.model_name, url_host, port)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         logger.info("shutting down: no new connections, aborting in-flight requests")
         await site.stop()
@@ -227,3 +265,4 @@ async def serve(engine: AsyncEngine, served_model_names: list[str], config: Serv
         await engine.shutdown()
         await runner.cleanup()
     logger.info("server stopped")
+

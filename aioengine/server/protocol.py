@@ -22,7 +22,7 @@ class ApiError(Exception):
     """An error answered as `{"error": {"message", "type", "param", "code"}}`."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None) -> None:
+                 type: str = "invalid_request_error", code: str | int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -41,7 +41,7 @@ class ApiError(Exception):
 
 
 def error_body(status: int, message: str, type: str, param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+               code: str | int | None = None) -> dict[str, Any]:
     return ApiError(status, message, param, type, code).body()
 
 

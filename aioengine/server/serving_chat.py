@@ -61,7 +61,7 @@ class ChatHandler:
 
     async def __call__(self, request: web.Request, body: dict) -> web.StreamResponse:
         ctx = self.ctx
-        model = ctx.check_model(body)
+        model, lora_request = ctx.resolve_model(body)
         stream = get_stream(body)
         params = chat_sampling_params(body)
         priority = get_priority(body)
@@ -70,7 +70,8 @@ class ChatHandler:
         ctx.check_running()
         await ctx.compile_structured(params, body)
         call = _ChatCall(random_id("chatcmpl"), model, params.n, params.logprobs, len(prompt_ids))
-        outputs = merged_outputs(ctx.engine, [prompt_ids], per_prompt, call.id, priority)
+        outputs = merged_outputs(ctx.engine, [prompt_ids], per_prompt, call.id, priority,
+                                 lora_request)
         if stream.stream:
             return await call.stream(request, outputs, stream.include_usage)
         return await call.collect(outputs)

@@ -64,7 +64,7 @@ class CompletionsHandler:
 
     async def __call__(self, request: web.Request, body: dict) -> web.StreamResponse:
         ctx = self.ctx
-        model = ctx.check_model(body)
+        model, lora_request = ctx.resolve_model(body)
         stream = get_stream(body)
         params, echo = completion_sampling_params(body)
         priority = get_priority(body)
@@ -75,7 +75,8 @@ class CompletionsHandler:
         await ctx.compile_structured(params, body)
         call = _Call(ctx, random_id("cmpl"), model, params.n, echo, params.logprobs,
                      [text for text, _ in encoded], prompt_ids)
-        outputs = merged_outputs(ctx.engine, prompt_ids, per_prompt, call.id, priority)
+        outputs = merged_outputs(ctx.engine, prompt_ids, per_prompt, call.id, priority,
+                                 lora_request)
         if stream.stream:
             return await call.stream(request, outputs, stream.include_usage)
         return await call.collect(outputs)

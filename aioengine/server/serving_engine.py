@@ -15,10 +15,12 @@ import orjson
 from aiohttp import web
 
 from aioengine.engine.async_engine import AsyncEngine
-from aioengine.errors import EngineDeadError, InvalidRequestError
+from aioengine.errors import EngineDeadError, InvalidRequestError, NotFoundError
+from aioengine.lora.request import LoRARequest
 from aioengine.outputs import CompletionOutput, RequestOutput
 from aioengine.sampling_params import SamplingParams
 from aioengine.server.protocol import ApiError, error_body, structured_outputs_field
+from aioengine.server.serving_models import ServingModels
 from aioengine.tokenizer_utils import encode_prompt
 
 # (prompt index, output) of every engine request of one API call, as they come.
@@ -41,8 +43,12 @@ class ServingContext:
     """The engine and how it is served; one per server."""
 
     engine: AsyncEngine
-    served_model_names: list[str]
+    models: ServingModels
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def served_model_names(self) -> list[str]:
+        return self.models.base_model_names
 
     @property
     def model_name(self) -> str:
@@ -52,17 +58,14 @@ class ServingContext:
     def max_model_len(self) -> int:
         return self.engine.core.max_model_len
 
+    def resolve_model(self, body: dict) -> tuple[str, LoRARequest | None]:
+        """The model a request names (absent = the first served name) and its LoRA adapter
+        (None = the base model); 404 for any other name."""
+        return self.models.resolve(body)
+
     def check_model(self, body: dict) -> str:
-        """The model a request names (absent = the served one); 404 for any other."""
-        model = body.get("model")
-        if model is None:
-            return self.model_name
-        if not isinstance(model, str):
-            raise ApiError(400, "model must be a string", "model")
-        if model not in self.served_model_names:
-            raise ApiError(404, f"The model `{model}` does not exist.", "model",
-                           code="model_not_found")
-        return model
+        """The model a request names (tokenize, detokenize: an adapter's is the base's)."""
+        return self.resolve_model(body)[0]
 
     def check_running(self) -> None:
         if not self.engine.is_running:
@@ -106,7 +109,6 @@ class ServingContext:
             out.append(p)
         return out
 
-
     async def compile_structured(self, params: SamplingParams, body: dict) -> None:
         """Compiles the request's grammar (thread pool, cached) before any response starts,
         so an invalid schema, regex or grammar is a 400, never a failed stream."""
@@ -120,7 +122,8 @@ class ServingContext:
 
 async def merged_outputs(engine: AsyncEngine, prompts: list[list[int]],
                          params: list[SamplingParams], request_id: str,
-                         priority: int = 0) -> Outputs:
+                         priority: int = 0,
+                         lora_request: LoRARequest | None = None) -> Outputs:
     """Runs one engine request per prompt and yields (prompt index, output) as each comes.
 
     Use under `contextlib.aclosing`: closing (a disconnect cancels the handler) cancels the
@@ -131,7 +134,7 @@ async def merged_outputs(engine: AsyncEngine, prompts: list[list[int]],
     async def pump(i: int) -> None:
         try:
             async for out in engine.generate(prompts[i], params[i], f"{request_id}-{i}",
-                                             priority):
+                                             priority, lora_request):
                 merged.put_nowait((i, out))
         except Exception as e:  # noqa: BLE001 - handed to the consumer
             merged.put_nowait((i, e))
@@ -152,6 +155,10 @@ async def merged_outputs(engine: AsyncEngine, prompts: list[list[int]],
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def not_found_body(e: NotFoundError) -> dict[str, Any]:
+    return error_body(404, str(e), "NotFoundError", code=404)
+
+
 class SampleFailed(Exception):
     """A sample ended with finish_reason "error" (the engine's fault, not the caller's)."""
 
@@ -170,6 +177,8 @@ def failure_body(e: BaseException) -> tuple[int, dict]:
         return 500, error_body(500, str(e), "internal_server_error")
     if isinstance(e, InvalidRequestError):
         return 400, error_body(400, str(e), "invalid_request_error", e.param)
+    if isinstance(e, NotFoundError):  # e.g. its adapter was unloaded before it started
+        return 404, not_found_body(e)
     return 500, error_body(500, f"{type(e).__name__}: {e}", "internal_server_error")
 
 
