@@ -1,0 +1,571 @@
+"""Trains a LoRA adapter that makes the bundled SmolLM2-135M-Instruct answer like a pirate.
+
+    .venv/bin/python scripts/train_pirate_lora.py                  # -> lora/examples/pirate/
+    .venv/bin/python scripts/train_pirate_lora.py --epochs 2 --max-minutes 10 --out /tmp/p
+
+What it does, start to end (about 20-25 minutes on 2 idle CPU cores, nothing downloaded):
+
+1. Prompts: a few hundred user requests from `aioengine.spec_decode.train.prompts` (the
+   benchmark's chat prompts and the templated tasks), and ~20 prompts from that module's
+   held-out split, which training never sees.
+2. Base answers: the engine (`aioengine.LLM`, the bundled GGUF) answers every prompt
+   greedily, as a chat.
+3. Pirate answers: each answer goes through `to_pirate`, a deterministic rule-based rewrite
+   ("Arr, matey! " in front, you->ye, the->th', is->be, ... " Arr!" at the end). Code in
+   backticks is left alone.
+4. Training: a LoRA (peft; r=8 on every attention and MLP projection) on the Hugging Face
+   form of the same weights (`aioengine.bench.hf_export.export_hf`), with a plain torch
+   loop: AdamW, length-grouped padded batches, loss on the assistant tokens only. The
+   learning rate decays with the share of the steps or of --max-minutes done, whichever
+   is larger, so a run the time limit cuts short still ends annealed.
+5. Saving: `adapter_config.json` and `adapter_model.safetensors` (bfloat16, ~5 MB) and a
+   README.md with the run's numbers, into the output directory; nothing else lands there.
+6. Check: greedy answers to the held-out prompts with and without the adapter (transformers
+   + peft, the adapter as saved), printed, and a count of the pirate-sounding ones.
+
+Pass `--answers FILE` to keep the base answers in a JSON file and reuse them on a rerun.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import random
+import re
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO_ROOT / "lora" / "examples" / "pirate"
+# What the adapter's config names as its base: the model the bundled GGUF was made from.
+BASE_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+IGNORE_INDEX = -100  # label of a token the loss skips (the prompt, the padding)
+
+
+@dataclass
+class Example:
+    """One training example: the user's request and the answer to learn."""
+
+    prompt: str
+    answer: str
+    complete: bool  # the answer ends the turn (an end-of-turn token follows it)
+
+
+# ---------------------------------------------------------------------------------------
+# 1. Prompts
+
+
+def choose_prompts(num_train: int, num_heldout: int, seed: int) -> tuple[list[str], list[str]]:
+    """(training prompts, held-out prompts). Training: the shipped benchmark prompts of the
+    module's training split first (they are the most varied), then templated tasks, in the
+    split's seeded shuffled order. Held-out: every 3rd prompt of the held-out split (shipped
+    prompts and templated prompts over topics training never sees)."""
+    from aioengine.spec_decode.train.prompts import shipped_prompts, split_prompts
+
+    train, held_out = split_prompts(seed)
+    shipped = set(shipped_prompts())
+    ordered = [p for p in train if p in shipped] + [p for p in train if p not in shipped]
+    return ordered[:num_train], held_out[::3][:num_heldout]
+
+
+# ---------------------------------------------------------------------------------------
+# 2. Base answers
+
+
+def chat(prompt: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": prompt}]
+
+
+def base_answers(prompts: list[str], max_tokens: int, seed: int) -> list[tuple[str, bool]]:
+    """The engine's greedy answer to each prompt: (text, whether it finished on its own)."""
+    from aioengine import LLM, SamplingParams
+
+    llm = LLM(seed=seed)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outs = llm.generate([chat(p) for p in prompts], params)
+    answers = [(o.outputs[0].text.strip(), o.outputs[0].finish_reason == "stop") for o in outs]
+    del llm, outs
+    gc.collect()
+    return answers
+
+
+def load_or_generate_answers(prompts: list[str], max_tokens: int, seed: int,
+                             cache: Path | None) -> tuple[list[tuple[str, bool]], float, bool]:
+    """(base answers, the seconds generating them took, whether they were read from `cache`):
+    read from `cache` when it holds these prompts, else generated (and written to `cache`
+    when one is given)."""
+    if cache is not None and cache.is_file():
+        saved = json.loads(cache.read_text())
+        if saved.get("prompts") == prompts and saved.get("max_tokens") == max_tokens:
+            log(f"base answers: read from {cache}")
+            return ([(a, done) for a, done in saved["answers"]], saved.get("seconds", 0.0),
+                    True)
+    t0 = time.perf_counter()
+    answers = base_answers(prompts, max_tokens, seed)
+    seconds = time.perf_counter() - t0
+    log(f"base answers: {len(answers)} generated in {seconds:.0f} s, "
+        f"{sum(done for _, done in answers)} finished before max_tokens={max_tokens}")
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens,
+                                     "seconds": seconds, "answers": answers}, indent=1))
+    return answers, seconds, False
+
+
+# ---------------------------------------------------------------------------------------
+# 3. The pirate rewrite
+
+# Whole words (contractions included) and what a pirate says instead, all lower case; the
+# replacement takes the case of the word it replaces (see `match_case`).
+PIRATE_WORDS: dict[str, str] = {
+    "you": "ye", "your": "yer", "yours": "yers", "yourself": "yerself",
+    "you're": "ye be", "you've": "ye've", "you'll": "ye'll", "you'd": "ye'd",
+    "my": "me", "myself": "meself",
+    "is": "be", "are": "be", "am": "be", "isn't": "ain't", "aren't": "ain't",
+    "the": "th'", "of": "o'", "for": "fer",
+    "hello": "ahoy", "hi": "ahoy", "hey": "ahoy",
+    "friend": "matey", "friends": "mateys",
+    "yes": "aye",
+    "money": "doubloons", "treasure": "booty",
+    "everyone": "all hands", "everybody": "all hands",
+    "stop": "avast", "wow": "blimey",
+}
+# A word: letters, optionally joined by apostrophes ("you're", "isn't").
+WORD = re.compile(r"[A-Za-z]+(?:'[A-Za-z]+)*")
+# Code the rewrite leaves alone: fenced blocks (an unclosed one runs to the end, as in a
+# cut-off answer) and inline `code`.
+CODE = re.compile(r"```.*?(?:```|\Z)|`[^`\n]*`", re.DOTALL)
+PIRATE_OPENING = "Arr, matey! "
+PIRATE_CLOSING = "Arr!"
+
+
+def match_case(word: str, replacement: str) -> str:
+    """`replacement` in the case of `word`: YOU -> YE, You -> Ye, you -> ye."""
+    if len(word) > 1 and word.isupper():
+        return replacement.upper()
+    if word[0].isupper():
+        return replacement[0].upper() + replacement[1:]
+    return replacement
+
+
+def pirate_words(text: str) -> str:
+    """Swaps the words of PIRATE_WORDS in prose (no code in `text`)."""
+    def swap(m: re.Match[str]) -> str:
+        word = m.group(0)
+        new = PIRATE_WORDS.get(word.lower())
+        return word if new is None else match_case(word, new)
+
+    return WORD.sub(swap, text)
+
+
+def outside_code(text: str, rewrite: Callable[[str], str]) -> str:
+    """`rewrite` applied to the prose of `text`, code spans kept as they are."""
+    parts, last = [], 0
+    for m in CODE.finditer(text):
+        parts += [rewrite(text[last:m.start()]), m.group(0)]
+        last = m.end()
+    return "".join(parts + [rewrite(text[last:])])
+
+
+def to_pirate(answer: str, complete: bool = True) -> str:
+    """The pirate form of an answer: "Arr, matey! " + the answer with its prose words
+    swapped (PIRATE_WORDS) + " Arr!" when the answer is complete (a cut-off answer gets no
+    closing, so the model does not learn to end mid-sentence)."""
+    text = PIRATE_OPENING + outside_code(answer.strip(), pirate_words)
+    if complete:
+        text += ("\n\n" if text.endswith("```") else " ") + PIRATE_CLOSING
+    return text
+
+
+def trim_to_sentence(answer: str, min_keep: float = 0.5) -> str | None:
+    """A cut-off answer shortened to its last whole sentence or line, outside code; None
+    when that would drop more than `1 - min_keep` of it."""
+    text = answer
+    if text.count("```") % 2:  # cut inside a code block: drop the unfinished block
+        text = text[:text.rfind("```")]
+    ends = [m.end() for m in re.finditer(r"(?<=[A-Za-z)\"'*])[.!?](?=\s)|\n", text + " ")
+            if not _inside_code(text, m.start())]
+    if not ends:
+        return None
+    trimmed = text[:ends[-1]].rstrip()
+    return trimmed if len(trimmed) >= min_keep * len(answer) else None
+
+
+def _inside_code(text: str, pos: int) -> bool:
+    return any(m.start() <= pos < m.end() for m in CODE.finditer(text))
+
+
+def make_examples(prompts: list[str], answers: list[tuple[str, bool]]) -> list[Example]:
+    """Pirate examples; a cut-off answer is trimmed to a whole sentence when it can be
+    (then it counts as complete), else kept as it is, without an end of turn."""
+    examples = []
+    for prompt, (answer, done) in zip(prompts, answers):
+        if not answer:
+            continue
+        if not done:
+            trimmed = trim_to_sentence(answer)
+            if trimmed is not None:
+                answer, done = trimmed, True
+        examples.append(Example(prompt, to_pirate(answer, done), done))
+    return examples
+
+
+# ---------------------------------------------------------------------------------------
+# 4. Training
+
+
+def encode_example(tokenizer, ex: Example) -> tuple[list[int], list[int]]:
+    """(input ids, labels) of a chat with the pirate answer; the labels keep the answer
+    and its end-of-turn token, and mask the system/user turns with IGNORE_INDEX."""
+    prompt = tokenizer.apply_chat_template(chat(ex.prompt), tokenize=False,
+                                           add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(
+        chat(ex.prompt) + [{"role": "assistant", "content": ex.answer}], tokenize=False)
+    if not full.startswith(prompt):
+        raise ValueError("the chat template's conversation does not start with its prompt")
+    end_of_turn = tokenizer.eos_token  # "<|im_end|>"
+    answer_text = full[len(prompt):]
+    # Up to and including the end-of-turn token (not the newline the template puts after
+    # it); a cut-off answer stops before it.
+    answer_text = answer_text[:answer_text.index(end_of_turn) + (len(end_of_turn)
+                                                                 if ex.complete else 0)]
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    answer_ids = tokenizer(answer_text, add_special_tokens=False)["input_ids"]
+    return prompt_ids + answer_ids, [IGNORE_INDEX] * len(prompt_ids) + answer_ids
+
+
+def batches(encoded: list[tuple[list[int], list[int]]], batch_size: int,
+            rng: random.Random) -> list[list[int]]:
+    """One epoch's batches of example indices: shuffled, then sorted by length within
+    groups of 8 batches so that a batch holds examples of similar length (less padding)."""
+    order = list(range(len(encoded)))
+    rng.shuffle(order)
+    group = batch_size * 8
+    out = []
+    for start in range(0, len(order), group):
+        chunk = sorted(order[start:start + group], key=lambda i: len(encoded[i][0]))
+        out += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+    rng.shuffle(out)
+    return out
+
+
+def collate(items: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded input_ids, attention_mask and labels."""
+    width = max(len(ids) for ids, _ in items)
+    ids = torch.full((len(items), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(items), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(items), width), dtype=torch.long)
+    for row, (x, y) in enumerate(items):
+        ids[row, :len(x)] = torch.tensor(x)
+        labels[row, :len(y)] = torch.tensor(y)
+        mask[row, :len(x)] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def lr_at(step: int, warmup: int, progress: float, peak: float) -> float:
+    """Linear warmup to `peak` over `warmup` steps, then cosine decay to a tenth of it as
+    `progress` (the share of the run done, 0..1) goes to 1."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def add_lora(model, rank: int):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                        target_modules=TARGET_MODULES, task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def train(model, tokenizer, examples: list[Example], args: argparse.Namespace) -> dict:
+    """The LoRA training loop; returns the loss history and timing."""
+    encoded = [encode_example(tokenizer, ex) for ex in examples]
+    rng = random.Random(args.seed)
+    steps_per_epoch = math.ceil(len(encoded) / args.batch_size)
+    total = steps_per_epoch * args.epochs
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    tokens = sum(sum(1 for t in y if t != IGNORE_INDEX) for _, y in encoded)
+    log(f"training: {len(encoded)} examples, {tokens} answer tokens, {steps_per_epoch} "
+        f"steps/epoch x {args.epochs} epochs, lr {args.lr}, batch {args.batch_size}")
+    model.train()
+    history: list[dict] = []
+    epoch_means: list[float] = []
+    step, t0, stopped_early = 0, time.perf_counter(), False
+    budget = args.max_minutes * 60
+    for epoch in range(args.epochs):
+        epoch_losses = []
+        for batch in batches(encoded, args.batch_size, rng):
+            if time.perf_counter() - t0 > budget:
+                stopped_early = True
+                break
+            # The share done: of the steps, or of --max-minutes when that runs out first,
+            # so that a run the clock cuts short still ends with a decayed rate.
+            progress = max(step / total, (time.perf_counter() - t0) / budget)
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, max(1, total // 20), progress, args.lr)
+            loss = model(**collate([encoded[i] for i in batch], tokenizer.pad_token_id)).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            epoch_losses.append(loss.item())
+            history.append({"step": step, "epoch": epoch + 1, "loss": loss.item()})
+            if step % args.log_every == 0 or step == 1:
+                recent = [h["loss"] for h in history[-args.log_every:]]
+                log(f"  step {step:4d}/{total} epoch {epoch + 1} loss "
+                    f"{sum(recent) / len(recent):.4f} ({time.perf_counter() - t0:.0f} s)")
+        if epoch_losses:
+            epoch_means.append(sum(epoch_losses) / len(epoch_losses))
+            log(f"epoch {epoch + 1}: mean loss {epoch_means[-1]:.4f} over "
+                f"{len(epoch_losses)} steps")
+        if stopped_early:
+            log(f"stopped: --max-minutes {args.max_minutes} reached at step {step}")
+            break
+    model.eval()
+    last = [h["loss"] for h in history[-10:]]
+    return {"history": history, "steps": step, "total_steps": total,
+            "seconds": time.perf_counter() - t0, "stopped_early": stopped_early,
+            "final_loss": sum(last) / max(1, len(last)), "epoch_means": epoch_means,
+            "first_loss": history[0]["loss"] if history else float("nan"),
+            "examples": len(encoded), "answer_tokens": tokens}
+
+
+# ---------------------------------------------------------------------------------------
+# 5. Saving
+
+
+def save_adapter(model, out: Path) -> None:
+    """adapter_config.json and a bfloat16 adapter_model.safetensors into `out` (other files
+    peft writes, such as its model card, are not kept)."""
+    from safetensors.torch import load_file, save_file
+
+    model.peft_config["default"].base_model_name_or_path = BASE_MODEL_ID
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        weights = load_file(str(Path(tmp) / "adapter_model.safetensors"))
+        weights = {k: v.to(torch.bfloat16).contiguous() for k, v in weights.items()}
+        save_file(weights, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (out / "adapter_model.safetensors").chmod(0o644)
+        shutil.copyfile(Path(tmp) / "adapter_config.json", out / "adapter_config.json")
+
+
+# ---------------------------------------------------------------------------------------
+# 6. The held-out check
+
+PIRATE_MARKERS = re.compile(r"\b(arr|matey|mateys|ye|yer|ahoy|aye|th'|o'|me hearties)(?!\w)",
+                            re.IGNORECASE)
+
+
+@torch.inference_mode()
+def generate(model, tokenizer, prompts: list[str], max_new_tokens: int,
+             batch_size: int = 10) -> list[str]:
+    """Greedy answers, batched with left padding."""
+    tokenizer.padding_side = "left"
+    answers = []
+    for start in range(0, len(prompts), batch_size):
+        texts = [tokenizer.apply_chat_template(chat(p), tokenize=False,
+                                               add_generation_prompt=True)
+                 for p in prompts[start:start + batch_size]]
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+        answers += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:],
+                                          skip_special_tokens=True)
+    return [a.strip() for a in answers]
+
+
+def pirate_counts(answers: list[str]) -> dict[str, int]:
+    return {"starts_with_arr": sum(a.startswith("Arr") for a in answers),
+            "has_pirate_words": sum(bool(PIRATE_MARKERS.search(a)) for a in answers),
+            "total": len(answers)}
+
+
+def heldout_check(hf_path: str, adapter_dir: Path, prompts: list[str],
+                  max_new_tokens: int) -> dict:
+    """Base and adapted greedy answers to the held-out prompts, with the adapter loaded
+    from `adapter_dir` as saved (bfloat16) onto a fresh float32 base."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_path)
+    base = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(adapter_dir))
+    model.eval()
+    adapted = generate(model, tokenizer, prompts, max_new_tokens)
+    with model.disable_adapter():
+        plain = generate(model, tokenizer, prompts, max_new_tokens)
+    return {"prompts": prompts, "base": plain, "adapted": adapted,
+            "base_counts": pirate_counts(plain), "adapted_counts": pirate_counts(adapted)}
+
+
+def print_check(check: dict, width: int = 220) -> None:
+    for prompt, plain, adapted in zip(check["prompts"], check["base"], check["adapted"]):
+        print(f"\n### {prompt}\n  base:    {short(plain, width)}\n  adapted: "
+              f"{short(adapted, width)}")
+    for name in ("base", "adapted"):
+        c = check[f"{name}_counts"]
+        print(f"{name:8s}: {c['starts_with_arr']}/{c['total']} start with 'Arr', "
+              f"{c['has_pirate_words']}/{c['total']} contain pirate words")
+
+
+def short(text: str, width: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+# ---------------------------------------------------------------------------------------
+# The README
+
+
+def write_readme(out: Path, args: argparse.Namespace, run: dict, check: dict,
+                 gen_seconds: float, total_seconds: float, answers_cached: bool) -> None:
+    size_mb = (out / "adapter_model.safetensors").stat().st_size / 1e6
+    command = " ".join(["python scripts/train_pirate_lora.py", *sys.argv[1:]])
+    stopped = (f"{run['steps']} of {run['total_steps']} steps ({args.epochs} epochs planned, "
+               f"stopped by --max-minutes {args.max_minutes:g})" if run["stopped_early"]
+               else f"{run['steps']} steps ({args.epochs} epochs)")
+    epochs = ", ".join(f"{m:.3f}" for m in run["epoch_means"])
+    answers_note = (" after the base answers, which were read from the `--answers` file "
+                    "an earlier run wrote" if answers_cached else "")
+    b, a = check["base_counts"], check["adapted_counts"]
+    examples = "\n".join(
+        f"- **{p}**\n  - base: {short(x, 160)}\n  - adapted: {short(y, 160)}"
+        for p, x, y in list(zip(check["prompts"], check["base"], check["adapted"]))[:3])
+    text = f"""# Pirate LoRA for SmolLM2-135M-Instruct
+
+A small LoRA adapter (PEFT format) that makes the bundled model, SmolLM2-135M-Instruct,
+answer like a pirate ("Arr, matey! ..." with ye, yer, th', be, ...). It is an example
+adapter for the engine's LoRA support and for tests; the style is all it learned.
+
+- `adapter_config.json`: rank {args.rank}, alpha {2 * args.rank}, dropout 0, on
+  {", ".join(TARGET_MODULES)};
+  base `{BASE_MODEL_ID}`.
+- `adapter_model.safetensors`: the LoRA A/B matrices in bfloat16 ({size_mb:.1f} MB).
+
+## How it was made
+
+`scripts/train_pirate_lora.py`, run as
+
+    {command}
+
+{total_seconds / 60:.0f} minutes in all on 2 CPU cores{answers_note}.
+
+1. Prompts: {run["examples"]} training requests from `aioengine.spec_decode.train.prompts`
+   (the benchmark's chat prompts, then templated tasks) and {len(check["prompts"])} held-out
+   ones from the module's held-out split.
+2. Base answers: the engine answered each greedily
+   (max_tokens {args.max_tokens}; {gen_seconds:.0f} s).
+3. Pirate answers: each answer was rewritten by a fixed rule-based transform (`to_pirate`
+   in the script): "Arr, matey! " in front, word swaps with case kept (you->ye,
+   your->yer, my->me, is/are->be, the->th', of->o', hello->ahoy, friend->matey, yes->aye,
+   money->doubloons, ...), " Arr!" at the end; code in backticks untouched. Cut-off
+   answers were trimmed to their last whole sentence.
+4. Training: a LoRA with peft on the Hugging Face export of the engine's weights
+   (`aioengine.bench.hf_export.export_hf`, float32), loss on the assistant tokens only
+   ({run["answer_tokens"]} of them). AdamW, lr {args.lr} (warmup, then cosine decay over
+   the steps or the time limit), batch {args.batch_size}, seed {args.seed}:
+   {stopped}, {run["seconds"] / 60:.1f} minutes.
+   Loss {run["first_loss"]:.3f} at the first step, {run["final_loss"]:.3f} over the last
+   10 steps; per-epoch means {epochs}.
+
+## Held-out check
+
+Greedy answers (transformers + peft, the adapter as saved, at most {args.check_tokens}
+new tokens) to {a["total"]} prompts training never saw. "Pirate words": arr, matey, ye,
+yer, ahoy, aye, th', o'.
+
+| | start with "Arr" | contain pirate words |
+|---|---|---|
+| base | {b["starts_with_arr"]}/{b["total"]} | {b["has_pirate_words"]}/{b["total"]} |
+| with the adapter | {a["starts_with_arr"]}/{a["total"]} | {a["has_pirate_words"]}/{a["total"]} |
+
+{examples}
+"""
+    (out / "README.md").write_text(text)
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="adapter directory to write")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank (alpha is twice it)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-minutes", type=float, default=20.0,
+                   help="stop training after this many minutes")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-train", type=int, default=300, help="training prompts")
+    p.add_argument("--num-heldout", type=int, default=20, help="held-out check prompts")
+    p.add_argument("--max-tokens", type=int, default=96, help="base answer length limit")
+    p.add_argument("--check-tokens", type=int, default=64,
+                   help="new tokens per answer in the held-out check")
+    p.add_argument("--answers", type=Path, default=None,
+                   help="JSON file to keep the base answers in and reuse them from")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--log-every", type=int, default=5)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+
+    train_prompts, heldout_prompts = choose_prompts(args.num_train, args.num_heldout,
+                                                    args.seed)
+    log(f"prompts: {len(train_prompts)} for training, {len(heldout_prompts)} held out")
+    answers, gen_seconds, answers_cached = load_or_generate_answers(
+        train_prompts, args.max_tokens, args.seed, args.answers)
+    examples = make_examples(train_prompts, answers)
+    log(f"examples: {len(examples)}, {sum(e.complete for e in examples)} complete; e.g.\n"
+        f"  {short(examples[0].prompt, 100)}\n  -> {short(examples[0].answer, 300)}")
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from aioengine.bench.hf_export import export_hf
+
+    hf_path = export_hf()
+    tokenizer = AutoTokenizer.from_pretrained(hf_path)
+    model = add_lora(AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32),
+                     args.rank)
+    model.print_trainable_parameters()
+    run = train(model, tokenizer, examples, args)
+    save_adapter(model, args.out)
+    del model
+    gc.collect()
+
+    check = heldout_check(hf_path, args.out, heldout_prompts, args.check_tokens)
+    print_check(check)
+    total = time.perf_counter() - t_start
+    write_readme(args.out, args, run, check, gen_seconds, total, answers_cached)
+    for name in (*ADAPTER_FILES, "README.md"):
+        log(f"{args.out / name}: {(args.out / name).stat().st_size:,} bytes")
+    log(f"done in {total / 60:.1f} minutes; final loss {run['final_loss']:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
