@@ -302,7 +302,7 @@ def llama_decode(x: Tensor, layer_table: Tensor, final_norm: Tensor, *, num_head
             raise ValueError(f"llama_decode: aux layer indices {indices} outside "
                              f"[0, {layer_table.shape[0]})")
         num_aux, aux_ptr, aux_layers_ptr = len(indices), aux.data_ptr(), aux_layers.data_ptr()
-    lora_ptr, slots_ptr, lora_rank = 0, 0, 0
+    lora_ptr, slots_ptr, lora_rank, lora_bf16 = 0, 0, 0, 0
     if lora is not None:
         if not (lora.table.dtype == torch.int64 and lora.table.is_contiguous()
                 and lora.table.shape == (layer_table.shape[0], 12)
@@ -311,6 +311,7 @@ def llama_decode(x: Tensor, layer_table: Tensor, final_norm: Tensor, *, num_head
             return False
         lora_ptr, slots_ptr, lora_rank = (lora.table.data_ptr(), lora.token_slots.data_ptr(),
                                           lora.max_rank)
+        lora_bf16 = int(lora.bf16)
     lib = load()
     if lib is None:
         return False
@@ -320,7 +321,7 @@ def llama_decode(x: Tensor, layer_table: Tensor, final_norm: Tensor, *, num_head
         positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
         block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), num_blocks,
         block_size, weight_format, aux_ptr, aux_layers_ptr, num_aux, lora_ptr, slots_ptr,
-        lora_rank, torch.get_num_threads())
+        lora_rank, lora_bf16, torch.get_num_threads())
     if rc > 0:
         raise IndexError(f"llama_decode: {rc} slot(s) outside the cache's "
                          f"{num_blocks * block_size} slots")
@@ -333,35 +334,67 @@ def llama_decode(x: Tensor, layer_table: Tensor, final_norm: Tensor, *, num_head
 class LoRADecodeArgs:
     """What llama_decode needs to apply a step's adapters: `table` [num_layers, 12] int64,
     per layer the (a, bt, ranks) pointers of qkv, o, gate_up and down (LinearWithLoRA's
-    lora_a, lora_b, ranks, float32 / int32 contiguous on the CPU); `token_slots` [T] int32
-    (-1: the base model); `max_rank`, the slots' padded rank R."""
+    lora_a, lora_b, ranks: float32, or bf16 with `bf16`, / int32, contiguous on the CPU);
+    `token_slots` [T] int32 (-1: the base model); `max_rank`, the slots' padded rank R."""
 
     table: Tensor
     token_slots: Tensor
     max_rank: int
+    bf16: bool = False
 
 
-def lora_apply(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, ranks: Tensor,
-               slices: Tensor, token_slots: Tensor) -> bool:
-    """y [T, N] += each token's adapter update for x [T, K] in place (kernels/cpu/lora.c):
-    lora_a [L, S, R, K], lora_b [L, R, N] (B transposed) float32, ranks [L, S] int32,
-    slices [S] int64 (the slices' output sizes), token_slots [T] int32 (-1: none; each must
-    be < L, the caller's invariant). Returns False, changing nothing, where it does not
-    apply (float32 contiguous CPU tensors) or the kernels are not built."""
-    if not (x.dim() == y.dim() == 2 and _f32_rows(y, x, lora_a, lora_b)
-            and ranks.dtype == token_slots.dtype == torch.int32 and ranks.is_contiguous()
-            and token_slots.is_contiguous() and slices.dtype == torch.int64
-            and slices.is_contiguous()):
-        return False
+@dataclass(frozen=True)
+class LoRAKernelSlots:
+    """One projection's adapter slots as `lora_apply` takes them, checked once: lora_a
+    [L, S, R, K], lora_b [L, R, N] (B transposed) float32 or bf16, ranks [L, S] int32, slices [S]
+    int64 (the slices' output sizes), contiguous on the CPU. The tensors must stay alive
+    and in place (their pointers are kept)."""
+
+    pointers: tuple[int, int, int, int]
+    bf16: bool
+    num_slots: int
+    num_slices: int
+    rank: int
+    in_features: int
+    out_features: int
+
+
+def lora_kernel_slots(lora_a: Tensor, lora_b: Tensor, ranks: Tensor,
+                      slices: Tensor) -> LoRAKernelSlots | None:
+    """The slots' kernel arguments; None where `lora_apply` cannot take them."""
+    if not (lora_a.dim() == 4 and lora_b.dim() == 3 and lora_a.dtype == lora_b.dtype
+            and lora_a.dtype in (torch.float32, torch.bfloat16)
+            and lora_a.device.type == lora_b.device.type == "cpu"
+            and lora_a.is_contiguous() and lora_b.is_contiguous() and ranks.dtype == torch.int32 and ranks.is_contiguous()
+            and slices.dtype == torch.int64 and slices.is_contiguous()):
+        return None
     num_slots, s, r, k = lora_a.shape
-    t, n = y.shape
-    if x.shape != (t, k) or lora_b.shape != (num_slots, r, n) or token_slots.shape != (t,):
+    n = lora_b.shape[2]
+    if (lora_b.shape[:2] != (num_slots, r) or ranks.shape != (num_slots, s)
+            or slices.shape != (s,) or int(slices.sum()) != n):
+        return None
+    return LoRAKernelSlots((lora_a.data_ptr(), lora_b.data_ptr(), ranks.data_ptr(),
+                            slices.data_ptr()), lora_a.dtype == torch.bfloat16, num_slots, s, r,
+                           k, n)
+
+
+def lora_apply(y: Tensor, x: Tensor, slots: LoRAKernelSlots, token_slots: Tensor) -> bool:
+    """y [T, N] += each token's adapter update for x [T, K] in place (kernels/cpu/lora.c);
+    token_slots [T] int32 contiguous on the CPU, each -1 (none) or a slot < L (the caller's
+    invariant). Returns False, changing nothing, where it does not apply (float32
+    contiguous CPU rows) or the kernels are not built."""
+    t = y.shape[0]
+    if not (y.dim() == x.dim() == 2 and x.shape[0] == t and y.shape[1] == slots.out_features
+            and x.shape[1] == slots.in_features and token_slots.shape[0] == t
+            and _f32_rows(y, x)):
         return False
     lib = load()
     if lib is None:
         return False
-    if lib.lora_apply_f32(y.data_ptr(), x.data_ptr(), lora_a.data_ptr(), lora_b.data_ptr(),
-                          ranks.data_ptr(), slices.data_ptr(), token_slots.data_ptr(), t, s, r,
-                          k, n, torch.get_num_threads()) != 0:
-        raise MemoryError("lora_apply: out of memory for its buffer")
+    a, b, ranks, slices = slots.pointers
+    if lib.lora_apply_f32(y.data_ptr(), x.data_ptr(), a, b, int(slots.bf16), ranks, slices,
+                          token_slots.data_ptr(), t, slots.num_slices, slots.rank,
+                          slots.in_features, slots.out_features, slots.num_slots,
+                          torch.get_num_threads()) != 0:
+        raise MemoryError("lora_apply: out of memory for its buffers")
     return True

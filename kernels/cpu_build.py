@@ -154,10 +154,11 @@ def _build(name: str) -> ctypes.CDLL:
     fn = lib.llama_decode
     fn.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
                    ctypes.c_float, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, ctypes.c_int,
-                   ptr, ptr, i64, ptr, ptr, i64, ctypes.c_int]
+                   ptr, ptr, i64, ptr, ptr, i64, ctypes.c_int, ctypes.c_int]
     fn.restype = i64
     fn = lib.lora_apply_f32
-    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_int]
+    fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, i64, i64,
+                   i64, ctypes.c_int]
     fn.restype = ctypes.c_int
     return lib
 

@@ -76,6 +76,9 @@ class LinearWithLoRA(nn.Module):
         self.ranks = torch.zeros(max_loras, s, dtype=torch.int32)
         self.slice_sizes_t = torch.tensor(slice_sizes, dtype=torch.int64)
         self._ranks: list[list[int]] = [[0] * s for _ in range(max_loras)]
+        # The C kernel's view of the slots (None off the CPU / float32): checked once.
+        self._kernel_slots = cpu_kernels.lora_kernel_slots(self.lora_a, self.lora_b,
+                                                           self.ranks, self.slice_sizes_t)
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.base_layer(x)
@@ -87,16 +90,17 @@ class LinearWithLoRA(nn.Module):
         """y [T, N] += each token's adapter update for x [T, K], in place."""
         slots = self.step.token_slots
         assert slots is not None and slots.shape[0] == x.shape[0] == y.shape[0]
-        if cpu_kernels.lora_apply(y, x, self.lora_a, self.lora_b, self.ranks,
-                                  self.slice_sizes_t, slots):
+        if self._kernel_slots is not None and cpu_kernels.lora_apply(y, x, self._kernel_slots,
+                                                                     slots):
             return
         for slot, rows in self.step.groups:
-            xs = x[rows].to(self.lora_a.dtype)
+            xs = x[rows].float()
             for s, (off, n) in enumerate(zip(self.offsets, self.slice_sizes)):
                 r = self._ranks[slot][s]
                 if r:
-                    u = xs @ self.lora_a[slot, s, :r].t()
-                    y[rows, off:off + n] += (u @ self.lora_b[slot, :r, off:off + n]).to(y.dtype)
+                    u = xs @ self.lora_a[slot, s, :r].float().t()
+                    y[rows, off:off + n] += (u @ self.lora_b[slot, :r, off:off + n].float()
+                                             ).to(y.dtype)
 
     @torch.no_grad()
     def set_slot(self, slot: int, slices: list[tuple[Tensor, Tensor] | None]) -> None:

@@ -67,11 +67,16 @@ class LoRAManager:
         # The seam: every projection of every layer wrapped once; nothing else changes.
         self.layers: list[dict[str, LinearWithLoRA]] = []
         self.module_shapes: dict[tuple[int, str], tuple[int, int]] = {}
+        # The slots in the weights' dtype where that is bf16 (the engine's dtype: the adapter
+        # weights are read once per token like the model's), else in the activations'.
+        self.slot_dtype = (torch.bfloat16 if model.layers and
+                           model.layers[0].qkv_proj.weight.dtype == torch.bfloat16
+                           else model.dtype)
         for i, layer in enumerate(model.layers):
             wrapped = {}
             for attr, slices in sizes.items():
                 w = LinearWithLoRA(getattr(layer, attr), slices, config.max_loras,
-                                   config.max_lora_rank, self.step, model.dtype)
+                                   config.max_lora_rank, self.step, self.slot_dtype)
                 setattr(layer, attr, w)
                 wrapped[attr] = w
                 for module, size in zip(PROJECTION_SLICES[attr], slices):
@@ -81,7 +86,7 @@ class LoRAManager:
             [[t.data_ptr() for attr in PROJECTION_SLICES
               for t in (wrapped[attr].lora_a, wrapped[attr].lora_b, wrapped[attr].ranks)]
              for wrapped in self.layers], dtype=torch.int64)
-        self.dtype = model.dtype
+        self.dtype = self.slot_dtype  # the CPU copies too: one rounding, from float64
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._registered: dict[str, LoRARequest] = {}
@@ -205,7 +210,8 @@ class LoRAManager:
         slots = self.step.token_slots
         if slots is None:
             return None
-        return LoRADecodeArgs(self._table, slots, self.config.max_lora_rank)
+        return LoRADecodeArgs(self._table, slots, self.config.max_lora_rank,
+                              self.slot_dtype == torch.bfloat16)
 
     # ---- what it holds ----------------------------------------------------------------
 

@@ -89,6 +89,7 @@ async def _stream(engine: Any, chat: list[dict], max_tokens: int, lora: Any) -> 
 async def run_lora(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     from aioengine import AsyncEngine, LoRARequest
     from aioengine.bench.datasets import normal_vocab, random_dataset
+    from aioengine.bench.spec import decode_phases
     from aioengine.spec_decode.train.prompts import split_prompts
 
     engine = await AsyncEngine.create(args.model, **{
@@ -108,16 +109,22 @@ async def run_lora(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> d
             for name in (("base", "lora") if r % 2 == 0 else ("lora", "base")):
                 w1[name].append(await _w1(engine, workload, loras if name == "lora" else []))
         single: dict[str, list] = {"base": [], "lora": []}
+        records: dict[str, list] = {"base": [], "lora": []}
         chats = [[{"role": "user", "content": p}] for p in split_prompts()[1][:args.num_prompts]]
+        engine.timeline.enabled = True
         for i, chat in enumerate(chats):
             for name in (("base", "lora") if i % 2 == 0 else ("lora", "base")):
                 single[name].append(await _stream(engine, chat, args.output_len,
                                                   loras[0] if name == "lora" else None))
+                records[name] += engine.timeline.records
+                engine.timeline.records.clear()
+        phases = {name: decode_phases(rs) for name, rs in records.items()}
         lora_stats = {k: v for k, v in engine.core.stats().items() if k.startswith("lora_")}
     finally:
         await engine.shutdown()
         tmp.cleanup()
-    return {"w1": w1, "single": single, "lora_stats": lora_stats, "adapters": paths}
+    return {"w1": w1, "single": single, "decode_step_ms": phases, "lora_stats": lora_stats,
+            "adapters": paths}
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
@@ -144,6 +151,9 @@ def format_lora(report: dict[str, Any]) -> str:
         f"single stream ({report['num_prompts']} prompts): TPOT base "
         f"{s['tpot_ms']['base']:.2f} ms, adapter {s['tpot_ms']['lora']:.2f} ms -> "
         f"{s['tpot_ratio']:.3f}x",
+        *(f"  mean decode step {name}: prepare {p['prepare']:.2f} / forward {p['forward']:.2f} "
+          f"/ sample {p['sample']:.2f} ms ({p['num_steps']} steps)"
+          for name, p in report["decode_step_ms"].items()),
         f"adapter memory: {report['lora_stats'].get('lora_cpu_bytes', 0) / 2**20:.1f} MiB in "
         f"CPU memory, slots {report['lora_stats'].get('lora_slot_bytes', 0) / 2**20:.1f} MiB"])
 

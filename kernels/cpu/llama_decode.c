@@ -69,24 +69,43 @@ typedef struct {
     float *kv_cache;
 } decode_layer;
 
-/* One projection's adapter slots (lora.h): a [L, S, R, K], bt [L, R, N], ranks [L, S]. */
+/* One projection's adapter slots (lora.h): a [L, S, R, K], bt [L, R, N] (float32, or bf16
+ * for the whole step with lora_bf16), ranks [L, S]. */
 typedef struct {
-    const float *a, *bt;
+    const void *a, *bt;
     const int32_t *ranks;
 } lora_proj;
+
+/* Element offsets into a slot tensor, as a byte pointer for either weight format. */
+static inline const void *lora_at(const void *base, int64_t elems, int bf16) {
+    return (const char *)base + elems * (bf16 ? 2 : 4);
+}
 
 /* A layer's adapter slots; the Python side passes an int64 tensor [num_layers, 12]. */
 typedef struct {
     lora_proj qkv, o, gate_up, down;
 } lora_layer;
 
-/* y[0, n) += token t's update of projection p (S slices of `slices`, rank R, input x). */
+/* One token's shrink u = A x and expand y[0, N) += B u for slot `slot` of projection p
+ * (S slices of `slices`, padded rank R). */
+static void lora_shrink1(float *restrict u, const float *restrict x, const lora_proj *p,
+                         int64_t slot, int64_t S, int64_t R, int64_t K, int bf16) {
+    lora_shrink(u, 0, x, 0, lora_row0, 1, lora_at(p->a, slot * S * R * K, bf16), bf16,
+                p->ranks + slot * S, R, K, 0, S * R);
+}
+
+static void lora_expand1(float *restrict y, const float *restrict u, const lora_proj *p,
+                         int64_t slot, const int64_t *slices, int64_t S, int64_t R, int64_t N,
+                         int bf16) {
+    lora_expand(y, 0, u, 0, lora_row0, 1, lora_at(p->bt, slot * R * N, bf16), bf16,
+                p->ranks + slot * S, slices, S, R, N, 0, N);
+}
+
 static void lora_row(float *restrict y, const float *restrict x, const lora_proj *p,
                      int64_t slot, const int64_t *slices, int64_t S, int64_t R, int64_t K,
-                     int64_t N, float *restrict u) {
-    const int32_t *ranks = p->ranks + slot * S;
-    lora_shrink(u, x, p->a + slot * S * R * K, ranks, R, K, 0, S * R);
-    lora_expand(y, u, p->bt + slot * R * N, ranks, slices, S, R, N, 0, N);
+                     int64_t N, int bf16, float *restrict u) {
+    lora_shrink1(u, x, p, slot, S, R, K, bf16);
+    lora_expand1(y, u, p, slot, slices, S, R, N, bf16);
 }
 
 /* A projection of `layer` as gemv.h takes it. */
@@ -157,7 +176,8 @@ static void attend_part(float *restrict o, float *restrict max, float *restrict 
  * [num_tokens, num_aux * hidden]: its j-th hidden-wide column block receives the residual
  * stream into layer aux_layers[j] (each in [0, num_layers); the embeddings for 0), the
  * input of that layer's input norm. lora NULL, or [num_layers] adapter slots with
- * token_slots [num_tokens] (-1: the base model) and the slots' padded rank lora_rank.
+ * token_slots [num_tokens] (-1: the base model), the slots' padded rank lora_rank and
+ * their format (lora_bf16: bf16, else float32).
  * Returns 0; the number of slots outside the cache,
  * having written nothing; or -1 when out of memory. */
 int64_t llama_decode(float *restrict x, const decode_layer *restrict layers,
@@ -172,7 +192,7 @@ int64_t llama_decode(float *restrict x, const decode_layer *restrict layers,
                          int64_t block_size, int weight_fmt, float *restrict aux,
                          const int64_t *restrict aux_layers, int64_t num_aux,
                          const lora_layer *restrict lora, const int32_t *restrict token_slots,
-                         int64_t lora_rank, int num_threads) {
+                         int64_t lora_rank, int lora_bf16, int num_threads) {
     const int64_t M = num_tokens, q_size = num_heads * head_dim;
     const int64_t kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
     const attention_step step = {
@@ -245,10 +265,8 @@ int64_t llama_decode(float *restrict x, const decode_layer *restrict layers,
                     } else {
                         memcpy(ht, x + t * hidden, sizeof(float) * (size_t)hidden);
                         if (lora != NULL && token_slots[t] >= 0)  /* the last layer's down */
-                            lora_expand(ht, lora_down + t * R,
-                                        lora[l - 1].down.bt + token_slots[t] * R * hidden,
-                                        lora[l - 1].down.ranks + token_slots[t], hidden_slices,
-                                        1, R, hidden, 0, hidden);
+                            lora_expand1(ht, lora_down + t * R, &lora[l - 1].down,
+                                         token_slots[t], hidden_slices, 1, R, hidden, lora_bf16);
                         fused_add_rms_norm_row(ht, rt, layer->input_norm, hidden, eps);
                     }
                 }
@@ -273,7 +291,7 @@ int64_t llama_decode(float *restrict x, const decode_layer *restrict layers,
                 if (!ok) continue;
                 if (lora != NULL && token_slots[t] >= 0)
                     lora_row(qkv + t * qkv_size, h + t * hidden, &lora[l].qkv, token_slots[t],
-                             qkv_slices, 3, R, hidden, qkv_size, lora_u);
+                             qkv_slices, 3, R, hidden, qkv_size, lora_bf16, lora_u);
                 write_kv(qkv + t * qkv_size, layer, &step, t);
             }
             /* implicit barrier: the step's K/V written */
@@ -316,7 +334,7 @@ int64_t llama_decode(float *restrict x, const decode_layer *restrict layers,
                     memcpy(ht, x + t * hidden, sizeof(float) * (size_t)hidden);
                     if (lora != NULL && token_slots[t] >= 0)
                         lora_row(ht, attn_out + t * q_size, &lora[l].o, token_slots[t],
-                                 hidden_slices, 1, R, q_size, hidden, lora_u);
+                                 hidden_slices, 1, R, q_size, hidden, lora_bf16, lora_u);
                     fused_add_rms_norm_row(ht, residual + t * hidden, layer->post_norm, hidden,
                                            eps);
                 }
@@ -330,17 +348,14 @@ int64_t llama_decode(float *restrict x, const decode_layer *restrict layers,
                 if (gu != NULL)  /* from h before SiLU-and-mul overwrites it */
                     for (int64_t t = 0; t < M; t++)
                         if (token_slots[t] >= 0)
-                            lora_shrink(lora_gate_up + t * 2 * R, h + t * hidden,
-                                        gu->a + token_slots[t] * 2 * R * hidden,
-                                        gu->ranks + token_slots[t] * 2, R, hidden, 0, 2 * R);
+                            lora_shrink1(lora_gate_up + t * 2 * R, h + t * hidden, gu,
+                                         token_slots[t], 2, R, hidden, lora_bf16);
                 for (int64_t t = 0; t < M; t++) {
                     const float *g = gate_up + t * 2 * intermediate;
                     if (gu != NULL && token_slots[t] >= 0) {
                         memcpy(lora_row_buf, g, sizeof(float) * (size_t)(2 * intermediate));
-                        lora_expand(lora_row_buf, lora_gate_up + t * 2 * R,
-                                    gu->bt + token_slots[t] * R * 2 * intermediate,
-                                    gu->ranks + token_slots[t] * 2, gate_up_slices, 2, R,
-                                    2 * intermediate, 0, 2 * intermediate);
+                        lora_expand1(lora_row_buf, lora_gate_up + t * 2 * R, gu, token_slots[t],
+                                     gate_up_slices, 2, R, 2 * intermediate, lora_bf16);
                         g = lora_row_buf;
                     }
                     silu_and_mul_row(h + t * intermediate, g, g + intermediate, intermediate);
@@ -351,20 +366,16 @@ int64_t llama_decode(float *restrict x, const decode_layer *restrict layers,
                 if (lora != NULL)  /* applied where the next layer (or the final norm) reads x */
                     for (int64_t t = 0; t < M; t++)
                         if (token_slots[t] >= 0)
-                            lora_shrink(lora_down + t * R, h + t * intermediate,
-                                        lora[l].down.a + token_slots[t] * R * intermediate,
-                                        lora[l].down.ranks + token_slots[t], R, intermediate, 0,
-                                        R);
+                            lora_shrink1(lora_down + t * R, h + t * intermediate, &lora[l].down,
+                                         token_slots[t], 1, R, intermediate, lora_bf16);
             }
 #pragma omp barrier
         }
         if (tid == 0 && ok)
             for (int64_t t = 0; t < M; t++) {
                 if (lora != NULL && token_slots[t] >= 0)
-                    lora_expand(x + t * hidden, lora_down + t * R,
-                                lora[num_layers - 1].down.bt + token_slots[t] * R * hidden,
-                                lora[num_layers - 1].down.ranks + token_slots[t], hidden_slices,
-                                1, R, hidden, 0, hidden);
+                    lora_expand1(x + t * hidden, lora_down + t * R, &lora[num_layers - 1].down,
+                                 token_slots[t], hidden_slices, 1, R, hidden, lora_bf16);
                 fused_add_rms_norm_row(x + t * hidden, residual + t * hidden, final_norm, hidden,
                                        eps);
             }

@@ -103,3 +103,37 @@ def test_mixed_batch_matches_peft(setup, kernels, monkeypatch):
             assert int(out[i].argmax()) == int(ref.argmax())
     # The fused step ran in the C kernel with the adapters (no silent layer-path fallback).
     assert len(fused_calls) == 1 and fused_calls[0] is not None
+
+
+def test_bf16_slots_same_on_every_path(setup, monkeypatch):
+    """bf16 weights keep the slots in bf16 (widened in registers): the C kernel and the torch
+    form agree, the fused decode agrees with the layer path (bf16's tolerance, as for the
+    base model), and the adapters still change the logits."""
+    model_dir, adapters, _ = setup
+    model = load_model(str(model_dir), torch.bfloat16, CPU).model
+    manager = LoRAManager(model, LoRAConfig(max_loras=3, max_lora_rank=8))
+    assert manager.slot_dtype == torch.bfloat16
+    loras = [manager.add(LoRARequest(n, str(p))) for n, p in adapters.items()] + [None]
+    rng = random.Random(1)
+    seq_lens = [rng.randrange(3, 20) for _ in loras]
+    nblocks = [-(-s // BLOCK) for s in seq_lens]
+    tables = [list(range(sum(nblocks[:i]), sum(nblocks[:i + 1]))) for i in range(len(loras))]
+    caches = make_kv_caches(model.arch, sum(nblocks), BLOCK, torch.float32, CPU)
+    meta, pos = build_attention_metadata([1] * len(loras), seq_lens, tables, BLOCK, CPU)
+    ids = torch.tensor([rng.randrange(3, 49000) for _ in loras])
+
+    def decode(token_loras, fused=True):
+        model.use_fused_decode = fused
+        manager.prepare_step(token_loras)
+        with torch.inference_mode():
+            out = model.compute_logits(model(ids, pos, caches, meta))
+        manager.end_step()
+        return out
+
+    fused, layer = decode(loras), decode(loras, fused=False)
+    torch.testing.assert_close(fused, layer, atol=3e-2, rtol=3e-2)
+    monkeypatch.setattr(cpu_kernels, "lora_apply", lambda *a: False)
+    torch.testing.assert_close(decode(loras, fused=False), layer, atol=1e-3, rtol=1e-4)
+    base = decode([None] * len(loras))
+    assert (fused[:3] - base[:3]).abs().amax() > 1.0
+    torch.testing.assert_close(fused[3], base[3])
