@@ -68,11 +68,10 @@ static const int64_t lora_row0[1] = {0};
 /* Rank rows [begin, end) of the flattened (s, j) range [0, S * R) for nt <= LORA_BLOCK
  * tokens: u[r * u_stride + i] = a[i] . x[r * x_stride], r = rows[t]. Rows past a slice's
  * rank are skipped. */
-static inline void lora_shrink(float *restrict u, int64_t u_stride, const float *restrict x,
-                               int64_t x_stride, const int64_t *restrict rows, int64_t nt,
-                               const void *a, int bf16,
-                               const int32_t *restrict ranks, int64_t R, int64_t K,
-                               int64_t begin, int64_t end) {
+static inline __attribute__((always_inline)) void lora_shrink_n(
+    float *restrict u, int64_t u_stride, const float *restrict x, int64_t x_stride,
+    const int64_t *restrict rows, int64_t nt, const void *a, int bf16,
+    const int32_t *restrict ranks, int64_t R, int64_t K, int64_t begin, int64_t end) {
     const int64_t kv = K / 16 * 16;
     for (int64_t i = begin; i < end; i++) {
         if (i % R >= ranks[i / R]) continue;
@@ -90,13 +89,29 @@ static inline void lora_shrink(float *restrict u, int64_t u_stride, const float 
     }
 }
 
+/* The bodies take nt as a constant where the callers below pass one, so the per-token
+ * accumulators are unrolled into registers (with a run-time count they lived on the
+ * stack). */
+static inline void lora_shrink(float *restrict u, int64_t u_stride, const float *restrict x,
+                               int64_t x_stride, const int64_t *restrict rows, int64_t nt,
+                               const void *a, int bf16, const int32_t *restrict ranks,
+                               int64_t R, int64_t K, int64_t begin, int64_t end) {
+    if (nt == LORA_BLOCK)
+        lora_shrink_n(u, u_stride, x, x_stride, rows, LORA_BLOCK, a, bf16, ranks, R, K, begin,
+                      end);
+    else if (nt == 1)
+        lora_shrink_n(u, u_stride, x, x_stride, rows, 1, a, bf16, ranks, R, K, begin, end);
+    else
+        lora_shrink_n(u, u_stride, x, x_stride, rows, nt, a, bf16, ranks, R, K, begin, end);
+}
+
 /* y[r * y_stride + n] += the update of output columns [begin, end) for nt <= LORA_BLOCK
  * tokens r = rows[t] from their u (slice sizes `slices`). */
-static inline void lora_expand(float *restrict y, int64_t y_stride, const float *restrict u,
-                               int64_t u_stride, const int64_t *restrict rows, int64_t nt,
-                               const void *bt, int bf16,
-                               const int32_t *restrict ranks, const int64_t *restrict slices,
-                               int64_t S, int64_t R, int64_t N, int64_t begin, int64_t end) {
+static inline __attribute__((always_inline)) void lora_expand_n(
+    float *restrict y, int64_t y_stride, const float *restrict u, int64_t u_stride,
+    const int64_t *restrict rows, int64_t nt, const void *bt, int bf16,
+    const int32_t *restrict ranks, const int64_t *restrict slices, int64_t S, int64_t R,
+    int64_t N, int64_t begin, int64_t end) {
     int64_t off = 0;
     for (int64_t s = 0; s < S; off += slices[s], s++) {
         const int64_t lo = begin > off ? begin : off;
@@ -123,6 +138,22 @@ static inline void lora_expand(float *restrict y, int64_t y_stride, const float 
                 y[rows[t] * y_stride + n] = acc;
             }
     }
+}
+
+static inline void lora_expand(float *restrict y, int64_t y_stride, const float *restrict u,
+                               int64_t u_stride, const int64_t *restrict rows, int64_t nt,
+                               const void *bt, int bf16, const int32_t *restrict ranks,
+                               const int64_t *restrict slices, int64_t S, int64_t R, int64_t N,
+                               int64_t begin, int64_t end) {
+    if (nt == LORA_BLOCK)
+        lora_expand_n(y, y_stride, u, u_stride, rows, LORA_BLOCK, bt, bf16, ranks, slices, S, R,
+                      N, begin, end);
+    else if (nt == 1)
+        lora_expand_n(y, y_stride, u, u_stride, rows, 1, bt, bf16, ranks, slices, S, R, N, begin,
+                      end);
+    else
+        lora_expand_n(y, y_stride, u, u_stride, rows, nt, bt, bf16, ranks, slices, S, R, N,
+                      begin, end);
 }
 
 #endif /* AIOENGINE_LORA_H */
