@@ -158,8 +158,8 @@ class EngineMetrics:
     def track_lora_requests(self, max_loras: int,
                             provider: Callable[[], tuple[list[str], list[str]]]) -> None:
         """vLLM's `lora_requests_info` gauge: labels `max_lora`, `waiting_lora_adapters` and
-        `running_lora_adapters` (the adapter names of the waiting and of the running requests
-        from `provider()`, sorted, comma-joined), value the time (Unix seconds) of the update,
+        `running_lora_adapters` (the sorted adapter names of the running and of the waiting
+        requests, as `provider()` returns them, comma-joined), value the time (Unix seconds) of the update,
         at each scrape. Only the current label set is kept (vLLM keeps every one it has
         seen; readers take the newest either way)."""
         if self._lora_info is None:  # a second call only replaces the source
@@ -174,8 +174,8 @@ class EngineMetrics:
             return
         running, waiting = self._lora_provider()
         self._lora_info.clear()
-        self._lora_info.labels(str(self._lora_max), ",".join(sorted(waiting)),
-                               ",".join(sorted(running))).set(time.time())
+        self._lora_info.labels(str(self._lora_max), ",".join(waiting),
+                               ",".join(running)).set(time.time())
 
     def observe_step(self, num_scheduled_tokens: int) -> None:
         self.iteration_tokens.observe(num_scheduled_tokens)

@@ -16,6 +16,7 @@ otherwise costs a fifth of the step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -376,6 +377,14 @@ def lora_kernel_slots(lora_a: Tensor, lora_b: Tensor, ranks: Tensor,
     return LoRAKernelSlots((lora_a.data_ptr(), lora_b.data_ptr(), ranks.data_ptr(),
                             slices.data_ptr()), lora_a.dtype == torch.bfloat16, num_slots, s, r,
                            k, n)
+
+
+class LoRADecodeSource(Protocol):
+    """Whatever applies adapters to a model's projections (aioengine.lora.LoRAManager), as
+    LlamaForCausalLM asks it for the fused decode kernel's arguments."""
+
+    def decode_args(self) -> LoRADecodeArgs | None:
+        """The current step's adapter slots for llama_decode; None when no token has one."""
 
 
 def lora_apply(y: Tensor, x: Tensor, slots: LoRAKernelSlots, token_slots: Tensor) -> bool:

@@ -33,26 +33,40 @@ class LoRAStep:
 
     def __init__(self) -> None:
         self.token_slots: Tensor | None = None  # int32 [T]; None: no adapter in the step
-        # (slot, rows) for each slot in use: rows a slice when contiguous, else an index.
-        self.groups: list[tuple[int, slice | Tensor]] = []
+        self._slots: list[int] = []
+        self._device: torch.device | None = None
+        self._groups: list[tuple[int, slice | Tensor]] | None = None
 
     def set(self, token_slots: list[int], device: torch.device) -> None:
         self.clear()
         if all(s < 0 for s in token_slots):
             return
         self.token_slots = torch.tensor(token_slots, dtype=torch.int32)
-        rows: dict[int, list[int]] = {}
-        for t, slot in enumerate(token_slots):
-            if slot >= 0:
-                rows.setdefault(slot, []).append(t)
-        for slot, ts in rows.items():
-            if ts[-1] - ts[0] + 1 == len(ts):
-                self.groups.append((slot, slice(ts[0], ts[-1] + 1)))
-            else:
-                self.groups.append((slot, torch.tensor(ts, dtype=torch.long, device=device)))
+        self._slots, self._device = token_slots, device
 
     def clear(self) -> None:
-        self.token_slots, self.groups = None, []
+        self.token_slots, self._slots, self._groups = None, [], None
+
+    @property
+    def groups(self) -> list[tuple[int, slice | Tensor]]:
+        """(slot, rows) for each slot in use, rows a slice when contiguous, else an index:
+        the torch form's view of the step, built on first use (the C kernel groups itself)."""
+        if self._groups is None:
+            rows: dict[int, list[int]] = {}
+            for t, slot in enumerate(self._slots):
+                if slot >= 0:
+                    rows.setdefault(slot, []).append(t)
+            self._groups = [
+                (slot, slice(ts[0], ts[-1] + 1) if ts[-1] - ts[0] + 1 == len(ts)
+                 else torch.tensor(ts, dtype=torch.long, device=self._device))
+                for slot, ts in rows.items()]
+        return self._groups
+
+
+def _read_through(name: str) -> property:
+    """A read-only attribute of the wrapped Linear, seen through the wrapper."""
+    return property(lambda self: getattr(self.base_layer, name),
+                    doc=f"The wrapped Linear's `{name}`.")
 
 
 class LinearWithLoRA(nn.Module):
@@ -75,7 +89,6 @@ class LinearWithLoRA(nn.Module):
         self.lora_b = torch.zeros(max_loras, max_rank, n, dtype=dtype, device=device)
         self.ranks = torch.zeros(max_loras, s, dtype=torch.int32)
         self.slice_sizes_t = torch.tensor(slice_sizes, dtype=torch.int64)
-        self._ranks: list[list[int]] = [[0] * s for _ in range(max_loras)]
         # The C kernel's view of the slots (None off the CPU / float32): checked once.
         self._kernel_slots = cpu_kernels.lora_kernel_slots(self.lora_a, self.lora_b,
                                                            self.ranks, self.slice_sizes_t)
@@ -95,8 +108,8 @@ class LinearWithLoRA(nn.Module):
             return
         for slot, rows in self.step.groups:
             xs = x[rows].float()
-            for s, (off, n) in enumerate(zip(self.offsets, self.slice_sizes)):
-                r = self._ranks[slot][s]
+            for s, (off, n, r) in enumerate(zip(self.offsets, self.slice_sizes,
+                                                self.ranks[slot].tolist())):
                 if r:
                     u = xs @ self.lora_a[slot, s, :r].float().t()
                     y[rows, off:off + n] += (u @ self.lora_b[slot, :r, off:off + n].float()
@@ -116,47 +129,20 @@ class LinearWithLoRA(nn.Module):
                 self.lora_a[slot, s, :r].copy_(a)
                 self.lora_b[slot, :r, off:off + n].copy_(b.t())
             self.ranks[slot, s] = r
-            self._ranks[slot][s] = r
 
     def slot_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.lora_a, self.lora_b, self.ranks))
 
     # ---- reads as the wrapped Linear -------------------------------------------------
-    @property
-    def weight(self) -> Tensor:
-        return self.base_layer.weight
-
-    @property
-    def bias(self) -> Tensor | None:
-        return self.base_layer.bias
-
-    @property
-    def scales(self) -> Tensor | None:
-        return self.base_layer.scales
-
-    @property
-    def packed(self) -> Tensor | None:
-        return self.base_layer.packed
-
-    @property
-    def act_quant(self) -> bool:
-        return self.base_layer.act_quant
-
-    @property
-    def in_features(self) -> int:
-        return self.base_layer.in_features
-
-    @property
-    def out_features(self) -> int:
-        return self.base_layer.out_features
-
-    @property
-    def storage(self) -> str:
-        return self.base_layer.storage
-
-    @property
-    def gemv_format(self) -> int:
-        return self.base_layer.gemv_format
+    weight = _read_through("weight")
+    bias = _read_through("bias")
+    scales = _read_through("scales")
+    packed = _read_through("packed")
+    act_quant = _read_through("act_quant")
+    in_features = _read_through("in_features")
+    out_features = _read_through("out_features")
+    storage = _read_through("storage")
+    gemv_format = _read_through("gemv_format")
 
     def nbytes(self) -> int:
         return self.base_layer.nbytes()

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from aioengine.kernels.cpu import LoRADecodeArgs
-from aioengine.lora.adapter import LoRAError, LoRAModel, file_stamp, load_adapter
+from aioengine.lora.adapter import (LoRAError, LoRAModel, LoRANotFoundError, file_stamp,
+                                    load_adapter)
 from aioengine.lora.layers import LinearWithLoRA, LoRAStep
 from aioengine.lora.request import LoRARequest
 
@@ -106,12 +107,31 @@ class LoRAManager:
     def list_loras(self) -> list[LoRARequest]:
         return list(self._registered.values())
 
-    def add(self, lora_request: LoRARequest) -> LoRARequest:
+    def resolve(self, lora_request: LoRARequest) -> LoRARequest:
+        """The registered adapter a request names (by lora_name), without loading. Raises
+        LoRANotFoundError when it is not loaded, LoRAError when it names another path."""
+        registered = self._registered.get(lora_request.lora_name)
+        if registered is None:
+            raise LoRANotFoundError(f"the LoRA adapter {lora_request.lora_name!r} is not loaded")
+        if lora_request.lora_path and lora_request.lora_path != registered.lora_path:
+            raise LoRAError(f"LoRA adapter {lora_request.lora_name!r} is loaded from "
+                            f"{registered.lora_path}, not {lora_request.lora_path}")
+        return registered
+
+    def ensure(self, lora_request: LoRARequest) -> LoRARequest:
+        """`resolve`, loading the adapter from its lora_path first if the name is not loaded
+        (blocking: file reads)."""
+        if lora_request.lora_name not in self._registered and lora_request.lora_path:
+            self.add(lora_request, exist_ok=True)
+        return self.resolve(lora_request)
+
+    def add(self, lora_request: LoRARequest, exist_ok: bool = False) -> LoRARequest:
         """Loads and registers an adapter under its name (blocking: file reads); returns the
-        registered LoRARequest with its lora_int_id. Raises LoRAError (already loaded, bad
-        files, rank above max_lora_rank) or LoRANotFoundError (no such path)."""
+        registered LoRARequest with its lora_int_id. Raises LoRAError (already loaded, unless
+        `exist_ok`; bad files, rank above max_lora_rank) or LoRANotFoundError (no such path).
+        """
         name = lora_request.lora_name
-        if name in self._registered:
+        if name in self._registered and not exist_ok:
             raise LoRAError(f"the LoRA adapter {name!r} has already been loaded")
         if not lora_request.lora_path:
             raise LoRAError(f"LoRA adapter {name!r}: lora_path is required")
@@ -121,6 +141,8 @@ class LoRAManager:
         registered = LoRARequest(name, lora_request.lora_path, lora_id)
         with self._lock:
             if name in self._registered:  # loaded meanwhile by another caller
+                if exist_ok:
+                    return self._registered[name]
                 raise LoRAError(f"the LoRA adapter {name!r} has already been loaded")
             self._cache(model)
             self._registered[name] = registered
@@ -150,19 +172,22 @@ class LoRAManager:
 
     # ---- the step (worker) ------------------------------------------------------------
 
-    def prepare_step(self, token_loras: list[LoRARequest | None]) -> None:
+    def prepare_step(self, items: list[tuple[LoRARequest | None, int]]) -> None:
         """Puts the step's adapters in slots and sets every token's slot (-1: base);
-        `token_loras` holds each token's LoRARequest, None for the base model."""
+        `items`: (LoRARequest or None for the base model, its number of tokens), in the
+        step's token order."""
         self._num_steps += 1
         slot_of: dict[int, int] = {}
-        for lora in token_loras:
+        for lora, _ in items:
             if lora is not None and lora.lora_int_id not in slot_of:
                 slot_of[lora.lora_int_id] = self._slot_for(lora, slot_of)
         if not slot_of:
             self.step.clear()
             return
-        self.step.set([-1 if lora is None else slot_of[lora.lora_int_id]
-                       for lora in token_loras], self.device)
+        token_slots: list[int] = []
+        for lora, n in items:
+            token_slots += [-1 if lora is None else slot_of[lora.lora_int_id]] * n
+        self.step.set(token_slots, self.device)
 
     def end_step(self) -> None:
         self.step.clear()

@@ -176,9 +176,8 @@ class AsyncEngine:
     # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ----------------------
 
     async def _ensure_lora(self, lora_request: LoRARequest) -> LoRARequest:
-        registered = self.core.lora.get(lora_request.lora_name) if self.core.lora else None
-        if registered is not None and lora_request.lora_path in ("", registered.lora_path):
-            return registered  # the common case, without a thread hop
+        if self.get_lora(lora_request.lora_name) is not None:
+            return self.core.resolve_lora(lora_request)  # loaded: no file to read, no hop
         return await self._off_loop(self.core.ensure_lora, lora_request)
 
     async def _off_loop(self, fn, *args):

@@ -25,7 +25,7 @@ from aioengine.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput,
 from aioengine.errors import InvalidRequestError
 from aioengine.model.llama import kv_cache_bytes_per_block
 from aioengine.kernels import cpu as cpu_kernels
-from aioengine.lora.adapter import LoRAError, LoRANotFoundError
+from aioengine.lora.adapter import LoRANotFoundError
 from aioengine.lora.manager import LoRAConfig, LoRAManager
 from aioengine.lora.request import LoRARequest
 from aioengine.metrics import SPEC_PER_POS_PREFIX
@@ -219,30 +219,12 @@ class EngineCore:
         return names(self.scheduler.running), names(self.scheduler.waiting)
 
     def resolve_lora(self, lora_request: LoRARequest | None) -> LoRARequest | None:
-        """The registered adapter a request names (by lora_name), without loading; raises
-        LoRANotFoundError when it is not loaded."""
-        if lora_request is None:
-            return None
-        registered = self._lora_manager().get(lora_request.lora_name)
-        if registered is None:
-            raise LoRANotFoundError(f"the LoRA adapter {lora_request.lora_name!r} is not loaded")
-        if lora_request.lora_path and lora_request.lora_path != registered.lora_path:
-            raise LoRAError(f"LoRA adapter {lora_request.lora_name!r} is loaded from "
-                            f"{registered.lora_path}, not {lora_request.lora_path}")
-        return registered
+        """The registered adapter a request names, without loading (LoRAManager.resolve)."""
+        return None if lora_request is None else self._lora_manager().resolve(lora_request)
 
     def ensure_lora(self, lora_request: LoRARequest | None) -> LoRARequest | None:
-        """resolve_lora, loading the adapter first when it names a path not yet loaded."""
-        if lora_request is None:
-            return None
-        manager = self._lora_manager()
-        if manager.get(lora_request.lora_name) is None and lora_request.lora_path:
-            try:
-                return manager.add(lora_request)
-            except LoRAError:
-                if manager.get(lora_request.lora_name) is None:  # not a concurrent load
-                    raise
-        return self.resolve_lora(lora_request)
+        """resolve_lora, loading the adapter first when its name is not loaded (blocking)."""
+        return None if lora_request is None else self._lora_manager().ensure(lora_request)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None,

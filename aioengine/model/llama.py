@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,13 +25,6 @@ from aioengine.model.attention import AttentionBackend, AttentionMetadata, Torch
 from aioengine.model.layers import (Linear, _param, embed, fused_add_rms_norm, lm_head_logits,
                                     rms_norm, silu_and_mul)
 from aioengine.model.rotary import RopeStep, RotaryEmbedding, rope_inv_freq
-
-
-class LoRADecodeSource(Protocol):
-    """Whatever applies adapters to the projections (aioengine.lora.LoRAManager)."""
-
-    def decode_args(self) -> cpu_kernels.LoRADecodeArgs | None:
-        """The current step's adapter slots for llama_decode; None when no token has one."""
 
 
 # Decode-only steps of up to this many tokens run the decoder layers in one C call where it
@@ -124,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         self.aux_hidden_state_layers: tuple[int, ...] = ()
         # Multi-LoRA (aioengine.lora wraps the projections and sets this): the step's
         # adapter slots for the fused decode kernel. None: no adapters, at no cost.
-        self.lora: LoRADecodeSource | None = None
+        self.lora: cpu_kernels.LoRADecodeSource | None = None
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
                 attn_metadata: AttentionMetadata,

@@ -68,8 +68,8 @@ class ModelRunner:
         """`before_layers()` runs once the inputs are ready, right before the model's
         layers (after the embedding lookup: LlamaForCausalLM.forward calls it)."""
         if self.lora is not None:
-            self.lora.prepare_step([s.request.lora_request for s in scheduler_output.scheduled
-                                    for _ in range(s.num_new_tokens)])
+            self.lora.prepare_step([(s.request.lora_request, s.num_new_tokens)
+                                    for s in scheduler_output.scheduled])
         try:
             if self.stream is None:
                 return self._execute(scheduler_output, before_layers)

@@ -74,7 +74,7 @@ def test_mixed_batch_matches_peft(setup, kernels, monkeypatch):
     lens = [len(p) for p in prompts]
     with torch.inference_mode():
         meta, pos = build_attention_metadata(lens, lens, tables, BLOCK, CPU)
-        manager.prepare_step([loras[n] for n, p in zip(names, prompts) for _ in p])
+        manager.prepare_step([(loras[n], len(p)) for n, p in zip(names, prompts)])
         hidden = model(torch.tensor([t for p in prompts for t in p]), pos, caches, meta)
         logits = model.compute_logits(hidden)
         manager.end_step()
@@ -94,7 +94,7 @@ def test_mixed_batch_matches_peft(setup, kernels, monkeypatch):
         with torch.inference_mode():
             meta, pos = build_attention_metadata([1] * len(prompts), [n + 1 for n in lens],
                                                  tables, BLOCK, CPU)
-            manager.prepare_step([loras[n] for n in names])
+            manager.prepare_step([(loras[n], 1) for n in names])
             out = model.compute_logits(model(torch.tensor(nxt), pos, caches, meta))
             manager.end_step()
         for i, (name, prompt) in enumerate(zip(names, prompts)):
@@ -124,7 +124,7 @@ def test_bf16_slots_same_on_every_path(setup, monkeypatch):
 
     def decode(token_loras, fused=True):
         model.use_fused_decode = fused
-        manager.prepare_step(token_loras)
+        manager.prepare_step([(lora, 1) for lora in token_loras])
         with torch.inference_mode():
             out = model.compute_logits(model(ids, pos, caches, meta))
         manager.end_step()
