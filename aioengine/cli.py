@@ -145,7 +145,11 @@ async def _serve(args: argparse.Namespace) -> int:
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           max_request_body_bytes=args.max_request_body_bytes,
                           lora_modules=tuple(args.lora_modules or ()),
-                          allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                          allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                          enable_auto_tool_choice=args.enable_auto_tool_choice,
+                          tool_call_parser=args.tool_call_parser,
+                          chat_template=args.chat_template,
+                          max_stored_responses=args.max_stored_responses)
     try:
         await serve(engine, names, config, sock)
     except LoRAModuleError as e:
@@ -179,6 +183,26 @@ def _add_serve_parser(sub) -> None:
                      help="larger request bodies get a 413")
     add_engine_args(srv)
     _add_lora_args(srv)
+    _add_tool_args(srv)
+
+
+def _add_tool_args(parser: argparse.ArgumentParser) -> None:
+    """Tool calling, chat templates and the Responses API under vLLM's flag names."""
+    from aioengine.server.tool_parsers import TOOL_PARSERS
+
+    g = parser.add_argument_group("tool calling and chat")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide to call tools (tool_choice "auto", the default '
+                        "when a request has tools); needs --tool-call-parser")
+    g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="the model's tool-call format, read back into tool_calls and used "
+                        "for constrained calls (default for forced calls: hermes)")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_STRING",
+                   help="a Jinja chat template (a file, or the template itself) instead of "
+                        "the model's")
+    g.add_argument("--max-stored-responses", type=int, default=1024,
+                   help="responses kept for previous_response_id and GET /v1/responses/ID "
+                        "(least recently stored dropped first; default: 1024)")
 
 
 def _add_lora_args(parser: argparse.ArgumentParser) -> None:
@@ -201,6 +225,21 @@ def _add_lora_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
                         "(vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; for trusted clients only)")
+
+
+def _check_tool_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--enable-auto-tool-choice needs a parser; --chat-template is read now."""
+    from aioengine.server.chat_prompt import load_chat_template
+
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice requires --tool-call-parser")
+    if args.max_stored_responses < 0:
+        parser.error("--max-stored-responses must be >= 0")
+    if args.chat_template is not None:
+        try:
+            args.chat_template = load_chat_template(args.chat_template)
+        except (OSError, ValueError) as e:
+            parser.error(str(e))
 
 
 def _check_lora_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -250,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         _check_lora_args(sub.choices["serve"], args)
+        _check_tool_args(sub.choices["serve"], args)
     logging.basicConfig(level=envs.AIOENGINE_LOG_LEVEL, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "generate":

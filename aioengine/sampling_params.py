@@ -19,13 +19,18 @@ class SamplingParamsError(InvalidRequestError):
     """A sampling parameter is out of range. `param` names the offending field."""
 
 
+_CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
 @dataclass(frozen=True)
 class StructuredOutputs:
     """A constraint on the output (vLLM's names); exactly one field must be set.
 
     `json` is a JSON schema (a dict, or its JSON text); `regex` must full-match; `choice`
     is a list of allowed outputs; `grammar` is an EBNF grammar (xgrammar's GBNF dialect,
-    start rule `root`); `json_object` asks for any JSON object. Compilation (and so the
+    start rule `root`); `json_object` asks for any JSON object; `structural_tag` is an
+    xgrammar structural tag (a dict or its JSON text: free text with tagged, schema-checked
+    regions, e.g. tool calls). Compilation (and so the
     check that a schema, regex or grammar is valid) happens in `aioengine.structured`.
     """
 
@@ -34,23 +39,25 @@ class StructuredOutputs:
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: dict | str | None = None
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
-                 if getattr(self, name) not in (None, False)]
+        given = [name for name in _CONSTRAINT_KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise SamplingParamsError(
                 "structured_outputs must set exactly one of json, regex, choice, grammar, "
-                f"json_object; got {given or 'none'}", "structured_outputs")
-        if isinstance(self.json, str):
-            try:
-                object.__setattr__(self, "json", json.loads(self.json))
-            except ValueError as e:
-                raise SamplingParamsError(f"structured_outputs.json is not valid JSON: {e}",
-                                          "structured_outputs") from None
-        if self.json is not None and not isinstance(self.json, dict):
-            raise SamplingParamsError("structured_outputs.json must be a JSON schema object",
-                                      "structured_outputs")
+                f"json_object, structural_tag; got {given or 'none'}", "structured_outputs")
+        for name in ("json", "structural_tag"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    object.__setattr__(self, name, json.loads(value))
+                except ValueError as e:
+                    raise SamplingParamsError(f"structured_outputs.{name} is not valid JSON: "
+                                              f"{e}", "structured_outputs") from None
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
+                raise SamplingParamsError(f"structured_outputs.{name} must be a JSON object",
+                                          "structured_outputs")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -74,6 +81,8 @@ class StructuredOutputs:
             return ("choice", self.choice)
         if self.grammar is not None:
             return ("grammar", self.grammar)
+        if self.structural_tag is not None:
+            return ("structural_tag", json.dumps(self.structural_tag, sort_keys=True))
         return ("json_object", True)
 
 

@@ -55,22 +55,25 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
                                     f"got {type(message).__name__}")
         if not isinstance(message.get("role"), str) or not message["role"]:
             raise ChatTemplateError(f"messages[{i}] needs a non-empty string 'role'")
-        if "content" not in message:
+        if "content" not in message and not message.get("tool_calls"):
             raise ChatTemplateError(f"messages[{i}] needs 'content'")
-        normalized.append({**message, "content": _content_text(message["content"], i)})
+        normalized.append({**message, "content": _content_text(message.get("content"), i)})
     return normalized
 
 
 def render_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
-                         add_generation_prompt: bool = True) -> str:
-    """The prompt text the model's chat template makes of `messages`."""
-    if not getattr(tokenizer, "chat_template", None):
+                         add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                         chat_template: str | None = None) -> str:
+    """The prompt text the chat template (the model's, or `chat_template`) makes of
+    `messages`; `tools` (Chat Completions' tool objects) go to templates that take them."""
+    if not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise ChatTemplateError(
             "this model's tokenizer has no chat template; send a plain prompt instead")
     normalized = normalize_messages(messages)
     try:
         text = tokenizer.apply_chat_template(
-            normalized, tokenize=False, add_generation_prompt=add_generation_prompt)
+            normalized, tools=tools, chat_template=chat_template, tokenize=False,
+            add_generation_prompt=add_generation_prompt)
     except Exception as e:  # jinja2 errors, raise_exception() in the template, ...
         raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
     if not isinstance(text, str):
@@ -79,12 +82,14 @@ def render_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict
 
 
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
-                        add_generation_prompt: bool = True) -> list[int]:
+                        add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                        chat_template: str | None = None) -> list[int]:
     """Token ids of `messages` rendered by the model's chat template. Messages have `role`
     and `content` (a string, or a list of {"type": "text", "text": ...} parts, joined with
     newlines). The template writes its own special tokens (BOS included), so the text is
     encoded without adding any, as transformers does."""
-    text = render_chat_template(tokenizer, messages, add_generation_prompt)
+    text = render_chat_template(tokenizer, messages, add_generation_prompt, tools,
+                                chat_template)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -23,7 +23,8 @@ from aioengine.sampling_params import StructuredOutputs
 # xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:123: "; users need the rest.
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
 _KIND_NAMES = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex",
-               "choice": "choice", "grammar": "grammar"}
+               "choice": "choice", "grammar": "grammar",
+               "structural_tag": "structural tag"}
 
 
 class GrammarCompileError(InvalidRequestError):
@@ -99,7 +100,7 @@ class GrammarCompileCache:
         start = time.perf_counter()
         try:
             grammar = _compile_one(compiler, constraint)
-        except (RuntimeError, ValueError, TypeError) as e:
+        except (RuntimeError, ValueError, TypeError) as e:  # InvalidStructuralTagError too
             message = _XGR_PREFIX.sub("", str(e).strip()).splitlines()[0] if str(e) else repr(e)
             raise GrammarCompileError(
                 f"invalid {_KIND_NAMES[kind]}: {message}",
@@ -122,5 +123,7 @@ def _compile_one(compiler: xgr.GrammarCompiler,
         return compiler.compile_regex(constraint.regex)
     if constraint.choice is not None:
         return compiler.compile_grammar(choice_grammar(tuple(constraint.choice)))
+    if constraint.structural_tag is not None:
+        return compiler.compile_structural_tag(json.dumps(constraint.structural_tag))
     assert constraint.grammar is not None
     return compiler.compile_grammar(constraint.grammar)

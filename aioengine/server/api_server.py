@@ -29,7 +29,9 @@ from aioengine.server.protocol import (ApiError, error_body, get_bool, get_int_l
                                        parse_json_object)
 from aioengine.server.serving_chat import ChatHandler
 from aioengine.server.serving_completions import CompletionsHandler
+from aioengine.server.serving_responses import ResponsesHandler
 from aioengine.server.serving_engine import ServingContext, json_response, not_found_body
+from aioengine.server.tools import ToolServingConfig
 from aioengine.server.serving_models import LoRAModulePath, ServingModels
 from aioengine.tokenizer_utils import ChatTemplateError, apply_chat_template, encode_prompt
 
@@ -59,6 +61,11 @@ class ServerConfig:
     # (--allow-runtime-lora-updating).
     lora_modules: tuple[LoRAModulePath, ...] = ()
     allow_runtime_lora_updating: bool = False
+    # Tool calling (vLLM's flags), the chat template override, the Responses API's store.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    chat_template: str | None = None
+    max_stored_responses: int = 1024
 
 
 @web.middleware
@@ -122,6 +129,7 @@ class OpenAIServer:
         self.config = config
         self.completions = CompletionsHandler(ctx)
         self.chat = ChatHandler(ctx)
+        self.responses = ResponsesHandler(ctx, config.max_stored_responses)
 
     def build_app(self) -> web.Application:
         app = web.Application(middlewares=[error_middleware, auth_middleware(self.config.api_key)])
@@ -133,6 +141,9 @@ class OpenAIServer:
         app.router.add_post("/detokenize", self._json(self.detokenize))
         app.router.add_post("/v1/completions", self._json(self.completions))
         app.router.add_post("/v1/chat/completions", self._json(self.chat))
+        app.router.add_post("/v1/responses", self._json(self.responses.create))
+        app.router.add_get("/v1/responses/{response_id}", self.responses.retrieve)
+        app.router.add_post("/v1/responses/{response_id}/cancel", self.responses.cancel)
         if self.config.allow_runtime_lora_updating:
             app.router.add_post("/v1/load_lora_adapter", self._json(self.load_lora_adapter))
             app.router.add_post("/v1/unload_lora_adapter",
@@ -232,7 +243,9 @@ async def serve(engine: AsyncEngine, served_model_names: list[str], config: Serv
     on `sock` (default: bound from `config`) until SIGINT/SIGTERM, then stops accepting,
     aborts in-flight requests (their streams end with finish_reason "abort"), and closes
     the connections. The engine is shut down in every case."""
-    ctx = ServingContext(engine, ServingModels(engine, served_model_names))
+    tools = ToolServingConfig(config.enable_auto_tool_choice, config.tool_call_parser)
+    ctx = ServingContext(engine, ServingModels(engine, served_model_names), tools,
+                         config.chat_template)
     try:
         await ctx.models.init_static_loras(list(config.lora_modules))
     except BaseException:

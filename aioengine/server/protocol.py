@@ -181,7 +181,7 @@ def get_priority(body: dict) -> int:
 
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}
-_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 def _response_format(value: Any) -> dict[str, Any] | None:
@@ -207,7 +207,7 @@ def _response_format(value: Any) -> dict[str, Any] | None:
 def _structured_outputs_object(value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise _type_error("structured_outputs", "an object", value)
-    unsupported = sorted(k for k in ("structural_tag", "grammar_lark") if value.get(k) is not None)
+    unsupported = sorted(k for k in ("grammar_lark",) if value.get(k) is not None)
     if unsupported:
         raise ApiError(400, f"structured_outputs.{unsupported[0]} is not supported",
                        "structured_outputs")

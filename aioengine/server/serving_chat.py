@@ -2,20 +2,29 @@
 
 Streaming: each choice's first delta carries the role; exactly one chunk per choice carries
 its finish_reason; usage (when asked) comes in a last chunk with no choices; then [DONE].
+
+With tools (`tools.py`), each choice's text goes through the tool-call parser: a finished
+choice's calls become `message.tool_calls` (finish_reason "tool_calls"), and a stream sends
+OpenAI's tool-call deltas (a call's index, id and name first, then argument fragments).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 from aioengine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from aioengine.sampling_params import SamplingParams
+from aioengine.server.chat_prompt import render_chat_prompt
 from aioengine.server.protocol import (ApiError, chat_sampling_params, get_bool, get_priority,
-                                       get_stream)
+                                       get_stream, structured_outputs_field)
 from aioengine.server.serving_engine import (ApiCall, SSEStream, ServingContext, check_failed,
                                              merged_outputs, random_id)
-from aioengine.tokenizer_utils import ChatTemplateError, apply_chat_template
+from aioengine.server.tool_parsers import (ContentDelta, ToolCallArgsDelta, ToolCallStart,
+                                           ToolCallStream, ToolEvent)
+from aioengine.server.tools import ToolPlan, chat_tool_plan, new_tool_call_id
+from aioengine.tokenizer_utils import ChatTemplateError
 
 
 def _logprob_item(token: str, logprob: float) -> dict[str, Any]:
@@ -35,6 +44,28 @@ def chat_logprobs(token_ids: list[int], entries: list[PositionLogprobs] | None,
     return items
 
 
+def apply_tool_plan(plan: ToolPlan | None, params: SamplingParams,
+                    format_param: str | None) -> None:
+    """The tools' constraint replaces (or folds in) the response format (from the field
+    `format_param`); special tokens stay in the text, where some models' call markers are."""
+    if plan is None:
+        return
+    params.structured_outputs = plan.constraint(params.structured_outputs, format_param)
+    params.skip_special_tokens = False
+
+
+def render_messages(ctx: ServingContext, messages: Any, plan: ToolPlan | None,
+                    add_generation_prompt: bool = True, param: str = "messages") -> list[int]:
+    """Prompt ids of chat messages, with the plan's tools offered (400 on bad messages)."""
+    try:
+        return render_chat_prompt(ctx.engine.tokenizer, messages,
+                                  plan.tools if plan else [],
+                                  plan.parser if plan else ctx.tools.parser,
+                                  ctx.chat_template, add_generation_prompt)
+    except ChatTemplateError as e:
+        raise ApiError(400, str(e), param) from None
+
+
 @dataclass
 class ChatChoice:
     index: int
@@ -42,34 +73,31 @@ class ChatChoice:
     logprobs: list[dict[str, Any]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    tool_stream: ToolCallStream | None = None
+    call_ids: list[str] = field(default_factory=list)  # of the calls streamed so far
 
 
 class ChatHandler:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
 
-    def render(self, body: dict) -> list[int]:
-        messages = body.get("messages")
-        if messages is None:
-            raise ApiError(400, "messages is required", "messages")
-        add_generation_prompt = get_bool(body, "add_generation_prompt", True)
-        try:
-            return apply_chat_template(self.ctx.engine.tokenizer, messages,
-                                       bool(add_generation_prompt))
-        except ChatTemplateError as e:
-            raise ApiError(400, str(e), "messages") from None
-
     async def __call__(self, request: web.Request, body: dict) -> web.StreamResponse:
         ctx = self.ctx
         model, lora_request = ctx.resolve_model(body)
         stream = get_stream(body)
         params = chat_sampling_params(body)
+        plan = chat_tool_plan(body, ctx.tools)
+        apply_tool_plan(plan, params, structured_outputs_field(body))
         priority = get_priority(body)
-        prompt_ids = self.render(body)
+        if body.get("messages") is None:
+            raise ApiError(400, "messages is required", "messages")
+        prompt_ids = render_messages(ctx, body["messages"], plan,
+                                     bool(get_bool(body, "add_generation_prompt", True)))
         per_prompt = ctx.validate([prompt_ids], params, prompt_param="messages")
         ctx.check_running()
-        await ctx.compile_structured(params, body)
-        call = _ChatCall(random_id("chatcmpl"), model, params.n, params.logprobs, len(prompt_ids))
+        await ctx.compile_structured(params, body, "tools" if plan else None)
+        call = _ChatCall(random_id("chatcmpl"), model, params.n, params.logprobs, len(prompt_ids),
+                         plan)
         outputs = merged_outputs(ctx.engine, [prompt_ids], per_prompt, call.id, priority,
                                  lora_request)
         if stream.stream:
@@ -83,10 +111,12 @@ class _ChatCall(ApiCall):
     object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
 
     def __init__(self, call_id: str, model: str, n: int, logprobs: int | None,
-                 num_prompt_tokens: int) -> None:
+                 num_prompt_tokens: int, plan: ToolPlan | None = None) -> None:
         super().__init__(call_id, model, [num_prompt_tokens])
         self.top_logprobs = logprobs
-        self.choices = [ChatChoice(i) for i in range(n)]
+        self.plan = plan
+        self.choices = [ChatChoice(i, tool_stream=plan.parser.stream() if plan else None)
+                        for i in range(n)]
 
     def _advance(self, c: CompletionOutput) -> tuple[ChatChoice, list[dict] | None]:
         check_failed(c.finish_reason, c.error)
@@ -103,13 +133,29 @@ class _ChatCall(ApiCall):
     def collect_output(self, prompt_index: int, out: RequestOutput, c: CompletionOutput) -> None:
         self._advance(c)
 
+    def _message(self, ch: ChatChoice) -> tuple[dict[str, Any], str | None]:
+        """The choice's message and finish_reason ("tool_calls" when it called)."""
+        if self.plan is None:
+            return {"role": "assistant", "content": ch.text}, ch.finish_reason
+        found = self.plan.parser.extract(ch.text)
+        message: dict[str, Any] = {"role": "assistant", "content": found.content}
+        if not found.calls:
+            return message, ch.finish_reason
+        message["tool_calls"] = [
+            {"id": new_tool_call_id(), "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}}
+            for call in found.calls]
+        return message, "tool_calls" if ch.finish_reason == "stop" else ch.finish_reason
+
     def final_choices(self) -> list[dict[str, Any]]:
-        return [{
-            "index": ch.index,
-            "message": {"role": "assistant", "content": ch.text},
-            "logprobs": {"content": ch.logprobs} if ch.logprobs is not None else None,
-            "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason,
-        } for ch in self.choices]
+        choices = []
+        for ch in self.choices:
+            message, finish_reason = self._message(ch)
+            choices.append({
+                "index": ch.index, "message": message,
+                "logprobs": {"content": ch.logprobs} if ch.logprobs is not None else None,
+                "finish_reason": finish_reason, "stop_reason": ch.stop_reason})
+        return choices
 
     async def stream_start(self, sse: SSEStream) -> None:
         for choice in self.choices:
@@ -127,3 +173,40 @@ class _ChatCall(ApiCall):
                 "logprobs": {"content": new_lp} if new_lp is not None else None,
                 "finish_reason": c.finish_reason if c.finished else None,
                 "stop_reason": c.stop_reason if c.finished else None}
+
+    def stream_choices(self, prompt_index: int, out: RequestOutput,
+                       c: CompletionOutput) -> list[dict[str, Any]]:
+        if self.plan is None:
+            return super().stream_choices(prompt_index, out, c)
+        choice, new_lp = self._advance(c)
+        stream = choice.tool_stream
+        assert stream is not None
+        events = stream.feed(c.text) if c.text else []
+        if c.finished:
+            events += stream.finish()
+        chunks = [{"index": choice.index, "delta": self._delta(choice, e), "logprobs": None,
+                   "finish_reason": None} for e in events]
+        if c.finished:
+            finish = c.finish_reason
+            if choice.call_ids and finish == "stop":
+                finish = "tool_calls"
+            chunks.append({"index": choice.index, "delta": {}, "logprobs": None,
+                           "finish_reason": finish, "stop_reason": c.stop_reason})
+        if new_lp is not None:
+            if not chunks:
+                chunks.append({"index": choice.index, "delta": {}, "finish_reason": None})
+            chunks[0]["logprobs"] = {"content": new_lp}
+        return chunks
+
+    @staticmethod
+    def _delta(choice: ChatChoice, event: ToolEvent) -> dict[str, Any]:
+        if isinstance(event, ContentDelta):
+            return {"content": event.text}
+        if isinstance(event, ToolCallStart):
+            choice.call_ids.append(new_tool_call_id())
+            return {"tool_calls": [{"index": event.index, "id": choice.call_ids[event.index],
+                                    "type": "function",
+                                    "function": {"name": event.name, "arguments": ""}}]}
+        assert isinstance(event, ToolCallArgsDelta)
+        return {"tool_calls": [{"index": event.index,
+                                "function": {"arguments": event.text}}]}

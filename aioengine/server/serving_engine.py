@@ -21,6 +21,7 @@ from aioengine.outputs import CompletionOutput, RequestOutput
 from aioengine.sampling_params import SamplingParams
 from aioengine.server.protocol import ApiError, error_body, structured_outputs_field
 from aioengine.server.serving_models import ServingModels
+from aioengine.server.tools import ToolServingConfig
 from aioengine.tokenizer_utils import encode_prompt
 
 # (prompt index, output) of every engine request of one API call, as they come.
@@ -44,6 +45,8 @@ class ServingContext:
 
     engine: AsyncEngine
     models: ServingModels
+    tools: ToolServingConfig = field(default_factory=ToolServingConfig)
+    chat_template: str | None = None  # --chat-template (None: the model's)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -109,15 +112,18 @@ class ServingContext:
             out.append(p)
         return out
 
-    async def compile_structured(self, params: SamplingParams, body: dict) -> None:
+    async def compile_structured(self, params: SamplingParams, body: dict,
+                                 param: str | None = None) -> None:
         """Compiles the request's grammar (thread pool, cached) before any response starts,
-        so an invalid schema, regex or grammar is a 400, never a failed stream."""
+        so an invalid schema, regex or grammar is a 400, never a failed stream. `param`
+        names the field the constraint came from (default: the structured-output field)."""
         if params.structured_outputs is None:
             return
         try:
             await self.engine.core.structured.compile_async(params.structured_outputs)
         except InvalidRequestError as e:
-            raise ApiError(400, str(e), structured_outputs_field(body) or e.param) from None
+            raise ApiError(400, str(e), param or structured_outputs_field(body)
+                           or e.param) from None
 
 
 async def merged_outputs(engine: AsyncEngine, prompts: list[list[int]],
@@ -257,6 +263,12 @@ class ApiCall:
         """The chunk choice for one sample's new output, or None if there is nothing new."""
         raise NotImplementedError
 
+    def stream_choices(self, prompt_index: int, out: RequestOutput,
+                       c: CompletionOutput) -> list[dict[str, Any]]:
+        """The chunk choices (one chunk each, in order) for one sample's new output."""
+        choice = self.stream_choice(prompt_index, out, c)
+        return [] if choice is None else [choice]
+
     async def stream(self, request: web.Request, outputs: Outputs,
                      include_usage: bool) -> web.StreamResponse:
         """Streams the call as SSE: one chunk per sample update as it comes, usage last
@@ -270,8 +282,7 @@ class ApiCall:
                 async for i, out in outputs:
                     self.usage.update(i, out)
                     for c in out.outputs:
-                        choice = self.stream_choice(i, out, c)
-                        if choice is not None:
+                        for choice in self.stream_choices(i, out, c):
                             await sse.send(self.chunk([choice]))
             if include_usage:
                 await sse.send(self.chunk([], self.usage.body()))
@@ -292,8 +303,9 @@ class SSEStream:
     async def start(self) -> None:
         await self.response.prepare(self.request)
 
-    async def send(self, payload: dict[str, Any]) -> None:
-        await self.response.write(b"data: " + orjson.dumps(payload) + b"\n\n")
+    async def send(self, payload: dict[str, Any], event: str | None = None) -> None:
+        head = b"event: " + event.encode() + b"\n" if event else b""
+        await self.response.write(head + b"data: " + orjson.dumps(payload) + b"\n\n")
 
     async def finish(self, error: BaseException | None = None) -> web.StreamResponse:
         """Ends the stream: the error as a last event if there was one, then [DONE]."""

@@ -18,3 +18,18 @@ def server() -> Iterator[ServerProcess]:
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
     return openai_client(server)
+
+
+# The flags of `make serve`: tool calls read (and auto calls constrained) in the hermes format.
+TOOL_SERVER_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+
+
+@pytest.fixture(scope="session")
+def tool_server() -> Iterator[ServerProcess]:
+    """One server with tool calling for the tool, Responses and agent-library modules."""
+    yield from serving(*TOOL_SERVER_ARGS)
+
+
+@pytest.fixture(scope="session")
+def tool_client(tool_server: ServerProcess) -> openai.OpenAI:
+    return openai_client(tool_server)

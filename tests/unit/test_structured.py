@@ -57,7 +57,8 @@ def test_exactly_one_constraint(fields: dict) -> None:
 
 
 @pytest.mark.parametrize("fields,match", [
-    ({"json": "{not json"}, "not valid JSON"), ({"json": [1]}, "schema object"),
+    ({"json": "{not json"}, "not valid JSON"), ({"json": [1]}, "must be a JSON object"),
+    ({"structural_tag": "[1]"}, "must be a JSON object"),
     ({"choice": []}, "non-empty list"), ({"choice": "yes"}, "list"),
     ({"choice": ["a", ""]}, "list"),
     ({"regex": 5}, "non-empty string"), ({"grammar": 3}, "non-empty string")])
@@ -90,7 +91,9 @@ def test_compile_is_cached_by_constraint(manager: StructuredOutputManager) -> No
     ({"regex": "(abc"}, "invalid regex: .*parenthesis"),
     ({"json": {"type": 5}}, "invalid JSON schema: "),
     ({"grammar": 'root ::= "a" | '}, "invalid grammar: .*EBNF"),
-    ({"grammar": "root ::= undefined_rule"}, "invalid grammar: .*not defined")])
+    ({"grammar": "root ::= undefined_rule"}, "invalid grammar: .*not defined"),
+    ({"structural_tag": {"type": "structural_tag", "format": {"type": "nope"}}},
+     "invalid structural tag: ")])
 def test_invalid_constraints_fail_to_compile(manager: StructuredOutputManager, fields: dict,
                                              match: str) -> None:
     with pytest.raises(GrammarCompileError, match=match) as e:
@@ -296,7 +299,10 @@ def test_request_fields_map_to_one_constraint(body: dict, expected) -> None:
     ({"response_format": "json"}, "response_format", "must be an object"),
     ({"guided_json": "{oops"}, "guided_json", "not valid JSON"),
     ({"guided_choice": "a"}, "guided_choice", "list of strings"),
-    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "not supported")])
+    ({"structured_outputs": {"grammar_lark": "start: x"}}, "structured_outputs",
+     "not supported"),
+    ({"structured_outputs": {"structural_tag": "{oops"}}, "structured_outputs",
+     "not valid JSON")])
 def test_bad_request_fields_are_400s(body: dict, param: str, match: str) -> None:
     with pytest.raises(ApiError, match=match) as e:
         get_structured_outputs(body)

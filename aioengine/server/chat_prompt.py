@@ -1,0 +1,143 @@
+"""Chat messages (with tools) -> prompt token ids.
+
+Past tool calls (assistant `tool_calls`) and tool results (`role: "tool"`) render in every
+template. A template that takes `tools` (it mentions them) gets the tools and the messages
+as Hugging Face templates expect them (arguments as objects). Any other template, such as
+the bundled SmolLM2's, gets the default tool prompt instead: a system block listing the
+tools and the call format of the server's tool-call parser; past calls are written back in
+that format and tool results become user turns in `<tool_response>` blocks.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+from aioengine.server.tool_parsers import ToolParser
+from aioengine.server.tools import FunctionTool
+from aioengine.tokenizer_utils import ChatTemplateError, apply_chat_template
+
+DEFAULT_TOOL_PROMPT = """\
+You are a function calling AI model. You may call one or more functions to assist with \
+the user query. Don't make assumptions about what values to plug into functions. Here are \
+the available functions:
+<tools>
+{tools}
+</tools>
+{call_format}"""
+
+_TOOLS_RE = re.compile(r"\btools\b")
+
+
+def load_chat_template(value: str) -> str:
+    """`--chat-template`: a file's contents, or the value itself when it is a template."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+
+
+def template_takes_tools(template: str | dict | None) -> bool:
+    if isinstance(template, dict):  # named templates: transformers picks "tool_use"
+        return "tool_use" in template or any(map(template_takes_tools, template.values()))
+    return bool(template) and bool(_TOOLS_RE.search(template))  # type: ignore[arg-type]
+
+
+def default_tool_prompt(tools: list[FunctionTool], parser: ToolParser) -> str:
+    listed = "\n".join(json.dumps(t.chat_dict(), ensure_ascii=False) for t in tools)
+    return DEFAULT_TOOL_PROMPT.format(tools=listed, call_format=parser.prompt_instructions())
+
+
+def _past_calls(message: dict, index: int) -> list[tuple[str, Any]]:
+    """(name, arguments) of an assistant message's `tool_calls`, checked."""
+    calls = message.get("tool_calls") or []
+    where = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise ChatTemplateError(f"{where} must be a list")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ChatTemplateError(f"{where}[{j}] needs function.name")
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, (str, dict)):
+            raise ChatTemplateError(f"{where}[{j}].function.arguments must be a JSON string")
+        out.append((function["name"], arguments))
+    return out
+
+
+def _as_object(arguments: str | dict) -> Any:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments  # a template can still print it as text
+
+
+def _for_tool_template(messages: list[dict]) -> list[dict]:
+    """Hugging Face templates read `tool_calls[i].function.arguments` as an object."""
+    out = []
+    for i, message in enumerate(messages):
+        if isinstance(message, dict) and message.get("tool_calls"):
+            calls = [{**c, "function": {"name": name, "arguments": _as_object(args)}}
+                     for c, (name, args) in zip(message["tool_calls"], _past_calls(message, i))]
+            message = {**message, "tool_calls": calls}
+        out.append(message)
+    return out
+
+
+def _for_plain_template(messages: list[dict], parser: ToolParser) -> list[dict]:
+    """Past calls as text in the parser's format; tool results as user turns."""
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            out.append(message)
+            continue
+        if message.get("tool_calls"):
+            written = [parser.format_call(name, args if isinstance(args, str)
+                                          else json.dumps(args, ensure_ascii=False))
+                       for name, args in _past_calls(message, i)]
+            content = message.get("content")
+            text = "\n".join(([content] if isinstance(content, str) and content else [])
+                             + written)
+            message = {k: v for k, v in message.items() if k != "tool_calls"}
+            message["content"] = text
+        elif message.get("role") == "tool":
+            content = message.get("content")
+            if isinstance(content, list):  # text parts
+                content = "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+            message = {"role": "user",
+                       "content": f"<tool_response>\n{content or ''}\n</tool_response>"}
+        out.append(message)
+    return out
+
+
+def _with_system_block(messages: list[dict], block: str) -> list[dict]:
+    first = messages[0] if messages else None
+    if isinstance(first, dict) and first.get("role") in ("system", "developer") \
+            and isinstance(first.get("content"), str):
+        return [{**first, "role": "system", "content": f"{first['content']}\n\n{block}"},
+                *messages[1:]]
+    return [{"role": "system", "content": block}, *messages]
+
+
+def render_chat_prompt(tokenizer: Any, messages: Any, tools: list[FunctionTool],
+                       parser: ToolParser, chat_template: str | None = None,
+                       add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of `messages` with `tools` offered (empty: none). ChatTemplateError for
+    malformed messages or a failing template."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatTemplateError("messages must be a non-empty list")
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if template_takes_tools(template):
+        return apply_chat_template(tokenizer, _for_tool_template(messages),
+                                   add_generation_prompt,
+                                   [t.chat_dict() for t in tools] or None, chat_template)
+    messages = _for_plain_template(messages, parser)
+    if tools:
+        messages = _with_system_block(messages, default_tool_prompt(tools, parser))
+    return apply_chat_template(tokenizer, messages, add_generation_prompt, None, chat_template)

@@ -1,0 +1,387 @@
+"""POST /v1/responses (OpenAI's Responses API), GET /v1/responses/{id} and
+POST /v1/responses/{id}/cancel.
+
+A response is one chat request underneath: `instructions` + the previous response's
+conversation + `input` become chat messages (`responses_items.py`), rendered and generated
+as in /v1/chat/completions, with the same tool plan. The output text always goes through
+the same incremental path (the tool-call parser's stream when tools are offered), which
+both builds the output items and, when streaming, sends the Responses events:
+
+    response.created, response.in_progress,
+    per message:  output_item.added, content_part.added, output_text.delta..., then
+                  output_text.done, content_part.done, output_item.done
+    per call:     output_item.added, function_call_arguments.delta..., then
+                  function_call_arguments.done, output_item.done
+    response.completed | response.incomplete (max_output_tokens) | response.failed
+
+Stored responses (`store`, default true) live in a bounded in-memory store, least recently
+stored dropped first; `background: true` runs the response as a task that GET polls and
+cancel stops.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from aioengine.outputs import CompletionOutput
+from aioengine.sampling_params import SamplingParams
+from aioengine.server.protocol import (ApiError, build_sampling_params, get_bool, get_int,
+                                       get_str, get_priority)
+from aioengine.server.responses_items import (ResponseState, function_call_item,
+                                              input_messages, message_item, new_item_id,
+                                              output_messages)
+from aioengine.server.serving_chat import apply_tool_plan, render_messages
+from aioengine.server.serving_engine import (Outputs, SSEStream, ServingContext, UsageTracker,
+                                             check_failed, failure_body, json_response,
+                                             merged_outputs)
+from aioengine.server.tool_parsers import (ContentDelta, ToolCallArgsDelta, ToolCallStart,
+                                           ToolEvent)
+from aioengine.server.tools import (ToolPlan, parse_tool_choice, parse_tools, plan_tools)
+
+# The Responses API's sampling fields, and vLLM's extras that make sense here.
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty", "stop", "user", "min_tokens",
+                    "ignore_eos")
+
+
+def _response_format(body: dict) -> dict[str, Any] | None:
+    """`text.format` as Chat Completions' `response_format`."""
+    text = body.get("text")
+    if text is None:
+        return None
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise ApiError(400, "text.format of type json_schema needs schema, a JSON schema "
+                           "object", "text")
+        return {"type": "json_schema", "json_schema": {"schema": fmt["schema"]}}
+    if kind in ("json_object", "text"):
+        return {"type": kind}
+    raise ApiError(400, "text.format.type must be 'text', 'json_object' or 'json_schema', got "
+                   f"{kind!r:.40}", "text")
+
+
+def responses_sampling_params(body: dict) -> SamplingParams:
+    derived = {k: body[k] for k in _SAMPLING_FIELDS if k in body}
+    fmt = _response_format(body)
+    if fmt is not None:
+        derived["response_format"] = fmt
+    max_tokens = get_int(body, "max_output_tokens", None, lo=1)
+    try:
+        return build_sampling_params(derived, max_tokens, None)
+    except ApiError as e:
+        if e.param == "response_format":
+            e.param = "text"
+        raise
+
+
+def responses_tool_plan(body: dict, ctx: ServingContext) -> ToolPlan | None:
+    tools = parse_tools(body.get("tools"), flat=True)
+    choice = parse_tool_choice(body.get("tool_choice"), tools, flat=True)
+    parallel = get_bool(body, "parallel_tool_calls", True)
+    return plan_tools(tools, choice, bool(parallel), ctx.tools)
+
+
+@dataclass
+class StoredResponse:
+    state: ResponseState
+    messages: list[dict[str, Any]]  # the conversation without instructions, output included
+    task: asyncio.Task | None = None  # a background response while it runs
+
+
+class ResponsesStore:
+    """Responses by id, at most `max_entries`, the least recently stored dropped first."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def put(self, stored: StoredResponse) -> None:
+        self._entries[stored.state.id] = stored
+        self._entries.move_to_end(stored.state.id)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def get(self, response_id: str) -> StoredResponse:
+        stored = self._entries.get(response_id)
+        if stored is None:
+            raise ApiError(404, f"Response with id {response_id!r:.80} not found.",
+                           "response_id", type="not_found_error")
+        return stored
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class _TextStream:
+    """The output stream of a response without tools: all text is message text."""
+
+    def feed(self, delta: str) -> list[ToolEvent]:
+        return [ContentDelta(delta)]
+
+    def finish(self) -> list[ToolEvent]:
+        return []
+
+
+@dataclass
+class _ResponseRun:
+    """Turns one sample's output into output items and Responses events."""
+
+    state: ResponseState
+    plan: ToolPlan | None
+    seq: int = 0
+    open_item: dict[str, Any] | None = None
+    stream: Any = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stream = self.plan.parser.stream() if self.plan else _TextStream()
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self.seq += 1
+        return {"type": kind, "sequence_number": self.seq - 1, **fields}
+
+    def lifecycle(self, kind: str) -> dict[str, Any]:
+        return self.event(kind, response=self.state.body())
+
+    def _open(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        self.state.output.append(item)
+        self.open_item = item
+        events = [self.event("response.output_item.added", output_index=self._index(),
+                             item=item)]
+        if item["type"] == "message":
+            events.append(self.event("response.content_part.added", item_id=item["id"],
+                                     output_index=self._index(), content_index=0,
+                                     part=item["content"][0]))
+        return events
+
+    def _index(self) -> int:
+        return len(self.state.output) - 1
+
+    def close(self, status: str = "completed") -> list[dict[str, Any]]:
+        item, self.open_item = self.open_item, None
+        if item is None:
+            return []
+        item["status"] = status
+        where = {"item_id": item["id"], "output_index": self._index()}
+        if item["type"] == "message":
+            part = item["content"][0]
+            events = [self.event("response.output_text.done", **where, content_index=0,
+                                 text=part["text"], logprobs=[]),
+                      self.event("response.content_part.done", **where, content_index=0,
+                                 part=part)]
+        else:
+            events = [self.event("response.function_call_arguments.done", **where,
+                                 name=item["name"], arguments=item["arguments"])]
+        return events + [self.event("response.output_item.done", output_index=self._index(),
+                                    item=item)]
+
+    def apply(self, ev: ToolEvent) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if isinstance(ev, ContentDelta):
+            if self.open_item is None or self.open_item["type"] != "message":
+                events += self.close()
+                events += self._open(message_item("", status="in_progress"))
+            assert self.open_item is not None
+            self.open_item["content"][0]["text"] += ev.text
+            events.append(self.event("response.output_text.delta", item_id=self.open_item["id"],
+                                     output_index=self._index(), content_index=0,
+                                     delta=ev.text, logprobs=[]))
+        elif isinstance(ev, ToolCallStart):
+            events += self.close()
+            events += self._open(function_call_item(ev.name, "", status="in_progress"))
+        else:
+            assert isinstance(ev, ToolCallArgsDelta) and self.open_item is not None
+            self.open_item["arguments"] += ev.text
+            events.append(self.event("response.function_call_arguments.delta",
+                                     item_id=self.open_item["id"], output_index=self._index(),
+                                     delta=ev.text))
+        return events
+
+    def advance(self, c: CompletionOutput) -> list[dict[str, Any]]:
+        """Events for one update of the sample; on its last, the items are closed and the
+        response's status set."""
+        check_failed(c.finish_reason, c.error)
+        events = [e for ev in (self.stream.feed(c.text) if c.text else []) for e in self.apply(ev)]
+        if not c.finished:
+            return events
+        events += [e for ev in self.stream.finish() for e in self.apply(ev)]
+        incomplete = c.finish_reason == "length"
+        events += self.close("incomplete" if incomplete else "completed")
+        if incomplete:
+            self.state.status = "incomplete"
+            self.state.incomplete_details = {"reason": "max_output_tokens"}
+        elif c.finish_reason == "abort":
+            self.state.status = "cancelled"
+        else:
+            self.state.status = "completed"
+        return events
+
+    def fail(self, e: BaseException) -> dict[str, Any]:
+        self.state.status = "failed"
+        self.state.error = {"code": "server_error", "message": failure_body(e)[1]["error"]
+                            ["message"]}
+        return self.lifecycle("response.failed")
+
+    def final_event(self) -> dict[str, Any]:
+        kind = {"completed": "response.completed", "incomplete": "response.incomplete",
+                "cancelled": "response.cancelled"}.get(self.state.status, "response.failed")
+        return self.lifecycle(kind)
+
+
+def _echo(body: dict, instructions: str | None, params: SamplingParams,
+          plan: ToolPlan | None) -> dict[str, Any]:
+    """The request settings a Response object repeats."""
+    return {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
+            "metadata": body.get("metadata") or {},
+            "parallel_tool_calls": plan.parallel if plan else
+            bool(get_bool(body, "parallel_tool_calls", True)),
+            "previous_response_id": body.get("previous_response_id"),
+            "store": bool(get_bool(body, "store", True)),
+            "background": bool(get_bool(body, "background", False)),
+            "temperature": params.temperature, "top_p": params.top_p,
+            "text": body.get("text") or {"format": {"type": "text"}},
+            "tool_choice": body.get("tool_choice") or ("auto" if body.get("tools") else "none"),
+            "tools": body.get("tools") or [], "truncation": "disabled",
+            "user": body.get("user")}
+
+
+class ResponsesHandler:
+    def __init__(self, ctx: ServingContext, max_stored: int = 1024) -> None:
+        self.ctx = ctx
+        self.store = ResponsesStore(max_stored)
+
+    def _conversation(self, body: dict) -> list[dict[str, Any]]:
+        """The previous response's conversation (output included), then `input`."""
+        history: list[dict[str, Any]] = []
+        previous_id = get_str(body, "previous_response_id", None)
+        if previous_id is not None:
+            try:
+                previous = self.store.get(previous_id)
+            except ApiError as e:
+                e.param = "previous_response_id"
+                raise
+            if previous.state.status in ("queued", "in_progress"):
+                raise ApiError(400, f"response {previous_id!r} is still in progress",
+                               "previous_response_id")
+            history = previous.messages
+        if body.get("input") is None:
+            raise ApiError(400, "input is required", "input")
+        return history + input_messages(body["input"])
+
+    async def create(self, request: web.Request, body: dict) -> web.StreamResponse:
+        ctx = self.ctx
+        model, lora_request = ctx.resolve_model(body)
+        stream = bool(get_bool(body, "stream", False))
+        store = bool(get_bool(body, "store", True))
+        background = bool(get_bool(body, "background", False))
+        if background and not store:
+            raise ApiError(400, "a background response must be stored (store: true)",
+                           "background")
+        if background and stream:
+            raise ApiError(400, "background responses cannot be streamed here", "stream")
+        instructions = get_str(body, "instructions", None)
+        messages = self._conversation(body)
+        plan = responses_tool_plan(body, ctx)
+        params = responses_sampling_params(body)
+        apply_tool_plan(plan, params, "text")
+        system = [{"role": "system", "content": instructions}] if instructions else []
+        prompt_ids = render_messages(ctx, system + messages, plan, param="input")
+        per_prompt = ctx.validate([prompt_ids], params, prompt_param="input")
+        ctx.check_running()
+        await ctx.compile_structured(params, body, "tools" if plan else "text")
+        state = ResponseState(new_item_id("resp"), model, _echo(body, instructions, params, plan))
+        stored = StoredResponse(state, messages)
+        run = _ResponseRun(state, plan)
+        outputs = merged_outputs(ctx.engine, [prompt_ids], per_prompt, state.id,
+                                 get_priority(body), lora_request)
+        usage = UsageTracker([len(prompt_ids)])
+        if store:
+            self.store.put(stored)
+        if background:
+            state.status = "queued"
+            stored.task = asyncio.create_task(self._collect(run, outputs, usage, stored))
+            return json_response(state.body())
+        if stream:
+            return await self._stream(request, run, outputs, usage, stored)
+        error = await self._collect(run, outputs, usage, stored)
+        if error is not None:
+            status, error_body = failure_body(error)
+            return json_response(error_body, status)
+        return json_response(state.body())
+
+    @staticmethod
+    def _finish(run: _ResponseRun, usage: UsageTracker, stored: StoredResponse) -> None:
+        u = usage.body()
+        run.state.set_usage(u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"],
+                            u["completion_tokens"])
+        stored.messages = stored.messages + output_messages(run.state.output)
+
+    async def _collect(self, run: _ResponseRun, outputs: Outputs, usage: UsageTracker,
+                       stored: StoredResponse) -> BaseException | None:
+        """Runs the response to its end; returns the engine's failure, if any. A background
+        response that is cancelled ends with status "cancelled"."""
+        try:
+            async with aclosing(outputs):
+                async for i, out in outputs:
+                    run.state.status = "in_progress"
+                    usage.update(i, out)
+                    for c in out.outputs:
+                        run.advance(c)
+        except asyncio.CancelledError:
+            if stored.task is None:
+                raise  # the client went away: its request is aborted
+            run.close("incomplete")
+            run.state.status = "cancelled"
+        except Exception as e:  # noqa: BLE001 - the engine's failure, not the caller's
+            run.fail(e)
+            return e
+        finally:
+            self._finish(run, usage, stored)
+        return None
+
+    async def _stream(self, request: web.Request, run: _ResponseRun, outputs: Outputs,
+                      usage: UsageTracker, stored: StoredResponse) -> web.StreamResponse:
+        sse = SSEStream(request)
+        await sse.start()
+
+        async def send(ev: dict[str, Any]) -> None:
+            await sse.send(ev, ev["type"])
+
+        try:
+            await send(run.lifecycle("response.created"))
+            await send(run.lifecycle("response.in_progress"))
+            async with aclosing(outputs):
+                async for i, out in outputs:
+                    usage.update(i, out)
+                    for c in out.outputs:
+                        for ev in run.advance(c):
+                            await send(ev)
+            self._finish(run, usage, stored)
+            await send(run.final_event())
+        except ConnectionError:  # the client left; closing `outputs` aborted its request
+            return sse.response
+        except Exception as e:  # noqa: BLE001 - sent as the stream's last event
+            self._finish(run, usage, stored)
+            await send(run.fail(e))
+        await sse.response.write_eof()
+        return sse.response
+
+    async def retrieve(self, request: web.Request) -> web.Response:
+        return json_response(self.store.get(request.match_info["response_id"]).state.body())
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        stored = self.store.get(request.match_info["response_id"])
+        if stored.task is None:
+            raise ApiError(400, "Cannot cancel a synchronous response.", "response_id")
+        if not stored.task.done():
+            stored.task.cancel()
+            await asyncio.gather(stored.task, return_exceptions=True)
+        return json_response(stored.state.body())

@@ -1,0 +1,421 @@
+"""Tool-call parsers: a model's call text <-> OpenAI tool calls (vLLM's `--tool-call-parser`).
+
+The server builds xgrammar structural tags from a parser's `trigger`, `separator`,
+`tag_begin(name)` and `tag_end()` (a constrained call is exactly `tag_begin(name) + <arguments
+JSON> + tag_end()`); `extract` splits a finished output into content and calls; `stream()`
+turns text deltas into events. `extract` is a stream fed the whole text at once, and a stream
+decides a piece of text only once no later text can change the decision: so for any split of
+a text into deltas, the events joined equal `extract(text)` (tested).
+
+A canonical call starts with `tag_begin(name)` (any JSON string literal as the name), then the
+`{` of the arguments: its arguments are that object's raw text, ended by string-aware bracket
+matching (a `}` or `</tool_call>` in a JSON string does not end it), streamed as they come;
+what follows up to the call's end is dropped. Any other block is held to its end: a JSON
+object with a string "name" is then one call (arguments re-serialised), else it is content.
+
+Content is the text outside calls. With calls, text before a call is right-stripped
+(whitespace, and `;` for llama3_json) and text after the last one is dropped if only that;
+with none, it is the text as is (llama3_json drops a leading <|python_tag|> in any case).
+"""
+from __future__ import annotations
+
+import json
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+
+@dataclass(frozen=True)
+class ParsedToolCall:
+    name: str
+    arguments: str  # JSON text of the arguments object
+
+
+@dataclass(frozen=True)
+class ExtractedToolCalls:
+    content: str | None  # None when there are calls and no other text
+    calls: list[ParsedToolCall]
+
+
+@dataclass(frozen=True)
+class ContentDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallStart:
+    index: int  # 0, 1, ... per call of one output
+    name: str
+
+
+@dataclass(frozen=True)
+class ToolCallArgsDelta:
+    index: int
+    text: str
+
+
+ToolEvent = ContentDelta | ToolCallStart | ToolCallArgsDelta
+
+_OUTSIDE = re.compile(r'[\[\]{}"]')
+_INSIDE = re.compile(r'["\\]')
+_QUOTE_OR_TAG = re.compile(r'["<]')
+_STRING = re.compile(r'"(?:[^"\\\x00-\x1f]|\\.)*"')  # a complete JSON string literal
+_OPEN_STRING = re.compile(r'"(?:[^"\\\x00-\x1f]|\\.)*\\?\Z')  # one that may still close
+_WS = " \t\n\r\f\v"
+_UNDECIDED = ("", 0)
+
+
+@dataclass
+class _JsonScan:
+    """String-aware bracket matching over JSON text that may arrive in pieces."""
+
+    depth: int = 0
+    in_str: bool = False
+    esc: bool = False
+
+    def advance(self, text: str, i: int = 0) -> int:
+        """Scans text[i:]; the index just past the bracket that brings the depth to 0, or -1."""
+        while i < len(text):
+            if self.esc:
+                self.esc, i = False, i + 1
+                continue
+            m = (_INSIDE if self.in_str else _OUTSIDE).search(text, i)
+            if m is None:
+                return -1
+            c, i = m.group(), m.end()
+            if c == "\\":
+                self.esc = True
+            elif c == '"':
+                self.in_str = not self.in_str
+            elif c in "{[":
+                self.depth += 1
+            else:
+                self.depth -= 1
+                if self.depth == 0:
+                    return i
+        return -1
+
+
+def _json_end(buf: str, depth: int, final: bool) -> int | None:
+    """Where the JSON value open `depth` levels at buf[0] closes; at the end of the output
+    the whole rest if it never does; None: not known yet."""
+    end = _JsonScan(depth).advance(buf)
+    return end if end >= 0 else (len(buf) if final else None)
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class ToolParser(ABC):
+    name: ClassVar[str]
+    trigger: ClassVar[str]  # a prefix of every tag_begin: where a call starts
+    separator: ClassVar[str]  # between calls when only calls are allowed
+    args_key: ClassVar[str]
+    # Whether calls end an output (llama3_json: a reply is text or calls, nothing after).
+    calls_end_output: ClassVar[bool] = False
+    _head: ClassVar[str]  # tag_begin up to the name's JSON string
+    _end: ClassVar[str]
+    _gap: ClassVar[str] = _WS  # text around calls that is dropped
+    _start_tag: ClassVar[str] = ""  # dropped at the start of an output
+    _args_required: ClassVar[bool] = False  # a non-canonical block without them is content
+
+    def tag_begin(self, name: str) -> str:
+        return f'{self._head}{json.dumps(name)}, "{self.args_key}": '
+
+    def tag_end(self) -> str:
+        return self._end
+
+    def format_call(self, name: str, arguments: str) -> str:
+        return self.tag_begin(name) + arguments + self.tag_end()
+
+    def stream(self) -> ToolCallStream:
+        return ToolCallStream(self)
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        stream = self.stream()
+        return _collect(stream.feed(text) + stream.finish())
+
+    @abstractmethod
+    def prompt_instructions(self) -> str:
+        """One paragraph for a system prompt: how to write a call, with an example."""
+
+    @abstractmethod
+    def _block(self, buf: str, final: bool) -> tuple[int, ParsedToolCall | None] | None:
+        """The length of the non-canonical block at the start of `buf` and its call (None:
+        it stays content); None if its end is not known yet."""
+
+    @abstractmethod
+    def _trailer_end(self, buf: str, final: bool) -> int | None:
+        """Length of what ends a canonical call after its arguments (None: not known yet)."""
+
+    def _match_header(self, buf: str) -> tuple[str, int] | None:
+        """(name, length) of a canonical header at the start of `buf`: tag_begin(name) for
+        any JSON string literal, then optional whitespace and the `{` that opens the
+        arguments (not counted). _UNDECIDED: it may still become one; None: it will not."""
+        head = self._head
+        if not buf.startswith(head):
+            return _UNDECIDED if head.startswith(buf) else None
+        m = _STRING.match(buf, len(head))
+        if m is None:
+            undecided = len(buf) == len(head) or _OPEN_STRING.match(buf, len(head))
+            return _UNDECIDED if undecided else None
+        mid = f', "{self.args_key}": '
+        got = buf[m.end():m.end() + len(mid)]
+        if got != mid:
+            return _UNDECIDED if mid.startswith(got) else None
+        n = len(buf) - len(buf[m.end() + len(mid):].lstrip(_WS))
+        if n == len(buf):
+            return _UNDECIDED
+        if buf[n] != "{":
+            return None
+        try:
+            return json.loads(m.group()), n
+        except ValueError:  # an invalid escape
+            return None
+
+    def _parse_call(self, text: str) -> ParsedToolCall | None:
+        """A call written as a JSON object in any layout, or None."""
+        try:
+            obj = json.loads(text)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        key = next((k for k in (self.args_key, "arguments", "parameters") if k in obj), None)
+        if key is None and self._args_required:
+            return None
+        args = {} if key is None or obj[key] is None else obj[key]
+        if isinstance(args, str):  # some models write the arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except (ValueError, RecursionError):
+                return None
+        if not isinstance(args, dict):
+            return None
+        return ParsedToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+class HermesToolParser(ToolParser):
+    """Hermes 2 Pro / Qwen2.5: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`."""
+
+    name = "hermes"
+    trigger = "<tool_call>"
+    separator = "\n"
+    args_key = "arguments"
+    _head = '<tool_call>\n{"name": '
+    _end = "}\n</tool_call>"
+    _close = "</tool_call>"
+
+    def prompt_instructions(self) -> str:
+        example = self.format_call("get_weather", '{"city": "Paris"}')
+        return ("To call a function, write one block per call: <tool_call> on its own line, "
+                'then a JSON object {"name": <the function name>, "arguments": <an object of '
+                "its arguments>} on one line, then </tool_call>. Write several blocks, one "
+                f"after the other, to call several functions. For example:\n{example}")
+
+    def _block(self, buf: str, final: bool) -> tuple[int, ParsedToolCall | None] | None:
+        n = self._tag_end_at(buf, len(self.trigger), final)
+        if n is None:
+            return None
+        if not buf.endswith(self._close, 0, n):  # unterminated
+            return n, None
+        return n, self._parse_call(buf[len(self.trigger):n - len(self._close)])
+
+    def _trailer_end(self, buf: str, final: bool) -> int | None:
+        return self._tag_end_at(buf, 0, final)
+
+    def _tag_end_at(self, buf: str, start: int, final: bool) -> int | None:
+        """From `start`: just past the first </tool_call> outside a JSON string, or at a
+        <tool_call> there (the model never closed this block). At the end of the output,
+        an unbalanced quote no longer hides a tag, and without one the block runs to the end."""
+        opener, close = self.trigger, self._close
+        i, in_str = start, False
+        while (m := (_INSIDE if in_str else _QUOTE_OR_TAG).search(buf, i)) is not None:
+            c, i = m.group(), m.end()
+            if c == "\\":
+                i += 1
+            elif c == '"':
+                in_str = not in_str
+            elif buf.startswith(close, i - 1):
+                return i - 1 + len(close)
+            elif buf.startswith(opener, i - 1):
+                return i - 1
+        if not final:  # also when a tag may be arriving at the end
+            return None
+        c, o = buf.find(close, start), buf.find(opener, start)
+        if c >= 0 and (o < 0 or c < o):
+            return c + len(close)
+        return o if o >= 0 else len(buf)
+
+
+class Llama3JsonToolParser(ToolParser):
+    """Llama 3.1+ JSON calls: `{"name": ..., "parameters": {...}}`, several joined by "; "."""
+
+    name = "llama3_json"
+    trigger = '{"name": '
+    separator = "; "
+    args_key = "parameters"
+    calls_end_output = True
+    _head = '{"name": '
+    _end = "}"
+    _gap = _WS + ";"  # the separator between calls
+    _start_tag = "<|python_tag|>"
+    _args_required = True  # so that any JSON object with a "name" is not taken for a call
+
+    def prompt_instructions(self) -> str:
+        example = self.format_call("get_weather", '{"city": "Paris"}')
+        return ('To call a function, reply with a JSON object {"name": <the function name>, '
+                '"parameters": <an object of its arguments>}; to call several functions, '
+                f'separate their objects with "; ". For example:\n{example}')
+
+    def _block(self, buf: str, final: bool) -> tuple[int, ParsedToolCall | None] | None:
+        n = _json_end(buf, 0, final)
+        return None if n is None else (n, self._parse_call(buf[:n]))
+
+    def _trailer_end(self, buf: str, final: bool) -> int | None:
+        return _json_end(buf, 1, final)  # the rest of the call's object
+
+
+class ToolCallStream:
+    """One output's streaming state: text deltas in, events out.
+
+    `_buf` holds the text not decided yet; `_step` says what its start is (content, a call
+    header, arguments, a call's trailer, a non-canonical block) and consumes what it can.
+    """
+
+    def __init__(self, parser: ToolParser) -> None:
+        self._p = parser
+        self._buf = ""
+        self._step: Callable[[bool], bool] = self._at_start
+        self._scan = _JsonScan()  # over a canonical call's arguments
+        self._out: list[ToolEvent] = []
+        self._held = ""  # gap text at the end of the current content piece: unsent
+        self._piece_has_text = False  # the current content piece has sent text
+        self._calls = 0
+
+    def feed(self, delta: str) -> list[ToolEvent]:
+        self._buf += delta
+        return self._run(final=False)
+
+    def finish(self) -> list[ToolEvent]:
+        events = self._run(final=True)
+        if self._held and (self._calls == 0 or self._piece_has_text):
+            events.append(ContentDelta(self._held))
+        self._held = ""
+        return events
+
+    def _run(self, final: bool) -> list[ToolEvent]:
+        while self._step(final):  # a step returns True when the next one may go on
+            pass
+        out, self._out = self._out, []
+        return out
+
+    def _at_start(self, final: bool) -> bool:
+        tag = self._p._start_tag
+        if self._buf.startswith(tag):
+            self._buf = self._buf[len(tag):]
+        elif tag.startswith(self._buf) and not final:
+            return False
+        self._step = self._text
+        return True
+
+    def _text(self, final: bool) -> bool:
+        i = self._buf.find(self._p.trigger)
+        if i >= 0:
+            self._content(self._buf[:i])
+            self._buf, self._step = self._buf[i:], self._header
+            return True
+        n = len(self._buf) - (0 if final else _partial_suffix(self._buf, self._p.trigger))
+        self._content(self._buf[:n])
+        self._buf = self._buf[n:]
+        return False
+
+    def _header(self, final: bool) -> bool:
+        found = self._p._match_header(self._buf)
+        if found == _UNDECIDED and not final:
+            return False
+        if found is None or found == _UNDECIDED:
+            self._step = self._block
+            return True
+        self._start(found[0])
+        self._buf, self._scan, self._step = self._buf[found[1]:], _JsonScan(), self._arguments
+        return True
+
+    def _arguments(self, final: bool) -> bool:
+        end = self._scan.advance(self._buf)
+        n = len(self._buf) if end < 0 else end
+        self._args(self._buf[:n])
+        self._buf = self._buf[n:]
+        if end >= 0:
+            self._step = self._trailer
+        return end >= 0
+
+    def _trailer(self, final: bool) -> bool:
+        n = self._p._trailer_end(self._buf, final)
+        if n is None:
+            return False
+        self._buf, self._step = self._buf[n:], self._text
+        return True
+
+    def _block(self, final: bool) -> bool:
+        found = self._p._block(self._buf, final)
+        if found is None:
+            return False
+        n, call = found
+        block, self._buf = self._buf[:n], self._buf[n:]
+        if call is None:
+            self._content(block)
+        else:
+            self._start(call.name)
+            self._args(call.arguments)
+        self._step = self._text
+        return True
+
+    # Events. Gap text is held back: dropped if a call follows, sent if text does.
+    def _content(self, text: str) -> None:
+        body = text.rstrip(self._p._gap)
+        if not body:
+            self._held += text
+            return
+        self._out.append(ContentDelta(self._held + body))
+        self._held, self._piece_has_text = text[len(body):], True
+
+    def _start(self, name: str) -> None:
+        self._held, self._piece_has_text = "", False
+        self._out.append(ToolCallStart(self._calls, name))
+        self._calls += 1
+
+    def _args(self, text: str) -> None:
+        if text:
+            self._out.append(ToolCallArgsDelta(self._calls - 1, text))
+
+
+def _collect(events: list[ToolEvent]) -> ExtractedToolCalls:
+    content: list[str] = []
+    calls: list[tuple[str, list[str]]] = []
+    for e in events:
+        if isinstance(e, ContentDelta):
+            content.append(e.text)
+        elif isinstance(e, ToolCallStart):
+            calls.append((e.name, []))
+        else:
+            calls[e.index][1].append(e.text)
+    parsed = [ParsedToolCall(name, "".join(parts)) for name, parts in calls]
+    text = "".join(content)
+    return ExtractedToolCalls(None if parsed and not text else text, parsed)
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser)}
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    if name not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(TOOL_PARSERS)}")
+    return TOOL_PARSERS[name]()
