@@ -1,4 +1,5 @@
-"""The Responses API's items <-> chat messages, and its Response object.
+"""The Responses API's items <-> chat messages, its Response object, and the builder of
+output items and stream events.
 
 `input` (a string, or a list of message / function_call / function_call_output items) and a
 previous response's conversation become chat messages, which the same chat-template path as
@@ -12,7 +13,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from aioengine.outputs import CompletionOutput
 from aioengine.server.protocol import ApiError
+from aioengine.server.serving_engine import check_failed, failure_body
+from aioengine.server.tool_parsers import (ContentDelta, ToolCallArgsDelta, ToolCallStart,
+                                           ToolEvent)
+from aioengine.server.tools import ToolPlan
 
 _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -140,3 +146,118 @@ class ResponseState:
                 "status": self.status, "model": self.model, "output": list(self.output),
                 "usage": self.usage, "error": self.error,
                 "incomplete_details": self.incomplete_details, **self.request}
+
+
+class _TextStream:
+    """The output stream of a response without tools: all text is message text."""
+
+    def feed(self, delta: str) -> list[ToolEvent]:
+        return [ContentDelta(delta)]
+
+    def finish(self) -> list[ToolEvent]:
+        return []
+
+
+@dataclass
+class ResponseBuilder:
+    """Turns one sample's output into output items and Responses events."""
+
+    state: ResponseState
+    plan: ToolPlan | None
+    seq: int = 0
+    open_item: dict[str, Any] | None = None
+    stream: Any = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stream = self.plan.parser.stream() if self.plan else _TextStream()
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self.seq += 1
+        return {"type": kind, "sequence_number": self.seq - 1, **fields}
+
+    def lifecycle(self, kind: str) -> dict[str, Any]:
+        return self.event(kind, response=self.state.body())
+
+    def _open(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        self.state.output.append(item)
+        self.open_item = item
+        events = [self.event("response.output_item.added", output_index=self._index(),
+                             item=item)]
+        if item["type"] == "message":
+            events.append(self.event("response.content_part.added", item_id=item["id"],
+                                     output_index=self._index(), content_index=0,
+                                     part=item["content"][0]))
+        return events
+
+    def _index(self) -> int:
+        return len(self.state.output) - 1
+
+    def close(self, status: str = "completed") -> list[dict[str, Any]]:
+        item, self.open_item = self.open_item, None
+        if item is None:
+            return []
+        item["status"] = status
+        where = {"item_id": item["id"], "output_index": self._index()}
+        if item["type"] == "message":
+            part = item["content"][0]
+            events = [self.event("response.output_text.done", **where, content_index=0,
+                                 text=part["text"], logprobs=[]),
+                      self.event("response.content_part.done", **where, content_index=0,
+                                 part=part)]
+        else:
+            events = [self.event("response.function_call_arguments.done", **where,
+                                 name=item["name"], arguments=item["arguments"])]
+        return events + [self.event("response.output_item.done", output_index=self._index(),
+                                    item=item)]
+
+    def apply(self, ev: ToolEvent) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if isinstance(ev, ContentDelta):
+            if self.open_item is None or self.open_item["type"] != "message":
+                events += self.close()
+                events += self._open(message_item("", status="in_progress"))
+            assert self.open_item is not None
+            self.open_item["content"][0]["text"] += ev.text
+            events.append(self.event("response.output_text.delta", item_id=self.open_item["id"],
+                                     output_index=self._index(), content_index=0,
+                                     delta=ev.text, logprobs=[]))
+        elif isinstance(ev, ToolCallStart):
+            events += self.close()
+            events += self._open(function_call_item(ev.name, "", status="in_progress"))
+        else:
+            assert isinstance(ev, ToolCallArgsDelta) and self.open_item is not None
+            self.open_item["arguments"] += ev.text
+            events.append(self.event("response.function_call_arguments.delta",
+                                     item_id=self.open_item["id"], output_index=self._index(),
+                                     delta=ev.text))
+        return events
+
+    def advance(self, c: CompletionOutput) -> list[dict[str, Any]]:
+        """Events for one update of the sample; on its last, the items are closed and the
+        response's status set."""
+        check_failed(c.finish_reason, c.error)
+        events = [e for ev in (self.stream.feed(c.text) if c.text else []) for e in self.apply(ev)]
+        if not c.finished:
+            return events
+        events += [e for ev in self.stream.finish() for e in self.apply(ev)]
+        incomplete = c.finish_reason == "length"
+        events += self.close("incomplete" if incomplete else "completed")
+        if incomplete:
+            self.state.status = "incomplete"
+            self.state.incomplete_details = {"reason": "max_output_tokens"}
+        elif c.finish_reason == "abort":
+            self.state.status = "cancelled"
+        else:
+            self.state.status = "completed"
+        return events
+
+    def fail(self, e: BaseException) -> dict[str, Any]:
+        self.state.status = "failed"
+        self.state.error = {"code": "server_error", "message": failure_body(e)[1]["error"]
+                            ["message"]}
+        return self.lifecycle("response.failed")
+
+    def final_event(self) -> dict[str, Any]:
+        kind = {"completed": "response.completed", "incomplete": "response.incomplete",
+                "cancelled": "response.cancelled"}.get(self.state.status, "response.failed")
+        return self.lifecycle(kind)

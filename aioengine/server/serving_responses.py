@@ -23,25 +23,20 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from aioengine.outputs import CompletionOutput
 from aioengine.sampling_params import SamplingParams
 from aioengine.server.protocol import (ApiError, build_sampling_params, get_bool, get_int,
-                                       get_str, get_priority)
-from aioengine.server.responses_items import (ResponseState, function_call_item,
-                                              input_messages, message_item, new_item_id,
-                                              output_messages)
+                                       get_priority, get_str)
+from aioengine.server.responses_items import (ResponseBuilder, ResponseState, input_messages,
+                                              new_item_id, output_messages)
 from aioengine.server.serving_chat import apply_tool_plan, render_messages
 from aioengine.server.serving_engine import (Outputs, SSEStream, ServingContext, UsageTracker,
-                                             check_failed, failure_body, json_response,
-                                             merged_outputs)
-from aioengine.server.tool_parsers import (ContentDelta, ToolCallArgsDelta, ToolCallStart,
-                                           ToolEvent)
-from aioengine.server.tools import (ToolPlan, parse_tool_choice, parse_tools, plan_tools)
+                                             failure_body, json_response, merged_outputs)
+from aioengine.server.tools import ToolPlan, parse_tool_choice, parse_tools, plan_tools
 
 # The Responses API's sampling fields, and vLLM's extras that make sense here.
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
@@ -121,121 +116,6 @@ class ResponsesStore:
         return len(self._entries)
 
 
-class _TextStream:
-    """The output stream of a response without tools: all text is message text."""
-
-    def feed(self, delta: str) -> list[ToolEvent]:
-        return [ContentDelta(delta)]
-
-    def finish(self) -> list[ToolEvent]:
-        return []
-
-
-@dataclass
-class _ResponseRun:
-    """Turns one sample's output into output items and Responses events."""
-
-    state: ResponseState
-    plan: ToolPlan | None
-    seq: int = 0
-    open_item: dict[str, Any] | None = None
-    stream: Any = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.stream = self.plan.parser.stream() if self.plan else _TextStream()
-
-    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        self.seq += 1
-        return {"type": kind, "sequence_number": self.seq - 1, **fields}
-
-    def lifecycle(self, kind: str) -> dict[str, Any]:
-        return self.event(kind, response=self.state.body())
-
-    def _open(self, item: dict[str, Any]) -> list[dict[str, Any]]:
-        self.state.output.append(item)
-        self.open_item = item
-        events = [self.event("response.output_item.added", output_index=self._index(),
-                             item=item)]
-        if item["type"] == "message":
-            events.append(self.event("response.content_part.added", item_id=item["id"],
-                                     output_index=self._index(), content_index=0,
-                                     part=item["content"][0]))
-        return events
-
-    def _index(self) -> int:
-        return len(self.state.output) - 1
-
-    def close(self, status: str = "completed") -> list[dict[str, Any]]:
-        item, self.open_item = self.open_item, None
-        if item is None:
-            return []
-        item["status"] = status
-        where = {"item_id": item["id"], "output_index": self._index()}
-        if item["type"] == "message":
-            part = item["content"][0]
-            events = [self.event("response.output_text.done", **where, content_index=0,
-                                 text=part["text"], logprobs=[]),
-                      self.event("response.content_part.done", **where, content_index=0,
-                                 part=part)]
-        else:
-            events = [self.event("response.function_call_arguments.done", **where,
-                                 name=item["name"], arguments=item["arguments"])]
-        return events + [self.event("response.output_item.done", output_index=self._index(),
-                                    item=item)]
-
-    def apply(self, ev: ToolEvent) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
-        if isinstance(ev, ContentDelta):
-            if self.open_item is None or self.open_item["type"] != "message":
-                events += self.close()
-                events += self._open(message_item("", status="in_progress"))
-            assert self.open_item is not None
-            self.open_item["content"][0]["text"] += ev.text
-            events.append(self.event("response.output_text.delta", item_id=self.open_item["id"],
-                                     output_index=self._index(), content_index=0,
-                                     delta=ev.text, logprobs=[]))
-        elif isinstance(ev, ToolCallStart):
-            events += self.close()
-            events += self._open(function_call_item(ev.name, "", status="in_progress"))
-        else:
-            assert isinstance(ev, ToolCallArgsDelta) and self.open_item is not None
-            self.open_item["arguments"] += ev.text
-            events.append(self.event("response.function_call_arguments.delta",
-                                     item_id=self.open_item["id"], output_index=self._index(),
-                                     delta=ev.text))
-        return events
-
-    def advance(self, c: CompletionOutput) -> list[dict[str, Any]]:
-        """Events for one update of the sample; on its last, the items are closed and the
-        response's status set."""
-        check_failed(c.finish_reason, c.error)
-        events = [e for ev in (self.stream.feed(c.text) if c.text else []) for e in self.apply(ev)]
-        if not c.finished:
-            return events
-        events += [e for ev in self.stream.finish() for e in self.apply(ev)]
-        incomplete = c.finish_reason == "length"
-        events += self.close("incomplete" if incomplete else "completed")
-        if incomplete:
-            self.state.status = "incomplete"
-            self.state.incomplete_details = {"reason": "max_output_tokens"}
-        elif c.finish_reason == "abort":
-            self.state.status = "cancelled"
-        else:
-            self.state.status = "completed"
-        return events
-
-    def fail(self, e: BaseException) -> dict[str, Any]:
-        self.state.status = "failed"
-        self.state.error = {"code": "server_error", "message": failure_body(e)[1]["error"]
-                            ["message"]}
-        return self.lifecycle("response.failed")
-
-    def final_event(self) -> dict[str, Any]:
-        kind = {"completed": "response.completed", "incomplete": "response.incomplete",
-                "cancelled": "response.cancelled"}.get(self.state.status, "response.failed")
-        return self.lifecycle(kind)
-
-
 def _echo(body: dict, instructions: str | None, params: SamplingParams,
           plan: ToolPlan | None) -> dict[str, Any]:
     """The request settings a Response object repeats."""
@@ -299,7 +179,7 @@ class ResponsesHandler:
         await ctx.compile_structured(params, body, "tools" if plan else "text")
         state = ResponseState(new_item_id("resp"), model, _echo(body, instructions, params, plan))
         stored = StoredResponse(state, messages)
-        run = _ResponseRun(state, plan)
+        run = ResponseBuilder(state, plan)
         outputs = merged_outputs(ctx.engine, [prompt_ids], per_prompt, state.id,
                                  get_priority(body), lora_request)
         usage = UsageTracker([len(prompt_ids)])
@@ -318,13 +198,13 @@ class ResponsesHandler:
         return json_response(state.body())
 
     @staticmethod
-    def _finish(run: _ResponseRun, usage: UsageTracker, stored: StoredResponse) -> None:
+    def _finish(run: ResponseBuilder, usage: UsageTracker, stored: StoredResponse) -> None:
         u = usage.body()
         run.state.set_usage(u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"],
                             u["completion_tokens"])
         stored.messages = stored.messages + output_messages(run.state.output)
 
-    async def _collect(self, run: _ResponseRun, outputs: Outputs, usage: UsageTracker,
+    async def _collect(self, run: ResponseBuilder, outputs: Outputs, usage: UsageTracker,
                        stored: StoredResponse) -> BaseException | None:
         """Runs the response to its end; returns the engine's failure, if any. A background
         response that is cancelled ends with status "cancelled"."""
@@ -347,7 +227,7 @@ class ResponsesHandler:
             self._finish(run, usage, stored)
         return None
 
-    async def _stream(self, request: web.Request, run: _ResponseRun, outputs: Outputs,
+    async def _stream(self, request: web.Request, run: ResponseBuilder, outputs: Outputs,
                       usage: UsageTracker, stored: StoredResponse) -> web.StreamResponse:
         sse = SSEStream(request)
         await sse.start()
