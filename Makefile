@@ -1,6 +1,6 @@
 # Set-up commands, each creating .venv when missing:
 #   make serve     the OpenAI-compatible server on the bundled SmolLM2-135M-Instruct at
-#                  http://127.0.0.1:8000 (HOST=, PORT=, SERVE_ARGS= to change)
+#                  http://127.0.0.1:8000 (HOST=, PORT=, SERVE_ARGS=, TOOL_ARGS= to change)
 #   make generate  streams one chat answer to stdout (PROMPT="...")
 #   make test      runs the test suite (CPU only)
 VENV   ?= .venv
@@ -10,6 +10,8 @@ PROMPT ?= What is the capital of France?
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 SERVE_ARGS ?=
+# Tool calling as agent frameworks expect it (tool_choice "auto" is their default).
+TOOL_ARGS ?= --enable-auto-tool-choice --tool-call-parser hermes
 
 .PHONY: serve generate test bench clean
 
@@ -25,7 +27,7 @@ $(STAMP): pyproject.toml requirements.lock
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(VENV)/bin/aioengine serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+	$(VENV)/bin/aioengine serve --host $(HOST) --port $(PORT) $(TOOL_ARGS) $(SERVE_ARGS)
 
 generate: $(STAMP)
 	$(VENV)/bin/aioengine generate --chat "$(PROMPT)"

@@ -27,13 +27,13 @@ from aioengine.errors import EngineDeadError, InvalidRequestError, NotFoundError
 from aioengine.metrics import CONTENT_TYPE
 from aioengine.server.protocol import (ApiError, error_body, get_bool, get_int_list, get_str,
                                        parse_json_object)
-from aioengine.server.serving_chat import ChatHandler
+from aioengine.server.serving_chat import ChatHandler, render_messages
 from aioengine.server.serving_completions import CompletionsHandler
 from aioengine.server.serving_responses import ResponsesHandler
 from aioengine.server.serving_engine import ServingContext, json_response, not_found_body
-from aioengine.server.tools import ToolServingConfig
+from aioengine.server.tools import ToolServingConfig, chat_tool_plan
 from aioengine.server.serving_models import LoRAModulePath, ServingModels
-from aioengine.tokenizer_utils import ChatTemplateError, apply_chat_template, encode_prompt
+from aioengine.tokenizer_utils import encode_prompt
 
 logger = logging.getLogger("aioengine.server")
 
@@ -199,13 +199,11 @@ class OpenAIServer:
     async def tokenize(self, request: web.Request, body: dict) -> web.Response:
         self.ctx.check_model(body)
         tokenizer = self.ctx.engine.tokenizer
-        if body.get("messages") is not None:
+        if body.get("messages") is not None:  # rendered as chat would (tools, template)
+            plan = chat_tool_plan(body, self.ctx.tools)
             add_generation_prompt = get_bool(body, "add_generation_prompt", True)
-            try:
-                tokens = apply_chat_template(tokenizer, body["messages"],
-                                             bool(add_generation_prompt))
-            except ChatTemplateError as e:
-                raise ApiError(400, str(e), "messages") from None
+            tokens = render_messages(self.ctx, body["messages"], plan,
+                                     bool(add_generation_prompt))
         else:
             prompt = get_str(body, "prompt", None)
             if prompt is None:

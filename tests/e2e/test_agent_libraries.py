@@ -5,14 +5,11 @@ through Chat Completions and through Responses). The model is tiny, so every cal
 must produce a tool call forces it; forced calls are grammar-constrained and always parse."""
 from __future__ import annotations
 
-import os
-
-os.environ["LANGCHAIN_TRACING_V2"] = "false"  # no LangSmith, whatever the environment says
-os.environ["LANGSMITH_TRACING"] = "false"
-os.environ["OPENAI_AGENTS_DISABLE_TRACING"] = "1"
+from collections.abc import AsyncIterator, Iterator
 
 import agents
 import instructor
+import langsmith
 import openai
 import pytest
 from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel,
@@ -23,7 +20,7 @@ from pydantic import BaseModel, Field
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
-agents.set_tracing_disabled(True)
+agents.set_tracing_disabled(True)  # the Agents SDK would otherwise export traces to OpenAI
 
 KEY = "x"  # a dummy: the server runs without an API key
 ASK_WEATHER = "What is the weather in Paris?"
@@ -42,6 +39,13 @@ class Person(BaseModel):
 
 
 ASK_PERSON = "Extract the person: Alice is 30 years old."
+
+
+@pytest.fixture(autouse=True)
+def no_langsmith() -> Iterator[None]:
+    """No LangSmith tracing, whatever the environment says."""
+    with langsmith.tracing_context(enabled=False):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +97,7 @@ def test_langchain_stream_tool_call(chat: ChatOpenAI) -> None:
     bound = chat.bind_tools([GetWeather], tool_choice="GetWeather")
     whole = bound.invoke(ASK_WEATHER)
     chunks = list(bound.stream(ASK_WEATHER))
-    assert len(chunks) > 2, chunks
+    assert len([c for c in chunks if c.tool_call_chunks]) > 2, chunks  # arguments streamed
     joined = chunks[0]
     for chunk in chunks[1:]:
         joined = joined + chunk
@@ -130,33 +134,48 @@ def weather_agent(model: agents.Model, called: list[str]) -> Agent:
 
     return Agent(name="weather", instructions="Answer questions about the weather.",
                  tools=[get_weather], model=model,
-                 model_settings=ModelSettings(tool_choice="required", temperature=0,
-                                              max_tokens=48))
+                 # One call: with parallel calls allowed the model starts a second one.
+                 model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False,
+                                              temperature=0, max_tokens=48))
 
 
-def async_client(server: ServerProcess) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=server.base_url, api_key=KEY, max_retries=0,
-                              timeout=120)
+@pytest.fixture
+async def async_client(tool_server: ServerProcess) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=tool_server.base_url, api_key=KEY, max_retries=0,
+                                  timeout=120) as client:
+        yield client
 
 
-async def run_weather(model: agents.Model) -> tuple[list[str], agents.RunResult]:
+async def run_weather(model: agents.Model,
+                      stream: bool) -> tuple[list[str], agents.RunResultBase]:
     called: list[str] = []
-    result = await Runner.run(weather_agent(model, called), ASK_WEATHER, max_turns=4)
+    agent = weather_agent(model, called)
+    if not stream:
+        return called, await Runner.run(agent, ASK_WEATHER, max_turns=4)
+    result = Runner.run_streamed(agent, ASK_WEATHER, max_turns=4)
+    events = [e async for e in result.stream_events()]
+    assert any(e.type == "raw_response_event" and e.data.type == "response.output_text.delta"
+               for e in events)
     return called, result
 
 
-def check_run(called: list[str], result: agents.RunResult) -> None:
+def check_run(called: list[str], result: agents.RunResultBase) -> None:
     assert len(called) == 1 and isinstance(called[0], str), called
     outputs = [i for i in result.new_items if isinstance(i, agents.ToolCallOutputItem)]
     assert len(outputs) == 1 and called[0] in str(outputs[0].output), result.new_items
+    assert len(result.raw_responses) == 2  # the forced call, then the answer to its result
     assert isinstance(result.final_output, str) and result.final_output.strip(), result
 
 
-async def test_agents_chat_completions(tool_server: ServerProcess, model: str) -> None:
-    check_run(*await run_weather(OpenAIChatCompletionsModel(
-        model=model, openai_client=async_client(tool_server))))
+@pytest.mark.parametrize("stream", [False, True], ids=["run", "streamed"])
+async def test_agents_chat_completions(async_client: openai.AsyncOpenAI, model: str,
+                                       stream: bool) -> None:
+    check_run(*await run_weather(
+        OpenAIChatCompletionsModel(model=model, openai_client=async_client), stream))
 
 
-async def test_agents_responses(tool_server: ServerProcess, model: str) -> None:
-    check_run(*await run_weather(OpenAIResponsesModel(
-        model=model, openai_client=async_client(tool_server))))
+@pytest.mark.parametrize("stream", [False, True], ids=["run", "streamed"])
+async def test_agents_responses(async_client: openai.AsyncOpenAI, model: str,
+                                stream: bool) -> None:
+    check_run(*await run_weather(
+        OpenAIResponsesModel(model=model, openai_client=async_client), stream))

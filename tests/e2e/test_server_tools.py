@@ -204,3 +204,16 @@ def test_auto_calls_are_parsed_and_constrained(llama3_server: ServerProcess) -> 
     assert finish == "tool_calls"
     assert [(c["name"], c["arguments"]) for c in streamed.values()] == [
         (c.function.name, c.function.arguments) for c in calls]
+
+
+def test_tokenize_renders_messages_as_chat_does(tool_server, tool_client, model) -> None:
+    """/tokenize with tools counts the default tool prompt, as the chat request's usage."""
+    status, raw = tool_server.request("POST", "/tokenize", {
+        "model": model, "messages": ASK, "tools": TOOLS, "tool_choice": "required"})
+    assert status == 200
+    r = tool_client.chat.completions.create(model=model, messages=ASK, tools=TOOLS,
+                                            tool_choice="required", max_tokens=60,
+                                            temperature=0)
+    assert json.loads(raw)["count"] == r.usage.prompt_tokens
+    status, raw = tool_server.request("POST", "/tokenize", {"model": model, "messages": ASK})
+    assert json.loads(raw)["count"] < r.usage.prompt_tokens - 50

@@ -200,3 +200,17 @@ def test_function_tool_chat_dict() -> None:
     tool = FunctionTool("f", {"type": "object"}, "d")
     assert tool.chat_dict() == {"type": "function", "function": {
         "name": "f", "description": "d", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--enable-auto-tool-choice"], "requires --tool-call-parser"),
+    (["--tool-call-parser", "nope"], "invalid choice"),
+    (["--chat-template", "/no/such/template.jinja"], "neither a file nor"),
+    (["--max-stored-responses", "-1"], ">= 0")])
+def test_serve_tool_flags_are_checked_before_anything_loads(argv: list[str], match: str,
+                                                            capsys) -> None:
+    from aioengine.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", *argv])
+    assert e.value.code == 2 and match in capsys.readouterr().err
