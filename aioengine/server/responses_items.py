@@ -212,6 +212,8 @@ class ResponseBuilder:
 
     def apply(self, ev: ToolEvent) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
+        if isinstance(ev, ContentDelta) and self.plan is not None and self.plan.forced:
+            return events  # a call cut short by max_output_tokens, not text
         if isinstance(ev, ContentDelta):
             if self.open_item is None or self.open_item["type"] != "message":
                 events += self.close()

@@ -138,7 +138,8 @@ class _ChatCall(ApiCall):
         if self.plan is None:
             return {"role": "assistant", "content": ch.text}, ch.finish_reason
         found = self.plan.parser.extract(ch.text)
-        message: dict[str, Any] = {"role": "assistant", "content": found.content}
+        content = None if self.plan.forced else found.content
+        message: dict[str, Any] = {"role": "assistant", "content": content}
         if not found.calls:
             return message, ch.finish_reason
         message["tool_calls"] = [
@@ -184,6 +185,8 @@ class _ChatCall(ApiCall):
         events = stream.feed(c.text) if c.text else []
         if c.finished:
             events += stream.finish()
+        if self.plan.forced:
+            events = [e for e in events if not isinstance(e, ContentDelta)]
         chunks = [{"index": choice.index, "delta": self._delta(choice, e), "logprobs": None,
                    "finish_reason": None} for e in events]
         if c.finished:

@@ -26,6 +26,11 @@ from dataclasses import dataclass
 from typing import Callable, ClassVar
 
 
+# The call in the default tool prompt's example: a function no request is likely to offer,
+# so the example does not steer a model towards one of the real tools' arguments.
+PROMPT_EXAMPLE = ("lookup_word", '{"word": "example"}')
+
+
 @dataclass(frozen=True)
 class ParsedToolCall:
     name: str
@@ -213,7 +218,7 @@ class HermesToolParser(ToolParser):
     _close = "</tool_call>"
 
     def prompt_instructions(self) -> str:
-        example = self.format_call("get_weather", '{"city": "Paris"}')
+        example = self.format_call(*PROMPT_EXAMPLE)
         return ("To call a function, write one block per call: <tool_call> on its own line, "
                 'then a JSON object {"name": <the function name>, "arguments": <an object of '
                 "its arguments>} on one line, then </tool_call>. Write several blocks, one "
@@ -269,7 +274,7 @@ class Llama3JsonToolParser(ToolParser):
     _args_required = True  # so that any JSON object with a "name" is not taken for a call
 
     def prompt_instructions(self) -> str:
-        example = self.format_call("get_weather", '{"city": "Paris"}')
+        example = self.format_call(*PROMPT_EXAMPLE)
         return ('To call a function, reply with a JSON object {"name": <the function name>, '
                 '"parameters": <an object of its arguments>}; to call several functions, '
                 f'separate their objects with "; ". For example:\n{example}')

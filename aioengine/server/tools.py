@@ -172,6 +172,12 @@ class ToolPlan:
     parser: ToolParser
     parallel: bool = True
 
+    @property
+    def forced(self) -> bool:
+        """Only calls may be written: any other text is the start of a call cut short by
+        max_tokens, never content."""
+        return self.choice.mode in ("required", "function")
+
     def _tag(self, tool: FunctionTool) -> dict[str, Any]:
         # At most one whitespace character in a row between JSON tokens: a small model
         # cannot wander into endless indentation inside a call.

@@ -82,7 +82,15 @@ def test_required_calls_offered_functions(tool_client, model) -> None:
                                             tool_choice="required", max_tokens=120,
                                             temperature=1.0, seed=1, n=3)
     for choice in r.choices:
-        check_calls(choice.message, choice.finish_reason)
+        calls = choice.message.tool_calls
+        assert calls and choice.message.content is None
+        assert {c.function.name for c in calls} <= set(SCHEMAS)
+        # The tiny model may repeat calls until max_tokens: then only the last is cut short.
+        whole = calls if choice.finish_reason == "tool_calls" else calls[:-1]
+        assert choice.finish_reason in ("tool_calls", "length")
+        for call in whole:
+            jsonschema.validate(json.loads(call.function.arguments),
+                                SCHEMAS[call.function.name])
 
 
 def test_parallel_tool_calls_false_gives_one_call(tool_client, model) -> None:
@@ -109,7 +117,7 @@ def test_streamed_call_joins_to_the_non_streamed_one(tool_client, model, tool_ch
 def test_streaming_n_choices_each_get_their_calls(tool_client, model) -> None:
     stream = tool_client.chat.completions.create(
         model=model, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120,
-        temperature=1.0, seed=5, n=2, stream=True)
+        parallel_tool_calls=False, temperature=1.0, seed=5, n=2, stream=True)
     per_choice: dict[int, dict[int, dict]] = {0: {}, 1: {}}
     finishes: dict[int, str] = {}
     for chunk in stream:
@@ -217,3 +225,16 @@ def test_tokenize_renders_messages_as_chat_does(tool_server, tool_client, model)
     assert json.loads(raw)["count"] == r.usage.prompt_tokens
     status, raw = tool_server.request("POST", "/tokenize", {"model": model, "messages": ASK})
     assert json.loads(raw)["count"] < r.usage.prompt_tokens - 50
+
+
+@pytest.mark.parametrize("max_tokens", [4, 12, 40])
+def test_a_forced_call_cut_by_max_tokens_leaves_no_markup(tool_client, model,
+                                                          max_tokens: int) -> None:
+    """Only calls may be written: the start of a call cut short is never content."""
+    kwargs = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
+                  max_tokens=max_tokens, temperature=0)
+    r = tool_client.chat.completions.create(**kwargs)
+    assert r.choices[0].message.content is None
+    assert r.choices[0].finish_reason in ("length", "tool_calls")
+    for chunk in tool_client.chat.completions.create(**kwargs, stream=True):
+        assert not (chunk.choices and chunk.choices[0].delta.content)

@@ -13,9 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aioengine.server.tool_parsers import (TOOL_PARSERS, ContentDelta, ExtractedToolCalls,
-                                           ParsedToolCall, ToolCallArgsDelta, ToolCallStart,
-                                           ToolEvent, ToolParser, get_tool_parser)
+from aioengine.server.tool_parsers import (PROMPT_EXAMPLE, TOOL_PARSERS, ContentDelta,
+                                           ExtractedToolCalls, ParsedToolCall,
+                                           ToolCallArgsDelta, ToolCallStart, ToolEvent,
+                                           ToolParser, get_tool_parser)
 
 HERMES = get_tool_parser("hermes")
 LLAMA = get_tool_parser("llama3_json")
@@ -204,9 +205,9 @@ def test_tags(parser: ToolParser) -> None:
 @pytest.mark.parametrize("parser", PARSERS, ids=lambda p: p.name)
 def test_prompt_instructions_carry_a_parsable_example(parser: ToolParser) -> None:
     text = parser.prompt_instructions()
-    example = parser.format_call("get_weather", '{"city": "Paris"}')
+    example = parser.format_call(*PROMPT_EXAMPLE)
     assert example in text and "\n\n" not in text
-    assert parser.extract(example).calls == [call("get_weather", '{"city": "Paris"}')]
+    assert parser.extract(example).calls == [call(*PROMPT_EXAMPLE)]
 
 
 def test_hermes_stream_sends_early_and_holds_back_what_may_change() -> None:
