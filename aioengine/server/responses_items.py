@@ -8,6 +8,7 @@ previous response's conversation become chat messages, which the same chat-templ
 """
 from __future__ import annotations
 
+import copy
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -143,7 +144,8 @@ class ResponseState:
 
     def body(self) -> dict[str, Any]:
         return {"id": self.id, "object": "response", "created_at": self.created_at,
-                "status": self.status, "model": self.model, "output": list(self.output),
+                "status": self.status, "model": self.model,
+                "output": copy.deepcopy(self.output),
                 "usage": self.usage, "error": self.error,
                 "incomplete_details": self.incomplete_details, **self.request}
 
@@ -181,12 +183,14 @@ class ResponseBuilder:
     def _open(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         self.state.output.append(item)
         self.open_item = item
+        # Events carry copies: the item grows after them, and a batch of events is only
+        # serialised when the whole update has been applied.
         events = [self.event("response.output_item.added", output_index=self._index(),
-                             item=item)]
+                             item=copy.deepcopy(item))]
         if item["type"] == "message":
             events.append(self.event("response.content_part.added", item_id=item["id"],
                                      output_index=self._index(), content_index=0,
-                                     part=item["content"][0]))
+                                     part=dict(item["content"][0])))
         return events
 
     def _index(self) -> int:
@@ -203,12 +207,12 @@ class ResponseBuilder:
             events = [self.event("response.output_text.done", **where, content_index=0,
                                  text=part["text"], logprobs=[]),
                       self.event("response.content_part.done", **where, content_index=0,
-                                 part=part)]
+                                 part=dict(part))]
         else:
             events = [self.event("response.function_call_arguments.done", **where,
                                  name=item["name"], arguments=item["arguments"])]
         return events + [self.event("response.output_item.done", output_index=self._index(),
-                                    item=item)]
+                                    item=copy.deepcopy(item))]
 
     def apply(self, ev: ToolEvent) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []

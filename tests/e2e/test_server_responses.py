@@ -64,6 +64,31 @@ def test_streamed_events_join_to_the_response(tool_client, model) -> None:
     assert final.output_text == text and final.usage.output_tokens == want.usage.output_tokens
 
 
+def test_the_sdk_stream_helper_rebuilds_the_response(tool_client, model) -> None:
+    """The SDK's `responses.stream()` helper reads the events to the end; each event carries
+    the item as it was then (an added item is empty: the deltas fill it)."""
+    kwargs = dict(model=model, input="Weather in Rome?", tools=[WEATHER],
+                  tool_choice="required", parallel_tool_calls=False, temperature=0)
+    with tool_client.responses.stream(**kwargs) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    deltas = "".join(e.delta for e in events
+                     if e.type == "response.function_call_arguments.delta")
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert len(added) == 1 and added[0].arguments == "" and added[0].status == "in_progress"
+    assert [o.type for o in final.output] == ["function_call"]
+    assert final.output[0].arguments == deltas
+    with tool_client.responses.stream(model=model, input="Say hi.", max_output_tokens=100,
+                                      temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text and final.output_text == text
+    added = [e for e in events if e.type in ("response.output_item.added",
+                                             "response.content_part.added")]
+    assert added[0].item.content[0].text == "" and added[1].part.text == ""
+
+
 def test_function_tool_call_and_its_result(tool_client, model) -> None:
     r = tool_client.responses.create(model=model, input="What is the weather in Paris?",
                                      tools=[WEATHER], tool_choice="required",
