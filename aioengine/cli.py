@@ -1,6 +1,7 @@
 """The `aioengine` command line: `aioengine serve [MODEL]` (the OpenAI-compatible server),
-`aioengine generate "prompt" [--chat]`, `aioengine bench offline|serve|profile|latency|spec ...`
-(benchmarks) and `aioengine train-eagle` (an EAGLE-3 draft head for a model)."""
+`aioengine generate "prompt" [--chat]`, `aioengine bench MODE ...` (benchmarks: offline,
+serve, profile, latency, spec, structured, ...) and `aioengine train-eagle` (an EAGLE-3
+draft head for a model). The engine flags are aioengine.config's `add_engine_args`."""
 from __future__ import annotations
 
 import argparse
@@ -8,24 +9,9 @@ import asyncio
 import logging
 import os
 import sys
-from typing import Any
 
 from aioengine import envs
-
-
-def speculative_config_arg(text: str) -> dict[str, Any]:
-    """`--speculative-config`: vLLM's JSON object, validated here so a bad one stops the
-    command before anything loads (with SpeculativeConfig's ConfigError message)."""
-    import json
-
-    from aioengine.config import ConfigError
-    from aioengine.spec_decode.config import SpeculativeConfig
-
-    try:
-        SpeculativeConfig.parse(text)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return json.loads(text)
+from aioengine.config import add_engine_args, engine_default, engine_kwargs
 
 
 def lora_modules_arg(text: str) -> list:
@@ -33,58 +19,6 @@ def lora_modules_arg(text: str) -> list:
     from aioengine.server.serving_models import parse_lora_modules
 
     return parse_lora_modules(text)
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine settings under vLLM's flag names."""
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="HF directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto",
-                   help="weights: auto (bfloat16 on CPUs with AVX512-BF16 or AMX and on CUDA, "
-                        "else float32), float32, float16, bfloat16")
-    g.add_argument("--quantization", "-q", choices=("int8", "w8a8", "gguf"), default=None,
-                   help="int8: weight-only int8 with per-output-channel scales, computed at "
-                        "load; w8a8: the same weights with activations quantized per token "
-                        "(integer matmuls: faster, less exact); gguf: a GGUF's own Q4_1 projections "
-                        "as stored (x quantized per 32-block)")
-    g.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                   help="auto: float32 on the CPU, the model dtype on CUDA")
-    g.add_argument("--device", default="auto")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=512)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=int, default=None,
-                   help="KV cache size in bytes")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--structured-jump-forward", action=argparse.BooleanOptionalAction,
-                   default=True, help="append grammar-forced tokens without sampling them")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="schedule each decode step while the previous one runs")
-    g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
-                   help="priority: lower `priority` first (the request body's vLLM extra)")
-    g.add_argument("--speculative-config", type=speculative_config_arg, default=None,
-                   metavar="JSON",
-                   help='speculative decoding, vLLM\'s JSON object, e.g. \'{"method": "ngram", '
-                        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
-                        '"prompt_lookup_max": 5}\' (default: off)')
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-        device=args.device, seed=args.seed, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-        num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        structured_jump_forward=args.structured_jump_forward,
-        async_scheduling=args.async_scheduling, scheduling_policy=args.scheduling_policy,
-        speculative_config=args.speculative_config)
 
 
 async def _generate(args: argparse.Namespace) -> int:
@@ -149,7 +83,8 @@ async def _serve(args: argparse.Namespace) -> int:
                           enable_auto_tool_choice=args.enable_auto_tool_choice,
                           tool_call_parser=args.tool_call_parser,
                           chat_template=args.chat_template,
-                          max_stored_responses=args.max_stored_responses)
+                          max_stored_responses=args.max_stored_responses,
+                          max_queued_requests=args.max_queued_requests)
     try:
         await serve(engine, names, config, sock)
     except LoRAModuleError as e:
@@ -181,6 +116,9 @@ def _add_serve_parser(sub) -> None:
                           "(default: $AIOENGINE_API_KEY)")
     srv.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
                      help="larger request bodies get a 413")
+    srv.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
+                     help="beyond N waiting requests new ones get 503 with Retry-After "
+                          "(SGLang's flag; default: unlimited)")
     add_engine_args(srv)
     _add_lora_args(srv)
     _add_tool_args(srv)
@@ -208,18 +146,18 @@ def _add_tool_args(parser: argparse.ArgumentParser) -> None:
 def _add_lora_args(parser: argparse.ArgumentParser) -> None:
     """Multi-LoRA under vLLM's flag names (serve only)."""
     g = parser.add_argument_group("LoRA adapters")
-    g.add_argument("--enable-lora", action="store_true",
+    g.add_argument("--enable-lora", action="store_true", default=engine_default("enable_lora"),
                    help="serve PEFT LoRA adapters, each under its own model name")
     g.add_argument("--lora-modules", type=lora_modules_arg, nargs="+", action="extend",
                    default=None, metavar="NAME=PATH|JSON",
                    help="adapters loaded at start-up: name=path, or a JSON object "
                         '\'{"name": "name", "path": "lora_path", "base_model_name": "id"}\' '
                         "(base_model_name: its parent in /v1/models); several allowed")
-    g.add_argument("--max-loras", type=int, default=1,
-                   help="distinct adapters in one batch (default: 1)")
-    g.add_argument("--max-lora-rank", type=int, default=16,
-                   help="largest adapter rank that loads (default: 16)")
-    g.add_argument("--max-cpu-loras", type=int, default=None,
+    g.add_argument("--max-loras", type=int, default=engine_default("max_loras"),
+                   help="distinct adapters in one batch (default: %(default)s)")
+    g.add_argument("--max-lora-rank", type=int, default=engine_default("max_lora_rank"),
+                   help="largest adapter rank that loads (default: %(default)s)")
+    g.add_argument("--max-cpu-loras", type=int, default=engine_default("max_cpu_loras"),
                    help="adapters kept in CPU memory, least recently used evicted and read "
                         "again when needed (default: --max-loras)")
     g.add_argument("--allow-runtime-lora-updating", action="store_true",
@@ -235,6 +173,8 @@ def _check_tool_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error("--enable-auto-tool-choice requires --tool-call-parser")
     if args.max_stored_responses < 0:
         parser.error("--max-stored-responses must be >= 0")
+    if args.max_queued_requests is not None and args.max_queued_requests < 1:
+        parser.error("--max-queued-requests must be >= 1")
     if args.chat_template is not None:
         try:
             args.chat_template = load_chat_template(args.chat_template)
@@ -269,6 +209,22 @@ def main(argv: list[str] | None = None) -> int:
         from aioengine.spec_decode.train.cli import main as train_main
 
         return train_main(argv[1:])
+    parser, subparsers = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        _check_lora_args(subparsers["serve"], args)
+        _check_tool_args(subparsers["serve"], args)
+    logging.basicConfig(level=envs.AIOENGINE_LOG_LEVEL, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "generate":
+        return asyncio.run(_generate(args))
+    if args.command == "serve":
+        return asyncio.run(_serve(args))
+    return 1
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The `aioengine` parser and its subcommands' parsers, by name."""
     parser = argparse.ArgumentParser(prog="aioengine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve_parser(sub)
@@ -282,21 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(gen)
     # Listed for --help; main() hands `bench ...` to aioengine.bench before parsing.
     sub.add_parser("bench", add_help=False,
-                   help="benchmarks: `aioengine bench offline|serve|profile|latency --help`")
+                   help="benchmarks: `aioengine bench --help` lists the modes")
     sub.add_parser("train-eagle", add_help=False,
                    help="train an EAGLE-3 draft head for a model: `aioengine train-eagle "
                         "--help`")
-    args = parser.parse_args(argv)
-    if args.command == "serve":
-        _check_lora_args(sub.choices["serve"], args)
-        _check_tool_args(sub.choices["serve"], args)
-    logging.basicConfig(level=envs.AIOENGINE_LOG_LEVEL, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command == "generate":
-        return asyncio.run(_generate(args))
-    if args.command == "serve":
-        return asyncio.run(_serve(args))
-    return 1
+    return parser, sub.choices
 
 
 if __name__ == "__main__":

@@ -1,12 +1,16 @@
-"""Frozen configuration of one engine, and EngineArgs that builds it."""
+"""Frozen configuration of one engine, EngineArgs that builds it, and the engine flags
+(`add_engine_args`, `engine_kwargs`) that every command running the engine shares."""
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
 from aioengine import cpu_info
+from aioengine.core.block_pool import PREFIX_CACHING_HASH_ALGOS
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -21,6 +25,7 @@ class ConfigError(ValueError):
 
 QUANTIZATIONS = ("int8", "w8a8", "gguf")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
@@ -71,6 +76,8 @@ class EngineArgs:
     """Flat user-facing settings, vLLM's names. `model=None` is the bundled SmolLM2."""
 
     model: str | None = None
+    # vLLM's tokenizer: a HF tokenizer directory or a .gguf file read instead of the model's
+    # own (None: the model's).
     tokenizer: str | None = None
     dtype: str = "auto"
     # Quantization computed at load from any checkpoint: "int8" (weight-only, per output
@@ -89,6 +96,10 @@ class EngineArgs:
     kv_cache_memory: int | None = None
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
+    # vLLM's name. sha256 (default): collisions cannot be crafted, so no request reads
+    # another's KV; xxhash (xxh3_128) is faster but not cryptographic; builtin is
+    # Python's hash(), trivially collidable (docs/architecture.md, "KV cache blocks").
+    prefix_caching_hash_algo: str = "sha256"
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     # Structured output: append grammar-forced tokens without sampling them one by one.
@@ -130,12 +141,16 @@ class EngineArgs:
         if self.max_num_batched_tokens < 1:
             raise ConfigError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {list(QUANTIZATIONS)} or None, "
                               f"got {self.quantization!r}")
+        if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
+            raise ConfigError(f"prefix_caching_hash_algo must be one of "
+                              f"{list(PREFIX_CACHING_HASH_ALGOS)}, "
+                              f"got {self.prefix_caching_hash_algo!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
                               f"got {self.kv_cache_dtype!r}")
@@ -163,3 +178,98 @@ def default_kv_cache_memory(device: torch.device) -> int:
     except (ValueError, OSError):
         avail = 8 << 30
     return int(min(avail // 4, 4 << 30))
+
+
+# ---- Engine flags -------------------------------------------------------------------------
+# `aioengine serve|generate` and every `aioengine bench` mode that runs our engine take the
+# same flags, under vLLM's names. Each flag's dest is its EngineArgs field and its default
+# that field's default, so EngineArgs stays the one home of every engine setting.
+
+def engine_default(name: str) -> Any:
+    """EngineArgs' default for the field `name` (KeyError for an unknown field)."""
+    return _ENGINE_FIELDS[name].default
+
+
+def speculative_config_arg(text: str) -> dict[str, Any]:
+    """`--speculative-config`: vLLM's JSON object, validated here so a bad one stops the
+    command before anything loads (with SpeculativeConfig's ConfigError message)."""
+    import json
+
+    # Imported here: aioengine.spec_decode.config imports this module.
+    from aioengine.spec_decode.config import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.parse(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return json.loads(text)
+
+
+def _flag(*names: str, **options: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
+    return names, options
+
+
+_BOOL = argparse.BooleanOptionalAction
+# EngineArgs field -> (flag names, argparse options but dest and default).
+ENGINE_FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    "model": _flag("--model", help="HF directory or .gguf file (default: bundled "
+                                   "SmolLM2-135M-Instruct)"),
+    "tokenizer": _flag("--tokenizer", help="a tokenizer used instead of the model's: a HF "
+                                           "directory with tokenizer files, or a .gguf file "
+                                           "(default: the model's)"),
+    "dtype": _flag("--dtype", help="weights: auto (bfloat16 on CPUs with AVX512-BF16 or AMX "
+                                   "and on CUDA, else float32), float32, float16, bfloat16"),
+    "quantization": _flag(
+        "--quantization", "-q", choices=QUANTIZATIONS,
+        help="int8: weight-only int8 with per-output-channel scales, computed at load; w8a8: "
+             "the same weights with activations quantized per token (integer matmuls: "
+             "faster, less exact); gguf: a GGUF's own Q4_1 projections as stored (x "
+             "quantized per 32-block)"),
+    "kv_cache_dtype": _flag("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                            help="auto: float32 on the CPU, the model dtype on CUDA"),
+    "device": _flag("--device"),
+    "seed": _flag("--seed", type=int),
+    "max_model_len": _flag("--max-model-len", type=int),
+    "max_num_seqs": _flag("--max-num-seqs", type=int),
+    "max_num_batched_tokens": _flag("--max-num-batched-tokens", type=int),
+    "block_size": _flag("--block-size", type=int),
+    "kv_cache_memory": _flag("--kv-cache-memory", "--kv-cache-memory-bytes", type=int,
+                             help="KV cache size in bytes"),
+    "num_kv_blocks": _flag("--num-kv-blocks", type=int, help="KV cache size in blocks"),
+    "enable_prefix_caching": _flag("--enable-prefix-caching", action=_BOOL),
+    "prefix_caching_hash_algo": _flag(
+        "--prefix-caching-hash-algo", choices=PREFIX_CACHING_HASH_ALGOS,
+        help="prefix-cache block hash: sha256 (default; collision-resistant), xxhash "
+             "(xxh3_128: faster, not cryptographic), builtin (Python's hash(): one trusted "
+             "tenant only)"),
+    "enable_chunked_prefill": _flag("--enable-chunked-prefill", action=_BOOL),
+    "structured_jump_forward": _flag("--structured-jump-forward", action=_BOOL,
+                                     help="append grammar-forced tokens without sampling them"),
+    "async_scheduling": _flag("--async-scheduling", action=_BOOL,
+                              help="schedule each decode step while the previous one runs"),
+    "scheduling_policy": _flag("--scheduling-policy", choices=SCHEDULING_POLICIES,
+                               help="priority: lower `priority` first (the request body's "
+                                    "vLLM extra)"),
+    "speculative_config": _flag(
+        "--speculative-config", type=speculative_config_arg, metavar="JSON",
+        help='speculative decoding, vLLM\'s JSON object, e.g. \'{"method": "ngram", '
+             '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' '
+             "(default: off)"),
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine flags, in an "engine" group."""
+    group = parser.add_argument_group("engine")
+    for name, (flags, options) in ENGINE_FLAGS.items():
+        group.add_argument(*flags, dest=name, default=engine_default(name), **options)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineArgs keywords from parsed engine flags; `model` is left to the caller (`serve`
+    also takes it as a positional argument)."""
+    return {name: getattr(args, name) for name in ENGINE_FLAGS if name != "model"}
+
+
+_ENGINE_FIELDS = {f.name: f for f in fields(EngineArgs)}
+assert set(ENGINE_FLAGS) <= set(_ENGINE_FIELDS), set(ENGINE_FLAGS) - set(_ENGINE_FIELDS)

@@ -14,6 +14,8 @@
 
     aioengine bench spec [--specs off,ngram,eagle3:2,...] [--num-prompts N] [engine flags]
 
+    aioengine bench structured [--num-prompts 16] [--output-len 96] [--repeats 3] [engine flags]
+
 `offline` and `latency` take `--vllm-python PATH` (and `latency` `--llamacpp-python PATH`):
 the python of a venv holding that peer, which then runs as one more engine in a child
 process (aioengine/bench/peers.py, docs/peers.md). `export-hf` writes a GGUF as the Hugging
@@ -30,6 +32,9 @@ request and reports TTFT, TPOT, ITL and end-to-end latency percentiles and goodp
 `profile` runs the workload through AsyncEngine and prints its per-step timeline.
 `latency` times one request (TTFT, TPOT, ITL) through AsyncEngine and transformers and
 compares TPOT with the weight-streaming floor (weight bytes / measured memory bandwidth).
+`structured` runs chat prompts under a JSON schema, with and without jump-forward, and
+unconstrained: TPOT, forward steps (the engine's step timeline, as `profile` reads it),
+steps saved by jump-forward, bitmask cost and grammar compile times.
 """
 from __future__ import annotations
 
@@ -54,7 +59,7 @@ def _common_args(p: argparse.ArgumentParser) -> None:
 
 def _add_offline_parser(sub: Any) -> None:
     from aioengine.bench.offline import OUR_ENGINE, RUNNERS, parse_engines
-    from aioengine.cli import add_engine_args
+    from aioengine.config import add_engine_args
 
     p = sub.add_parser("offline", help="one batch of requests, all at once, vs transformers")
     _common_args(p)
@@ -64,7 +69,7 @@ def _add_offline_parser(sub: Any) -> None:
                    help=f"comma-separated, run in order, from {sorted(RUNNERS)}")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for every engine (default: os.cpu_count())")
-    # The engine flags (vLLM names) come from the CLI so they never drift; its --seed
+    # The engine flags (vLLM names) are the CLI's (aioengine.config); their --seed
     # seeds both the workload and the engine, and --model names the weights for all.
     add_engine_args(p)
     from aioengine.bench.peers import OFFLINE_PEERS, add_peer_args
@@ -108,7 +113,7 @@ def offline_main(args: argparse.Namespace) -> int:
     args.engines = with_peers(args.engines, args, OFFLINE_PEERS)
     _set_threads(args.threads)
     model = args.model or bundled_model_path()
-    workload = build_workload(args, load_hf_tokenizer(model))
+    workload = build_workload(args, load_hf_tokenizer(args.tokenizer or model))
     report = {"mode": "offline", "environment": rep.environment_info(), "model": model,
               "config": _config(args), "workload": workload.summary(),
               **run_offline(args, workload, model, progress=not args.no_progress)}
@@ -151,7 +156,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
 
 def _add_profile_parser(sub: Any) -> None:
-    from aioengine.cli import add_engine_args
+    from aioengine.config import add_engine_args
 
     p = sub.add_parser("profile", help="the engine's per-step timeline on a workload")
     _common_args(p)
@@ -164,11 +169,11 @@ def profile_main(args: argparse.Namespace) -> int:
     from aioengine.bench.datasets import build_workload
     from aioengine.bench.offline import load_hf_tokenizer
     from aioengine.bench.profile import format_profile, run_profile
-    from aioengine.cli import engine_kwargs
+    from aioengine.config import engine_kwargs
     from aioengine.model.default import bundled_model_path
 
     model = args.model or bundled_model_path()
-    workload = build_workload(args, load_hf_tokenizer(model))
+    workload = build_workload(args, load_hf_tokenizer(args.tokenizer or model))
     report = {"mode": "profile", "environment": rep.environment_info(), "model": model,
               "config": _config(args), "workload": workload.summary(),
               **asyncio.run(run_profile(workload, model, engine_kwargs(args)))}
@@ -178,7 +183,7 @@ def profile_main(args: argparse.Namespace) -> int:
 
 def _add_latency_parser(sub: Any) -> None:
     from aioengine.bench.latency import LATENCY_DATASETS, LATENCY_ENGINES, parse_latency_engines
-    from aioengine.cli import add_engine_args
+    from aioengine.config import add_engine_args
 
     p = sub.add_parser("latency", help="one request: TTFT, TPOT vs the weight-streaming floor")
     p.add_argument("--dataset", choices=LATENCY_DATASETS, default="random",
@@ -213,7 +218,7 @@ def latency_main(args: argparse.Namespace) -> int:
     from aioengine.bench.latency import LatencyConfig, format_latency, run_latency
     from aioengine.bench.offline import hf_pad_id, load_hf_tokenizer
     from aioengine.bench.peers import LATENCY_PEERS, latency_peers, with_peers
-    from aioengine.cli import engine_kwargs
+    from aioengine.config import engine_kwargs
     from aioengine.model.default import bundled_model_path
 
     args.engines = with_peers(args.engines, args, LATENCY_PEERS)
@@ -222,7 +227,7 @@ def latency_main(args: argparse.Namespace) -> int:
                          "and --warmup >= 0")
     _set_threads(args.threads)
     model = args.model or bundled_model_path()
-    tokenizer = load_hf_tokenizer(model)
+    tokenizer = load_hf_tokenizer(args.tokenizer or model)
     if args.dataset == "random":
         workload = random_dataset(normal_vocab(tokenizer), 1, args.input_len, args.input_len,
                                   args.output_len, args.seed)
@@ -291,6 +296,12 @@ def build_parser() -> argparse.ArgumentParser:
     from aioengine.bench.lora import add_lora_parser
 
     add_lora_parser(sub)
+    from aioengine.bench.structured import add_structured_parser
+
+    add_structured_parser(sub)
+    from aioengine.bench.soak import add_soak_parser
+
+    add_soak_parser(sub)
     return parser
 
 

@@ -247,7 +247,7 @@ def parse_configs(spec: str) -> list[str]:
 
 
 def add_accuracy_parser(sub: Any) -> None:
-    from aioengine.cli import add_engine_args
+    from aioengine.config import add_engine_args
 
     p = sub.add_parser("accuracy", help="greedy agreement and perplexity of engine "
                        "configurations vs our float32 engine")
@@ -273,7 +273,7 @@ def add_accuracy_parser(sub: Any) -> None:
 def accuracy_main(args: argparse.Namespace) -> int:
     from aioengine.bench import _config, _emit
     from aioengine.bench.report import environment_info
-    from aioengine.cli import engine_kwargs
+    from aioengine.config import engine_kwargs
     from aioengine.model.default import bundled_model_path
 
     set_flags = ["--" + k.replace("_", "-") for k, default in _CONFIG_FLAGS.items()

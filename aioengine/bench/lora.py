@@ -159,7 +159,7 @@ def format_lora(report: dict[str, Any]) -> str:
 
 
 def add_lora_parser(sub: Any) -> None:
-    from aioengine.cli import add_engine_args
+    from aioengine.config import add_engine_args
 
     p = sub.add_parser("lora", help="multi-LoRA vs the base model: W1 throughput with 4 "
                        "adapters round-robin, single-stream TPOT with an adapter")
@@ -177,7 +177,7 @@ def add_lora_parser(sub: Any) -> None:
 def lora_main(args: argparse.Namespace) -> int:
     from aioengine.bench import _config, _emit, _set_threads
     from aioengine.bench.report import environment_info
-    from aioengine.cli import engine_kwargs
+    from aioengine.config import engine_kwargs
 
     _set_threads(None)
     if args.lora_modules and len(args.lora_modules.split(",")) != NUM_ADAPTERS:

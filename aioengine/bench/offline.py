@@ -287,7 +287,7 @@ Runner = Callable[[Workload, str, argparse.Namespace], EngineResult]
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    from aioengine.cli import engine_kwargs
+    from aioengine.config import engine_kwargs
 
     return engine_kwargs(args)
 

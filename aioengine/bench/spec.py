@@ -47,7 +47,7 @@ def parse_spec(name: str, draft_model: str | None) -> dict[str, Any] | None:
 
 
 def add_spec_parser(sub: Any) -> None:
-    from aioengine.cli import add_engine_args
+    from aioengine.config import add_engine_args
 
     p = sub.add_parser("spec", help="speculative decoding vs none: single-stream TPOT and "
                        "acceptance on held-out chat prompts")
@@ -187,7 +187,7 @@ def format_spec(report: dict[str, Any]) -> str:
 def spec_main(args: argparse.Namespace) -> int:
     from aioengine.bench import _config, _emit, _set_threads
     from aioengine.bench.report import environment_info
-    from aioengine.cli import engine_kwargs
+    from aioengine.config import engine_kwargs
     from aioengine.spec_decode.train.prompts import split_prompts
 
     _set_threads(None)

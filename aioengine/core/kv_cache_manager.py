@@ -13,7 +13,8 @@ forks). Every block at or after C // B receives writes this step and must be pri
 """
 from __future__ import annotations
 
-from aioengine.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from aioengine.core.block_pool import (DEFAULT_PREFIX_CACHING_HASH_ALGO, BlockPool,
+                                       KVCacheBlock, get_block_hasher)
 from aioengine.request import Request
 
 
@@ -29,11 +30,16 @@ class KVCacheManager:
     offered to the prefix cache and carry either no hash or `r.block_hashes[i]`.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 hash_algo: str = DEFAULT_PREFIX_CACHING_HASH_ALGO) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        # --prefix-caching-hash-algo; held here, not global, so engines in one process
+        # may differ. Raises ValueError for an unknown name.
+        self.hash_algo = hash_algo
+        self.hash_block_tokens = get_block_hasher(hash_algo)
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request have been passed to cache_full_block.
@@ -133,7 +139,7 @@ class KVCacheManager:
         assert num_blocks * size <= request.num_tokens, "hashing a block that is not full"
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_blocks):
-            parent = hash_block_tokens(
+            parent = self.hash_block_tokens(
                 parent, request.all_token_ids[i * size:(i + 1) * size], request.cache_salt)
             hashes.append(parent)
 

@@ -60,7 +60,8 @@ class EngineCore:
                            "read float32 K/V, so decode attention takes the torch path",
                            args.kv_cache_dtype)
         start = time.perf_counter()
-        self.loaded = load_model(args.model, self.dtype, self.device, args.quantization)
+        self.loaded = load_model(args.model, self.dtype, self.device, args.quantization,
+                                 tokenizer=args.tokenizer)
         self.speculative_config = resolve_speculative_config(
             self.speculative_config, self.loaded.model_path, self.loaded.arch)
         self.tokenizer = self.loaded.tokenizer
@@ -73,7 +74,8 @@ class EngineCore:
         num_blocks = self._num_kv_blocks()
         spec = self.speculative_config
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size,
-                                               enable_caching=args.enable_prefix_caching)
+                                               enable_caching=args.enable_prefix_caching,
+                                               hash_algo=args.prefix_caching_hash_algo)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
@@ -157,16 +159,21 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------------------
 
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        """InvalidRequestError (naming `param`) for an id outside the vocabulary: the one
+        place that decides it (prompts, /detokenize)."""
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param)
+
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises InvalidRequestError for anything that could never run; resolves
         `max_tokens` (None = up to the context) and the stop token set in `params`."""
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise InvalidRequestError("the prompt is empty", "prompt")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt")
+        self.check_token_ids(prompt_token_ids, "prompt")
         if num_prompt >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {num_prompt} tokens but the model's context length is "

@@ -4,6 +4,8 @@
     model="/x/m.gguf"     -> GGUF: config from metadata, weights dequantized, tokenizer and
                              chat template read by transformers from the same file
     model="/x/dir"        -> config.json + *.safetensors (sharded or not) + tokenizer files
+    tokenizer="/x/tok"    -> that tokenizer (a directory of HF tokenizer files, or a .gguf
+                             file) instead of the model's own (vLLM's --tokenizer)
 
 Never unpickles and never runs code from the checkpoint (no trust_remote_code).
 """
@@ -75,6 +77,16 @@ def load_tokenizer(model: str | None) -> Any:
     return _load_tokenizer(resolve_model_path(model))
 
 
+def resolve_tokenizer_path(tokenizer: str) -> str:
+    """An existing tokenizer directory or .gguf file (the model hub is not used)."""
+    path = os.path.abspath(os.path.expanduser(tokenizer))
+    if os.path.isdir(path) or (os.path.isfile(path) and path.endswith(".gguf")):
+        return path
+    raise ModelLoadError(f"tokenizer {tokenizer!r} is not a directory or a .gguf file; give a "
+                         "directory with the tokenizer files (tokenizer.json, "
+                         "tokenizer_config.json, ...) or a .gguf file (the model hub is not used)")
+
+
 def _load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
@@ -95,8 +107,9 @@ def activation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
-               quantization: str | None = None) -> LoadedModel:
-    """Loads weights, config and tokenizer; see the module docstring for what `model` can be.
+               quantization: str | None = None, tokenizer: str | None = None) -> LoadedModel:
+    """Loads weights, config and tokenizer; see the module docstring for what `model` and
+    `tokenizer` can be.
     The projections and the embedding are stored in `dtype`, or as int8 with per-row scales
     for quantization="int8" / "w8a8", computed from whatever the checkpoint holds; "gguf"
     keeps a GGUF's own Q4_1 projection blocks."""
@@ -108,15 +121,17 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                              f"supported: int8, w8a8, gguf")
     storage = quantization or str(dtype).removeprefix("torch.")
     path = resolve_model_path(model)
+    # Checked before the weights load, so a bad path fails fast.
+    tokenizer_path = resolve_tokenizer_path(tokenizer) if tokenizer is not None else path
     if quantization == "gguf" and not path.endswith(".gguf"):
         raise ModelLoadError(f"quantization 'gguf' reads a GGUF file's own blocks; {path} "
                              f"is not a .gguf file")
     start = time.perf_counter()
     try:
         if path.endswith(".gguf"):
-            loaded = _load_gguf(path, dtype, device, storage)
+            loaded = _load_gguf(path, dtype, device, storage, tokenizer_path)
         else:
-            loaded = _load_hf_dir(path, dtype, device, storage)
+            loaded = _load_hf_dir(path, dtype, device, storage, tokenizer_path)
     except (UnsupportedModelError, GGUFFormatError) as e:
         raise ModelLoadError(f"{path}: {e}") from e
     logger.debug("loaded %s in %.2fs", path, time.perf_counter() - start)
@@ -152,8 +167,8 @@ def _build(arch: ModelArchConfig, weights: Iterator[tuple[str, torch.Tensor]],
     return model.eval()
 
 
-def _load_hf_dir(path: str, dtype: torch.dtype, device: torch.device,
-                 storage: str) -> LoadedModel:
+def _load_hf_dir(path: str, dtype: torch.dtype, device: torch.device, storage: str,
+                 tokenizer_path: str) -> LoadedModel:
     from transformers import AutoConfig
 
     try:
@@ -164,7 +179,7 @@ def _load_hf_dir(path: str, dtype: torch.dtype, device: torch.device,
     arch = _arch_config(hf_config, path)
     files = safetensors_files(path)
     model = _build(arch, _iter_safetensors(files), dtype, device, path, storage)
-    tokenizer = _load_tokenizer(path)
+    tokenizer = _load_tokenizer(tokenizer_path)
     return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, model_path=path,
                        hf_config=hf_config, max_model_len=arch.max_model_len)
 
@@ -197,8 +212,8 @@ def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def _load_gguf(path: str, dtype: torch.dtype, device: torch.device,
-               storage: str) -> LoadedModel:
+def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, storage: str,
+               tokenizer_path: str) -> LoadedModel:
     from aioengine.model import gguf_loader
 
     try:
@@ -216,6 +231,6 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device,
     factors = gguf_loader.rope_freq_factors(reader)
     if factors is not None:
         model.set_rope_freq_factors(factors)
-    tokenizer = _load_tokenizer(path)
+    tokenizer = _load_tokenizer(tokenizer_path)
     return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, model_path=path,
                        hf_config=hf_config, max_model_len=arch.max_model_len)

@@ -376,7 +376,7 @@ def test_speculative_config_flag(capsys) -> None:
     for mode in (["latency"], ["offline"], ["profile"]):
         args = build_parser().parse_args([*mode, "--speculative-config", spec])
         assert args.speculative_config == json.loads(spec)
-    from aioengine.cli import engine_kwargs
+    from aioengine.config import engine_kwargs
 
     assert engine_kwargs(args)["speculative_config"] == json.loads(spec)
     assert build_parser().parse_args(["latency"]).speculative_config is None
