@@ -26,6 +26,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # VLLM_LOG_STATS_INTERVAL); 0 turns them off.
     "AIOENGINE_LOG_STATS_INTERVAL":
         lambda: float(os.getenv("AIOENGINE_LOG_STATS_INTERVAL", "10")),
+    # 1 adds POST /debug/faults to `aioengine serve` (in-process fault injection for tests
+    # and soak runs: aioengine/engine/faults.py). Never on a server others use.
+    "AIOENGINE_FAULT_INJECTION": lambda: os.getenv("AIOENGINE_FAULT_INJECTION", "0") == "1",
 }
 
 

@@ -14,5 +14,9 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped (shut down, or died); no request can be served."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are waiting (HTTP 503 with Retry-After): try again later."""
+
+
 class NotFoundError(LookupError):
     """What the request names does not exist (HTTP 404): a model or adapter name."""

@@ -1,6 +1,8 @@
 """What the engine streams back to callers."""
 from __future__ import annotations
 
+import asyncio
+
 from dataclasses import dataclass, field
 
 # One position's logprobs: token id -> (logprob, rank). Always holds the chosen token;
@@ -47,3 +49,45 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def merge_completion(a: CompletionOutput, b: CompletionOutput) -> CompletionOutput:
+    """Two consecutive updates of one sample as one (b is the later)."""
+    logprobs = None if a.logprobs is None and b.logprobs is None else (
+        (a.logprobs or []) + (b.logprobs or []))
+    return CompletionOutput(b.index, a.text + b.text, a.token_ids + b.token_ids,
+                            b.cumulative_text, b.cumulative_token_ids, logprobs, b.finished,
+                            b.finish_reason, b.stop_reason, b.error)
+
+
+def merge_request_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive updates of one request as one: each sample's new pieces joined, the
+    later update's state (finished, metrics, cached tokens) kept."""
+    samples: dict[int, CompletionOutput] = {c.index: c for c in a.outputs}
+    for c in b.outputs:
+        samples[c.index] = merge_completion(samples[c.index], c) if c.index in samples else c
+    return RequestOutput(b.request_id, b.prompt_token_ids, list(samples.values()), b.finished,
+                         b.prompt, b.prompt_logprobs if b.prompt_logprobs is not None
+                         else a.prompt_logprobs, b.num_cached_tokens, b.metrics)
+
+
+class RequestOutputCollector:
+    """One request's outputs waiting for its consumer, merged (vLLM's idea of the same
+    name): a consumer that lags gets one update with everything new since it last read,
+    so what waits stays O(the request's output) however slowly it reads."""
+
+    def __init__(self) -> None:
+        self._pending: RequestOutput | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, out: RequestOutput) -> None:
+        self._pending = out if self._pending is None else merge_request_outputs(
+            self._pending, out)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self._ready.wait()
+        out, self._pending = self._pending, None
+        self._ready.clear()
+        assert out is not None
+        return out

@@ -1,6 +1,7 @@
 """Per-request sampling parameters, validated on construction."""
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,6 +134,10 @@ class SamplingParams:
             raise SamplingParamsError("structured_outputs must be a StructuredOutputs",
                                       "structured_outputs")
         self._validate()
+
+    def clone(self) -> SamplingParams:
+        """A deep copy: the engine fills its own (max_tokens, stop ids) per request."""
+        return copy.deepcopy(self)
 
     def _validate(self) -> None:
         def check(ok: bool, param: str, message: str) -> None:

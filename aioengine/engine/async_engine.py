@@ -7,8 +7,9 @@ With async scheduling, in steady decoding, step N+1 is scheduled and queued righ
 step N is submitted (its input ids are the tokens N samples), so the worker runs
 N, N+1, N+2, ... back to back while the loop updates, streams and schedules behind it.
 
-Callers `async for out in engine.generate(...)`; each request has an asyncio.Queue the
-output processor fills. Cancelling the consuming task aborts the request.
+Callers `async for out in engine.generate(...)`; each request has a RequestOutputCollector
+the output processor fills (updates the consumer has not read yet are merged into one).
+Cancelling the consuming task aborts the request.
 """
 from __future__ import annotations
 
@@ -18,19 +19,20 @@ import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Union
+from typing import AsyncIterator, Callable, Union
 
 from aioengine import envs
 from aioengine.config import EngineArgs
-from aioengine.core.scheduler_output import EngineCoreOutput, SchedulerOutput
+from aioengine.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from aioengine.engine.core import EngineCore
+from aioengine.engine.faults import FaultInjector
 from aioengine.engine.output_processor import OutputProcessor
 from aioengine.engine.step_worker import StepWorker
 from aioengine.engine.timeline import StepRecord, StepTimeline, step_kind
 from aioengine.errors import EngineDeadError, InvalidRequestError
 from aioengine.lora.request import LoRARequest
 from aioengine.metrics import EngineMetrics, SpecDecodingLogging
-from aioengine.outputs import RequestOutput
+from aioengine.outputs import RequestOutput, RequestOutputCollector
 from aioengine.request import Request, RequestStatus
 from aioengine.sampling_params import SamplingParams
 from aioengine.tokenizer_utils import apply_chat_template, encode_prompt
@@ -77,10 +79,11 @@ class AsyncEngine:
         # Per-step timings for `aioengine bench profile`; set .enabled to record.
         self.timeline = StepTimeline()
         self._samples: dict[str, list[Request]] = {}
-        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._queues: dict[str, RequestOutputCollector] = {}
         self._wakeup = asyncio.Event()
         self._executor = executor or _forward_executor()
-        self._worker = StepWorker(self._executor, self.core.execute)
+        self.faults = FaultInjector()  # in-process fault injection (tests, soak runs)
+        self._worker = StepWorker(self._executor, self._execute)
         self._dead: BaseException | None = None
         self._closing = False
         self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
@@ -114,6 +117,20 @@ class AsyncEngine:
     async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
 
+    def _execute(self, scheduler_output: SchedulerOutput,
+                 hand_over: Callable[[], None]) -> ModelRunnerOutput:
+        self.faults.check_forward()
+        return self.core.execute(scheduler_output, hand_over)
+
+    def inject_fault(self, kind: str, count: int = 1) -> None:
+        """Arms a fault (see aioengine/engine/faults.py); wakes an idle loop for "loop"."""
+        self.faults.arm(kind, count)
+        self._wakeup.set()
+
+    def num_waiting_requests(self) -> int:
+        """Requests queued and not yet running (each sample of n > 1 counts)."""
+        return len(self.core.scheduler.waiting)
+
     @property
     def is_running(self) -> bool:
         return self._dead is None and not self._closing
@@ -123,23 +140,25 @@ class AsyncEngine:
     def _add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                      request_id: str | None = None, priority: int = 0,
                      lora_request: LoRARequest | None = None,
-                     ) -> tuple[str, asyncio.Queue[RequestOutput]]:
+                     ) -> tuple[str, RequestOutputCollector]:
         """Validates and queues a request; returns its id and output queue. Raises
         InvalidRequestError for bad input (nothing is queued then). Only generate() calls
         it: its `finally` is what forgets the queue."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running") from self._dead
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        # The engine resolves max_tokens, stop ids, ... on its own copy (vLLM clones too):
+        # a caller may reuse one SamplingParams for many prompts.
+        params = sampling_params.clone() if sampling_params is not None else SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         text, token_ids = render_prompt(self.tokenizer, prompt)
         samples = self.core.add_request(request_id, token_ids, params, priority,
                                         lora_request=lora_request)
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        queue = RequestOutputCollector()
         self._queues[request_id] = queue
         self._samples[request_id] = samples
-        self.processor.add_request(request_id, text, samples, queue.put_nowait)
+        self.processor.add_request(request_id, text, samples, queue.put)
         self._wakeup.set()
         return request_id, queue
 
@@ -250,6 +269,7 @@ class AsyncEngine:
         ahead: tuple[SchedulerOutput, asyncio.Future] | None = None
         try:
             while not self._closing:
+                self.faults.check_loop()
                 started = time.perf_counter()
                 if ahead is None:
                     step = await self._schedule(pending)

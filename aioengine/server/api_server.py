@@ -22,17 +22,18 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 import aioengine
+from aioengine import envs
 from aioengine.engine.async_engine import AsyncEngine
 from aioengine.errors import EngineDeadError, InvalidRequestError, NotFoundError
 from aioengine.metrics import CONTENT_TYPE
-from aioengine.server.protocol import (ApiError, error_body, get_bool, get_int_list, get_str,
-                                       parse_json_object)
+from aioengine.server.protocol import (ApiError, error_body, get_bool, get_int, get_int_list,
+                                       get_str, parse_json_object)
 from aioengine.server.serving_chat import ChatHandler, render_messages
 from aioengine.server.serving_completions import CompletionsHandler
-from aioengine.server.serving_responses import ResponsesHandler
 from aioengine.server.serving_engine import ServingContext, json_response, not_found_body
-from aioengine.server.tools import ToolServingConfig, chat_tool_plan
 from aioengine.server.serving_models import LoRAModulePath, ServingModels
+from aioengine.server.serving_responses import ResponsesHandler
+from aioengine.server.tools import ToolServingConfig, chat_tool_plan
 from aioengine.tokenizer_utils import encode_prompt
 
 logger = logging.getLogger("aioengine.server")
@@ -66,6 +67,9 @@ class ServerConfig:
     tool_call_parser: str | None = None
     chat_template: str | None = None
     max_stored_responses: int = 1024
+    # Overload: beyond this many waiting requests new ones get 503 + Retry-After (SGLang's
+    # --max-queued-requests); None = unlimited.
+    max_queued_requests: int | None = None
 
 
 @web.middleware
@@ -74,7 +78,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except ApiError as e:
-        return json_response(e.body(), e.status)
+        return json_response(e.body(), e.status, e.headers)
     except web.HTTPException as e:  # unknown route, wrong method, ...
         if e.status < 400:
             raise
@@ -144,6 +148,8 @@ class OpenAIServer:
         app.router.add_post("/v1/responses", self._json(self.responses.create))
         app.router.add_get("/v1/responses/{response_id}", self.responses.retrieve)
         app.router.add_post("/v1/responses/{response_id}/cancel", self.responses.cancel)
+        if envs.AIOENGINE_FAULT_INJECTION:
+            app.router.add_post("/debug/faults", self._json(self.inject_fault))
         if self.config.allow_runtime_lora_updating:
             app.router.add_post("/v1/load_lora_adapter", self._json(self.load_lora_adapter))
             app.router.add_post("/v1/unload_lora_adapter",
@@ -196,6 +202,16 @@ class OpenAIServer:
     async def unload_lora_adapter(self, request: web.Request, body: dict) -> web.Response:
         return web.Response(text=await self.ctx.models.unload_lora_adapter(body))
 
+    async def inject_fault(self, request: web.Request, body: dict) -> web.Response:
+        """AIOENGINE_FAULT_INJECTION=1 only: arms an in-process fault (engine/faults.py)."""
+        kind = get_str(body, "kind", None)
+        try:
+            self.ctx.engine.inject_fault(kind or "", get_int(body, "count", 1, lo=1) or 1)
+        except ValueError as e:
+            raise ApiError(400, str(e), "kind") from None
+        logger.warning("fault injected: %s", kind)
+        return json_response({"armed": kind})
+
     async def tokenize(self, request: web.Request, body: dict) -> web.Response:
         self.ctx.check_model(body)
         tokenizer = self.ctx.engine.tokenizer
@@ -220,11 +236,10 @@ class OpenAIServer:
         tokens = get_int_list(body, "tokens")
         if tokens is None:
             raise ApiError(400, "tokens (a list of token ids) is required", "tokens")
-        vocab = self.ctx.engine.core.vocab_size
-        bad = [t for t in tokens if not 0 <= t < vocab]
-        if bad:
-            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
-                           "tokens")
+        try:
+            self.ctx.engine.core.check_token_ids(tokens, "tokens")
+        except InvalidRequestError as e:
+            raise ApiError.invalid(e) from None
         return json_response({"prompt": self.ctx.engine.tokenizer.decode(tokens)})
 
 
@@ -243,7 +258,7 @@ async def serve(engine: AsyncEngine, served_model_names: list[str], config: Serv
     the connections. The engine is shut down in every case."""
     tools = ToolServingConfig(config.enable_auto_tool_choice, config.tool_call_parser)
     ctx = ServingContext(engine, ServingModels(engine, served_model_names), tools,
-                         config.chat_template)
+                         config.chat_template, config.max_queued_requests)
     try:
         await ctx.models.init_static_loras(list(config.lora_modules))
     except BaseException:

@@ -35,8 +35,10 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def json_response(body: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+def json_response(body: Any, status: int = 200,
+                  headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json",
+                        headers=headers)
 
 
 @dataclass
@@ -47,6 +49,8 @@ class ServingContext:
     models: ServingModels
     tools: ToolServingConfig = field(default_factory=ToolServingConfig)
     chat_template: str | None = None  # --chat-template (None: the model's)
+    # --max-queued-requests: beyond this many waiting requests new ones get a 503.
+    max_queued_requests: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -71,8 +75,15 @@ class ServingContext:
         return self.resolve_model(body)[0]
 
     def check_running(self) -> None:
+        """503 when the engine is gone, or too many requests wait (then with Retry-After:
+        what is admitted already is never disturbed)."""
         if not self.engine.is_running:
             raise ApiError(503, "the engine is not running", type="service_unavailable_error")
+        limit = self.max_queued_requests
+        if limit is not None and self.engine.num_waiting_requests() >= limit:
+            raise ApiError(503, f"the server is overloaded: {limit} requests are already "
+                           "waiting; retry later", type="service_unavailable_error",
+                           code="overloaded", headers={"Retry-After": "1"})
 
     def encode(self, prompt: str | list[int], need_text: bool) -> tuple[str, list[int]]:
         """(prompt text, token ids) of a completions prompt; the text of token ids is only
@@ -80,11 +91,10 @@ class ServingContext:
         tokenizer = self.engine.tokenizer
         if isinstance(prompt, str):
             return prompt, encode_prompt(tokenizer, prompt)
-        vocab = self.engine.core.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
-                           "prompt")
+        try:
+            self.engine.core.check_token_ids(prompt, "prompt")
+        except InvalidRequestError as e:
+            raise ApiError.invalid(e) from None
         text = tokenizer.decode(prompt, skip_special_tokens=False) if need_text else ""
         return text, list(prompt)
 
