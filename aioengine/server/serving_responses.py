@@ -112,9 +112,6 @@ class ResponsesStore:
                            "response_id", type="not_found_error")
         return stored
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
 
 def _echo(body: dict, instructions: str | None, params: SamplingParams,
           plan: ToolPlan | None) -> dict[str, Any]:
