@@ -20,6 +20,16 @@ __version__ = "0.1.0"
 if "torch" not in sys.modules:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000000")
 
+# oneDNN keeps every matmul primitive it creates in two caches of 1,024 entries each (its
+# own, and ideep's LRU above it), one entry per (shape, op), each holding JIT code and
+# scratch. Every distinct step size (tokens in a prefill chunk, requests in a decode) makes
+# new entries for each projection, about 2.6 MiB per step size with the bundled model: a
+# server's memory grew ~13 MiB/min under mixed traffic and would have plateaued only some
+# gigabytes later. 64 entries each bound that to a few hundred MiB at no measured cost
+# (docs/benchmarks.md, "Soak"). Both are read at the first matmul; a value already set wins.
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
+
 _EXPORTS = {
     "AsyncEngine": "aioengine.engine.async_engine",
     "LLM": "aioengine.engine.llm",
