@@ -26,6 +26,7 @@ class ConfigError(ValueError):
 QUANTIZATIONS = ("int8", "w8a8", "gguf")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
@@ -116,6 +117,14 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # The GPU path (vLLM's names). The attention backend: "auto" = triton on CUDA, torch
+    # elsewhere; "triton" on the CPU runs under TRITON_INTERPRET=1 (tests only: slow).
+    attention_backend: str = "auto"
+    # CUDA: no CUDA graphs for decode steps (every step eager).
+    enforce_eager: bool = False
+    # CUDA: the share of the device's memory the engine may use (weights, activations of
+    # the largest step, KV cache); the KV cache gets what the profiling run leaves.
+    gpu_memory_utilization: float = 0.9
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineArgs:
@@ -164,6 +173,12 @@ class EngineArgs:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
                               f"({self.max_loras})")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, "
+                              f"got {self.attention_backend!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], "
+                              f"got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ConfigError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
 
@@ -255,6 +270,13 @@ ENGINE_FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
         help='speculative decoding, vLLM\'s JSON object, e.g. \'{"method": "ngram", '
              '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' '
              "(default: off)"),
+    "attention_backend": _flag("--attention-backend", choices=ATTENTION_BACKENDS,
+                               help="auto: triton on CUDA, torch elsewhere"),
+    "enforce_eager": _flag("--enforce-eager", action=_BOOL,
+                           help="CUDA: run every decode step eagerly (no CUDA graphs)"),
+    "gpu_memory_utilization": _flag("--gpu-memory-utilization", type=float,
+                                    help="CUDA: share of device memory for the engine "
+                                         "(default 0.9); the KV cache gets what is left"),
 }
 
 

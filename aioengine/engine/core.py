@@ -30,6 +30,7 @@ from aioengine.lora.manager import LoRAConfig, LoRAManager
 from aioengine.lora.request import LoRARequest
 from aioengine.metrics import SPEC_PER_POS_PREFIX
 from aioengine.model.loader import activation_dtype, load_model
+from aioengine.model.triton_attention import select_attention_backend
 from aioengine.request import Request, RequestStatus
 from aioengine.sampling_params import SamplingParams
 from aioengine.spec_decode import SpeculativeConfig, make_proposer, num_lookahead_tokens
@@ -60,8 +61,10 @@ class EngineCore:
                            "read float32 K/V, so decode attention takes the torch path",
                            args.kv_cache_dtype)
         start = time.perf_counter()
+        attn_backend = select_attention_backend(args.attention_backend, self.device)  # fails fast
         self.loaded = load_model(args.model, self.dtype, self.device, args.quantization,
                                  tokenizer=args.tokenizer)
+        self.loaded.model.attn_backend = attn_backend
         self.speculative_config = resolve_speculative_config(
             self.speculative_config, self.loaded.model_path, self.loaded.arch)
         self.tokenizer = self.loaded.tokenizer
