@@ -183,11 +183,17 @@ class EngineArgs:
             raise ConfigError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
 
 
+def gpu_kv_cache_budget(total: int, utilization: float, peak_torch: int,
+                        non_torch: int) -> int:
+    """vLLM's rule for the KV cache on a GPU: of `utilization` x the device's memory, what
+    the profiling run's peak of torch memory (weights + the largest step's activations,
+    without KV) and the memory outside torch (CUDA context, other processes) leave."""
+    return max(0, int(total * utilization) - peak_torch - non_torch)
+
+
 def default_kv_cache_memory(device: torch.device) -> int:
-    """A quarter of available host memory on CPU (capped at 4 GiB); 80% of free GPU memory."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.8)
+    """A quarter of available host memory (capped at 4 GiB): the KV cache off CUDA (on CUDA
+    EngineCore profiles instead: gpu_kv_cache_budget)."""
     try:
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):

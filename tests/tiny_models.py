@@ -45,8 +45,13 @@ _ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
 
 @functools.lru_cache(maxsize=1)
 def bundled_tokenizer():
-    """The bundled SmolLM2 tokenizer (read once per process: parsing the GGUF takes seconds)."""
+    """The bundled SmolLM2 tokenizer (read once per process: parsing the GGUF takes seconds).
+    AIOENGINE_TEST_TOKENIZER_DIR: the same tokenizer saved as a HF directory, for machines
+    the 98 MB GGUF does not travel to (scripts/gpu_check.sh)."""
     from transformers import AutoTokenizer
+
+    if os.environ.get("AIOENGINE_TEST_TOKENIZER_DIR"):
+        return AutoTokenizer.from_pretrained(os.environ["AIOENGINE_TEST_TOKENIZER_DIR"])
 
     from aioengine.model.default import bundled_model_path
 

@@ -28,6 +28,7 @@ from aioengine.engine.core import EngineCore
 from aioengine.engine.faults import FaultInjector
 from aioengine.engine.output_processor import OutputProcessor
 from aioengine.engine.step_worker import StepWorker
+from aioengine.worker.async_output import AsyncModelRunnerOutput
 from aioengine.engine.timeline import StepRecord, StepTimeline, step_kind
 from aioengine.errors import EngineDeadError, InvalidRequestError
 from aioengine.lora.request import LoRARequest
@@ -84,6 +85,8 @@ class AsyncEngine:
         self._executor = executor or _forward_executor()
         self.faults = FaultInjector()  # in-process fault injection (tests, soak runs)
         self._worker = StepWorker(self._executor, self._execute)
+        # Waits for CUDA events of steps in flight (AsyncModelRunnerOutput); made on first use.
+        self._event_pool: ThreadPoolExecutor | None = None
         self._dead: BaseException | None = None
         self._closing = False
         self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
@@ -252,10 +255,18 @@ class AsyncEngine:
         if self._stat_logger is not None:
             self._stat_logger.log()  # what the last interval did
         self._executor.shutdown(wait=True)
+        if self._event_pool is not None:
+            self._event_pool.shutdown(wait=True)
         self._worker.close()
         self.core.structured.shutdown()
 
     # ---- the engine loop ---------------------------------------------------------------
+
+    def _event_waiter(self) -> ThreadPoolExecutor:
+        if self._event_pool is None:
+            self._event_pool = ThreadPoolExecutor(max_workers=1,
+                                                  thread_name_prefix="aioengine-events")
+        return self._event_pool
 
     @staticmethod
     async def _log_stats(stat_logger: SpecDecodingLogging, interval: float) -> None:
@@ -332,6 +343,10 @@ class AsyncEngine:
         waiting = time.perf_counter()
         try:
             runner_output = await future
+            if isinstance(runner_output, AsyncModelRunnerOutput):
+                # On CUDA: the step is launched, its sampled ids are on their way to the
+                # host; the event is awaited on a thread of its own, never on the loop.
+                runner_output = await runner_output.resolve(self._event_waiter())
         except Exception as e:  # noqa: BLE001 - fail this batch's requests, not the engine
             logger.exception("forward failed")
             self._process([], self.core.fail_step(scheduler_output, e))

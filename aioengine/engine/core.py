@@ -18,7 +18,7 @@ import torch
 from aioengine import envs
 from aioengine import cpu_info
 from aioengine.config import (ConfigError, EngineArgs, SchedulerConfig, auto_dtype,
-                              default_kv_cache_memory, parse_dtype)
+                              default_kv_cache_memory, gpu_kv_cache_budget, parse_dtype)
 from aioengine.core.kv_cache_manager import KVCacheManager
 from aioengine.core.scheduler import Scheduler
 from aioengine.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
@@ -30,13 +30,15 @@ from aioengine.lora.manager import LoRAConfig, LoRAManager
 from aioengine.lora.request import LoRARequest
 from aioengine.metrics import SPEC_PER_POS_PREFIX
 from aioengine.model.loader import activation_dtype, load_model
-from aioengine.model.triton_attention import select_attention_backend
+from aioengine.model.triton_attention import TritonAttentionBackend, select_attention_backend
 from aioengine.request import Request, RequestStatus
 from aioengine.sampling_params import SamplingParams
 from aioengine.spec_decode import SpeculativeConfig, make_proposer, num_lookahead_tokens
 from aioengine.spec_decode.shipped import resolve_speculative_config
 from aioengine.structured import StructuredOutputManager
 from aioengine.tokenizer_utils import get_eos_token_ids
+from aioengine.worker.async_output import AsyncModelRunnerOutput, resolve_now
+from aioengine.worker.cuda_graphs import default_capture_sizes
 from aioengine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("aioengine")
@@ -106,6 +108,13 @@ class EngineCore:
         warm_tokens = self.runner.warm_up(args.max_num_batched_tokens, self.max_model_len)
         logger.debug("warm-up step of %d tokens: %.2fs", warm_tokens,
                      time.perf_counter() - warm_start)
+        if (self.device.type == "cuda" and not args.enforce_eager and self.lora is None
+                and isinstance(attn_backend, TritonAttentionBackend)):
+            sizes = default_capture_sizes(args.max_num_seqs)
+            graph_start = time.perf_counter()
+            self.runner.capture_cuda_graphs(sizes, self.max_model_len)
+            logger.info("CUDA graphs of decode steps captured for %d batch sizes (1..%d): "
+                        "%.1fs", len(sizes), sizes[-1], time.perf_counter() - graph_start)
         self.eos_token_ids = get_eos_token_ids(self.tokenizer, self.loaded.hf_config)
         self.eos_token_ids |= set(self.loaded.arch.eos_token_ids)
         # Grammars allow EOS only where they may end; compiles run on its own pool.
@@ -150,7 +159,10 @@ class EngineCore:
             return self.args.num_kv_blocks
         per_block = kv_cache_bytes_per_block(self.loaded.arch, self.args.block_size,
                                              self.kv_cache_dtype)
-        memory = self.args.kv_cache_memory or default_kv_cache_memory(self.device)
+        memory = self.args.kv_cache_memory
+        if memory is None:
+            memory = (self._profile_gpu_kv_memory() if self.device.type == "cuda"
+                      else default_kv_cache_memory(self.device))
         # More blocks than max_num_seqs full-length requests can use only serve the prefix
         # cache; capping keeps a tiny model from building millions of block objects.
         usable = self.args.max_num_seqs * -(-self.max_model_len // self.args.block_size)
@@ -159,6 +171,31 @@ class EngineCore:
             raise ConfigError(f"kv_cache_memory {memory} bytes holds no block ({per_block} bytes "
                               f"per block of {self.args.block_size} tokens)")
         return num_blocks
+
+    def _profile_gpu_kv_memory(self) -> int:
+        """vLLM's profiling run: the largest step on a throw-away KV cache just big enough
+        for it, then --gpu-memory-utilization of the device minus the peak torch memory
+        (without that cache) and the memory outside torch."""
+        args, bs = self.args, self.args.block_size
+        tokens = args.max_num_batched_tokens
+        blocks = tokens // bs + -(-tokens // self.max_model_len) + 1
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        runner = ModelRunner(self.loaded, blocks, bs, self.device, self.kv_cache_dtype)
+        runner.warm_up(tokens, self.max_model_len)
+        torch.cuda.synchronize(self.device)
+        kv_bytes = sum(c.numel() * c.element_size() for c in runner.kv_caches)
+        peak = torch.cuda.max_memory_allocated(self.device) - kv_bytes
+        del runner
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        memory = gpu_kv_cache_budget(total, args.gpu_memory_utilization, peak, non_torch)
+        logger.info("GPU memory: %.2f GiB total, profiling peak %.2f GiB, %.2f GiB outside "
+                    "torch: %.2f GiB for the KV cache (--gpu-memory-utilization %.2f)",
+                    total / 2**30, peak / 2**30, non_torch / 2**30, memory / 2**30,
+                    args.gpu_memory_utilization)
+        return memory
 
     # ---- requests -------------------------------------------------------------------
 
@@ -345,9 +382,11 @@ class EngineCore:
             scheduler_output.grammar_bitmask.fill()
 
     def execute(self, scheduler_output: SchedulerOutput,
-                before_layers: Callable[[], None] | None = None) -> ModelRunnerOutput:
+                before_layers: Callable[[], None] | None = None,
+                ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         """Runs the step (off the loop); `before_layers()` is called once its inputs are
-        ready and embedded, right before the model's layers."""
+        ready and embedded, right before the model's layers. On CUDA the output may still
+        be on its way (AsyncModelRunnerOutput: AsyncEngine awaits it off the loop)."""
         return self.runner.execute_model(scheduler_output, before_layers)
 
     def update(self, scheduler_output: SchedulerOutput,
@@ -380,7 +419,7 @@ class EngineCore:
             return [], failed
         self.fill_bitmask(scheduler_output)  # no overlap in the synchronous path
         try:
-            runner_output = self.execute(scheduler_output)
+            runner_output = resolve_now(self.execute(scheduler_output))
         except Exception as e:  # noqa: BLE001 - one bad batch must not take the engine down
             logger.exception("forward failed")
             return [], failed + self.fail_step(scheduler_output, e)

@@ -84,17 +84,17 @@ def build_attention_metadata(query_lens: list[int], seq_lens: list[int],
         num_actual_tokens=num_tokens,
         num_reqs=num_reqs,
         num_decodes=num_decodes,
-        query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
-        seq_lens=torch.from_numpy(s.astype(np.int32)).to(device),
-        block_tables=torch.from_numpy(table.astype(np.int32)).to(device),
-        slot_mapping=torch.from_numpy(slots).to(device),
+        query_start_loc=to_device(torch.from_numpy(qsl.astype(np.int32)), device),
+        seq_lens=to_device(torch.from_numpy(s.astype(np.int32)), device),
+        block_tables=to_device(torch.from_numpy(table.astype(np.int32)), device),
+        slot_mapping=to_device(torch.from_numpy(slots), device),
         max_query_len=int(q.max()),
         max_seq_len=int(s.max()),
         query_start_loc_cpu=qsl.tolist(),
         seq_lens_cpu=s.tolist(),
         max_decode_seq_len=int(s[:num_decodes].max()) if num_decodes else 0,
     )
-    return meta, torch.from_numpy(positions).to(device)
+    return meta, to_device(torch.from_numpy(positions), device)
 
 
 # Decode steps of up to this many requests take plain Python lists instead of numpy: for
@@ -122,17 +122,26 @@ def _small_decode_metadata(seq_lens: list[int], block_tables: list[list[int]],
         num_actual_tokens=num_reqs,
         num_reqs=num_reqs,
         num_decodes=num_reqs,
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(table, dtype=torch.int32, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=to_device(torch.tensor(qsl, dtype=torch.int32), device),
+        seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32), device),
+        block_tables=to_device(torch.tensor(table, dtype=torch.int32), device),
+        slot_mapping=to_device(torch.tensor(slots, dtype=torch.int64), device),
         max_query_len=1,
         max_seq_len=max_seq_len,
         query_start_loc_cpu=qsl,
         seq_lens_cpu=list(seq_lens),
         max_decode_seq_len=max_seq_len,
     )
-    return meta, torch.tensor(positions, dtype=torch.int64, device=device)
+    return meta, to_device(torch.tensor(positions, dtype=torch.int64), device)
+
+
+def to_device(t: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on `device`: on CUDA through a pinned staging copy and a non_blocking
+    copy on the current stream (torch's caching host allocator reuses the pinned block once
+    the copy's event has completed); the tensor itself elsewhere."""
+    if device.type != "cuda":
+        return t if t.device == device else t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 class AttentionBackend(abc.ABC):

@@ -324,8 +324,18 @@ def embed(input_ids: Tensor, table: Linear, dtype: torch.dtype) -> Tensor:
     return rows
 
 
+def _triton_ops():
+    """The CUDA path's kernels (aioengine.kernels.triton), imported on the first CUDA call:
+    triton.jit reads TRITON_INTERPRET when they are defined."""
+    from aioengine.kernels import triton as ops
+
+    return ops
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """x [T, H] normalised by its root mean square, times weight [H]; a new tensor."""
+    if x.is_cuda:
+        return _triton_ops().rms_norm(x, weight, eps)
     out = cpu_kernels.rms_norm(x, weight, eps)
     return out if out is not None else F.rms_norm(x, x.shape[-1:], weight, eps)
 
@@ -335,6 +345,8 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor,
     """(rms_norm(x + residual), x + residual): the pre-norm of a layer's next sub-block and
     the running residual stream. x and residual [T, H] may be updated in place (the C
     kernel writes the sum into residual and the normed rows into x): use the results."""
+    if x.is_cuda:
+        return _triton_ops().fused_add_rms_norm(x, residual, weight, eps)
     if cpu_kernels.fused_add_rms_norm(x, residual, weight, eps):
         return x, residual
     residual = x + residual
@@ -343,6 +355,8 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor,
 
 def silu_and_mul(x: Tensor) -> Tensor:
     """x [T, 2d] = [gate | up] (the fused gate_up projection) -> silu(gate) * up [T, d]."""
+    if x.is_cuda:
+        return _triton_ops().silu_and_mul(x)
     out = cpu_kernels.silu_and_mul(x)
     if out is not None:
         return out

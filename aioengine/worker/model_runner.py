@@ -8,6 +8,11 @@ SchedulerOutput plus request fields the loop does not change during a step.
     sample rows [ d0 | d1 | s0 s0 s0 |          p0 |       ]  <- only where a chunk ends
     attention   [ decode rows ........ | prefill chunks      ]
 
+On CUDA, steps are launched on the runner's stream from pinned inputs and the runner does
+not wait for them: plain sampling steps return an AsyncModelRunnerOutput whose sampled ids
+are copied back on a copy stream (worker/async_output.py), and a step scheduled ahead reads
+its input ids on the device from the step before it (`_input_ids`).
+
 s0 is a decode with two drafts (speculative decoding): each of its positions is its own
 decode row (its own position and seq_len, the request's block table) and is sampled; the
 rejection sampler (aioengine.spec_decode) keeps the drafts the target agrees with. After
@@ -22,8 +27,9 @@ import torch
 
 from aioengine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from aioengine.lora.manager import LoRAManager
-from aioengine.model.attention import build_attention_metadata, copy_blocks
+from aioengine.model.attention import build_attention_metadata, copy_blocks, to_device
 from aioengine.model.llama import make_kv_caches
+from aioengine.worker.cuda_graphs import CUDAGraphRunner
 from aioengine.model.loader import LoadedModel
 from aioengine.outputs import Logprob, PositionLogprobs
 from aioengine.request import Request
@@ -33,12 +39,19 @@ from aioengine.sample import (Sampler, SamplingMetadata, SamplingRow, compute_pr
                               make_generator)
 from aioengine.spec_decode.proposer import ProposeContext, Proposer
 from aioengine.spec_decode.rejection_sampler import VerifyRows, accept_greedy, accept_sampled
+from aioengine.worker.async_output import AsyncModelRunnerOutput, HostCopier
+
+# Sampled ids (and, when asked for, logprob ids, logprobs and ranks) of the plain rows of
+# one step, with the items they belong to: turned into the output's lists by `_read_plain`.
+_PlainSample = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+                     list[ScheduledRequest]]
 
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
                  device: torch.device, kv_cache_dtype: torch.dtype, seed: int = 0,
-                 proposer: Proposer | None = None, lora: LoRAManager | None = None) -> None:
+                 proposer: Proposer | None = None, lora: LoRAManager | None = None,
+                 async_output: bool | None = None) -> None:
         self.model = loaded.model
         # Multi-LoRA: puts each step's adapters in slots and sets every token's slot.
         self.lora = lora
@@ -53,18 +66,26 @@ class ModelRunner:
                                         device)
         # Unseeded requests share this generator (engine seed); seeded ones have their own.
         self.sampler = Sampler(torch.Generator(device).manual_seed(seed))
-        # On CUDA the forward is issued on its own stream (from the worker thread); reading
-        # the sampled ids back (.tolist()) is the completion point, off the event loop.
+        # On CUDA the forward is issued on its own stream (from the worker thread).
         self.stream: torch.cuda.Stream | None = None
         if device.type == "cuda":
             self.stream = torch.cuda.Stream(device)
             self.stream.wait_stream(torch.cuda.current_stream(device))  # KV caches zeroed
-        # The last step run and what it sampled: the input ids of a step scheduled ahead.
+        # Plain sampling steps return an AsyncModelRunnerOutput (default: on CUDA), their
+        # ids copied back by `copier` while the worker goes on; else the lists, at once.
+        self.async_output = device.type == "cuda" if async_output is None else async_output
+        self.copier = HostCopier(device)
+        # CUDA graphs of decode steps (capture_cuda_graphs); None: every step eager.
+        self.cuda_graphs: CUDAGraphRunner | None = None
+        # The last step run, its sampled ids on the device and each request's row in them:
+        # the input ids of a step scheduled ahead, gathered there without a host round trip.
         self._last_step_id: int | None = None
-        self._last_sampled: dict[str, list[int]] = {}
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        self._plain: list[_PlainSample] = []
 
     def execute_model(self, scheduler_output: SchedulerOutput,
-                      before_layers: Callable[[], None] | None = None) -> ModelRunnerOutput:
+                      before_layers: Callable[[], None] | None = None,
+                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         """`before_layers()` runs once the inputs are ready, right before the model's
         layers (after the embedding lookup: LlamaForCausalLM.forward calls it)."""
         if self.lora is not None:
@@ -81,22 +102,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, scheduler_output: SchedulerOutput,
-                 before_layers: Callable[[], None] | None) -> ModelRunnerOutput:
-        # On CUDA "forward" is launch time; the sync lands in "sample" (.tolist()).
+                 before_layers: Callable[[], None] | None,
+                 ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        # With async output (CUDA) every phase is launch time; the device time lands in the
+        # loop's "wait".
         start = time.perf_counter()
+        self._plain = []
         scheduled = scheduler_output.scheduled
         if scheduler_output.blocks_to_copy:
             src, dst = zip(*scheduler_output.blocks_to_copy)
             copy_blocks(self.kv_caches, list(src), list(dst))
-        input_ids = torch.tensor(self._input_ids(scheduler_output), dtype=torch.long,
-                                 device=self.device)
+        input_ids = self._input_ids(scheduler_output)
         query_lens, seq_lens, block_tables, item_starts = _step_layout(scheduled)
         attn_metadata, positions = build_attention_metadata(
             query_lens=query_lens, seq_lens=seq_lens, block_tables=block_tables,
             block_size=self.block_size, device=self.device)
         prepared = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata,
-                            before_layers=before_layers)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(attn_metadata):
+            hidden = self.cuda_graphs.run(input_ids, positions, attn_metadata, before_layers)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata,
+                                before_layers=before_layers)
         aux_hidden = None
         if isinstance(hidden, tuple):  # the model hands out auxiliary layers' hidden states
             hidden, aux_hidden = hidden
@@ -106,26 +132,54 @@ class ModelRunner:
         self._sample(scheduled, hidden, item_starts, output, scheduler_output.grammar_bitmask)
         self._prompt_logprobs(scheduled, hidden, item_starts, output)
         sampled = time.perf_counter()
-        if self.proposer is not None and scheduler_output.propose_drafts:
+        propose = self.proposer is not None and scheduler_output.propose_drafts
+        plain, self._plain = self._plain, []
+        self._last_step_id = scheduler_output.step_id
+        if plain and self.async_output and not propose:
+            # Only the sampled ids are still on the device: hand the output over unread.
+            hosts, event = self.copier.copy([t for sample in plain for t in _tensors(sample)])
+            output.timings = {"prepare": prepared - start, "forward": forwarded - prepared,
+                              "sample": time.perf_counter() - forwarded, "propose": 0.0}
+            return AsyncModelRunnerOutput(event, lambda: _read_plain(plain, hosts, output))
+        if plain:
+            _read_plain(plain, [t for sample in plain for t in _tensors(sample)], output)
+        if propose:
             output.spec_token_ids = self.proposer.propose(ProposeContext(
                 scheduled=scheduled, sampled_token_ids=output.sampled_token_ids,
                 item_starts=item_starts, input_ids=input_ids, positions=positions,
                 hidden=hidden, aux_hidden=aux_hidden, attn_metadata=attn_metadata))
-        self._last_step_id, self._last_sampled = scheduler_output.step_id, output.sampled_token_ids
         output.timings = {"prepare": prepared - start, "forward": forwarded - prepared,
                           "sample": sampled - forwarded, "propose": time.perf_counter() - sampled}
         return output
 
-    def _input_ids(self, scheduler_output: SchedulerOutput) -> list[int]:
+    def _input_ids(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
         """The step's tokens; a step scheduled ahead takes them from the step before it,
-        which must be the last one run (a failed one leaves nothing to take)."""
+        which must be the last one run (a failed one leaves nothing to take): gathered on
+        the device from that step's sampled ids, which the host may not have yet."""
         last_step, self._last_step_id = self._last_step_id, None
+        last_sampled, self._last_sampled = self._last_sampled, None
         if scheduler_output.follows_step is None:
-            return [t for s in scheduler_output.scheduled for t in s.token_ids]
-        if last_step != scheduler_output.follows_step:
+            ids = [t for s in scheduler_output.scheduled for t in s.token_ids]
+            return to_device(torch.tensor(ids, dtype=torch.long), self.device)
+        if last_step != scheduler_output.follows_step or last_sampled is None:
             raise RuntimeError(f"step {scheduler_output.step_id} was scheduled after step "
                                f"{scheduler_output.follows_step}, which did not complete")
-        return [self._last_sampled[s.request.request_id][0] for s in scheduler_output.scheduled]
+        sampled, row_of = last_sampled
+        rows = [row_of[s.request.request_id] for s in scheduler_output.scheduled]
+        return sampled[to_device(torch.tensor(rows, dtype=torch.long), self.device)]
+
+    def capture_cuda_graphs(self, capture_sizes: list[int], max_model_len: int,
+                            capture: bool = True) -> None:
+        """Decode steps of up to max(capture_sizes) requests replay CUDA graphs from now on
+        (capture=False, off CUDA: the same padded buffers, run eagerly)."""
+        self.cuda_graphs = CUDAGraphRunner(self.model, self.kv_caches, capture_sizes,
+                                           max_model_len, self.block_size, self.device,
+                                           capture=capture)
+        if self.stream is None:
+            self.cuda_graphs.capture()
+            return
+        with torch.cuda.stream(self.stream):
+            self.cuda_graphs.capture()
 
     @torch.inference_mode()
     def warm_up(self, max_num_tokens: int, max_model_len: int) -> int:
@@ -225,24 +279,24 @@ class ModelRunner:
     def _sample_plain(self, logits: torch.Tensor, rows: list[SamplingRow],
                       owners: list[ScheduledRequest], output: ModelRunnerOutput,
                       masked: bool) -> None:
-        """One token per row through the Sampler (1, or 1 + forks, per item)."""
+        """One token per row through the Sampler (1, or 1 + forks, per item), left on the
+        device: `_execute` reads them (`_read_plain`) at once or hands them over unread."""
+        lp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if not masked and all(is_plain_greedy(row) for row in rows):
-            sampled, logprobs = logits.argmax(dim=1).tolist(), None
+            sampled = logits.argmax(dim=1)
         else:
             metadata = SamplingMetadata.build(rows, self.vocab_size, self.device)
             result = self.sampler(logits, metadata)
-            sampled = result.sampled_token_ids.tolist()
-            logprobs = _to_position_logprobs(result.logprob_token_ids, result.logprobs,
-                                             result.sampled_token_ranks)
-        r = 0
+            sampled = result.sampled_token_ids
+            if (result.logprob_token_ids is not None and result.logprobs is not None
+                    and result.sampled_token_ranks is not None):
+                lp = (result.logprob_token_ids, result.logprobs, result.sampled_token_ranks)
+        row_of, r = {}, 0
         for item in owners:
-            rid = item.request.request_id
-            n = item.num_samples
-            output.sampled_token_ids[rid] = sampled[r:r + n]
-            k = item.request.sampling_params.logprobs
-            if k is not None and logprobs is not None:
-                output.logprobs[rid] = [_top(lp, k) for lp in logprobs[r:r + n]]
-            r += n
+            row_of[item.request.request_id] = r
+            r += item.num_samples
+        self._last_sampled = sampled, row_of
+        self._plain.append((sampled, lp, owners))
 
     def _verify(self, logits: torch.Tensor, rows: list[SamplingRow],
                 owners: list[ScheduledRequest], output: ModelRunnerOutput) -> None:
@@ -341,6 +395,32 @@ def _to_position_logprobs(ids: torch.Tensor | None, lps: torch.Tensor | None,
             entry.setdefault(tok, Logprob(lp, j + 1))
         out.append(entry)
     return out
+
+
+def _tensors(sample: _PlainSample) -> list[torch.Tensor]:
+    sampled, lp, _ = sample
+    return [sampled] if lp is None else [sampled, *lp]
+
+
+def _read_plain(plain: list[_PlainSample], hosts: list[torch.Tensor],
+                output: ModelRunnerOutput) -> ModelRunnerOutput:
+    """Fills `output` from the host copies of each plain sample's tensors (in the order
+    `_tensors` lists them)."""
+    i = 0
+    for sampled_t, lp, owners in plain:
+        sampled = hosts[i].tolist()
+        logprobs = _to_position_logprobs(*hosts[i + 1:i + 4]) if lp is not None else None
+        i += 1 if lp is None else 4
+        r = 0
+        for item in owners:
+            rid = item.request.request_id
+            n = item.num_samples
+            output.sampled_token_ids[rid] = sampled[r:r + n]
+            k = item.request.sampling_params.logprobs
+            if k is not None and logprobs is not None:
+                output.logprobs[rid] = [_top(lp_, k) for lp_ in logprobs[r:r + n]]
+            r += n
+    return output
 
 
 def _top(entry: PositionLogprobs, k: int) -> PositionLogprobs:

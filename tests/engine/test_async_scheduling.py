@@ -95,12 +95,13 @@ def test_the_runner_refuses_a_step_ahead_of_one_that_did_not_run(tiny_llama_dir:
         total_num_scheduled_tokens=1, step_id=99, follows_step=98)
     with pytest.raises(RuntimeError, match="did not complete"):
         llm.core.execute(orphan)
-    # After a step that ran, a step ahead of it takes its sampled token as input.
+    # After a step that ran, a step ahead of it takes its sampled token as input, gathered
+    # from that step's sampled ids where they are (the device's copy on CUDA).
     first = llm.core.schedule()
     output = llm.core.execute(first)
     ahead = llm.core.schedule_ahead(first)
     assert ahead is not None and ahead.follows_step == first.step_id
-    assert llm.core.runner._input_ids(ahead) == output.sampled_token_ids["r"]
+    assert llm.core.runner._input_ids(ahead).tolist() == output.sampled_token_ids["r"]
 
 
 async def test_staggered_arrivals_and_aborts_keep_greedy_tokens_and_blocks(
