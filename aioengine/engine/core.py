@@ -18,7 +18,7 @@ import torch
 from aioengine import envs
 from aioengine import cpu_info
 from aioengine.config import (ConfigError, EngineArgs, SchedulerConfig, auto_dtype,
-                              default_kv_cache_memory, gpu_kv_cache_budget, parse_dtype)
+                              default_kv_cache_memory, parse_dtype)
 from aioengine.core.kv_cache_manager import KVCacheManager
 from aioengine.core.scheduler import Scheduler
 from aioengine.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
@@ -39,6 +39,7 @@ from aioengine.structured import StructuredOutputManager
 from aioengine.tokenizer_utils import get_eos_token_ids
 from aioengine.worker.async_output import AsyncModelRunnerOutput, resolve_now
 from aioengine.worker.cuda_graphs import default_capture_sizes
+from aioengine.worker.gpu_memory import profile_gpu_kv_cache_memory
 from aioengine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("aioengine")
@@ -161,8 +162,9 @@ class EngineCore:
                                              self.kv_cache_dtype)
         memory = self.args.kv_cache_memory
         if memory is None:
-            memory = (self._profile_gpu_kv_memory() if self.device.type == "cuda"
-                      else default_kv_cache_memory(self.device))
+            memory = (profile_gpu_kv_cache_memory(self.loaded, self.args, self.max_model_len,
+                                                  self.kv_cache_dtype, self.device)
+                      if self.device.type == "cuda" else default_kv_cache_memory(self.device))
         # More blocks than max_num_seqs full-length requests can use only serve the prefix
         # cache; capping keeps a tiny model from building millions of block objects.
         usable = self.args.max_num_seqs * -(-self.max_model_len // self.args.block_size)
@@ -171,31 +173,6 @@ class EngineCore:
             raise ConfigError(f"kv_cache_memory {memory} bytes holds no block ({per_block} bytes "
                               f"per block of {self.args.block_size} tokens)")
         return num_blocks
-
-    def _profile_gpu_kv_memory(self) -> int:
-        """vLLM's profiling run: the largest step on a throw-away KV cache just big enough
-        for it, then --gpu-memory-utilization of the device minus the peak torch memory
-        (without that cache) and the memory outside torch."""
-        args, bs = self.args, self.args.block_size
-        tokens = args.max_num_batched_tokens
-        blocks = tokens // bs + -(-tokens // self.max_model_len) + 1
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        runner = ModelRunner(self.loaded, blocks, bs, self.device, self.kv_cache_dtype)
-        runner.warm_up(tokens, self.max_model_len)
-        torch.cuda.synchronize(self.device)
-        kv_bytes = sum(c.numel() * c.element_size() for c in runner.kv_caches)
-        peak = torch.cuda.max_memory_allocated(self.device) - kv_bytes
-        del runner
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
-        memory = gpu_kv_cache_budget(total, args.gpu_memory_utilization, peak, non_torch)
-        logger.info("GPU memory: %.2f GiB total, profiling peak %.2f GiB, %.2f GiB outside "
-                    "torch: %.2f GiB for the KV cache (--gpu-memory-utilization %.2f)",
-                    total / 2**30, peak / 2**30, non_torch / 2**30, memory / 2**30,
-                    args.gpu_memory_utilization)
-        return memory
 
     # ---- requests -------------------------------------------------------------------
 
