@@ -9,9 +9,14 @@ import asyncio
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from aioengine import envs
 from aioengine.config import add_engine_args, engine_default, engine_kwargs
+from aioengine.ray_serve.options import add_ray_args
+
+if TYPE_CHECKING:
+    from aioengine.server.api_server import ServerConfig
 
 
 def lora_modules_arg(text: str) -> list:
@@ -49,7 +54,7 @@ async def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _lora_engine_kwargs(args: argparse.Namespace) -> dict:
+def lora_engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(enable_lora=args.enable_lora, max_loras=args.max_loras,
                 max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
 
@@ -59,7 +64,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from aioengine.config import ConfigError
     from aioengine.model.default import ModelNotFoundError
     from aioengine.model.loader import ModelLoadError
-    from aioengine.server.api_server import ServerConfig, bind_socket, serve
+    from aioengine.server.api_server import bind_socket, serve
     from aioengine.server.serving_models import LoRAModuleError
 
     model = args.model_positional or args.model
@@ -69,24 +74,15 @@ async def _serve(args: argparse.Namespace) -> int:
         print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
     try:
-        names = args.served_model_name or [_default_model_name(model)]
+        names = args.served_model_name or [default_model_name(model)]
         engine = await AsyncEngine.create(model, served_model_name=names[0],
-                                          **engine_kwargs(args), **_lora_engine_kwargs(args))
+                                          **engine_kwargs(args), **lora_engine_kwargs(args))
     except (ConfigError, ModelLoadError, ModelNotFoundError, FileNotFoundError) as e:
         sock.close()
         print(f"error: {e}", file=sys.stderr)
         return 2
-    config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
-                          max_request_body_bytes=args.max_request_body_bytes,
-                          lora_modules=tuple(args.lora_modules or ()),
-                          allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-                          enable_auto_tool_choice=args.enable_auto_tool_choice,
-                          tool_call_parser=args.tool_call_parser,
-                          chat_template=args.chat_template,
-                          max_stored_responses=args.max_stored_responses,
-                          max_queued_requests=args.max_queued_requests)
     try:
-        await serve(engine, names, config, sock)
+        await serve(engine, names, server_config_from_args(args), sock)
     except LoRAModuleError as e:
         sock.close()
         print(f"error: {e}", file=sys.stderr)
@@ -94,7 +90,32 @@ async def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _default_model_name(model: str | None) -> str:
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The ServerConfig of parsed `serve` arguments (a plain server or each Ray replica)."""
+    from aioengine.server.api_server import ServerConfig
+
+    return ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+                        max_request_body_bytes=args.max_request_body_bytes,
+                        lora_modules=tuple(args.lora_modules or ()),
+                        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                        enable_auto_tool_choice=args.enable_auto_tool_choice,
+                        tool_call_parser=args.tool_call_parser,
+                        chat_template=args.chat_template,
+                        max_stored_responses=args.max_stored_responses,
+                        max_queued_requests=args.max_queued_requests)
+
+
+def _serve_on_ray(args: argparse.Namespace) -> int:
+    try:
+        from aioengine.ray_serve.app import run
+    except ImportError as e:
+        print(f"error: --ray-replicas needs Ray Serve: pip install 'aioengine[ray]' ({e})",
+              file=sys.stderr)
+        return 2
+    return run(args)
+
+
+def default_model_name(model: str | None) -> str:
     """The model as given (vLLM's rule); the bundled one by its file name's stem."""
     from aioengine.model.loader import resolve_model_path
 
@@ -122,6 +143,7 @@ def _add_serve_parser(sub) -> None:
     add_engine_args(srv)
     _add_lora_args(srv)
     _add_tool_args(srv)
+    add_ray_args(srv)
 
 
 def _add_tool_args(parser: argparse.ArgumentParser) -> None:
@@ -212,15 +234,32 @@ def main(argv: list[str] | None = None) -> int:
     parser, subparsers = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
-        _check_lora_args(subparsers["serve"], args)
-        _check_tool_args(subparsers["serve"], args)
+        _check_serve_args(subparsers["serve"], args)
     logging.basicConfig(level=envs.AIOENGINE_LOG_LEVEL, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "generate":
         return asyncio.run(_generate(args))
+    if args.command == "serve" and args.ray_replicas is not None:
+        return _serve_on_ray(args)
     if args.command == "serve":
         return asyncio.run(_serve(args))
     return 1
+
+
+def _check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    _check_lora_args(parser, args)
+    _check_tool_args(parser, args)
+    if args.ray_replicas is not None and args.port == 0:
+        parser.error("--ray-replicas needs a --port (Ray's proxy cannot pick one)")
+
+
+def parse_serve_args(argv: list[str]) -> argparse.Namespace:
+    """`aioengine serve ARGV` parsed and checked as the command line would be (Ray
+    Serve's `build_app` builder takes its arguments this way)."""
+    parser, subparsers = build_parser()
+    args = parser.parse_args(["serve", *argv])
+    _check_serve_args(subparsers["serve"], args)
+    return args
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:

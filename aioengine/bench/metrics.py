@@ -31,6 +31,7 @@ class RequestResult:
     error: str = ""
     prompt_len: int = 0  # the server's usage.prompt_tokens, else the dataset's count
     output_tokens: int = 0  # usage.completion_tokens, else the number of content chunks
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens (prefix-cache hits)
     start_s: float = 0.0  # send time, from the benchmark's start
     ttft_s: float = 0.0
     e2e_s: float = 0.0
@@ -97,6 +98,7 @@ def summarize(results: list[RequestResult], duration_s: float,
     ok = [r for r in results if r.success]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_len for r in ok)
+    cached_tokens = sum(r.cached_tokens for r in ok)
     tpots = [t for t in (r.tpot_s for r in ok) if t is not None]
     summary: dict[str, Any] = {
         "successful_requests": len(ok),
@@ -104,6 +106,9 @@ def summarize(results: list[RequestResult], duration_s: float,
         "duration_s": duration_s,
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
+        # Prompt tokens the server read from its prefix cache, over all prompt tokens.
+        "total_cached_tokens": cached_tokens,
+        "prefix_cache_hit_rate": cached_tokens / in_tokens if in_tokens else 0.0,
         "request_throughput": len(ok) / duration_s,
         "output_throughput": out_tokens / duration_s,
         "total_token_throughput": (in_tokens + out_tokens) / duration_s,

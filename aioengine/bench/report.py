@@ -150,6 +150,8 @@ def format_serve(report: dict[str, Any]) -> str:
              row("Benchmark duration (s)", s["duration_s"], ".2f"),
              row("Total input tokens", s["total_input_tokens"]),
              row("Total generated tokens", s["total_output_tokens"]),
+             row("Prefix cache hit rate (%)", 100 * s.get("prefix_cache_hit_rate", 0.0),
+                 ".1f"),
              row("Request throughput (req/s)", s["request_throughput"], ".2f"),
              row("Output token throughput (tok/s)", s["output_throughput"], ".2f"),
              row("Total token throughput (tok/s)", s["total_token_throughput"], ".2f")]

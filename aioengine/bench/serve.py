@@ -148,6 +148,8 @@ async def send_request(session: aiohttp.ClientSession, config: ServeConfig,
         result.ttft_s = result.chunk_times_s[0]
         result.output_tokens = (usage or {}).get("completion_tokens") or len(result.chunk_times_s)
         result.prompt_len = (usage or {}).get("prompt_tokens") or prompt_len
+        result.cached_tokens = ((usage or {}).get("prompt_tokens_details") or {}).get(
+            "cached_tokens") or 0
     return result
 
 

@@ -250,27 +250,39 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family, backlog=1024)
 
 
+async def build_server_app(engine: AsyncEngine, served_model_names: list[str],
+                           config: ServerConfig) -> web.Application:
+    """The application `serve` runs (and each Ray Serve replica, aioengine/ray_serve/):
+    loads the `--lora-modules` adapters first (LoRAModuleError: none is served)."""
+    tools = ToolServingConfig(config.enable_auto_tool_choice, config.tool_call_parser)
+    ctx = ServingContext(engine, ServingModels(engine, served_model_names), tools,
+                         config.chat_template, config.max_queued_requests)
+    await ctx.models.init_static_loras(list(config.lora_modules))
+    if config.allow_runtime_lora_updating:
+        logger.warning("LoRA dynamic loading & unloading is enabled in the API server "
+                       "(POST /v1/load_lora_adapter, /v1/unload_lora_adapter). This should "
+                       "ONLY be used for local development!")
+    return OpenAIServer(ctx, config).build_app()
+
+
+def app_runner(app: web.Application, config: ServerConfig) -> web.AppRunner:
+    """Handlers are cancelled when their client goes away (that aborts its requests)."""
+    return web.AppRunner(app, handler_cancellation=True, access_log=None,
+                         shutdown_timeout=config.shutdown_timeout)
+
+
 async def serve(engine: AsyncEngine, served_model_names: list[str], config: ServerConfig,
                 sock: socket.socket | None = None) -> None:
     """Loads the `--lora-modules` adapters (LoRAModuleError: none is served), then serves
     on `sock` (default: bound from `config`) until SIGINT/SIGTERM, then stops accepting,
     aborts in-flight requests (their streams end with finish_reason "abort"), and closes
     the connections. The engine is shut down in every case."""
-    tools = ToolServingConfig(config.enable_auto_tool_choice, config.tool_call_parser)
-    ctx = ServingContext(engine, ServingModels(engine, served_model_names), tools,
-                         config.chat_template, config.max_queued_requests)
     try:
-        await ctx.models.init_static_loras(list(config.lora_modules))
+        app = await build_server_app(engine, served_model_names, config)
     except BaseException:
         await engine.shutdown()
         raise
-    if config.allow_runtime_lora_updating:
-        logger.warning("LoRA dynamic loading & unloading is enabled in the API server "
-                       "(POST /v1/load_lora_adapter, /v1/unload_lora_adapter). This should "
-                       "ONLY be used for local development!")
-    app = OpenAIServer(ctx, config).build_app()
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=config.shutdown_timeout)
+    runner = app_runner(app, config)
     await runner.setup()
     try:
         site = web.SockSite(runner, sock or bind_socket(config.host, config.port))
@@ -282,7 +294,7 @@ async def serve(engine: AsyncEngine, served_model_names: list[str], config: Serv
         host, port = runner.addresses[0][:2]
         url_host = f"[{host}]" if ":" in host else host
         logger.info("aioengine %s ready: serving %s at http://%s:%d (OpenAI API under /v1)",
-                    aioengine.__version__, ctx.model_name, url_host, port)
+                    aioengine.__version__, served_model_names[0], url_host, port)
         await stop.wait()
         logger.info("shutting down: no new connections, aborting in-flight requests")
         await site.stop()

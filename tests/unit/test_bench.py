@@ -167,9 +167,11 @@ def test_tpot_itl_and_summary() -> None:
     assert a.tpot_s == pytest.approx(0.6 / 3)
     assert b.tpot_s == pytest.approx(0.4 / 4)
     assert single.tpot_s is None and single.itls_s == []
+    b.cached_tokens = 6
     s = summarize([a, b, single, failed], duration_s=2.0)
     assert (s["successful_requests"], s["failed_requests"]) == (3, 1)
     assert s["total_output_tokens"] == 10 and s["total_input_tokens"] == 30
+    assert s["total_cached_tokens"] == 6 and s["prefix_cache_hit_rate"] == pytest.approx(0.2)
     assert s["request_throughput"] == pytest.approx(1.5)
     assert s["output_throughput"] == pytest.approx(5.0)
     assert s["total_token_throughput"] == pytest.approx(20.0)

@@ -95,8 +95,9 @@ async def _fake_openai(request: web.Request) -> web.StreamResponse:
         await resp.write(_sse({"choices": [choice]}))
     await resp.write(_sse({"choices": [{"text": "", "delta": {}}]}))
     if mode != "nousage":
-        await resp.write(_sse({"choices": [], "usage": {"prompt_tokens": 11,
-                                                         "completion_tokens": 5}}))
+        await resp.write(_sse({"choices": [], "usage": {
+            "prompt_tokens": 11, "completion_tokens": 5,
+            "prompt_tokens_details": {"cached_tokens": 8}}}))
     if mode != "truncated":
         await resp.write(_sse("[DONE]"))
     return resp
@@ -126,6 +127,7 @@ async def test_client_times_content_chunks(endpoint: str) -> None:
     assert r.success, r.error
     assert len(r.chunk_times_s) == 3  # the empty-text chunk is not a token arrival
     assert r.output_tokens == 5 and r.prompt_len == 11  # from usage
+    assert r.cached_tokens == 8
     assert r.ttft_s == r.chunk_times_s[0] >= 0.04
     assert all(0.03 <= x for x in r.itls_s)
     assert r.ttft_s <= r.e2e_s
@@ -134,6 +136,7 @@ async def test_client_times_content_chunks(endpoint: str) -> None:
 async def test_client_failure_modes() -> None:
     r = await _client_run("completions", "nousage")
     assert r.success and r.output_tokens == 3 and r.prompt_len == 3  # counted chunks
+    assert r.cached_tokens == 0
     r = await _client_run("completions", "truncated")
     assert not r.success and "DONE" in r.error
     r = await _client_run("completions", "status")

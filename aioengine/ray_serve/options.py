@@ -1,0 +1,127 @@
+"""The --ray-* flags of `aioengine serve` and what they set (RayServeOptions); importing
+this module does not import Ray (`aioengine serve --help` works without the extra)."""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from dataclasses import dataclass
+
+from aioengine.ray_serve.prefix import DEFAULT_BLOCK_CHARS
+
+ROUTERS = ("prefix", "pow2")
+# The affine replica is passed over when its queue is longer than the shorter of two
+# others by more than this.
+DEFAULT_MAX_IMBALANCE = 8
+
+
+@dataclass(frozen=True)
+class RayServeOptions:
+    """How the engine deployment is replicated, placed and routed (the --ray-* flags)."""
+    num_replicas: int = 1
+    # Autoscaling (Ray Serve's autoscaling_config) when min or max is set; num_replicas is
+    # then the initial count.
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    target_ongoing_requests: float | None = None
+    replica_cpus: float = 1.0  # Ray CPUs per replica; also its torch threads
+    max_ongoing_requests: int = 256  # per replica; the engine queues the rest itself
+    router: str = "prefix"  # prefix: PrefixAffinityRouter; pow2: Ray's default
+    max_imbalance: int = DEFAULT_MAX_IMBALANCE
+    prefix_block_chars: int = DEFAULT_BLOCK_CHARS
+    health_check_period_s: float = 2.0
+    graceful_shutdown_timeout_s: float = 20.0
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError("--ray-replicas must be >= 1")
+        if self.router not in ROUTERS:
+            raise ValueError(f"--ray-router must be one of {', '.join(ROUTERS)}")
+        if self.replica_cpus <= 0:
+            raise ValueError("--ray-replica-cpus must be > 0")
+        lo = self.min_replicas if self.min_replicas is not None else 1
+        hi = self.max_replicas if self.max_replicas is not None else self.num_replicas
+        if self.autoscaling and not 0 <= lo <= self.num_replicas <= hi:
+            raise ValueError("autoscaling needs min replicas <= --ray-replicas <= max "
+                             "replicas")
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.min_replicas is not None or self.max_replicas is not None
+
+    def replica_deployment_options(self) -> dict:
+        threads = max(1, math.floor(self.replica_cpus))
+        env = {"AIOENGINE_CPU_THREADS": os.environ.get("AIOENGINE_CPU_THREADS", str(threads))}
+        options: dict = dict(
+            name="EngineReplica", max_ongoing_requests=self.max_ongoing_requests,
+            ray_actor_options={"num_cpus": self.replica_cpus,
+                               "runtime_env": {"env_vars": env}},
+            health_check_period_s=self.health_check_period_s,
+            graceful_shutdown_timeout_s=self.graceful_shutdown_timeout_s)
+        if self.autoscaling:
+            autoscaling = {"min_replicas": self.min_replicas if self.min_replicas is not None
+                           else 1,
+                           "max_replicas": self.max_replicas if self.max_replicas is not None
+                           else self.num_replicas,
+                           "initial_replicas": self.num_replicas}
+            if self.target_ongoing_requests is not None:
+                autoscaling["target_ongoing_requests"] = self.target_ongoing_requests
+            options["autoscaling_config"] = autoscaling
+        else:
+            options["num_replicas"] = self.num_replicas
+        if self.router == "prefix":
+            from ray.serve.config import RequestRouterConfig
+
+            from aioengine.ray_serve.router import PrefixAffinityRouter
+
+            options["request_router_config"] = RequestRouterConfig(
+                request_router_class=PrefixAffinityRouter,
+                request_router_kwargs={"max_imbalance": self.max_imbalance})
+        return options
+
+
+def add_ray_args(parser: argparse.ArgumentParser) -> None:
+    """The --ray-* flags of `aioengine serve`."""
+    g = parser.add_argument_group("Ray Serve scale-out (pip install 'aioengine[ray]')")
+    g.add_argument("--ray-replicas", type=int, default=None, metavar="N",
+                   help="serve N engine replicas on Ray Serve behind Ray's HTTP proxy on "
+                        "--host/--port (a local Ray, or the cluster at $RAY_ADDRESS); "
+                        "with autoscaling, the initial count")
+    g.add_argument("--ray-min-replicas", type=int, default=None, metavar="N",
+                   help="autoscale: at least N replicas")
+    g.add_argument("--ray-max-replicas", type=int, default=None, metavar="N",
+                   help="autoscale: at most N replicas")
+    g.add_argument("--ray-target-ongoing-requests", type=float, default=None, metavar="R",
+                   help="autoscale toward R ongoing requests per replica (Ray's default: 2)")
+    g.add_argument("--ray-replica-cpus", type=float, default=1.0, metavar="C",
+                   help="Ray CPUs per replica, and its torch threads unless "
+                        "AIOENGINE_CPU_THREADS is set (default: %(default)s)")
+    g.add_argument("--ray-max-ongoing-requests", type=int, default=256, metavar="N",
+                   help="requests a replica takes at once (default: %(default)s)")
+    g.add_argument("--ray-router", choices=ROUTERS, default="prefix",
+                   help="prefix: prefix-cache affinity, then power of two choices; pow2: "
+                        "Ray's default router (default: %(default)s)")
+    g.add_argument("--ray-max-imbalance", type=int, default=DEFAULT_MAX_IMBALANCE,
+                   metavar="N", help="the affine replica is passed over when its queue is "
+                                     "longer than the other's by more (default: %(default)s)")
+    g.add_argument("--ray-prefix-block-chars", type=int, default=DEFAULT_BLOCK_CHARS,
+                   metavar="N", help="prompt bytes per routing block (default: %(default)s)")
+    g.add_argument("--ray-health-check-period", type=float, default=2.0, metavar="S",
+                   help="seconds between replica health checks (default: %(default)s)")
+    g.add_argument("--ray-graceful-shutdown-timeout", type=float, default=20.0, metavar="S",
+                   help="seconds a stopping replica's requests may run before Ray kills it "
+                        "(streams still running then end with an error event; default: "
+                        "%(default)s)")
+
+
+def options_from_args(args: argparse.Namespace) -> RayServeOptions:
+    return RayServeOptions(num_replicas=args.ray_replicas or 1,
+                           min_replicas=args.ray_min_replicas,
+                           max_replicas=args.ray_max_replicas,
+                           target_ongoing_requests=args.ray_target_ongoing_requests,
+                           replica_cpus=args.ray_replica_cpus,
+                           max_ongoing_requests=args.ray_max_ongoing_requests,
+                           router=args.ray_router, max_imbalance=args.ray_max_imbalance,
+                           prefix_block_chars=args.ray_prefix_block_chars,
+                           health_check_period_s=args.ray_health_check_period,
+                           graceful_shutdown_timeout_s=args.ray_graceful_shutdown_timeout)

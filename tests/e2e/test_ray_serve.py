@@ -1,0 +1,289 @@
+"""`aioengine serve --ray-replicas 2` on a real local Ray cluster: the bundled model in two
+engine replicas of one CPU thread each, behind Ray's HTTP proxy, driven with the real
+`openai` client. The same routes, errors, streaming and structured output as one server;
+prefix-cache affinity; a replica whose engine loop dies is routed around and replaced.
+One cluster for the whole module (Ray's start and two model loads take most of its time)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import openai
+import psutil
+import pytest
+from server_process import _READY, MODEL, ServerProcess, openai_client
+
+pytest.importorskip("ray.serve")
+pytestmark = pytest.mark.slow
+
+REPLICA_HEADER = "x-aioengine-replica"
+GRACE_S = 4  # --ray-graceful-shutdown-timeout: how long a stopping replica's streams run on
+# ~600 tokens shared by the affinity prompts (the bundled tokenizer: ~4.3 bytes a token).
+SHARED_PREFIX = " ".join(f"Fact {i}: the number {i} times seven is {i * 7}." for i in range(40))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    """The CLI in a subprocess, stopped by the last test (or here, if it did not run)."""
+    cmd = [sys.executable, "-m", "aioengine.cli", "serve", "--ray-replicas", "2",
+           "--ray-replica-cpus", "1", "--port", str(free_port()), "--num-kv-blocks", "512",
+           "--ray-graceful-shutdown-timeout", str(GRACE_S)]
+    # A Ray of its own (not $RAY_ADDRESS's); the fault route for the last test.
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(AIOENGINE_FAULT_INJECTION="1", RAY_USAGE_STATS_ENABLED="0")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    log: list[str] = []
+    ready = threading.Event()
+    url: list[str] = []
+
+    def drain() -> None:
+        for line in proc.stderr:
+            log.append(line)
+            match = _READY.search(line)
+            if match and not url:
+                url.append(match.group(2))
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    if not ready.wait(300) or not url:
+        proc.kill()
+        raise RuntimeError("Ray Serve did not start:\n" + "".join(log))
+    srv = ServerProcess(proc, url[0], MODEL, log)
+    yield srv
+    stop_without_leaks(srv)
+
+
+def stop_without_leaks(srv: ServerProcess) -> None:
+    """SIGTERM (once); exit 0 and every process it started (Ray's GCS, raylet, workers,
+    replicas) gone."""
+    if srv.proc.poll() is not None:
+        return
+    started = psutil.Process(srv.proc.pid).children(recursive=True)
+    assert srv.stop(timeout=120) == 0, "".join(srv.log[-50:])
+    _, alive = psutil.wait_procs(started, timeout=30)
+    assert not alive, [p.pid for p in alive]
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai_client(server)
+
+
+def replica_of(raw) -> str:
+    replica = raw.headers.get(REPLICA_HEADER)
+    assert replica, dict(raw.headers)
+    return replica
+
+
+def complete(client: openai.OpenAI, prompt: str, max_tokens: int = 4):
+    """A completion and the replica that answered it."""
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt,
+                                                      max_tokens=max_tokens, temperature=0)
+    return raw.parse(), replica_of(raw)
+
+
+def test_chat_and_completions(client: openai.OpenAI) -> None:
+    out, _ = complete(client, "The capital of France is", max_tokens=8)
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 8 and out.choices[0].text
+    chat = client.chat.completions.create(
+        model=MODEL, max_tokens=16, temperature=0,
+        messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_streaming_matches_the_full_answer(client: openai.OpenAI) -> None:
+    # Long enough to be routed by prefix (both calls on one replica), and sent once before,
+    # so that both read the prompt from the prefix cache: in bf16 a prompt computed afresh
+    # and one read from the cache can give different greedy tokens.
+    messages = [{"role": "user", "content": "Name three colors. " + SHARED_PREFIX[:400]}]
+    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                          temperature=0)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    streamed = list(client.completions.create(model=MODEL, prompt="Once upon a time",
+                                              max_tokens=12, temperature=0, stream=True))
+    assert len(streamed) >= 12 and streamed[-1].choices[0].finish_reason == "length"
+
+
+def test_a_400_stays_a_400_with_the_openai_error_body(client: openai.OpenAI,
+                                                       server: ServerProcess) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=-1)
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == "max_tokens" and e.value.body["type"] == \
+        "invalid_request_error"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", max_tokens=2,
+                                       messages=[{"role": "user", "content": "hi"}])
+    status, body = server.request("POST", "/v1/chat/completions", b"{not json")
+    assert status == 400 and json.loads(body)["error"]["type"] == "invalid_request_error"
+    status, body = server.request("POST", "/v1/completions", b'{"prompt": "' + b"x" * (9 << 20))
+    assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
+    status, body = server.request("GET", "/no/such/route")
+    assert status == 404 and "error" in json.loads(body)
+
+
+def test_structured_output_json_schema(client: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 30}},
+        "required": ["name", "age"]}
+    out = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=60,
+        messages=[{"role": "user", "content": "Describe a cat as JSON."}],
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "cat", "schema": schema, "strict": True}})
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+
+
+def test_shared_prefix_requests_land_on_one_replica_and_hit_its_cache(
+        client: openai.OpenAI) -> None:
+    answers = [complete(client, f"{SHARED_PREFIX} Question {i}: what is fact {i}?")
+               for i in range(4)]
+    assert answers[0][0].usage.prompt_tokens > 512
+    assert len({replica for _, replica in answers}) == 1
+    for out, _ in answers[1:]:
+        assert out.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_unrelated_prompts_spread_over_both_replicas(client: openai.OpenAI) -> None:
+    prompts = [f"Unrelated request {i}: {'tell me something ' * (5 + i)}" for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        replicas = {replica for _, replica in
+                    pool.map(lambda p: complete(client, p, max_tokens=16), prompts)}
+    assert len(replicas) == 2
+
+
+def stream_long_answers(client: openai.OpenAI, prefix: str, replica: str, n: int = 2):
+    """Starts `n` long streams that affinity puts on `replica`; each future gives
+    ("finished", its last finish reason) or ("error", the error class that ended it)."""
+    def stream(i: int) -> tuple[str, str | None]:
+        try:
+            raw = client.completions.with_raw_response.create(
+                model=MODEL, prompt=f"{prefix} Story {i}:", max_tokens=400, temperature=0,
+                stream=True)
+            assert replica_of(raw) == replica
+            reasons = [c.choices[0].finish_reason for c in raw.parse() if c.choices]
+            return "finished", reasons[-1]
+        except openai.APIError as e:
+            return "error", type(e).__name__
+
+    pool = ThreadPoolExecutor(n)
+    futures = [pool.submit(stream, i) for i in range(n)]
+    pool.shutdown(wait=False)
+    time.sleep(1.0)  # they are decoding
+    return futures
+
+
+def assert_failed_cleanly(futures) -> None:
+    """Each in-flight stream ended, within a bounded time, with an error event or error
+    finish (never a hang, never a normal end)."""
+    ended = [f.result(timeout=60) for f in futures]
+    assert all(outcome in (("finished", "error"), ("finished", "abort")) or
+               outcome[0] == "error" for outcome in ended), ended
+
+
+def assert_served_elsewhere_then_replaced(client: openai.OpenAI, gone: str,
+                                          prefix: str) -> None:
+    """New requests (the dead replica's prefix too) go to the other replica; then Ray
+    brings up a replacement that serves."""
+    served_by = {complete(client, p)[1] for p in (prefix + " After.", "Hello", "Another")}
+    assert gone not in served_by and len(served_by) == 1
+    survivor = served_by.pop()
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        with ThreadPoolExecutor(4) as pool:
+            seen = set(pool.map(lambda i: complete(client, f"Probe {i} {time.time()}")[1],
+                                range(4)))
+        if seen - {gone, survivor}:
+            return
+        time.sleep(1.0)
+    raise AssertionError("Ray did not bring the replica back")
+
+
+def test_a_replica_whose_engine_loop_dies_is_routed_around_and_replaced(
+        client: openai.OpenAI, server: ServerProcess) -> None:
+    prefix = SHARED_PREFIX.replace("Fact", "Loop fact")
+    _, doomed = complete(client, prefix + " Warm-up.")
+    streams = stream_long_answers(client, prefix, doomed)
+    # The fault route does not read `prompt`: it only routes this call to `doomed`.
+    status, body = server.request("POST", "/debug/faults", {"kind": "loop", "prompt": prefix})
+    assert status == 200, body
+    assert_failed_cleanly(streams)
+    assert_served_elsewhere_then_replaced(client, doomed, prefix)
+
+
+def test_a_killed_replica_actor_is_routed_around_and_restarted(
+        client: openai.OpenAI) -> None:
+    import ray
+
+    prefix = SHARED_PREFIX.replace("Fact", "Kill fact")
+    _, doomed = complete(client, prefix + " Warm-up.")
+    ray.init(address="auto", log_to_driver=False)  # the cluster the CLI started
+    try:
+        name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                    if "EngineReplica" in a["name"] and a["name"].endswith(doomed))
+        streams = stream_long_answers(client, prefix, doomed)
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        assert_failed_cleanly(streams)
+        assert_served_elsewhere_then_replaced(client, doomed, prefix)
+    finally:
+        ray.shutdown()
+
+
+def test_sigterm_lets_short_streams_finish_cuts_long_ones_and_leaves_no_process(
+        client: openai.OpenAI, server: ServerProcess) -> None:
+    """Last: stops the module's server. Ray drains each replica for GRACE_S seconds and then
+    kills it: a short stream under way ends normally, one that would run far longer ends
+    with an OpenAI error event (the ingress's word for the replica gone), soon after."""
+    def first_chunk_then_rest(max_tokens: int) -> tuple[list, object]:
+        stream = client.completions.create(model=MODEL, prompt="Once upon a time",
+                                           max_tokens=max_tokens, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        return [next(iter(stream))], stream
+
+    def rest_or_error(stream) -> list | openai.APIError:
+        try:
+            return list(stream)
+        except openai.APIError as e:
+            return e
+
+    short, short_rest = first_chunk_then_rest(48)
+    _, long_rest = first_chunk_then_rest(4000)
+    started = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    with ThreadPoolExecutor(2) as pool:
+        short_end, long_end = pool.map(rest_or_error, (short_rest, long_rest))
+    assert not isinstance(short_end, Exception), short_end
+    short += short_end
+    assert short[-1].choices[0].finish_reason == "length"
+    assert sum(1 for c in short if c.choices and c.choices[0].text) >= 40
+    assert isinstance(long_end, openai.APIError) and "replica failed" in str(long_end)
+    assert time.monotonic() - started < GRACE_S + 30
+    stop_without_leaks(server)
+
