@@ -25,7 +25,8 @@ FLAG_NAMES = {
     "--block-size", "--kv-cache-memory", "--kv-cache-memory-bytes", "--num-kv-blocks",
     "--enable-prefix-caching", "--enable-chunked-prefill", "--structured-jump-forward",
     "--async-scheduling", "--scheduling-policy", "--speculative-config",
-    "--prefix-caching-hash-algo",
+    "--prefix-caching-hash-algo", "--attention-backend", "--enforce-eager",
+    "--no-enforce-eager", "--gpu-memory-utilization",
     "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
     "--no-structured-jump-forward", "--no-async-scheduling"}
 
@@ -61,8 +62,11 @@ def test_every_flag_keeps_its_name() -> None:
     assert names == FLAG_NAMES
     args = _parsed(["generate", "hi", "-q", "int8", "--kv-cache-memory-bytes", "4096",
                     "--no-enable-prefix-caching", "--max-num-seqs", "3",
-                    "--tokenizer", "/tok"])
+                    "--tokenizer", "/tok", "--enforce-eager", "--gpu-memory-utilization", "0.5",
+                    "--attention-backend", "torch"])
     kwargs = engine_kwargs(args)
+    assert (kwargs["enforce_eager"], kwargs["gpu_memory_utilization"]) == (True, 0.5)
+    assert kwargs["attention_backend"] == "torch"
     assert (kwargs["quantization"], kwargs["kv_cache_memory"]) == ("int8", 4096)
     assert (kwargs["enable_prefix_caching"], kwargs["max_num_seqs"]) == (False, 3)
     assert kwargs["tokenizer"] == "/tok" and "model" not in kwargs
