@@ -324,6 +324,7 @@ def embed(input_ids: Tensor, table: Linear, dtype: torch.dtype) -> Tensor:
     return rows
 
 
+@functools.cache
 def _triton_ops():
     """The CUDA path's kernels (aioengine.kernels.triton), imported on the first CUDA call:
     triton.jit reads TRITON_INTERPRET when they are defined."""

@@ -65,11 +65,11 @@ class HostCopier:
             torch.cuda.Stream(device) if device.type == "cuda" else None)
 
     def copy(self, tensors: list[Tensor]) -> tuple[list[Tensor], torch.cuda.Event | None]:
+        """`tensors` (on one device, at least one) -> their host copies and the event."""
         if self.stream is None:
             return tensors, None
-        compute = torch.cuda.current_stream(tensors[0].device) if tensors else None
-        if compute is not None:
-            self.stream.wait_stream(compute)  # the copies start once sampling is done
+        # The copies start once sampling (on the current stream) is done.
+        self.stream.wait_stream(torch.cuda.current_stream(tensors[0].device))
         hosts = []
         with torch.cuda.stream(self.stream):
             for t in tensors:

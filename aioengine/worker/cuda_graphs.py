@@ -16,9 +16,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from aioengine.model.attention import AttentionMetadata
+from aioengine.model.llama import LlamaForCausalLM
 
 PAD_SLOT_ID = -1
 
@@ -39,7 +40,7 @@ def padded_size(num_reqs: int, sizes: list[int]) -> int | None:
 
 
 class CUDAGraphRunner:
-    def __init__(self, model: nn.Module, kv_caches: list[Tensor], capture_sizes: list[int],
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[Tensor], capture_sizes: list[int],
                  max_model_len: int, block_size: int, device: torch.device,
                  capture: bool = True) -> None:
         self.model = model
@@ -98,7 +99,7 @@ class CUDAGraphRunner:
         n = meta.num_reqs
         return (meta.num_decodes == n == meta.num_actual_tokens and n <= self.sizes[-1]
                 and meta.block_tables.shape[1] <= self.block_tables.shape[1]
-                and not getattr(self.model, "aux_hidden_state_layers", ()))
+                and not self.model.aux_hidden_state_layers)
 
     def _load_padding(self, n: int) -> None:
         self.input_ids[n:].zero_()

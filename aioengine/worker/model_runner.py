@@ -29,7 +29,6 @@ from aioengine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest,
 from aioengine.lora.manager import LoRAManager
 from aioengine.model.attention import build_attention_metadata, copy_blocks, to_device
 from aioengine.model.llama import make_kv_caches
-from aioengine.worker.cuda_graphs import CUDAGraphRunner
 from aioengine.model.loader import LoadedModel
 from aioengine.outputs import Logprob, PositionLogprobs
 from aioengine.request import Request
@@ -40,6 +39,7 @@ from aioengine.sample import (Sampler, SamplingMetadata, SamplingRow, compute_pr
 from aioengine.spec_decode.proposer import ProposeContext, Proposer
 from aioengine.spec_decode.rejection_sampler import VerifyRows, accept_greedy, accept_sampled
 from aioengine.worker.async_output import AsyncModelRunnerOutput, HostCopier
+from aioengine.worker.cuda_graphs import CUDAGraphRunner
 
 # Sampled ids (and, when asked for, logprob ids, logprobs and ranks) of the plain rows of
 # one step, with the items they belong to: turned into the output's lists by `_read_plain`.
@@ -407,7 +407,7 @@ def _read_plain(plain: list[_PlainSample], hosts: list[torch.Tensor],
     """Fills `output` from the host copies of each plain sample's tensors (in the order
     `_tensors` lists them)."""
     i = 0
-    for sampled_t, lp, owners in plain:
+    for _, lp, owners in plain:
         sampled = hosts[i].tolist()
         logprobs = _to_position_logprobs(*hosts[i + 1:i + 4]) if lp is not None else None
         i += 1 if lp is None else 4
@@ -418,7 +418,7 @@ def _read_plain(plain: list[_PlainSample], hosts: list[torch.Tensor],
             output.sampled_token_ids[rid] = sampled[r:r + n]
             k = item.request.sampling_params.logprobs
             if k is not None and logprobs is not None:
-                output.logprobs[rid] = [_top(lp_, k) for lp_ in logprobs[r:r + n]]
+                output.logprobs[rid] = [_top(entry, k) for entry in logprobs[r:r + n]]
             r += n
     return output
 

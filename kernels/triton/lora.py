@@ -37,6 +37,18 @@ def lora_token_groups(token_slots: Tensor, num_slots: int) -> tuple[Tensor, Tens
 
 
 @triton.jit
+def _slot_tile(order_ptr, starts_ptr, lora, m_block, count, rank, BLOCK_M: tl.constexpr,
+               RANK_PAD: tl.constexpr):
+    """Block m_block of slot `lora`'s tokens: their rows in x/y (int64) and which are real,
+    and the rank lanes and which are below the slot's rank."""
+    idx = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = idx < count
+    rows = tl.load(order_ptr + tl.load(starts_ptr + lora) + idx, mask=row_ok, other=0).to(tl.int64)
+    j = tl.arange(0, RANK_PAD)
+    return rows, row_ok, j, j < rank
+
+
+@triton.jit
 def _lora_shrink_kernel(
     u_ptr, x_ptr, a_ptr, ranks_ptr, order_ptr, counts_ptr, starts_ptr,
     k_dim, stride_xt, stride_al, stride_as, stride_ar, stride_us, stride_ut,
@@ -52,11 +64,8 @@ def _lora_shrink_kernel(
     rank = tl.load(ranks_ptr + lora * NUM_SLICES + s)
     if m_block * BLOCK_M >= count or rank == 0:
         return
-    idx = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = idx < count
-    rows = tl.load(order_ptr + tl.load(starts_ptr + lora) + idx, mask=row_ok, other=0).to(tl.int64)
-    j = tl.arange(0, RANK_PAD)
-    j_ok = j < rank
+    rows, row_ok, j, j_ok = _slot_tile(order_ptr, starts_ptr, lora, m_block, count, rank,
+                                       BLOCK_M, RANK_PAD)
     a_base = a_ptr + lora.to(tl.int64) * stride_al + s * stride_as
     acc = tl.zeros([BLOCK_M, RANK_PAD], tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
@@ -90,11 +99,8 @@ def _lora_expand_kernel(
     size = tl.load(sizes_ptr + s)
     if m_block * BLOCK_M >= count or rank == 0 or n_block * BLOCK_N >= size:
         return
-    idx = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = idx < count
-    rows = tl.load(order_ptr + tl.load(starts_ptr + lora) + idx, mask=row_ok, other=0).to(tl.int64)
-    j = tl.arange(0, RANK_PAD)
-    j_ok = j < rank
+    rows, row_ok, j, j_ok = _slot_tile(order_ptr, starts_ptr, lora, m_block, count, rank,
+                                       BLOCK_M, RANK_PAD)
     n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < size
     cols = tl.load(offsets_ptr + s) + n
