@@ -5,14 +5,15 @@ the tests). The engine loop feeds per-step numbers; the output processor feeds p
 latencies at the moment outputs reach the caller. With LoRA, vLLM's lora_requests_info
 gauge (`track_lora_requests`). With speculative decoding, vLLM's
 spec_decode_* counters (from the scheduler's cumulative SpecDecodingStats, at scrape time)
-and its periodic "SpecDecoding" log line (`SpecDecodingLogging`).
+and its periodic "SpecDecoding" log line (`SpecDecodingLogging`). A `MetricFactory` writes
+every metric (but the LoRA info gauge) a second time, elsewhere: Ray's metrics export.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
@@ -86,27 +87,75 @@ class SpecDecodingLogging:
             logger.info("SpecDecoding: %s", format_spec_decode(delta))
 
 
+class MetricFactory(Protocol):
+    """Makes metrics with prometheus_client's interface: `labels(*values)` gives a series
+    with `set`, `inc` or `observe`. EngineMetrics writes to its own registry and, given a
+    factory, to the metrics this makes too (aioengine.ray_serve.metrics: Ray's export)."""
+
+    def gauge(self, name: str, doc: str, labelnames: Sequence[str]) -> Any: ...
+
+    def counter(self, name: str, doc: str, labelnames: Sequence[str]) -> Any: ...
+
+    def histogram(self, name: str, doc: str, labelnames: Sequence[str],
+                  buckets: Sequence[float]) -> Any: ...
+
+
+class _Tee:
+    """A metric (or one labelled series of it) written to several places at once."""
+
+    def __init__(self, *metrics: Any) -> None:
+        self._metrics = metrics
+
+    def labels(self, *values: str) -> _Tee:
+        return _Tee(*(m.labels(*values) for m in self._metrics))
+
+    def set(self, value: float) -> None:
+        for m in self._metrics:
+            m.set(value)
+
+    def inc(self, value: float = 1.0) -> None:
+        for m in self._metrics:
+            m.inc(value)
+
+    def observe(self, value: float) -> None:
+        for m in self._metrics:
+            m.observe(value)
+
+
 class EngineMetrics:
     def __init__(self, model_name: str,
                  stats_provider: Callable[[], dict[str, float]] | None = None,
-                 num_speculative_tokens: int = 0) -> None:
+                 num_speculative_tokens: int = 0,
+                 metrics_factory: MetricFactory | None = None) -> None:
         """`num_speculative_tokens` > 0 (speculative decoding configured) adds the
-        spec_decode_* counters, the per-position one for positions 0 .. that - 1."""
+        spec_decode_* counters, the per-position one for positions 0 .. that - 1.
+        `metrics_factory`: where each metric is also written (MetricFactory)."""
         self.stats_provider = stats_provider
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         labels = ["model_name"]
         r = self.registry
+        f = metrics_factory
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"aioengine:{name}", doc, labels, registry=r).labels(model_name)
+        def family(kind: str, name: str, doc: str, labelnames: list[str],
+                   buckets: tuple | None = None) -> Any:
+            """prometheus_client's metric `kind`, and the factory's beside it."""
+            name = f"aioengine:{name}"
+            extra = {} if buckets is None else {"buckets": buckets}
+            cls = {"gauge": Gauge, "counter": Counter, "histogram": Histogram}[kind]
+            metric = cls(name, doc, labelnames, registry=r, **extra)
+            if f is None:
+                return metric
+            return _Tee(metric, getattr(f, kind)(name, doc, labelnames, *extra.values()))
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(f"aioengine:{name}", doc, labels, registry=r).labels(model_name)
+        def gauge(name: str, doc: str) -> Any:
+            return family("gauge", name, doc, labels).labels(model_name)
 
-        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
-            return Histogram(f"aioengine:{name}", doc, labels, buckets=buckets,
-                             registry=r).labels(model_name)
+        def counter(name: str, doc: str) -> Any:
+            return family("counter", name, doc, labels).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Any:
+            return family("histogram", name, doc, labels, buckets).labels(model_name)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
@@ -118,8 +167,8 @@ class EngineMetrics:
         self.num_preemptions = counter("num_preemptions", "Requests preempted (recompute).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        success = Counter("aioengine:request_success", "Finished requests by finish reason.",
-                          ["model_name", "finished_reason"], registry=r)
+        success = family("counter", "request_success", "Finished requests by finish reason.",
+                         ["model_name", "finished_reason"])
         self.request_success = {reason: success.labels(model_name, reason)
                                 for reason in FINISH_REASONS}
         self.time_to_first_token = histogram("time_to_first_token_seconds",
@@ -144,9 +193,8 @@ class EngineMetrics:
                     "num_accepted_tokens": "Number of accepted tokens."}
             self._cumulative += [(f"spec_decode_{name}", counter(f"spec_decode_{name}", doc))
                                  for name, doc in docs.items()]
-            per_pos = Counter("aioengine:spec_decode_num_accepted_tokens_per_pos",
-                              "Accepted tokens per draft position.",
-                              ["model_name", "position"], registry=r)
+            per_pos = family("counter", "spec_decode_num_accepted_tokens_per_pos",
+                             "Accepted tokens per draft position.", ["model_name", "position"])
             self._cumulative += [(f"{SPEC_PER_POS_PREFIX}{pos}",
                                   per_pos.labels(model_name, str(pos)))
                                  for pos in range(num_speculative_tokens)]
@@ -208,8 +256,13 @@ class EngineMetrics:
         if queue_time is not None:
             self.request_queue_time.observe(queue_time)
 
-    def render(self) -> bytes:
+    def update(self) -> None:
+        """Everything that follows the engine's state, brought up to date (a scrape does
+        this first; so does a replica for Ray's export, which nobody scrapes)."""
         if self.stats_provider is not None:
             self.refresh(self.stats_provider())
         self._refresh_lora_info()
+
+    def render(self) -> bytes:
+        self.update()
         return generate_latest(self.registry)

@@ -32,7 +32,7 @@ from aioengine.worker.async_output import AsyncModelRunnerOutput
 from aioengine.engine.timeline import StepRecord, StepTimeline, step_kind
 from aioengine.errors import EngineDeadError, InvalidRequestError
 from aioengine.lora.request import LoRARequest
-from aioengine.metrics import EngineMetrics, SpecDecodingLogging
+from aioengine.metrics import EngineMetrics, MetricFactory, SpecDecodingLogging
 from aioengine.outputs import RequestOutput, RequestOutputCollector
 from aioengine.request import Request, RequestStatus
 from aioengine.sampling_params import SamplingParams
@@ -63,16 +63,18 @@ def _forward_executor() -> ThreadPoolExecutor:
 
 class AsyncEngine:
     def __init__(self, core: EngineCore, served_model_name: str | None = None,
-                 executor: ThreadPoolExecutor | None = None) -> None:
+                 executor: ThreadPoolExecutor | None = None,
+                 metrics_factory: MetricFactory | None = None) -> None:
         """`executor`: the one-thread pool that runs the forward; `create` passes the one
-        that loaded the model, so a single thread does all of torch's parallel work."""
+        that loaded the model, so a single thread does all of torch's parallel work.
+        `metrics_factory`: where the engine's metrics are also written (EngineMetrics)."""
         self.core = core
         self.tokenizer = core.tokenizer
         self.model_name = served_model_name or os.path.basename(core.loaded.model_path)
         spec = core.speculative_config
         self.metrics = EngineMetrics(self.model_name, stats_provider=core.stats,
                                      num_speculative_tokens=spec.num_speculative_tokens
-                                     if spec else 0)
+                                     if spec else 0, metrics_factory=metrics_factory)
         if core.lora is not None:  # vLLM's lora_requests_info gauge
             self.metrics.track_lora_requests(core.lora.config.max_loras,
                                              core.lora_requests_info)
@@ -98,6 +100,7 @@ class AsyncEngine:
 
     @classmethod
     async def create(cls, model: str | None = None, served_model_name: str | None = None,
+                     metrics_factory: MetricFactory | None = None,
                      **engine_args: object) -> AsyncEngine:
         """Loads the model off the event loop and starts the engine loop.
         `served_model_name` labels metrics (default: the model file or folder name)."""
@@ -112,7 +115,7 @@ class AsyncEngine:
         except BaseException:
             executor.shutdown(wait=False)
             raise
-        return cls(core, served_model_name, executor)
+        return cls(core, served_model_name, executor, metrics_factory)
 
     async def __aenter__(self) -> AsyncEngine:
         return self

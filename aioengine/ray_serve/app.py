@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import replace
 
 from ray import serve
 from ray.serve import Application
@@ -28,8 +29,17 @@ def build_application(replica: EngineReplicaConfig, options: RayServeOptions) ->
     ingress = serve.deployment(name="OpenAIIngress", num_replicas=1,
                                max_ongoing_requests=100_000,
                                ray_actor_options={"num_cpus": 0})(OpenAIIngress)
+    multiplexed = options.max_adapters_per_replica > 0
+    if multiplexed:
+        if not replica.server.lora_modules:
+            raise ValueError("--ray-max-adapters-per-replica needs --lora-modules")
+        if not replica.engine_kwargs.get("enable_lora"):
+            raise ValueError("--lora-modules needs --enable-lora")
+    replica = replace(replica, max_adapters_per_replica=options.max_adapters_per_replica)
     config = IngressConfig(max_request_body_bytes=replica.server.max_request_body_bytes,
-                           prefix_block_chars=options.prefix_block_chars)
+                           prefix_block_chars=options.prefix_block_chars,
+                           lora_adapters=frozenset(m.name for m in replica.server.lora_modules),
+                           multiplexed=multiplexed)
     return ingress.bind(engine.bind(replica), config)
 
 
@@ -88,7 +98,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     started_here = not os.environ.get("RAY_ADDRESS")
-    ray.init()  # a local Ray, or the cluster at $RAY_ADDRESS
+    port = options_from_args(args).metrics_export_port
+    # A local Ray, or the cluster at $RAY_ADDRESS (whose nodes have their own export ports).
+    ray.init(**({"_metrics_export_port": port} if started_here and port else {}))
     # After ray.init: Ray's core worker installs a SIGTERM handler that aborts the process.
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set())

@@ -11,6 +11,10 @@ Why an ingress: Ray's proxy hands a replica the ASGI scope, and the body only af
 so a router placed there sees no prompt. The ingress reads the body and makes a handle call
 whose argument carries the prompt's prefix hashes, which the router reads.
 
+Each replica's engine metrics also go to Ray's metrics export (metrics.py), and with
+`--ray-max-adapters-per-replica` LoRA adapters are loaded per replica through Ray Serve's
+model multiplexing (adapters.py).
+
 Why a unix socket inside the replica: every route, validation rule, error body and SSE
 stream is the aiohttp application `aioengine serve` runs (`build_server_app`), unchanged;
 the replica relays each request to it over a socket only it knows and streams the bytes
@@ -19,8 +23,10 @@ cancels the handler (handler_cancellation), which aborts its engine requests.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import AsyncIterator
@@ -34,6 +40,9 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from aioengine.errors import InvalidRequestError, NotFoundError
+from aioengine.ray_serve.adapters import ReplicaAdapters
+from aioengine.ray_serve.metrics import RayMetricFactory
 from aioengine.ray_serve.prefix import (DEFAULT_BLOCK_CHARS, DEFAULT_MAX_BLOCKS, prefix_hashes,
                                         prompt_text)
 from aioengine.server.api_server import ServerConfig, app_runner, build_server_app
@@ -42,6 +51,8 @@ from aioengine.server.protocol import error_body
 logger = logging.getLogger("aioengine.ray_serve")
 
 REPLICA_HEADER = "x-aioengine-replica"
+# Seconds between refreshes of a replica's gauges and cumulative counters in Ray's export.
+METRICS_UPDATE_INTERVAL_S = 2.0
 # Hop-by-hop or recomputed headers: not relayed from the replica's app to the proxy, nor
 # from the client to the app (the body it gets may be cut at the size limit).
 _DROPPED_HEADERS = frozenset({"content-length", "transfer-encoding", "connection",
@@ -60,6 +71,8 @@ class ReplicaRequest:
     # Replicas (unique ids) that PrefixAffinityRouter passes over: a retry after a dead
     # engine answered.
     avoid_replicas: tuple[str, ...] = ()
+    # The replica that stores the response this request reads or continues ("": none).
+    prefer_replica: str = ""
 
 
 @dataclass(frozen=True)
@@ -79,6 +92,9 @@ class EngineReplicaConfig:
     served_model_names: tuple[str, ...]
     engine_kwargs: dict = field(default_factory=dict)
     server: ServerConfig = field(default_factory=ServerConfig)
+    # > 0: the server's lora_modules are loaded on demand, at most this many per replica,
+    # through Ray Serve's model multiplexing (adapters.py); 0: each replica loads them all.
+    max_adapters_per_replica: int = 0
 
 
 class EngineReplica:
@@ -89,17 +105,30 @@ class EngineReplica:
         from aioengine.engine.async_engine import AsyncEngine
 
         names = list(config.served_model_names)
-        self.engine = await AsyncEngine.create(config.model, served_model_name=names[0],
-                                               **config.engine_kwargs)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.engine = await AsyncEngine.create(config.model, served_model_name=names[0],
+                                               metrics_factory=RayMetricFactory(self.replica_id),
+                                               **config.engine_kwargs)
+        self._metrics_task = asyncio.get_running_loop().create_task(self._update_metrics())
+        server = config.server
+        self.adapters: ReplicaAdapters | None = None
+        if config.max_adapters_per_replica > 0:
+            self.adapters = ReplicaAdapters(self.engine,
+                                            {m.name: m for m in server.lora_modules},
+                                            config.max_adapters_per_replica)
+            server = replace(server, load_lora_modules_on_demand=True)
+            self.load_adapter = self.adapters.load  # where Ray looks for multiplexing
+        # Response ids name this replica: the ingress sends their follow-ups here.
+        server = replace(server, response_id_tag=self.replica_id)
         self._socket_dir = tempfile.mkdtemp(prefix="aioengine-replica-")
         socket_path = os.path.join(self._socket_dir, "http.sock")
         try:
-            app = await build_server_app(self.engine, names, config.server)
+            app = await build_server_app(self.engine, names, server)
             self._runner = app_runner(app, config.server)
             await self._runner.setup()
             await web.UnixSite(self._runner, socket_path).start()
         except BaseException:
+            self._metrics_task.cancel()
             await self.engine.shutdown()
             shutil.rmtree(self._socket_dir, ignore_errors=True)
             raise
@@ -108,15 +137,48 @@ class EngineReplica:
             timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
         logger.info("engine replica %s ready: serving %s", self.replica_id, names[0])
 
+    async def _update_metrics(self) -> None:
+        """Nobody scrapes a replica's own /metrics: its gauges and cumulative counters are
+        refreshed here, for Ray's export."""
+        while True:
+            await asyncio.sleep(METRICS_UPDATE_INTERVAL_S)
+            self.engine.metrics.update()
+
+    def _error(self, status: int, message: str, kind: str, param: str | None = None,
+               engine_dead: bool = False) -> tuple[ResponseHead, bytes]:
+        head = ResponseHead(status, (("Content-Type", "application/json"),
+                                     (REPLICA_HEADER, self.replica_id)), engine_dead)
+        return head, orjson.dumps(error_body(status, message, kind, param))
+
     async def handle(self, request: ReplicaRequest) -> AsyncIterator[ResponseHead | bytes]:
         """The request through the server application: its head, then its body as it is
-        written (an SSE stream event by event)."""
+        written (an SSE stream event by event). A request for a multiplexed adapter holds
+        it in the engine until its answer has ended."""
         if not self.engine.is_running:  # dead: Ray's next health check replaces us
-            yield ResponseHead(503, (("Content-Type", "application/json"),
-                                     (REPLICA_HEADER, self.replica_id)), engine_dead=True)
-            yield orjson.dumps(error_body(503, "the engine is not running",
-                                          "service_unavailable_error"))
+            for item in self._error(503, "the engine is not running",
+                                    "service_unavailable_error", engine_dead=True):
+                yield item
             return
+        adapter = serve.get_multiplexed_model_id() if self.adapters is not None else ""
+        if adapter:
+            try:
+                await self.adapters.acquire(adapter)
+            except NotFoundError as e:
+                for item in self._error(404, str(e), "NotFoundError", "model"):
+                    yield item
+                return
+            except InvalidRequestError as e:
+                for item in self._error(400, str(e), "BadRequestError", "model"):
+                    yield item
+                return
+        try:
+            async for item in self._relay(request):
+                yield item
+        finally:
+            if adapter:
+                self.adapters.release(adapter)
+
+    async def _relay(self, request: ReplicaRequest) -> AsyncIterator[ResponseHead | bytes]:
         async with self._session.request(request.method, "http://replica" + request.path,
                                          headers=list(request.headers), data=request.body,
                                          allow_redirects=False) as response:
@@ -137,6 +199,7 @@ class EngineReplica:
         kills a replica whose requests outlive graceful_shutdown_timeout_s instead, and
         the ingress ends their streams with an error event). Anything that raced in is
         aborted by the engine's shutdown."""
+        self._metrics_task.cancel()
         await self.engine.shutdown()
         await self._runner.cleanup()
         await self._session.close()
@@ -148,6 +211,10 @@ class IngressConfig:
     max_request_body_bytes: int = 8 << 20
     prefix_block_chars: int = DEFAULT_BLOCK_CHARS
     prefix_max_blocks: int = DEFAULT_MAX_BLOCKS
+    # The --lora-modules names: their prompts' prefix hashes are salted with the name;
+    # with `multiplexed`, their requests go out with `multiplexed_model_id` (adapters.py).
+    lora_adapters: frozenset[str] = frozenset()
+    multiplexed: bool = False
 
 
 def _replica_of(head: ResponseHead) -> str:
@@ -172,11 +239,19 @@ class OpenAIIngress:
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         headers = tuple((k, v) for k, v in request.headers.items()
                         if k.lower() not in _NOT_FORWARDED)
-        call = ReplicaRequest(request.method, path, headers, body, self._prefix_hashes(body))
-        head, responses = await self._start(call)
+        parsed = _json_object(body) or {}
+        model = parsed.get("model")
+        adapter = model if isinstance(model, str) and model in self.config.lora_adapters else ""
+        hashes = prefix_hashes(prompt_text(parsed), self.config.prefix_block_chars,
+                               self.config.prefix_max_blocks, salt=adapter)
+        call = ReplicaRequest(request.method, path, headers, body, hashes,
+                              prefer_replica=_stored_on(request.url.path, parsed))
+        multiplexed = adapter if self.config.multiplexed else ""
+        head, responses = await self._start(call, multiplexed)
         if head is None or head.engine_dead:  # nothing was started: once more, elsewhere
             avoid = () if head is None else (_replica_of(head),)
-            head, responses = await self._start(replace(call, avoid_replicas=avoid))
+            head, responses = await self._start(replace(call, avoid_replicas=avoid),
+                                                multiplexed)
         if head is None:
             return _json_error(503, "the engine replica failed before answering",
                                "service_unavailable_error")
@@ -186,10 +261,12 @@ class OpenAIIngress:
         return StreamingResponse(_body(responses, request.url.path, event_stream),
                                  status_code=head.status, headers=headers)
 
-    async def _start(self, call: ReplicaRequest,
+    async def _start(self, call: ReplicaRequest, adapter: str,
                      ) -> tuple[ResponseHead | None, DeploymentResponseGenerator]:
-        """The handle call and the head of its answer (None: the replica failed first)."""
-        responses: DeploymentResponseGenerator = self._engine.remote(call)
+        """The handle call (for a multiplexed `adapter`, if not "") and the head of its
+        answer (None: the replica failed first)."""
+        engine = self._engine.options(multiplexed_model_id=adapter) if adapter else self._engine
+        responses: DeploymentResponseGenerator = engine.remote(call)
         try:
             head = await responses.__anext__()
         except Exception as e:  # noqa: BLE001 - the replica died or could not be reached
@@ -201,15 +278,30 @@ class OpenAIIngress:
             responses.cancel()
         return head, responses
 
-    def _prefix_hashes(self, body: bytes) -> tuple[int, ...]:
-        try:
-            parsed = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            return ()
-        if not isinstance(parsed, dict):
-            return ()
-        return prefix_hashes(prompt_text(parsed), self.config.prefix_block_chars,
-                             self.config.prefix_max_blocks)
+
+
+_RESPONSE_PATH = re.compile(r"/v1/responses/([^/]+)(?:/cancel)?")
+_TAGGED_RESPONSE_ID = re.compile(r"resp_([A-Za-z0-9]+)_[0-9a-f]+")
+
+
+def _stored_on(path: str, body: dict) -> str:
+    """The replica whose Responses store holds the response a request reads, cancels or
+    continues (`previous_response_id`), from the response id's tag; "" if none."""
+    match = _RESPONSE_PATH.fullmatch(path)
+    response_id = match.group(1) if match else body.get("previous_response_id")
+    if not isinstance(response_id, str):
+        return ""
+    tagged = _TAGGED_RESPONSE_ID.fullmatch(response_id)
+    return tagged.group(1) if tagged else ""
+
+
+def _json_object(body: bytes) -> dict | None:
+    """The body as a JSON object, or None (the replica's app answers the 400)."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

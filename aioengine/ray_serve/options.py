@@ -31,10 +31,16 @@ class RayServeOptions:
     prefix_block_chars: int = DEFAULT_BLOCK_CHARS
     health_check_period_s: float = 2.0
     graceful_shutdown_timeout_s: float = 20.0
+    # > 0: --lora-modules are loaded on demand, at most this many per replica, through Ray
+    # Serve's model multiplexing; 0: every replica loads them all at start-up.
+    max_adapters_per_replica: int = 0
+    metrics_export_port: int | None = None  # of a Ray started here; None: Ray's default
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
             raise ValueError("--ray-replicas must be >= 1")
+        if self.max_adapters_per_replica < 0:
+            raise ValueError("--ray-max-adapters-per-replica must be >= 0")
         if self.router not in ROUTERS:
             raise ValueError(f"--ray-router must be one of {', '.join(ROUTERS)}")
         if self.replica_cpus <= 0:
@@ -106,6 +112,14 @@ def add_ray_args(parser: argparse.ArgumentParser) -> None:
                                      "longer than the other's by more (default: %(default)s)")
     g.add_argument("--ray-prefix-block-chars", type=int, default=DEFAULT_BLOCK_CHARS,
                    metavar="N", help="prompt bytes per routing block (default: %(default)s)")
+    g.add_argument("--ray-max-adapters-per-replica", type=int, default=0, metavar="K",
+                   help="load the --lora-modules adapters on demand through Ray Serve's model "
+                        "multiplexing, at most K per replica (least recently used evicted), "
+                        "and route each adapter's requests to replicas that hold it; 0: every "
+                        "replica loads them all at start-up (default: %(default)s)")
+    g.add_argument("--ray-metrics-export-port", type=int, default=None, metavar="PORT",
+                   help="the port of Ray's Prometheus export, where every replica's engine "
+                        "metrics appear (a Ray started here; default: Ray's)")
     g.add_argument("--ray-health-check-period", type=float, default=2.0, metavar="S",
                    help="seconds between replica health checks (default: %(default)s)")
     g.add_argument("--ray-graceful-shutdown-timeout", type=float, default=20.0, metavar="S",
@@ -124,4 +138,6 @@ def options_from_args(args: argparse.Namespace) -> RayServeOptions:
                            router=args.ray_router, max_imbalance=args.ray_max_imbalance,
                            prefix_block_chars=args.ray_prefix_block_chars,
                            health_check_period_s=args.ray_health_check_period,
-                           graceful_shutdown_timeout_s=args.ray_graceful_shutdown_timeout)
+                           graceful_shutdown_timeout_s=args.ray_graceful_shutdown_timeout,
+                           max_adapters_per_replica=args.ray_max_adapters_per_replica,
+                           metrics_export_port=args.ray_metrics_export_port)

@@ -62,8 +62,10 @@ def _content_text(content: Any) -> str:
 
 
 def prefix_hashes(prompt: str | list[int] | None, block_chars: int = DEFAULT_BLOCK_CHARS,
-                  max_blocks: int = DEFAULT_MAX_BLOCKS) -> tuple[int, ...]:
-    """The chained hashes of the prompt's full leading blocks (at most `max_blocks`)."""
+                  max_blocks: int = DEFAULT_MAX_BLOCKS, salt: str = "") -> tuple[int, ...]:
+    """The chained hashes of the prompt's full leading blocks (at most `max_blocks`). A
+    LoRA adapter's name as `salt` starts the chain elsewhere: the KV cache keeps each
+    adapter's blocks apart, so the same prompt on another adapter shares nothing."""
     if not prompt or block_chars < 1:
         return ()
     if isinstance(prompt, str):
@@ -75,7 +77,7 @@ def prefix_hashes(prompt: str | list[int] | None, block_chars: int = DEFAULT_BLO
             return ()
         data, block = ids.tobytes(), max(1, block_chars // CHARS_PER_TOKEN) * ids.itemsize
     hashes: list[int] = []
-    parent = 0
+    parent = xxhash.xxh3_64_intdigest(salt.encode("utf-8", "surrogatepass")) if salt else 0
     for start in range(0, min(len(data) // block, max_blocks) * block, block):
         parent = xxhash.xxh3_64_intdigest(data[start:start + block], seed=parent)
         hashes.append(parent)

@@ -62,11 +62,15 @@ class ServerConfig:
     # (--allow-runtime-lora-updating).
     lora_modules: tuple[LoRAModulePath, ...] = ()
     allow_runtime_lora_updating: bool = False
+    # Ray Serve model multiplexing: lora_modules are listed, not loaded; each replica loads
+    # one when a request names it (aioengine/ray_serve/adapters.py).
+    load_lora_modules_on_demand: bool = False
     # Tool calling (vLLM's flags), the chat template override, the Responses API's store.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     chat_template: str | None = None
     max_stored_responses: int = 1024
+    response_id_tag: str = ""  # in every response id (a Ray Serve replica's id)
     # Overload: beyond this many waiting requests new ones get 503 + Retry-After (SGLang's
     # --max-queued-requests); None = unlimited.
     max_queued_requests: int | None = None
@@ -133,7 +137,8 @@ class OpenAIServer:
         self.config = config
         self.completions = CompletionsHandler(ctx)
         self.chat = ChatHandler(ctx)
-        self.responses = ResponsesHandler(ctx, config.max_stored_responses)
+        self.responses = ResponsesHandler(ctx, config.max_stored_responses,
+                                          config.response_id_tag)
 
     def build_app(self) -> web.Application:
         app = web.Application(middlewares=[error_middleware, auth_middleware(self.config.api_key)])
@@ -253,11 +258,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
 async def build_server_app(engine: AsyncEngine, served_model_names: list[str],
                            config: ServerConfig) -> web.Application:
     """The application `serve` runs (and each Ray Serve replica, aioengine/ray_serve/):
-    loads the `--lora-modules` adapters first (LoRAModuleError: none is served)."""
+    loads the `--lora-modules` adapters first (LoRAModuleError: none is served), unless
+    they are loaded on demand."""
     tools = ToolServingConfig(config.enable_auto_tool_choice, config.tool_call_parser)
-    ctx = ServingContext(engine, ServingModels(engine, served_model_names), tools,
+    on_demand = config.lora_modules if config.load_lora_modules_on_demand else ()
+    ctx = ServingContext(engine, ServingModels(engine, served_model_names, on_demand), tools,
                          config.chat_template, config.max_queued_requests)
-    await ctx.models.init_static_loras(list(config.lora_modules))
+    if not on_demand:
+        await ctx.models.init_static_loras(list(config.lora_modules))
     if config.allow_runtime_lora_updating:
         logger.warning("LoRA dynamic loading & unloading is enabled in the API server "
                        "(POST /v1/load_lora_adapter, /v1/unload_lora_adapter). This should "

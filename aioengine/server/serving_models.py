@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from aioengine.errors import InvalidRequestError, NotFoundError
@@ -90,10 +91,16 @@ def model_not_found(model: str) -> ApiError:
 
 
 class ServingModels:
-    def __init__(self, engine: AsyncEngine, base_model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncEngine, base_model_names: list[str],
+                 on_demand: Sequence[LoRAModulePath] = ()) -> None:
+        """`on_demand`: adapters listed while not loaded; something else loads each before
+        a request names it (a Ray Serve replica, through model multiplexing)."""
         self.engine = engine
         self.base_model_names = base_model_names
-        self._parents: dict[str, str] = {}  # adapter name -> its base_model_name
+        self.on_demand = {m.name: m for m in on_demand}
+        # adapter name -> its base_model_name
+        self._parents: dict[str, str] = {m.name: m.base_model_name for m in on_demand
+                                         if m.base_model_name is not None}
 
     def _registered(self, name: str) -> LoRARequest | None:
         return self.engine.get_lora(name)
@@ -114,11 +121,13 @@ class ServingModels:
         raise model_not_found(model)
 
     def lora_cards(self) -> list[tuple[LoRARequest, str]]:
-        """Each loaded adapter, in load order, with its parent (its base_model_name, else
-        the first served name)."""
+        """Each on-demand adapter (loaded or not), then each other loaded one in load
+        order, with its parent (its base_model_name, else the first served name)."""
         default = self.base_model_names[0]
-        return [(lora, self._parents.get(lora.lora_name, default))
-                for lora in self.engine.list_loras()]
+        loaded = {lora.lora_name: lora for lora in self.engine.list_loras()}
+        listed = [loaded.pop(m.name, LoRARequest(m.name, m.path))
+                  for m in self.on_demand.values()] + list(loaded.values())
+        return [(lora, self._parents.get(lora.lora_name, default)) for lora in listed]
 
     # ---- loading and unloading ----------------------------------------------------------
 

@@ -131,9 +131,12 @@ def _echo(body: dict, instructions: str | None, params: SamplingParams,
 
 
 class ResponsesHandler:
-    def __init__(self, ctx: ServingContext, max_stored: int = 1024) -> None:
+    def __init__(self, ctx: ServingContext, max_stored: int = 1024, id_tag: str = "") -> None:
+        """`id_tag`: put in every response id (`resp_<tag>_<hex>`), so a router in front of
+        several servers can send a follow-up to the server that stores the response."""
         self.ctx = ctx
         self.store = ResponsesStore(max_stored)
+        self.id_prefix = f"resp_{id_tag}" if id_tag else "resp"
 
     def _conversation(self, body: dict) -> list[dict[str, Any]]:
         """The previous response's conversation (output included), then `input`."""
@@ -174,7 +177,7 @@ class ResponsesHandler:
         per_prompt = ctx.validate([prompt_ids], params, prompt_param="input")
         ctx.check_running()
         await ctx.compile_structured(params, body, "tools" if plan else "text")
-        state = ResponseState(new_item_id("resp"), model, _echo(body, instructions, params, plan))
+        state = ResponseState(new_item_id(self.id_prefix), model, _echo(body, instructions, params, plan))
         stored = StoredResponse(state, messages)
         run = ResponseBuilder(state, plan)
         outputs = merged_outputs(ctx.engine, [prompt_ids], per_prompt, state.id,

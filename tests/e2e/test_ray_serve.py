@@ -1,26 +1,33 @@
 """`aioengine serve --ray-replicas 2` on a real local Ray cluster: the bundled model in two
 engine replicas of one CPU thread each, behind Ray's HTTP proxy, driven with the real
 `openai` client. The same routes, errors, streaming and structured output as one server;
-prefix-cache affinity; a replica whose engine loop dies is routed around and replaced.
-One cluster for the whole module (Ray's start and two model loads take most of its time)."""
+prefix-cache affinity; LoRA adapters through Ray Serve's model multiplexing (one per
+replica, so a third evicts one); every replica's engine metrics in Ray's Prometheus export;
+a replica whose engine loop dies is routed around and replaced. One cluster for the whole
+module (Ray's start and two model loads take most of its time)."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import jsonschema
 import openai
 import psutil
 import pytest
 from server_process import _READY, MODEL, ServerProcess, openai_client
+
+from tests.lora_adapters import make_peft_adapter
 
 pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.slow
@@ -29,6 +36,12 @@ REPLICA_HEADER = "x-aioengine-replica"
 GRACE_S = 4  # --ray-graceful-shutdown-timeout: how long a stopping replica's streams run on
 # ~600 tokens shared by the affinity prompts (the bundled tokenizer: ~4.3 bytes a token).
 SHARED_PREFIX = " ".join(f"Fact {i}: the number {i} times seven is {i * 7}." for i in range(40))
+# Random PEFT adapters for the bundled model (make_peft_adapter arguments); --lora-modules
+# with --ray-max-adapters-per-replica 1.
+ADAPTERS = {"alpha": dict(r=8, target_modules=["q_proj", "v_proj"], seed=1),
+            "beta": dict(r=4, target_modules=["o_proj", "down_proj"], seed=2, scale=0.1),
+            "gamma": dict(r=8, target_modules=["q_proj", "k_proj"], seed=3)}
+ADAPTER_PROMPT = "The three largest cities of Italy are"
 
 
 def free_port() -> int:
@@ -38,14 +51,34 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from aioengine.bench.hf_export import export_hf
+
+    root, model_dir = tmp_path_factory.mktemp("ray_lora"), export_hf()
+    return {name: make_peft_adapter(model_dir, root / name, **kw)
+            for name, kw in ADAPTERS.items()}
+
+
+@pytest.fixture(scope="module")
+def metrics_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def server(adapters: dict[str, Path], metrics_port: int) -> Iterator[ServerProcess]:
     """The CLI in a subprocess, stopped by the last test (or here, if it did not run)."""
     cmd = [sys.executable, "-m", "aioengine.cli", "serve", "--ray-replicas", "2",
            "--ray-replica-cpus", "1", "--port", str(free_port()), "--num-kv-blocks", "512",
-           "--ray-graceful-shutdown-timeout", str(GRACE_S)]
-    # A Ray of its own (not $RAY_ADDRESS's); the fault route for the last test.
+           "--ray-graceful-shutdown-timeout", str(GRACE_S),
+           "--enable-lora", "--max-lora-rank", "8",
+           "--lora-modules", *(f"{name}={path}" for name, path in adapters.items()),
+           "--ray-max-adapters-per-replica", "1",
+           "--ray-metrics-export-port", str(metrics_port)]
+    # A Ray of its own (not $RAY_ADDRESS's); the fault route for the last test; replicas
+    # report metrics every second (Ray's default: 10).
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(AIOENGINE_FAULT_INJECTION="1", RAY_USAGE_STATS_ENABLED="0")
+    env.update(AIOENGINE_FAULT_INJECTION="1", RAY_USAGE_STATS_ENABLED="0",
+               RAY_metrics_report_interval_ms="1000")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env=env)
     log: list[str] = []
@@ -107,7 +140,7 @@ def test_chat_and_completions(client: openai.OpenAI) -> None:
         model=MODEL, max_tokens=16, temperature=0,
         messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert [m.id for m in client.models.list().data] == [MODEL, *ADAPTERS]
 
 
 def test_streaming_matches_the_full_answer(client: openai.OpenAI) -> None:
@@ -185,6 +218,83 @@ def test_unrelated_prompts_spread_over_both_replicas(client: openai.OpenAI) -> N
         replicas = {replica for _, replica in
                     pool.map(lambda p: complete(client, p, max_tokens=16), prompts)}
     assert len(replicas) == 2
+
+
+def adapter_answer(client: openai.OpenAI, adapter: str) -> tuple[str, str]:
+    raw = client.completions.with_raw_response.create(model=adapter, prompt=ADAPTER_PROMPT,
+                                                      max_tokens=8, temperature=0)
+    out = raw.parse()
+    assert out.model == adapter and out.choices[0].finish_reason == "length"
+    return out.choices[0].text, replica_of(raw)
+
+
+def test_adapters_route_through_model_multiplexing(client: openai.OpenAI) -> None:
+    """One adapter per replica: alpha's requests stay on the replica that loaded it, beta
+    goes to the other; gamma then evicts one of them there, and the evicted one is loaded
+    again where it is asked for. Greedy answers never change (the prompt is shorter than a
+    block, so nothing comes from the prefix cache)."""
+    base = complete(client, ADAPTER_PROMPT, max_tokens=8)[0].choices[0].text
+    first = {}
+    for name in ("alpha", "beta"):
+        first[name] = adapter_answer(client, name)
+        time.sleep(1.0)  # Ray's routers hear which replica holds which adapter
+    texts = {name: text for name, (text, _) in first.items()}
+    assert len({base, *texts.values()}) == 3  # each adapter changes the answer
+    assert first["alpha"][1] != first["beta"][1]  # beta went to the replica without one
+    for name in ("alpha", "beta", "alpha", "beta"):
+        text, replica = adapter_answer(client, name)
+        assert (text, replica) == first[name]
+    texts["gamma"] = adapter_answer(client, "gamma")[0]
+    assert texts["gamma"] not in (base, texts["alpha"], texts["beta"])
+    # Concurrent requests for all three on two replicas that hold one each: loads and
+    # evictions under way while others are answered; none fails (an adapter is unloaded
+    # only after its last request ended).
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda name: (name, adapter_answer(client, name)[0]),
+                                [*ADAPTERS] * 3))
+    assert len(answers) == 9
+    for name in ADAPTERS:  # and alone again, each still gives its first answer
+        assert adapter_answer(client, name)[0] == texts[name]
+
+
+def test_responses_follow_ups_reach_the_replica_that_stores_them(client: openai.OpenAI) -> None:
+    """Each replica stores its own responses; their ids name it, so retrieving one or
+    continuing it (`previous_response_id`) never lands on the other replica (a 404)."""
+    for i in range(4):
+        first = client.responses.create(model=MODEL, input=f"Say hello {i}.",
+                                        max_output_tokens=4, temperature=0)
+        assert first.id.startswith("resp_")
+        assert client.responses.retrieve(first.id).id == first.id
+        follow = client.responses.create(model=MODEL, input="And again.", temperature=0,
+                                         max_output_tokens=4, previous_response_id=first.id)
+        assert follow.previous_response_id == first.id
+        assert client.responses.retrieve(follow.id).id == follow.id
+
+
+def test_every_replicas_metrics_in_rays_prometheus_export(client: openai.OpenAI,
+                                                          metrics_port: int) -> None:
+    """The engine metrics of both replicas, each series tagged with its replica, on the
+    node's Ray metrics export port."""
+    replicas = {complete(client, f"Metrics probe {i} {'x ' * i}")[1] for i in range(8)}
+    assert len(replicas) == 2
+    series = re.compile(r'^ray_aioengine[:_]generation_tokens_total\{([^}]*)\} (\S+)$', re.M)
+    deadline = time.monotonic() + 60
+    seen: dict[str, float] = {}
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics") as r:
+            text = r.read().decode()
+        seen = {}
+        for labels, value in series.findall(text):
+            replica = re.search(r'replica="([^"]+)"', labels)
+            if replica and 'model_name="' + MODEL + '"' in labels:
+                seen[replica.group(1)] = float(value)
+        if replicas <= set(seen) and all(seen[r] > 0 for r in replicas):
+            break
+        time.sleep(1.0)
+    assert replicas <= set(seen) and all(seen[r] > 0 for r in replicas), (replicas, seen)
+    for name in ("num_requests_running", "kv_cache_usage_perc", "prefix_cache_hits_total",
+                 "time_to_first_token_seconds_bucket", "request_success_total"):
+        assert re.search(rf"^ray_aioengine[:_]{name}\{{", text, re.M), name
 
 
 def stream_long_answers(client: openai.OpenAI, prefix: str, replica: str, n: int = 2):

@@ -2,6 +2,8 @@
 as `aioengine serve` flags, and the deployment options the --ray-* flags give."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from aioengine.cli import parse_serve_args
@@ -55,3 +57,19 @@ def test_autoscaling_passthrough_and_checks(monkeypatch: pytest.MonkeyPatch) -> 
         RayServeOptions(num_replicas=0)
     with pytest.raises(SystemExit):  # Ray's proxy needs a port
         parse_serve_args(["--ray-replicas", "2", "--port", "0"])
+
+
+def test_adapter_multiplexing_flags_are_checked() -> None:
+    with pytest.raises(ValueError, match="needs --lora-modules"):
+        build_app({"ray-max-adapters-per-replica": 2})
+    with pytest.raises(SystemExit):  # the serve flags' own check: needs --enable-lora
+        build_app({"ray-max-adapters-per-replica": 2, "lora-modules": "a=/tmp/a"})
+    with pytest.raises(ValueError):
+        RayServeOptions(max_adapters_per_replica=-1)
+    args = parse_serve_args(["--ray-replicas", "2", "--ray-max-adapters-per-replica", "3",
+                             "--ray-metrics-export-port", "9100"])
+    options = options_from_args(args)
+    assert (options.max_adapters_per_replica, options.metrics_export_port) == (3, 9100)
+    pirate = Path(__file__).parents[2] / "lora" / "examples" / "pirate"
+    assert type(build_app({"ray-max-adapters-per-replica": 2, "lora-modules": f"a={pirate}",
+                           "enable-lora": "true"})).__name__ == "Application"
