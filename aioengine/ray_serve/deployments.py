@@ -142,7 +142,10 @@ class EngineReplica:
         refreshed here, for Ray's export."""
         while True:
             await asyncio.sleep(METRICS_UPDATE_INTERVAL_S)
-            self.engine.metrics.update()
+            try:
+                self.engine.metrics.update()
+            except Exception:  # noqa: BLE001 - metrics must not end the replica
+                logger.exception("engine replica %s: metrics update failed", self.replica_id)
 
     def _error(self, status: int, message: str, kind: str, param: str | None = None,
                engine_dead: bool = False) -> tuple[ResponseHead, bytes]:

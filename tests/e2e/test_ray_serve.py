@@ -237,7 +237,7 @@ def test_adapters_route_through_model_multiplexing(client: openai.OpenAI) -> Non
     first = {}
     for name in ("alpha", "beta"):
         first[name] = adapter_answer(client, name)
-        time.sleep(1.0)  # Ray's routers hear which replica holds which adapter
+        time.sleep(2.5)  # Ray's routers hear which replica holds which adapter
     texts = {name: text for name, (text, _) in first.items()}
     assert len({base, *texts.values()}) == 3  # each adapter changes the answer
     assert first["alpha"][1] != first["beta"][1]  # beta went to the replica without one
@@ -275,7 +275,10 @@ def test_every_replicas_metrics_in_rays_prometheus_export(client: openai.OpenAI,
                                                           metrics_port: int) -> None:
     """The engine metrics of both replicas, each series tagged with its replica, on the
     node's Ray metrics export port."""
-    replicas = {complete(client, f"Metrics probe {i} {'x ' * i}")[1] for i in range(8)}
+    with ThreadPoolExecutor(8) as pool:  # at once, so that both replicas get some
+        replicas = {replica for _, replica in pool.map(
+            lambda i: complete(client, f"Metrics probe {i} {'x ' * i}", max_tokens=16),
+            range(8))}
     assert len(replicas) == 2
     series = re.compile(r'^ray_aioengine[:_]generation_tokens_total\{([^}]*)\} (\S+)$', re.M)
     deadline = time.monotonic() + 60
