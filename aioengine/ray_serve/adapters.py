@@ -104,9 +104,6 @@ class ReplicaAdapters:
             held.evicted = True
             self._unload_if_done(name, held)
 
-    def loaded(self) -> list[str]:
-        return list(self._held)
-
     def _unload_if_done(self, name: str, held: _Held) -> None:
         if held.evicted and held.in_flight == 0 and not held.unloading:
             held.unloading = True

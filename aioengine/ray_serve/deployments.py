@@ -47,6 +47,7 @@ from aioengine.ray_serve.prefix import (DEFAULT_BLOCK_CHARS, DEFAULT_MAX_BLOCKS,
                                         prompt_text)
 from aioengine.server.api_server import ServerConfig, app_runner, build_server_app
 from aioengine.server.protocol import error_body
+from aioengine.server.serving_responses import response_id_tag
 
 logger = logging.getLogger("aioengine.ray_serve")
 
@@ -117,7 +118,6 @@ class EngineReplica:
                                             {m.name: m for m in server.lora_modules},
                                             config.max_adapters_per_replica)
             server = replace(server, load_lora_modules_on_demand=True)
-            self.load_adapter = self.adapters.load  # where Ray looks for multiplexing
         # Response ids name this replica: the ingress sends their follow-ups here.
         server = replace(server, response_id_tag=self.replica_id)
         self._socket_dir = tempfile.mkdtemp(prefix="aioengine-replica-")
@@ -282,9 +282,7 @@ class OpenAIIngress:
         return head, responses
 
 
-
 _RESPONSE_PATH = re.compile(r"/v1/responses/([^/]+)(?:/cancel)?")
-_TAGGED_RESPONSE_ID = re.compile(r"resp_([A-Za-z0-9]+)_[0-9a-f]+")
 
 
 def _stored_on(path: str, body: dict) -> str:
@@ -292,10 +290,7 @@ def _stored_on(path: str, body: dict) -> str:
     continues (`previous_response_id`), from the response id's tag; "" if none."""
     match = _RESPONSE_PATH.fullmatch(path)
     response_id = match.group(1) if match else body.get("previous_response_id")
-    if not isinstance(response_id, str):
-        return ""
-    tagged = _TAGGED_RESPONSE_ID.fullmatch(response_id)
-    return tagged.group(1) if tagged else ""
+    return response_id_tag(response_id) if isinstance(response_id, str) else ""
 
 
 def _json_object(body: bytes) -> dict | None:

@@ -42,8 +42,6 @@ from ray.serve.request_router import (MultiplexMixin, PendingRequest, ReplicaID,
 from aioengine.ray_serve.options import DEFAULT_MAX_IMBALANCE
 
 DEFAULT_MAX_ENTRIES = 1 << 16
-
-
 MAX_HOLDERS = 4  # replicas remembered per prefix hash, most recent last
 
 
@@ -106,10 +104,6 @@ def request_field(pending_request: PendingRequest | None, name: str) -> Any:
     return None
 
 
-def _others(replicas: list[RunningReplica], chosen: RunningReplica) -> list[RunningReplica]:
-    return [r for r in replicas if r.replica_id != chosen.replica_id]
-
-
 class PrefixAffinityRouter(MultiplexMixin, RequestRouter):
     """Prefix-cache affinity with power-of-two-choices fallback (module docstring)."""
 
@@ -122,9 +116,10 @@ class PrefixAffinityRouter(MultiplexMixin, RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None,
                               ) -> list[list[RunningReplica]]:
-        """Ranks to try in order: [[affine], the others of two random], [[the new prefix's
-        replica], the other] or [two random]; Ray's base router takes the shorter queue
-        within a rank and moves on when all are full."""
+        """Ranks to try in order: [the replica storing the response], [the prefix's
+        holders (or the new prefix's replica), the rest of two random] or [two random];
+        Ray's base router takes the shorter queue within a rank and moves on when all are
+        full."""
         metadata = getattr(pending_request, "metadata", None)
         if metadata is not None and metadata.multiplexed_model_id:
             ranked = self.apply_multiplex_routing(pending_request)

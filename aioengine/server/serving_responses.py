@@ -21,6 +21,7 @@ cancel stops.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections import OrderedDict
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -130,13 +131,27 @@ def _echo(body: dict, instructions: str | None, params: SamplingParams,
             "user": body.get("user")}
 
 
+_TAGGED_ID = re.compile(r"resp_([A-Za-z0-9]+)_[0-9a-f]+")
+
+
+def new_response_id(id_tag: str = "") -> str:
+    """resp_<hex>, or resp_<id_tag>_<hex> (id_tag: letters and digits)."""
+    return new_item_id(f"resp_{id_tag}" if id_tag else "resp")
+
+
+def response_id_tag(response_id: str) -> str:
+    """The id_tag `new_response_id` made a response id with; "" for an untagged one."""
+    tagged = _TAGGED_ID.fullmatch(response_id)
+    return tagged.group(1) if tagged else ""
+
+
 class ResponsesHandler:
     def __init__(self, ctx: ServingContext, max_stored: int = 1024, id_tag: str = "") -> None:
-        """`id_tag`: put in every response id (`resp_<tag>_<hex>`), so a router in front of
+        """`id_tag`: put in every response id (new_response_id), so a router in front of
         several servers can send a follow-up to the server that stores the response."""
         self.ctx = ctx
         self.store = ResponsesStore(max_stored)
-        self.id_prefix = f"resp_{id_tag}" if id_tag else "resp"
+        self.id_tag = id_tag
 
     def _conversation(self, body: dict) -> list[dict[str, Any]]:
         """The previous response's conversation (output included), then `input`."""
@@ -177,7 +192,8 @@ class ResponsesHandler:
         per_prompt = ctx.validate([prompt_ids], params, prompt_param="input")
         ctx.check_running()
         await ctx.compile_structured(params, body, "tools" if plan else "text")
-        state = ResponseState(new_item_id(self.id_prefix), model, _echo(body, instructions, params, plan))
+        state = ResponseState(new_response_id(self.id_tag), model,
+                              _echo(body, instructions, params, plan))
         stored = StoredResponse(state, messages)
         run = ResponseBuilder(state, plan)
         outputs = merged_outputs(ctx.engine, [prompt_ids], per_prompt, state.id,

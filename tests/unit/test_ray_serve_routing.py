@@ -159,6 +159,9 @@ async def test_a_stored_responses_follow_ups_go_to_the_replica_that_stores_it(ro
     assert _stored_on("/v1/responses", {"previous_response_id": "resp_0f9e"}) == ""  # untagged
     assert _stored_on("/v1/responses", {"previous_response_id": 7}) == ""
     assert _stored_on("/v1/chat/completions", {}) == ""
+    from aioengine.server.serving_responses import new_response_id  # the server's own ids
+    assert _stored_on(f"/v1/responses/{new_response_id('x7k2p9qa')}", {}) == "x7k2p9qa"
+    assert _stored_on(f"/v1/responses/{new_response_id()}", {}) == ""
     a, b = FakeReplica("a"), FakeReplica("b")
     router.on_request_routed(call("x" * 32), a.replica_id, None)  # affinity says a
     follow_up = FakePending([ReplicaRequest("POST", "/v1/responses", (), b"",
