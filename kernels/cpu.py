@@ -15,17 +15,19 @@ otherwise costs a fifth of the step.
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
+from aioengine.kernels.cpu_layout import LORA_TABLE_WIDTH, DecodeLayer, DecodeStep
 from aioengine.kernels.cpu_build import (BASELINE_VARIANT, ISA_VARIANTS, load, load_error,
                                          reset, supported_variants, use_variant, variant)
 
-__all__ = ["BASELINE_VARIANT", "ISA_VARIANTS", "load", "load_error", "reset",
-           "supported_variants", "use_variant", "variant"]
+__all__ = ["BASELINE_VARIANT", "ISA_VARIANTS", "LORA_TABLE_WIDTH", "load", "load_error",
+           "reset", "supported_variants", "use_variant", "variant"]
 
 # GEMV_* of gemv.h: the storage formats of a projection's weight (int8 weight-only; with
 # act_quant, GEMV_I8A8: W8A8).
@@ -219,46 +221,108 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     return out
 
 
-# The pointers of one decoder layer, in the order of llama_decode.c's `decode_layer`.
-DECODE_LAYER_FIELDS = ("input_norm", "qkv", "qkv_scales", "qkv_bias", "q_norm", "k_norm", "o",
-                       "o_scales", "post_norm", "gate_up", "gate_up_scales", "down",
-                       "down_scales", "kv_cache")
+# The tensors of one decoder layer: decode_layer's fields (kernels/cpu/decode_layer.h).
+DECODE_LAYER_FIELDS = tuple(name for name, _ in DecodeLayer._fields_)
+_DECODE_LAYER_KEYS = frozenset(DECODE_LAYER_FIELDS)
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 # The ones a model may lack (null pointers for the kernel).
 _OPTIONAL_DECODE_FIELDS = frozenset({"qkv_bias", "q_norm", "k_norm", "qkv_scales", "o_scales",
                                      "gate_up_scales", "down_scales"})
 
 
-def decode_layer_table(layers: list[dict[str, Tensor | None]]) -> Tensor | None:
-    """The [num_layers, 14] int64 table of data pointers llama_decode takes, one row per
-    layer from a dict keyed by DECODE_LAYER_FIELDS (biases, q/k norms and, but for int8
-    projections, the scales may be None). None when a tensor does not fit: every projection
-    of the model in one format of WEIGHT_FORMATS (int8 with its scales), everything else
-    float32; all contiguous on the CPU. The table holds raw pointers: keep the tensors
-    alive, and rebuild it if any is replaced."""
-    formats = set()
-    rows = []
+@dataclass(eq=False)
+class DecodeLayerTable:
+    """What llama_decode reads of a model's layers: `layers`, the decode_layer structs (raw
+    pointers: keep the tensors alive, and rebuild the table if any is replaced), and `step`,
+    the decode_step pointing at them that each llama_decode call with this table refreshes
+    and passes (so one step at a time per table, as per set of KV caches it points at)."""
+
+    layers: ctypes.Array
+    step: DecodeStep
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+def _decode_layer_ok(layer: dict[str, Tensor | None], formats: set) -> bool:
+    """Every tensor of `layer` one the kernel reads; collects the projections' dtypes."""
+    for name in DECODE_LAYER_FIELDS:
+        t = layer[name]
+        if name in _PROJECTIONS:
+            if t is None or not _weight_ok(t, layer[f"{name}_scales"]):
+                return False
+            formats.add(t.dtype)
+        elif not (t is None and name in _OPTIONAL_DECODE_FIELDS
+                  or t is not None and _f32_rows(t)):
+            return False
+    return True
+
+
+def decode_layer_table(layers: list[dict[str, Tensor | None]]) -> DecodeLayerTable | None:
+    """The decode_layer structs llama_decode takes, one per layer from a dict keyed by
+    DECODE_LAYER_FIELDS (biases, q/k norms and, but for int8 projections, the scales may be
+    None). None when a tensor does not fit: every projection of the model in one format of
+    WEIGHT_FORMATS (int8 with its scales), everything else float32; all contiguous on the
+    CPU. Raises ValueError for a dict with a key too many or too few."""
+    formats: set = set()
     for layer in layers:
-        row = []
-        for name in DECODE_LAYER_FIELDS:
-            t = layer[name]
-            if name in _PROJECTIONS:
-                ok = t is not None and _weight_ok(t, layer[f"{name}_scales"])
-                formats.add(None if t is None else t.dtype)
-            else:
-                ok = t is None and name in _OPTIONAL_DECODE_FIELDS or t is not None and _f32_rows(t)
-            if not ok:
-                return None
-            row.append(0 if t is None else t.data_ptr())
-        rows.append(row)
+        if layer.keys() != _DECODE_LAYER_KEYS:
+            raise ValueError(f"decode_layer_table: unknown keys "
+                             f"{sorted(layer.keys() - _DECODE_LAYER_KEYS)}, missing keys "
+                             f"{sorted(_DECODE_LAYER_KEYS - layer.keys())}")
+        if not _decode_layer_ok(layer, formats):
+            return None
     if len(formats) > 1:
         return None
-    return torch.tensor(rows, dtype=torch.int64)
+    table = (DecodeLayer * len(layers))()
+    for row, layer in zip(table, layers):
+        for name in DECODE_LAYER_FIELDS:
+            t = layer[name]
+            setattr(row, name, None if t is None else t.data_ptr())
+    return DecodeLayerTable(table, DecodeStep(layers=ctypes.addressof(table),
+                                              num_layers=len(layers)))
 
 
-def llama_decode(x: Tensor, layer_table: Tensor, final_norm: Tensor, *, num_heads: int,
-                 num_kv_heads: int, head_dim: int, intermediate_size: int, eps: float,
-                 scale: float, positions: Tensor, cos: Tensor, sin: Tensor,
+def _set_aux(step: DecodeStep, aux: Tensor | None, aux_layers: Tensor | None, t: int,
+             hidden: int) -> bool:
+    """The step's auxiliary outputs into `step`; False where they do not fit."""
+    if aux is None and aux_layers is None:
+        step.aux = step.aux_layers = None  # NULL: no aux output
+        step.num_aux = 0
+        return True
+    if not (aux is not None and aux_layers is not None and aux_layers.dim() == 1
+            and aux_layers.device.type == "cpu"
+            and aux_layers.dtype == torch.int64 and aux_layers.is_contiguous()
+            and aux.shape == (t, aux_layers.shape[0] * hidden) and _f32_rows(aux)):
+        return False
+    indices = aux_layers.tolist()  # a few: cheaper than tensor ops
+    if indices and not 0 <= min(indices) <= max(indices) < step.num_layers:
+        raise ValueError(f"llama_decode: aux layer indices {indices} outside "
+                         f"[0, {step.num_layers})")
+    step.aux, step.aux_layers, step.num_aux = aux.data_ptr(), aux_layers.data_ptr(), len(indices)
+    return True
+
+
+def _set_lora(step: DecodeStep, lora: LoRADecodeArgs | None, t: int) -> bool:
+    """The step's adapter slots into `step`; False where they do not fit."""
+    if lora is None:
+        step.lora = step.token_slots = None
+        step.lora_rank = step.lora_bf16 = 0
+        return True
+    if not (lora.table.dtype == torch.int64 and lora.table.is_contiguous()
+            and lora.table.shape == (step.num_layers, LORA_TABLE_WIDTH)
+            and lora.token_slots.dtype == torch.int32 and lora.token_slots.shape == (t,)
+            and lora.token_slots.is_contiguous()):
+        return False
+    step.lora, step.token_slots = lora.table.data_ptr(), lora.token_slots.data_ptr()
+    step.lora_rank, step.lora_bf16 = lora.max_rank, int(lora.bf16)
+    return True
+
+
+def llama_decode(x: Tensor, layer_table: DecodeLayerTable, final_norm: Tensor, *,
+                 num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int,
+                 eps: float, scale: float, positions: Tensor, cos: Tensor, sin: Tensor,
                  slot_mapping: Tensor, block_tables: Tensor, seq_lens: Tensor,
                  num_blocks: int, block_size: int, weight_format: int = 0,
                  aux: Tensor | None = None, aux_layers: Tensor | None = None,
@@ -275,14 +339,13 @@ def llama_decode(x: Tensor, layer_table: Tensor, final_norm: Tensor, *, num_head
     None: aux[:, j*H:(j+1)*H] receives the residual stream into layer aux_layers[j] (the
     embeddings for 0), before its input norm. `lora`: the step's adapter slots (each
     token's update added to every projection, as `lora_apply` computes it), or None.
-    Raises IndexError, writing nothing, for a
-    slot outside the caches; ValueError for a layer index out of range. Returns False,
-    changing nothing, when the kernel does not apply or is not built.
+    Raises IndexError, writing nothing, for a slot outside the caches; ValueError for a
+    layer index out of range. Returns False, changing nothing, when the kernel does not
+    apply or is not built.
     """
     t = x.shape[0]
     if not (x.dim() == 2 and _f32_rows(x, final_norm, cos, sin)
-            and layer_table.dtype == torch.int64 and layer_table.is_contiguous()
-            and layer_table.shape[1:] == (len(DECODE_LAYER_FIELDS),)
+            and type(layer_table) is DecodeLayerTable
             and positions.dtype == slot_mapping.dtype == torch.int64
             and positions.shape == slot_mapping.shape == (t,)
             and positions.is_contiguous() and slot_mapping.is_contiguous()
@@ -291,38 +354,21 @@ def llama_decode(x: Tensor, layer_table: Tensor, final_norm: Tensor, *, num_head
             and block_tables.is_contiguous() and seq_lens.shape == (t,)
             and seq_lens.is_contiguous() and cos.shape[-1] * 2 == head_dim):
         return False
-    num_aux, aux_ptr, aux_layers_ptr = 0, 0, 0  # 0: NULL, no aux output
-    if aux is not None or aux_layers is not None:
-        if not (aux is not None and aux_layers is not None and aux_layers.dim() == 1
-                and aux_layers.device.type == "cpu"
-                and aux_layers.dtype == torch.int64 and aux_layers.is_contiguous()
-                and aux.shape == (t, aux_layers.shape[0] * x.shape[-1]) and _f32_rows(aux)):
-            return False
-        indices = aux_layers.tolist()  # a few: cheaper than tensor ops
-        if indices and not 0 <= min(indices) <= max(indices) < layer_table.shape[0]:
-            raise ValueError(f"llama_decode: aux layer indices {indices} outside "
-                             f"[0, {layer_table.shape[0]})")
-        num_aux, aux_ptr, aux_layers_ptr = len(indices), aux.data_ptr(), aux_layers.data_ptr()
-    lora_ptr, slots_ptr, lora_rank, lora_bf16 = 0, 0, 0, 0
-    if lora is not None:
-        if not (lora.table.dtype == torch.int64 and lora.table.is_contiguous()
-                and lora.table.shape == (layer_table.shape[0], 12)
-                and lora.token_slots.dtype == torch.int32 and lora.token_slots.shape == (t,)
-                and lora.token_slots.is_contiguous()):
-            return False
-        lora_ptr, slots_ptr, lora_rank = (lora.table.data_ptr(), lora.token_slots.data_ptr(),
-                                          lora.max_rank)
-        lora_bf16 = int(lora.bf16)
+    step = layer_table.step
+    if not (_set_aux(step, aux, aux_layers, t, x.shape[1]) and _set_lora(step, lora, t)):
+        return False
     lib = load()
     if lib is None:
         return False
-    rc = lib.llama_decode(
-        x.data_ptr(), layer_table.data_ptr(), layer_table.shape[0], final_norm.data_ptr(), t,
-        x.shape[1], num_heads, num_kv_heads, head_dim, intermediate_size, eps, scale,
-        positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
-        block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), num_blocks,
-        block_size, weight_format, aux_ptr, aux_layers_ptr, num_aux, lora_ptr, slots_ptr,
-        lora_rank, lora_bf16, torch.get_num_threads())
+    step.final_norm, step.hidden, step.num_heads = final_norm.data_ptr(), x.shape[1], num_heads
+    step.num_kv_heads, step.head_dim, step.intermediate = num_kv_heads, head_dim, intermediate_size
+    step.eps, step.scale, step.weight_fmt = eps, scale, weight_format
+    step.cos_table, step.sin_table = cos.data_ptr(), sin.data_ptr()
+    step.num_threads, step.x, step.num_tokens = torch.get_num_threads(), x.data_ptr(), t
+    step.positions, step.slot_mapping = positions.data_ptr(), slot_mapping.data_ptr()
+    step.block_tables, step.table_stride = block_tables.data_ptr(), block_tables.shape[1]
+    step.seq_lens, step.num_blocks, step.block_size = seq_lens.data_ptr(), num_blocks, block_size
+    rc = lib.llama_decode(step)
     if rc > 0:
         raise IndexError(f"llama_decode: {rc} slot(s) outside the cache's "
                          f"{num_blocks * block_size} slots")
@@ -333,10 +379,11 @@ def llama_decode(x: Tensor, layer_table: Tensor, final_norm: Tensor, *, num_head
 
 @dataclass
 class LoRADecodeArgs:
-    """What llama_decode needs to apply a step's adapters: `table` [num_layers, 12] int64,
-    per layer the (a, bt, ranks) pointers of qkv, o, gate_up and down (LinearWithLoRA's
-    lora_a, lora_b, ranks: float32, or bf16 with `bf16`, / int32, contiguous on the CPU);
-    `token_slots` [T] int32 (-1: the base model); `max_rank`, the slots' padded rank R."""
+    """What llama_decode needs to apply a step's adapters: `table` [num_layers,
+    LORA_TABLE_WIDTH] int64, per layer the (a, bt, ranks) pointers of qkv, o, gate_up and
+    down in lora_layer's order (kernels/cpu/decode_layer.h; LinearWithLoRA's lora_a, lora_b,
+    ranks: float32, or bf16 with `bf16`, / int32, contiguous on the CPU); `token_slots` [T]
+    int32 (-1: the base model); `max_rank`, the slots' padded rank R."""
 
     table: Tensor
     token_slots: Tensor

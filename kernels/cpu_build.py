@@ -8,6 +8,7 @@ it again).
 from __future__ import annotations
 
 import ctypes
+import glob
 import hashlib
 import logging
 import os
@@ -18,17 +19,24 @@ import tempfile
 import threading
 
 from aioengine import cpu_info, envs
+from aioengine.kernels import cpu_layout
 
 logger = logging.getLogger("aioengine.kernels.cpu")
 
 _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu")
-_SOURCES = [os.path.join(_DIR, name) for name in ("paged_decode_attention.c",
-                                                  "rotary_embedding.c", "cache.c",
-                                                  "layernorm.c", "activation.c", "gemv.c",
-                                                  "llama_decode.c", "lora.c")]
-_HEADERS = [os.path.join(_DIR, name) for name in ("parallel.h", "vec_math.h", "activation.h",
-                                                  "attention.h", "gemv.h", "gemv_q4_1.h", "layernorm.h",
-                                                  "rotary_embedding.h")]
+
+
+def _sources(source_dir: str) -> list[str]:
+    """The C sources the library is built from: every .c file of the directory."""
+    return sorted(glob.glob(os.path.join(source_dir, "*.c")))
+
+
+def _inputs(source_dir: str) -> list[str]:
+    """Every file the build reads: the sources and every header they may include (all of
+    the directory's, so a header no list names cannot leave a stale build in the cache)."""
+    return sorted(glob.glob(os.path.join(source_dir, "*.[ch]")))
+
+
 # No -ffast-math: the softmax relies on IEEE exp/max; -O3 still vectorises the dot products
 # once reassociation is allowed for them (-fassociative-math needs -fno-signed-zeros and
 # -fno-trapping-math). -std=c11 alone would turn off FMA contraction, which halves the speed
@@ -102,24 +110,32 @@ def _cache_dir() -> str:
     return os.path.join(root, "aioengine", "kernels")
 
 
+def cache_key(name: str, cc: str, source_dir: str = _DIR) -> str:
+    """The build cache's key of variant `name`: every input file's name and bytes, the
+    flags and the compiler."""
+    h = hashlib.sha256()
+    for path in _inputs(source_dir):
+        h.update(os.path.basename(path).encode() + b"\0")
+        with open(path, "rb") as f:
+            h.update(f.read())
+        h.update(b"\0")
+    h.update(" ".join([cc, *_CFLAGS, *_variant_flags(name)]).encode())
+    return h.hexdigest()[:16]
+
+
 def _build(name: str) -> ctypes.CDLL:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
-    source = b""
-    for path in _SOURCES + _HEADERS:
-        with open(path, "rb") as f:
-            source += f.read()
     flags = [*_CFLAGS, *_variant_flags(name)]
-    key = hashlib.sha256(source + " ".join([cc, *flags]).encode()).hexdigest()[:16]
-    path = os.path.join(_cache_dir(), f"cpu_kernels-{name}-{key}.so")
+    path = os.path.join(_cache_dir(), f"cpu_kernels-{name}-{cache_key(name, cc)}.so")
     if not os.path.exists(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         # Build beside the target and rename: concurrent builders never see half a file.
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
         os.close(fd)
         try:
-            proc = subprocess.run([cc, *flags, *_SOURCES, "-o", tmp, "-lm"],
+            proc = subprocess.run([cc, *flags, *_sources(_DIR), "-o", tmp, "-lm"],
                                   capture_output=True, text=True, timeout=120)
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:2000]}")
@@ -151,11 +167,10 @@ def _build(name: str) -> ctypes.CDLL:
     fn = lib.gemv
     fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int, ptr, i64, i64, i64, ctypes.c_int]
     fn.restype = ctypes.c_int
-    fn = lib.llama_decode
-    fn.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
-                   ctypes.c_float, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, ctypes.c_int,
-                   ptr, ptr, i64, ptr, ptr, i64, ctypes.c_int, ctypes.c_int]
-    fn.restype = i64
+    cpu_layout.declare(lib)  # llama_decode and the layout table
+    mismatches = cpu_layout.layout_mismatches(lib)
+    if mismatches:  # the kernel would read the wrong fields: the torch path instead
+        raise RuntimeError(f"kernels/cpu_layout.py disagrees with decode_layer.h: {mismatches}")
     fn = lib.lora_apply_f32
     fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, i64, i64,
                    i64, ctypes.c_int]

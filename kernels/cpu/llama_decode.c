@@ -16,8 +16,9 @@
  * than threads, a token's arithmetic does not depend on how many tokens the step has: a
  * verification step of k + 1 rows computes each row exactly as a one-token step would, so
  * greedy speculative decoding keeps the very tokens of plain decoding (with one request
- * per thread the summation order differed and bf16 near-ties flipped). Five barriers
- * a layer, one of them between writing every token's K/V and any token attending: the
+ * per thread the summation order differed and bf16 near-ties flipped). Six barriers a
+ * layer (after qkv, the K/V write, attention, o, gate_up and down), one of them between
+ * writing every token's K/V and any token attending: the
  * tokens of one request (speculative decoding's verified tokens, each its own row with its
  * own position and seq_len) read the slots the tokens before them write.
  *
@@ -47,44 +48,16 @@
 
 #include "activation.h"
 #include "attention.h"
+#include "decode_layer.h"
 #include "gemv.h"
 #include "layernorm.h"
 #include "lora.h"
 #include "rotary_embedding.h"
 
-/* One layer's weights, as LlamaDecoderLayer holds them (qkv_bias, q_norm, k_norm may be
- * NULL; the projections in the step's weight format, with their per-row scales for int8),
- * and its KV cache [2, num_blocks, block_size, num_kv_heads, head_dim]. The Python side
- * passes an int64 tensor [num_layers, 14] of these pointers. */
-typedef struct {
-    const float *input_norm;
-    const void *qkv;
-    const float *qkv_scales, *qkv_bias, *q_norm, *k_norm;
-    const void *o;
-    const float *o_scales, *post_norm;
-    const void *gate_up;
-    const float *gate_up_scales;
-    const void *down;
-    const float *down_scales;
-    float *kv_cache;
-} decode_layer;
-
-/* One projection's adapter slots (lora.h): a [L, S, R, K], bt [L, R, N] (float32, or bf16
- * for the whole step with lora_bf16), ranks [L, S]. */
-typedef struct {
-    const void *a, *bt;
-    const int32_t *ranks;
-} lora_proj;
-
 /* Element offsets into a slot tensor, as a byte pointer for either weight format. */
 static inline const void *lora_at(const void *base, int64_t elems, int bf16) {
     return (const char *)base + elems * (bf16 ? 2 : 4);
 }
-
-/* A layer's adapter slots; the Python side passes an int64 tensor [num_layers, 12]. */
-typedef struct {
-    lora_proj qkv, o, gate_up, down;
-} lora_layer;
 
 /* One token's shrink u = A x and expand y[0, N) += B u for slot `slot` of projection p
  * (S slices of `slices`, padded rank R). */
@@ -169,30 +142,27 @@ static void attend_part(float *restrict o, float *restrict max, float *restrict 
                    s->block_size, s->block_size * s->kv_size, s->scale, scores);
 }
 
-/* x [num_tokens, hidden]: the embeddings in, the final-normed hidden states out.
- * positions, slot_mapping [num_tokens] int64; block_tables [num_tokens, table_stride] and
- * seq_lens [num_tokens] int32 (as for paged_decode_attention_f32); cos/sin tables
- * [max_positions, head_dim / 2]; weight_fmt the projections' GEMV_* format. aux NULL, or
- * [num_tokens, num_aux * hidden]: its j-th hidden-wide column block receives the residual
- * stream into layer aux_layers[j] (each in [0, num_layers); the embeddings for 0), the
- * input of that layer's input norm. lora NULL, or [num_layers] adapter slots with
- * token_slots [num_tokens] (-1: the base model), the slots' padded rank lora_rank and
- * their format (lora_bf16: bf16, else float32).
- * Returns 0; the number of slots outside the cache,
- * having written nothing; or -1 when out of memory. */
-int64_t llama_decode(float *restrict x, const decode_layer *restrict layers,
-                         int64_t num_layers, const float *restrict final_norm,
-                         int64_t num_tokens, int64_t hidden, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
-                         float eps, float scale, const int64_t *restrict positions,
-                         const float *restrict cos_table, const float *restrict sin_table,
-                         const int64_t *restrict slot_mapping,
-                         const int32_t *restrict block_tables, int64_t table_stride,
-                         const int32_t *restrict seq_lens, int64_t num_blocks,
-                         int64_t block_size, int weight_fmt, float *restrict aux,
-                         const int64_t *restrict aux_layers, int64_t num_aux,
-                         const lora_layer *restrict lora, const int32_t *restrict token_slots,
-                         int64_t lora_rank, int lora_bf16, int num_threads) {
+/* The step of `d` (decode_layer.h: its fields' meaning and the return value). */
+int64_t llama_decode(const decode_step *d) {
+    float *restrict x = d->x;
+    const decode_layer *restrict layers = d->layers;
+    const float *restrict final_norm = d->final_norm;
+    const int64_t num_layers = d->num_layers, num_tokens = d->num_tokens, hidden = d->hidden;
+    const int64_t num_heads = d->num_heads, num_kv_heads = d->num_kv_heads;
+    const int64_t head_dim = d->head_dim, intermediate = d->intermediate;
+    const float eps = d->eps, scale = d->scale;
+    const int64_t *restrict positions = d->positions, *restrict slot_mapping = d->slot_mapping;
+    const float *restrict cos_table = d->cos_table, *restrict sin_table = d->sin_table;
+    const int32_t *restrict block_tables = d->block_tables, *restrict seq_lens = d->seq_lens;
+    const int64_t table_stride = d->table_stride, num_blocks = d->num_blocks;
+    const int64_t block_size = d->block_size;
+    float *restrict aux = d->aux;
+    const int64_t *restrict aux_layers = d->aux_layers;
+    const int64_t num_aux = d->num_aux;
+    const lora_layer *restrict lora = d->lora;
+    const int32_t *restrict token_slots = d->token_slots;
+    const int64_t lora_rank = d->lora_rank;
+    const int lora_bf16 = d->lora_bf16, weight_fmt = d->weight_fmt, num_threads = d->num_threads;
     const int64_t M = num_tokens, q_size = num_heads * head_dim;
     const int64_t kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
     const attention_step step = {

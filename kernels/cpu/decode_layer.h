@@ -1,0 +1,98 @@
+/*
+ * The C contract of the fused decode kernel (llama_decode.c): what one decoder layer and
+ * one decode step hand it, as typed structs rather than an int64 pointer table and ~30
+ * positional arguments. Python mirrors these structs once (kernels/cpu_layout.py, as
+ * ctypes.Structure classes); layout.c exports every struct's size and every field's offset
+ * and size, and tests/model/test_c_layout.py fails where the mirror and this header
+ * disagree. Add a field here: add it to layout.c's table and to the mirror too.
+ */
+#ifndef AIOENGINE_DECODE_LAYER_H
+#define AIOENGINE_DECODE_LAYER_H
+
+#include <stdint.h>
+
+/* One layer's weights, as LlamaDecoderLayer holds them (qkv_bias, q_norm, k_norm may be
+ * NULL; the projections in the step's weight format, with their per-row scales for int8,
+ * else NULL scales), and its KV cache [2, num_blocks, block_size, num_kv_heads, head_dim]. */
+typedef struct {
+    const float *input_norm;
+    const void *qkv;
+    const float *qkv_scales, *qkv_bias, *q_norm, *k_norm;
+    const void *o;
+    const float *o_scales, *post_norm;
+    const void *gate_up;
+    const float *gate_up_scales;
+    const void *down;
+    const float *down_scales;
+    float *kv_cache;
+} decode_layer;
+
+/* One projection's adapter slots (lora.h): a [L, S, R, K], bt [L, R, N] (float32, or bf16
+ * for the whole step with lora_bf16), ranks [L, S] int32. */
+typedef struct {
+    const void *a, *bt;
+    const int32_t *ranks;
+} lora_proj;
+
+/* A layer's adapter slots. The Python side (aioengine.lora.LoRAManager) keeps them as an
+ * int64 tensor [num_layers, LORA_LAYER_POINTERS] of data pointers, in this field order. */
+typedef struct {
+    lora_proj qkv, o, gate_up, down;
+} lora_layer;
+
+/* The width of that table: the one definition (Python reads it through lora_layer's size
+ * in layout.c's table and checks its mirror against it). */
+#define LORA_LAYER_POINTERS 12
+_Static_assert(sizeof(lora_layer) == LORA_LAYER_POINTERS * sizeof(void *),
+               "lora_layer is LORA_LAYER_POINTERS pointers");
+
+/* One decode step of num_tokens single-token rows over every layer.
+ *
+ * x [num_tokens, hidden]: the embeddings in, the final-normed hidden states out.
+ * positions, slot_mapping [num_tokens] int64; block_tables [num_tokens, table_stride] and
+ * seq_lens [num_tokens] int32 (as for paged_decode_attention_f32); cos/sin tables
+ * [max_positions, head_dim / 2]; weight_fmt the projections' GEMV_* format (gemv.h).
+ * aux NULL, or [num_tokens, num_aux * hidden]: its j-th hidden-wide column block receives
+ * the residual stream into layer aux_layers[j] (each in [0, num_layers); the embeddings for
+ * 0), the input of that layer's input norm. lora NULL, or [num_layers] adapter slots with
+ * token_slots [num_tokens] (-1: the base model), the slots' padded rank lora_rank and
+ * their format (lora_bf16: bf16, else float32).
+ *
+ * The model's fields (layers to num_threads) stay the same from step to step, the step's
+ * (x onwards) change. The Python side keeps one struct per layer table (built with it) and
+ * stores the call's values into it each call: int and float stores, cheaper than the ~30
+ * converted arguments this struct replaced. */
+typedef struct {
+    /* the model */
+    const decode_layer *layers;
+    int64_t num_layers;
+    const float *final_norm;
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    float eps, scale;
+    const float *cos_table, *sin_table;
+    int32_t weight_fmt;
+    int32_t num_threads;
+    /* the step */
+    float *x;
+    int64_t num_tokens;
+    const int64_t *positions, *slot_mapping;
+    const int32_t *block_tables;
+    int64_t table_stride;
+    const int32_t *seq_lens;
+    int64_t num_blocks, block_size;
+    /* EAGLE-3's auxiliary hidden states, or NULL / 0 */
+    float *aux;
+    const int64_t *aux_layers;
+    int64_t num_aux;
+    /* the step's adapters, or NULL */
+    const lora_layer *lora;
+    const int32_t *token_slots;
+    int64_t lora_rank;
+    int32_t lora_bf16;
+} decode_step;
+
+/* Runs the step (llama_decode.c). Returns 0; the number of slots outside the cache, having
+ * written nothing; or -1 when out of memory. */
+int64_t llama_decode(const decode_step *step);
+
+#endif /* AIOENGINE_DECODE_LAYER_H */
