@@ -1,26 +1,28 @@
-"""Frozen configuration of one engine, EngineArgs that builds it, and the engine flags
-(`add_engine_args`, `engine_kwargs`) that every command running the engine shares."""
+"""Frozen configuration of one engine: EngineArgs, the one home of every engine default,
+and SchedulerConfig built from it; the mechanism that generates flags from a dataclass's
+fields (`add_dataclass_flags`), and with it the engine flags (`add_engine_args`,
+`engine_kwargs`) that every command running the engine shares."""
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 import torch
 
 from aioengine import cpu_info
 from aioengine.core.block_pool import PREFIX_CACHING_HASH_ALGOS
+# ConfigError is defined with the other typed errors, so that aioengine.spec_decode.config
+# need not import this module (no import circle); callers import it from here.
+from aioengine.errors import ConfigError
+from aioengine.spec_decode.config import SpeculativeConfig
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
-
-
-class ConfigError(ValueError):
-    """An engine setting is invalid."""
 
 
 QUANTIZATIONS = ("int8", "w8a8", "gguf")
@@ -53,23 +55,6 @@ def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ConfigError(f"unsupported dtype {dtype!r}; supported: auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
-    policy: str = "fcfs"  # "fcfs" or "priority" (lower value first, then arrival)
-    # Speculative decoding: drafts per request per step (0 = off), and the batch size above
-    # which a step verifies none (None = no limit).
-    num_speculative_tokens: int = 0
-    spec_disable_by_batch_size: int | None = None
-    # Slots allocated past each step's tokens for a draft head's chain (EAGLE: k).
-    num_lookahead_tokens: int = 0
-    # Multi-LoRA: distinct adapters one step may hold (0 = LoRA off).
-    max_loras: int = 0
 
 
 @dataclass(frozen=True)
@@ -183,6 +168,43 @@ class EngineArgs:
             raise ConfigError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
 
 
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler needs of EngineArgs, resolved (`from_engine_args`): its defaults
+    are EngineArgs' (so the two cannot drift), but max_model_len, which only the loaded
+    model resolves, and the speculative-decoding numbers, which its config gives."""
+    max_model_len: int
+    max_num_batched_tokens: int = EngineArgs.max_num_batched_tokens
+    max_num_seqs: int = EngineArgs.max_num_seqs
+    enable_chunked_prefill: bool = EngineArgs.enable_chunked_prefill
+    # "fcfs" or "priority" (lower value first, then arrival): EngineArgs.scheduling_policy.
+    policy: str = EngineArgs.scheduling_policy
+    # Speculative decoding: drafts per request per step (0 = off), and the batch size above
+    # which a step verifies none (None = no limit).
+    num_speculative_tokens: int = 0
+    spec_disable_by_batch_size: int | None = None
+    # Slots allocated past each step's tokens for a draft head's chain (EAGLE: k).
+    num_lookahead_tokens: int = 0
+    # Multi-LoRA: distinct adapters one step may hold (0 = LoRA off, EngineArgs' default).
+    max_loras: int = EngineArgs.max_loras if EngineArgs.enable_lora else 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, max_model_len: int,
+                         spec: SpeculativeConfig | None = None,
+                         num_lookahead_tokens: int = 0) -> SchedulerConfig:
+        """The scheduler's settings of `args`, with the model's resolved `max_model_len`
+        and the resolved speculative config (its draft head's lookahead slots)."""
+        return cls(max_model_len=max_model_len,
+                   max_num_batched_tokens=args.max_num_batched_tokens,
+                   max_num_seqs=args.max_num_seqs,
+                   enable_chunked_prefill=args.enable_chunked_prefill,
+                   policy=args.scheduling_policy,
+                   num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                   spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
+                   num_lookahead_tokens=num_lookahead_tokens,
+                   max_loras=args.max_loras if args.enable_lora else 0)
+
+
 def gpu_kv_cache_budget(total: int, utilization: float, peak_torch: int,
                         non_torch: int) -> int:
     """vLLM's rule for the KV cache on a GPU: of `utilization` x the device's memory, what
@@ -201,23 +223,56 @@ def default_kv_cache_memory(device: torch.device) -> int:
     return int(min(avail // 4, 4 << 30))
 
 
+# ---- Flags from dataclasses ---------------------------------------------------------------
+# Every flag of `aioengine` is generated from a field of the dataclass it sets (EngineArgs
+# here; ServerConfig and the LoRA flags in aioengine.serve_args; RayServeOptions in
+# aioengine.ray_serve.options): a table maps each field to its flag names and argparse
+# options, and the flag's default is the field's, so the dataclass stays the one home of
+# that default.
+
+FlagSpec = tuple[tuple[str, ...], dict[str, Any]]
+
+
+def flag(*names: str, **options: Any) -> FlagSpec:
+    """A flag table entry: its names and argparse options. `dest` defaults to the field's
+    name; `default` to the field's default and is given only where leaving the flag out
+    means something else than the field's default (an environment variable, "not on Ray")."""
+    return names, options
+
+
+def field_defaults(owner: type) -> dict[str, Any]:
+    """The dataclass `owner`'s fields that have a plain default, and those defaults."""
+    return {f.name: f.default for f in fields(owner) if f.default is not MISSING}
+
+
+def add_dataclass_flags(group: argparse._ActionsContainer, owner: type,
+                        table: dict[str, FlagSpec]) -> None:
+    """One flag per entry of `table` (keys: fields of the dataclass `owner`), in order."""
+    defaults = field_defaults(owner)
+    known = {f.name for f in fields(owner)}
+    for name, (names, options) in table.items():
+        if name not in known:
+            raise KeyError(f"{owner.__name__} has no field {name!r} for flag {names[0]}")
+        options = {"dest": name, **options}
+        if "default" not in options:
+            options["default"] = defaults[name]
+        group.add_argument(*names, **options)
+
+
+def flag_values(args: argparse.Namespace, table: dict[str, FlagSpec]) -> dict[str, Any]:
+    """The parsed values of `table`'s flags, by field name."""
+    return {name: getattr(args, options.get("dest", name))
+            for name, (_, options) in table.items()}
+
+
 # ---- Engine flags -------------------------------------------------------------------------
 # `aioengine serve|generate` and every `aioengine bench` mode that runs our engine take the
-# same flags, under vLLM's names. Each flag's dest is its EngineArgs field and its default
-# that field's default, so EngineArgs stays the one home of every engine setting.
-
-def engine_default(name: str) -> Any:
-    """EngineArgs' default for the field `name` (KeyError for an unknown field)."""
-    return _ENGINE_FIELDS[name].default
-
+# same flags, under vLLM's names, each generated from its EngineArgs field.
 
 def speculative_config_arg(text: str) -> dict[str, Any]:
     """`--speculative-config`: vLLM's JSON object, validated here so a bad one stops the
     command before anything loads (with SpeculativeConfig's ConfigError message)."""
     import json
-
-    # Imported here: aioengine.spec_decode.config imports this module.
-    from aioengine.spec_decode.config import SpeculativeConfig
 
     try:
         SpeculativeConfig.parse(text)
@@ -226,78 +281,71 @@ def speculative_config_arg(text: str) -> dict[str, Any]:
     return json.loads(text)
 
 
-def _flag(*names: str, **options: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
-    return names, options
-
-
 _BOOL = argparse.BooleanOptionalAction
-# EngineArgs field -> (flag names, argparse options but dest and default).
-ENGINE_FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
-    "model": _flag("--model", help="HF directory or .gguf file (default: bundled "
-                                   "SmolLM2-135M-Instruct)"),
-    "tokenizer": _flag("--tokenizer", help="a tokenizer used instead of the model's: a HF "
-                                           "directory with tokenizer files, or a .gguf file "
-                                           "(default: the model's)"),
-    "dtype": _flag("--dtype", help="weights: auto (bfloat16 on CPUs with AVX512-BF16 or AMX "
-                                   "and on CUDA, else float32), float32, float16, bfloat16"),
-    "quantization": _flag(
+# EngineArgs field -> its flag (names, argparse options).
+ENGINE_FLAGS: dict[str, FlagSpec] = {
+    "model": flag("--model", help="HF directory or .gguf file (default: bundled "
+                                  "SmolLM2-135M-Instruct)"),
+    "tokenizer": flag("--tokenizer", help="a tokenizer used instead of the model's: a HF "
+                                          "directory with tokenizer files, or a .gguf file "
+                                          "(default: the model's)"),
+    "dtype": flag("--dtype", help="weights: auto (bfloat16 on CPUs with AVX512-BF16 or AMX "
+                                  "and on CUDA, else float32), float32, float16, bfloat16"),
+    "quantization": flag(
         "--quantization", "-q", choices=QUANTIZATIONS,
         help="int8: weight-only int8 with per-output-channel scales, computed at load; w8a8: "
              "the same weights with activations quantized per token (integer matmuls: "
              "faster, less exact); gguf: a GGUF's own Q4_1 projections as stored (x "
              "quantized per 32-block)"),
-    "kv_cache_dtype": _flag("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
-                            help="auto: float32 on the CPU, the model dtype on CUDA"),
-    "device": _flag("--device"),
-    "seed": _flag("--seed", type=int),
-    "max_model_len": _flag("--max-model-len", type=int),
-    "max_num_seqs": _flag("--max-num-seqs", type=int),
-    "max_num_batched_tokens": _flag("--max-num-batched-tokens", type=int),
-    "block_size": _flag("--block-size", type=int),
-    "kv_cache_memory": _flag("--kv-cache-memory", "--kv-cache-memory-bytes", type=int,
-                             help="KV cache size in bytes"),
-    "num_kv_blocks": _flag("--num-kv-blocks", type=int, help="KV cache size in blocks"),
-    "enable_prefix_caching": _flag("--enable-prefix-caching", action=_BOOL),
-    "prefix_caching_hash_algo": _flag(
+    "kv_cache_dtype": flag("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                           help="auto: float32 on the CPU, the model dtype on CUDA"),
+    "device": flag("--device"),
+    "seed": flag("--seed", type=int),
+    "max_model_len": flag("--max-model-len", type=int),
+    "max_num_seqs": flag("--max-num-seqs", type=int),
+    "max_num_batched_tokens": flag("--max-num-batched-tokens", type=int),
+    "block_size": flag("--block-size", type=int),
+    "kv_cache_memory": flag("--kv-cache-memory", "--kv-cache-memory-bytes", type=int,
+                            help="KV cache size in bytes"),
+    "num_kv_blocks": flag("--num-kv-blocks", type=int, help="KV cache size in blocks"),
+    "enable_prefix_caching": flag("--enable-prefix-caching", action=_BOOL),
+    "prefix_caching_hash_algo": flag(
         "--prefix-caching-hash-algo", choices=PREFIX_CACHING_HASH_ALGOS,
         help="prefix-cache block hash: sha256 (default; collision-resistant), xxhash "
              "(xxh3_128: faster, not cryptographic), builtin (Python's hash(): one trusted "
              "tenant only)"),
-    "enable_chunked_prefill": _flag("--enable-chunked-prefill", action=_BOOL),
-    "structured_jump_forward": _flag("--structured-jump-forward", action=_BOOL,
-                                     help="append grammar-forced tokens without sampling them"),
-    "async_scheduling": _flag("--async-scheduling", action=_BOOL,
-                              help="schedule each decode step while the previous one runs"),
-    "scheduling_policy": _flag("--scheduling-policy", choices=SCHEDULING_POLICIES,
-                               help="priority: lower `priority` first (the request body's "
-                                    "vLLM extra)"),
-    "speculative_config": _flag(
+    "enable_chunked_prefill": flag("--enable-chunked-prefill", action=_BOOL),
+    "structured_jump_forward": flag("--structured-jump-forward", action=_BOOL,
+                                    help="append grammar-forced tokens without sampling them"),
+    "async_scheduling": flag("--async-scheduling", action=_BOOL,
+                             help="schedule each decode step while the previous one runs"),
+    "scheduling_policy": flag("--scheduling-policy", choices=SCHEDULING_POLICIES,
+                              help="priority: lower `priority` first (the request body's "
+                                   "vLLM extra)"),
+    "speculative_config": flag(
         "--speculative-config", type=speculative_config_arg, metavar="JSON",
         help='speculative decoding, vLLM\'s JSON object, e.g. \'{"method": "ngram", '
              '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' '
              "(default: off)"),
-    "attention_backend": _flag("--attention-backend", choices=ATTENTION_BACKENDS,
-                               help="auto: triton on CUDA, torch elsewhere"),
-    "enforce_eager": _flag("--enforce-eager", action=_BOOL,
-                           help="CUDA: run every decode step eagerly (no CUDA graphs)"),
-    "gpu_memory_utilization": _flag("--gpu-memory-utilization", type=float,
-                                    help="CUDA: share of device memory for the engine "
-                                         "(default 0.9); the KV cache gets what is left"),
+    "attention_backend": flag("--attention-backend", choices=ATTENTION_BACKENDS,
+                              help="auto: triton on CUDA, torch elsewhere"),
+    "enforce_eager": flag("--enforce-eager", action=_BOOL,
+                          help="CUDA: run every decode step eagerly (no CUDA graphs)"),
+    "gpu_memory_utilization": flag("--gpu-memory-utilization", type=float,
+                                   help="CUDA: share of device memory for the engine "
+                                        "(default 0.9); the KV cache gets what is left"),
 }
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine flags, in an "engine" group."""
-    group = parser.add_argument_group("engine")
-    for name, (flags, options) in ENGINE_FLAGS.items():
-        group.add_argument(*flags, dest=name, default=engine_default(name), **options)
+    add_dataclass_flags(parser.add_argument_group("engine"), EngineArgs, ENGINE_FLAGS)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineArgs keywords from parsed engine flags; `model` is left to the caller (`serve`
     also takes it as a positional argument)."""
-    return {name: getattr(args, name) for name in ENGINE_FLAGS if name != "model"}
+    values = flag_values(args, ENGINE_FLAGS)
+    del values["model"]
+    return values
 
-
-_ENGINE_FIELDS = {f.name: f for f in fields(EngineArgs)}
-assert set(ENGINE_FLAGS) <= set(_ENGINE_FIELDS), set(ENGINE_FLAGS) - set(_ENGINE_FIELDS)

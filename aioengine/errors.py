@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 
+class ConfigError(ValueError):
+    """An engine setting is invalid (raised at start-up; aioengine.config re-exports it)."""
+
+
 class InvalidRequestError(ValueError):
     """The caller's request is invalid (HTTP 400). `param` names the offending field."""
 
@@ -12,10 +16,6 @@ class InvalidRequestError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped (shut down, or died); no request can be served."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """Too many requests are waiting (HTTP 503 with Retry-After): try again later."""
 
 
 class NotFoundError(LookupError):

@@ -4,12 +4,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aioengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from aioengine.core.block_pool import BlockHash
+    from aioengine.lora.request import LoRARequest
+    from aioengine.structured.request_state import StructuredRequestState
 
 
 class RequestStatus(enum.IntEnum):
@@ -75,13 +79,14 @@ class Request:
     error: str | None = None
     # The sampler's torch.Generator for a seeded request; it lives as long as the request so
     # that preemption and batch composition never change the random stream.
-    generator: Any = None
-    # The grammar matcher state of a structured-output request (aioengine.structured's
-    # StructuredRequestState); None when unconstrained. Each sample has its own.
-    structured: Any = None
-    # The adapter it runs with (aioengine.lora's LoRARequest, as registered: its
-    # lora_int_id is unique to one load); None = the base model.
-    lora_request: Any = None
+    generator: torch.Generator | None = None
+    # The features' per-sample state, each from its EngineFeature.admit
+    # (aioengine.engine.features). The grammar matcher state of a structured-output
+    # request; None when unconstrained. Each sample has its own.
+    structured: StructuredRequestState | None = None
+    # The adapter it runs with (as registered: its lora_int_id is unique to one load);
+    # None = the base model.
+    lora_request: LoRARequest | None = None
     # Draft tokens proposed after the last step (speculative decoding), verified in the
     # next one; never part of all_token_ids (nor of any block hash) until accepted.
     spec_token_ids: list[int] = field(default_factory=list)

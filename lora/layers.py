@@ -1,5 +1,6 @@
 """The seam: a projection (`aioengine.model.layers.Linear`) wrapped by LinearWithLoRA (vLLM's
-BaseLinearLayerWithLoRA), which adds each token's adapter update to the base output.
+BaseLinearLayerWithLoRA), which adds each token's adapter update to the base output. The
+model makes the wrappers as it builds its layers, through LoRAManager.linear_factory.
 
 A wrapped projection holds `max_loras` adapter slots, zero-padded to `max_lora_rank`:
 
@@ -70,9 +71,10 @@ def _read_through(name: str) -> property:
 
 
 class LinearWithLoRA(nn.Module):
-    """`base_layer`'s output plus the step's adapter updates. Reads as the Linear it wraps
-    (weight, bias, scales, storage, gemv_format, ...), so the model and its fused decode
-    kernel see the same weights as before."""
+    """`base_layer`'s output plus the step's adapter updates: what LoRAManager.linear_factory
+    makes of each projection as the model builds it. The model keeps the base Linear as its
+    own (it loads, converts and packs it, and the fused decode kernel reads its weights); the
+    layer's forward calls this wrapper instead."""
 
     def __init__(self, base_layer: Linear, slice_sizes: tuple[int, ...], max_loras: int,
                  max_rank: int, step: LoRAStep, dtype: torch.dtype = torch.float32) -> None:
@@ -133,22 +135,6 @@ class LinearWithLoRA(nn.Module):
     def slot_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.lora_a, self.lora_b, self.ranks))
 
-    # ---- reads as the wrapped Linear -------------------------------------------------
-    weight = _read_through("weight")
-    bias = _read_through("bias")
-    scales = _read_through("scales")
-    packed = _read_through("packed")
-    act_quant = _read_through("act_quant")
+    # The shapes of the wrapped Linear (the model converts and packs the base itself).
     in_features = _read_through("in_features")
     out_features = _read_through("out_features")
-    storage = _read_through("storage")
-    gemv_format = _read_through("gemv_format")
-
-    def nbytes(self) -> int:
-        return self.base_layer.nbytes()
-
-    def convert(self, storage: str) -> None:
-        self.base_layer.convert(storage)
-
-    def pack(self) -> int:
-        return self.base_layer.pack()

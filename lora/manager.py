@@ -18,14 +18,23 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from aioengine.config import EngineArgs
+from aioengine.engine.features import EngineFeature
 from aioengine.kernels.cpu import LoRADecodeArgs
 from aioengine.lora.adapter import (LoRAError, LoRAModel, LoRANotFoundError, file_stamp,
                                     load_adapter)
 from aioengine.lora.layers import LinearWithLoRA, LoRAStep
 from aioengine.lora.request import LoRARequest
+from aioengine.model.layers import Linear, ProjectionSpec
+from aioengine.model.loader import activation_dtype
+
+if TYPE_CHECKING:
+    from aioengine.core.scheduler_output import SchedulerOutput
+    from aioengine.sampling_params import SamplingParams
 
 logger = logging.getLogger("aioengine")
 
@@ -37,9 +46,15 @@ PROJECTION_SLICES: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    max_loras: int = 1  # distinct adapters in one step (vLLM's default)
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None  # adapters kept loaded; None: max_loras
+    """The LoRA settings of EngineArgs (built by `from_engine_args`), with its defaults."""
+    max_loras: int = EngineArgs.max_loras  # distinct adapters in one step
+    max_lora_rank: int = EngineArgs.max_lora_rank
+    max_cpu_loras: int | None = EngineArgs.max_cpu_loras  # adapters kept loaded; None: max_loras
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LoRAConfig:
+        return cls(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                   max_cpu_loras=args.max_cpu_loras)
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
@@ -55,38 +70,40 @@ class LoRAConfig:
         return self.max_cpu_loras or self.max_loras
 
 
-class LoRAManager:
-    def __init__(self, model: torch.nn.Module, config: LoRAConfig) -> None:
+def slot_dtype(dtype: torch.dtype, device: torch.device, quantization: str | None) -> torch.dtype:
+    """The adapter slots' dtype for weights loaded as `dtype` / `quantization`: bfloat16
+    where the projections are stored in bfloat16, else the activations' dtype."""
+    if quantization is None and dtype == torch.bfloat16:
+        return torch.bfloat16
+    return activation_dtype(dtype, device)
+
+
+class LoRAManager(EngineFeature):
+    """Created before the model: its `linear_factory` wraps every projection as the model
+    builds it, and the model asks it (`lora_source=`) for the fused decode kernel's slots.
+    As an EngineFeature it puts each step's adapters in slots on the worker, around the
+    forward (begin_execute / end_execute).
+
+        lora = LoRAManager(config, device, dtype, quantization)
+        model = load_model(..., linear_factory=lora.linear_factory, lora_source=lora).model
+    """
+
+    name = "lora"
+
+    def __init__(self, config: LoRAConfig, device: torch.device, dtype: torch.dtype,
+                 quantization: str | None = None) -> None:
+        """`dtype` / `quantization`: the weights' as load_model is given them (they decide
+        the slots' dtype before the weights exist)."""
         self.config = config
         self.step = LoRAStep()
-        self.device = model.device
-        arch = model.arch
-        sizes = {"qkv_proj": (arch.q_size, arch.kv_size, arch.kv_size),
-                 "o_proj": (arch.hidden_size,),
-                 "gate_up_proj": (arch.intermediate_size, arch.intermediate_size),
-                 "down_proj": (arch.hidden_size,)}
-        # The seam: every projection of every layer wrapped once; nothing else changes.
-        self.layers: list[dict[str, LinearWithLoRA]] = []
-        self.module_shapes: dict[tuple[int, str], tuple[int, int]] = {}
+        self.device = device
         # The slots in the weights' dtype where that is bf16 (the engine's dtype: the adapter
         # weights are read once per token like the model's), else in the activations'.
-        self.slot_dtype = (torch.bfloat16 if model.layers and
-                           model.layers[0].qkv_proj.weight.dtype == torch.bfloat16
-                           else model.dtype)
-        for i, layer in enumerate(model.layers):
-            wrapped = {}
-            for attr, slices in sizes.items():
-                w = LinearWithLoRA(getattr(layer, attr), slices, config.max_loras,
-                                   config.max_lora_rank, self.step, self.slot_dtype)
-                setattr(layer, attr, w)
-                wrapped[attr] = w
-                for module, size in zip(PROJECTION_SLICES[attr], slices):
-                    self.module_shapes[(i, module)] = (w.in_features, size)
-            self.layers.append(wrapped)
-        self._table = torch.tensor(
-            [[t.data_ptr() for attr in PROJECTION_SLICES
-              for t in (wrapped[attr].lora_a, wrapped[attr].lora_b, wrapped[attr].ranks)]
-             for wrapped in self.layers], dtype=torch.int64)
+        self.slot_dtype = slot_dtype(dtype, device, quantization)
+        # Every projection of every layer, wrapped once as the model builds it.
+        self._wrapped: dict[int, dict[str, LinearWithLoRA]] = {}
+        self.module_shapes: dict[tuple[int, str], tuple[int, int]] = {}
+        self._table: torch.Tensor | None = None  # the fused kernel's slot pointers, per layer
         self.dtype = self.slot_dtype  # the CPU copies too: one rounding, from float64
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -97,7 +114,26 @@ class LoRAManager:
         self._slot_last_used: list[int] = [0] * config.max_loras
         self._num_steps = 0
         self.num_loads = self.num_slot_loads = 0
-        model.lora = self  # the fused decode kernel asks decode_args()
+
+    def linear_factory(self, spec: ProjectionSpec, base: Linear) -> LinearWithLoRA:
+        """The model's LinearFactory: `base` wrapped with this manager's adapter slots."""
+        if spec.name not in PROJECTION_SLICES:
+            raise ValueError(f"LoRA: unknown projection {spec.name!r}")
+        layer = self._wrapped.setdefault(spec.layer_idx, {})
+        if spec.name in layer:
+            raise ValueError(f"LoRA: layer {spec.layer_idx} {spec.name} is built twice")
+        w = LinearWithLoRA(base, spec.slices, self.config.max_loras, self.config.max_lora_rank,
+                           self.step, self.slot_dtype)
+        layer[spec.name] = w
+        for module, size in zip(PROJECTION_SLICES[spec.name], spec.slices):
+            self.module_shapes[(spec.layer_idx, module)] = (w.in_features, size)
+        self._table = None
+        return w
+
+    @property
+    def layers(self) -> list[dict[str, LinearWithLoRA]]:
+        """The wrapped projections of each layer, in layer order."""
+        return [self._wrapped[i] for i in sorted(self._wrapped)]
 
     # ---- names (event loop) ---------------------------------------------------------
 
@@ -172,7 +208,22 @@ class LoRAManager:
 
     # ---- the step (worker) ------------------------------------------------------------
 
-    def prepare_step(self, items: list[tuple[LoRARequest | None, int]]) -> None:
+    def admit(self, params: SamplingParams,
+              lora_request: LoRARequest | None) -> LoRARequest | None:
+        """EngineFeature.admit: the sample runs with the adapter as registered when the
+        request was prepared (`resolve`, which raises LoRANotFoundError / LoRAError): an
+        adapter unloaded since keeps serving the requests that hold it."""
+        return lora_request
+
+    def begin_execute(self, scheduler_output: SchedulerOutput) -> None:
+        """EngineFeature.begin_execute: the step's adapters into slots (assign_slots)."""
+        self.assign_slots([(s.request.lora_request, s.num_new_tokens)
+                           for s in scheduler_output.scheduled])
+
+    def end_execute(self, scheduler_output: SchedulerOutput) -> None:
+        self.end_step()
+
+    def assign_slots(self, items: list[tuple[LoRARequest | None, int]]) -> None:
         """Puts the step's adapters in slots and sets every token's slot (-1: base);
         `items`: (LoRARequest or None for the base model, its number of tokens), in the
         step's token order."""
@@ -225,7 +276,7 @@ class LoRAManager:
         return model
 
     def _activate(self, slot: int, model: LoRAModel) -> None:
-        for i, wrapped in enumerate(self.layers):
+        for i, wrapped in self._wrapped.items():
             for attr, modules in PROJECTION_SLICES.items():
                 wrapped[attr].set_slot(slot, [model.weights.get((i, m)) for m in modules])
         self._slot_ids[slot] = model.lora_id
@@ -235,12 +286,17 @@ class LoRAManager:
         slots = self.step.token_slots
         if slots is None:
             return None
+        if self._table is None:  # built once the model has made every wrapper
+            self._table = torch.tensor(
+                [[t.data_ptr() for attr in PROJECTION_SLICES
+                  for t in (wrapped[attr].lora_a, wrapped[attr].lora_b, wrapped[attr].ranks)]
+                 for wrapped in self.layers], dtype=torch.int64)
         return LoRADecodeArgs(self._table, slots, self.config.max_lora_rank,
                               self.slot_dtype == torch.bfloat16)
 
     # ---- what it holds ----------------------------------------------------------------
 
-    def stats(self) -> dict[str, float]:
+    def get_stats(self) -> dict[str, float]:
         with self._lock:
             cpu_bytes = sum(m.nbytes() for m in self._cpu.values())
             num_cpu = len(self._cpu)

@@ -109,7 +109,7 @@ def greedy_tiny(device: torch.device, smoke: bool) -> dict:
                      "tokens_equal": sum(a == b for g, e in zip(got, expected)
                                          for a, b in zip(g, e)),
                      "tokens": sum(len(e) for e in expected),
-                     "graphs_captured": llm.core.runner.cuda_graphs is not None}
+                     "graphs_captured": llm.cuda_graphs_captured}
         del llm
     return out
 
@@ -146,9 +146,9 @@ def big_model(name: str, device: torch.device, smoke: bool, concurrency: int) ->
               attention_backend="torch" if smoke else "auto",
               **({} if smoke else {"gpu_memory_utilization": 0.6}))
     res["load_s"] = round(time.perf_counter() - t0, 1)
-    weight_bytes = llm.core.loaded.model.weight_bytes()
+    weight_bytes = llm.model.weight_bytes()
     res["weight_gib"] = weight_bytes / 2**30
-    res["kv_blocks"] = llm.core.kv_cache_manager.num_blocks
+    res["kv_blocks"] = llm.num_kv_blocks
 
     def timed(prompts_: list[list[int]], n: int) -> float:
         p = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)

@@ -31,7 +31,7 @@ def tool(i: int) -> dict:
 
 
 def compile_times(engine: AsyncEngine) -> dict[str, float]:
-    cache = engine.core.structured.compiler
+    cache = engine.structured_outputs.compiler
     cache.compile(StructuredOutputs(json_object=True))  # builds the TokenizerInfo first
     out = {}
     for n in (1, 4, 16):
@@ -78,7 +78,7 @@ async def decode_rates(engine: AsyncEngine, rounds: int) -> dict[str, float]:
     cases = {"text": None, "named": {"type": "function", "function": {"name": "tool_0"}},
              "required": "required"}
     totals = {k: [0.0, 0, 0.0, 0] for k in cases}  # decode s, tokens, ttft s, jumped tokens
-    structured = engine.core.structured
+    structured = engine.structured_outputs
     for choice in cases.values():  # warm-up: first steps, grammar compiles
         await one(engine, *case_request(engine, choice))
     for _ in range(rounds):

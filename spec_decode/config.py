@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from aioengine.config import ConfigError
+from aioengine.errors import ConfigError
 
 METHODS = ("ngram", "eagle", "eagle3")
 MAX_SPECULATIVE_TOKENS = 16
@@ -88,10 +88,6 @@ class SpeculativeConfig:
                               f">= 1, got {limit!r}")
         return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo,
                    prompt_lookup_max=hi, model=model, disable_by_batch_size=limit)
-
-    def enabled_for(self, num_running: int) -> bool:
-        """Whether a step with `num_running` running requests verifies drafts."""
-        return self.disable_by_batch_size is None or num_running <= self.disable_by_batch_size
 
 
 def _is_int(v: object) -> bool:

@@ -40,10 +40,12 @@ from aioengine.config import ConfigError
 from aioengine.model import hugepages, layers
 from aioengine.model.arch import ModelArchConfig
 from aioengine.model.attention import AttentionMetadata, TorchAttentionBackend
-from aioengine.model.layers import Linear, _param, fused_add_rms_norm, lm_head_logits, rms_norm
+from aioengine.model.layer_spec import layer_specs
+from aioengine.model.layers import Linear, _param, lm_head_logits
 from aioengine.model.llama import (LlamaDecoderLayer, _has_param, _layer_weight_table,
                                    copy_param_rows)
 from aioengine.model.loader import ModelLoadError, activation_dtype, safetensors_files
+from aioengine.model.ops import select_ops
 from aioengine.model.rotary import RopeStep, RotaryEmbedding
 
 EAGLE_METHODS = ("eagle", "eagle3")
@@ -89,12 +91,13 @@ class EagleHead(nn.Module):
         has_fc = not eagle3 or bool(aux_layer_ids)
         self.fc = Linear(2 * h if not eagle3 else self.input_hidden_size, h, fc_bias,
                          **kw) if has_fc else None
-        self.layer = LlamaDecoderLayer(arch, dtype, device)  # its parameters, not its forward
-        if eagle3:  # q/k/v read [embeddings, hidden] side by side
-            self.layer.qkv_proj = Linear(2 * h, arch.q_size + 2 * arch.kv_size,
-                                         arch.attention_bias, **kw)
-        if not input_layernorm:
-            self.layer.input_layernorm = None
+        self.ops = select_ops(device)
+        # The target's decoder layer code, as EAGLE heads are: Llama layers with full
+        # attention and no q/k norms; EAGLE-3's q/k/v read [embeddings, hidden] side by side.
+        spec = dataclasses.replace(layer_specs(arch)[0], qk_norm=False, sliding_window=None)
+        self.layer = LlamaDecoderLayer(spec, self.ops, dtype, device,
+                                       qkv_input_size=2 * h if eagle3 else None,
+                                       input_layernorm=input_layernorm)
         self.hidden_norm = _param(h, **kw) if eagle3 else None
         self.norm = _param(h, **kw) if eagle3 else None
         self.lm_head = Linear(h, draft_vocab_size, False, **kw) if draft_vocab_size else None
@@ -128,7 +131,7 @@ class EagleHead(nn.Module):
                                  f"got {hidden.shape[-1]}")
             x = self.fc(torch.cat((emb, hidden), dim=-1))
             ln = self.layer.input_layernorm
-            residual, attn_in = x, (x if ln is None else rms_norm(x, ln, self.eps))
+            residual, attn_in = x, (x if ln is None else self.ops.rms_norm(x, ln, self.eps))
         else:
             if hidden.shape[-1] != h:
                 if self.fc is None or hidden.shape[-1] != self.input_hidden_size:
@@ -137,32 +140,18 @@ class EagleHead(nn.Module):
                 hidden = self.fc(hidden)
             else:
                 hidden = hidden.clone()  # the residual: fused_add_rms_norm writes into it
-            normed = rms_norm(hidden, self.hidden_norm, self.eps)
+            normed = self.ops.rms_norm(hidden, self.hidden_norm, self.eps)
             residual = normed if self.norm_before_residual else hidden
-            attn_in = torch.cat((rms_norm(emb, self.layer.input_layernorm, self.eps), normed),
-                                dim=-1)
-        out, residual = self._attention_mlp(attn_in, residual, positions, kv_cache,
-                                            attn_metadata)
+            attn_in = torch.cat((self.ops.rms_norm(emb, self.layer.input_layernorm, self.eps),
+                                 normed), dim=-1)
+        # The target's own layer code from its attention on.
+        out, residual = self.layer.attention_mlp(
+            attn_in, residual, RopeStep(self.rotary, positions, self.ops), kv_cache,
+            attn_metadata, self.attn_backend)
         if self.method == "eagle":
             x = out + residual
             return x, x
-        return fused_add_rms_norm(out, residual, self.norm, self.eps)
-
-    def _attention_mlp(self, x: Tensor, residual: Tensor, positions: Tensor, kv_cache: Tensor,
-                       meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
-        """LlamaDecoderLayer.forward from its attention on (x: the attention's input, already
-        normed / concatenated): (MLP output, residual stream), not yet added together."""
-        layer, t = self.layer, x.shape[0]
-        qkv = layer.qkv_proj(x)
-        qk_size = layer.q_size + layer.kv_size
-        qk = qkv[:, :qk_size].view(t, layer.num_heads + layer.num_kv_heads, layer.head_dim)
-        v = qkv[:, qk_size:].view(t, layer.num_kv_heads, layer.head_dim)
-        q, k = RopeStep(self.rotary, positions)(qk).split(
-            [layer.num_heads, layer.num_kv_heads], dim=1)
-        o = self.attn_backend.forward(q, k, v, kv_cache, meta, layer.scale)
-        o = layer.o_proj(o.view(t, layer.q_size))
-        x, residual = fused_add_rms_norm(o, residual, layer.post_attention_layernorm, self.eps)
-        return layer.down_proj(layers.silu_and_mul(layer.gate_up_proj(x))), residual
+        return self.ops.fused_add_rms_norm(out, residual, self.norm, self.eps)
 
     def draft_argmax(self, hidden: Tensor, target_lm_head: Linear) -> Tensor:
         """logits_hidden [N, H] -> the target id [N] of the most likely draft token:

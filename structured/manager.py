@@ -1,11 +1,13 @@
 """StructuredOutputManager: the engine's one handle on structured output.
 
-The engine touches it at four places, each a single call:
+An EngineFeature (aioengine.engine.features). The engine touches it at four places, each
+a single call:
 
-    add_request     -> new_request_state(params)      (compile submitted to the pool)
+    add_request     -> new_request_state(params)      (admit: compile submitted to the pool)
     scheduler       -> request.structured.is_ready()  (skip until compiled)
-    after schedule  -> prepare_bitmask(output); the loop calls bitmask.fill() while the
-                       forward runs, the runner calls bitmask.apply(logits) before sampling
+    after schedule  -> prepare_step(output) sets output.grammar_bitmask; the loop calls
+                       bitmask.fill() while the forward runs, the runner calls
+                       bitmask.apply(logits) before sampling
     update          -> request.structured.advance(request, token, room)
                        (matcher + jump-forward)
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING, Any
 
+from aioengine.engine.features import EngineFeature
 from aioengine.sampling_params import SamplingParams, StructuredOutputs
 from aioengine.structured.bitmask import GrammarBitmask
 from aioengine.structured.compiler import GrammarCompileCache
@@ -21,9 +24,12 @@ from aioengine.structured.request_state import StructuredRequestState, Structure
 
 if TYPE_CHECKING:
     from aioengine.core.scheduler_output import SchedulerOutput
+    from aioengine.lora.request import LoRARequest
 
 
-class StructuredOutputManager:
+class StructuredOutputManager(EngineFeature):
+    name = "structured"
+
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int],
                  jump_forward: bool = True, max_workers: int = 2) -> None:
         self.tokenizer = tokenizer
@@ -55,10 +61,21 @@ class StructuredOutputManager:
             grammar=self.compiler.submit(constraint), encode=self._encode,
             jump_forward=self.jump_forward and params.logprobs is None, stats=self.stats)
 
+    def admit(self, params: SamplingParams,
+              lora_request: LoRARequest | None) -> StructuredRequestState | None:
+        """EngineFeature.admit: new_request_state (a bad grammar fails at compile time:
+        front ends compile first, the scheduler fails a request whose compile failed)."""
+        return self.new_request_state(params)
+
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ---- the step ---------------------------------------------------------------------
+
+    def prepare_step(self, scheduler_output: SchedulerOutput) -> None:
+        """EngineFeature.prepare_step: the step's grammar bitmask, unfilled (None when no
+        row is constrained)."""
+        scheduler_output.grammar_bitmask = self.prepare_bitmask(scheduler_output)
 
     def prepare_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:
         """The step's (unfilled) bitmask, rows in the runner's sampling order: each item

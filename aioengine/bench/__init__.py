@@ -45,6 +45,8 @@ import os
 import sys
 from typing import Any
 
+from aioengine.bench.common import emit, run_config, set_threads
+
 
 def _common_args(p: argparse.ArgumentParser) -> None:
     from aioengine.bench.datasets import add_dataset_args
@@ -111,13 +113,13 @@ def offline_main(args: argparse.Namespace) -> int:
     from aioengine.model.default import bundled_model_path
 
     args.engines = with_peers(args.engines, args, OFFLINE_PEERS)
-    _set_threads(args.threads)
+    set_threads(args.threads)
     model = args.model or bundled_model_path()
     workload = build_workload(args, load_hf_tokenizer(args.tokenizer or model))
     report = {"mode": "offline", "environment": rep.environment_info(), "model": model,
-              "config": _config(args), "workload": workload.summary(),
+              "config": run_config(args), "workload": workload.summary(),
               **run_offline(args, workload, model, progress=not args.no_progress)}
-    _emit(report, rep.format_offline(report), args.save_json)
+    emit(report, rep.format_offline(report), args.save_json)
     if args.plot:
         rep.plot_offline(args.plot, report)
         print(f"saved {args.plot}", file=sys.stderr)
@@ -144,10 +146,10 @@ def serve_main(args: argparse.Namespace) -> int:
                          timeout_s=args.timeout, progress=not args.no_progress)
     results, duration, model = asyncio.run(run_serve(config, workload))
     report = {"mode": "serve", "environment": rep.environment_info(), "model": model,
-              "config": _config(args), "workload": workload.summary(),
+              "config": run_config(args), "workload": workload.summary(),
               "summary": summarize(results, duration, slo),
               "requests": [r.to_json() for r in results]}
-    _emit(report, rep.format_serve(report), args.save_json)
+    emit(report, rep.format_serve(report), args.save_json)
     if args.plot:
         rep.plot_serve(args.plot, results, duration,
                        f"{model} via {args.endpoint}: {len(results)} requests")
@@ -175,9 +177,9 @@ def profile_main(args: argparse.Namespace) -> int:
     model = args.model or bundled_model_path()
     workload = build_workload(args, load_hf_tokenizer(args.tokenizer or model))
     report = {"mode": "profile", "environment": rep.environment_info(), "model": model,
-              "config": _config(args), "workload": workload.summary(),
+              "config": run_config(args), "workload": workload.summary(),
               **asyncio.run(run_profile(workload, model, engine_kwargs(args)))}
-    _emit(report, format_profile(report), args.save_json)
+    emit(report, format_profile(report), args.save_json)
     return 0
 
 
@@ -225,7 +227,7 @@ def latency_main(args: argparse.Namespace) -> int:
     if args.output_len < 2 or args.input_len < 1 or args.repeats < 1 or args.warmup < 0:
         raise SystemExit("need --output-len >= 2 (TPOT), --input-len >= 1, --repeats >= 1 "
                          "and --warmup >= 0")
-    _set_threads(args.threads)
+    set_threads(args.threads)
     model = args.model or bundled_model_path()
     tokenizer = load_hf_tokenizer(args.tokenizer or model)
     if args.dataset == "random":
@@ -240,9 +242,9 @@ def latency_main(args: argparse.Namespace) -> int:
                            engine_kwargs=engine_kwargs(args), pad_token_id=hf_pad_id(tokenizer),
                            peers=latency_peers(args, workload.requests[0].prompt_len))
     report = {"mode": "latency", "environment": rep.environment_info(), "model": model,
-              "config": _config(args), "workload": workload.summary(),
+              "config": run_config(args), "workload": workload.summary(),
               **run_latency(config)}
-    _emit(report, format_latency(report), args.save_json)
+    emit(report, format_latency(report), args.save_json)
     return 0
 
 
@@ -250,32 +252,6 @@ def _add_accuracy_parser(sub: Any) -> None:
     from aioengine.bench.accuracy import add_accuracy_parser
 
     add_accuracy_parser(sub)
-
-
-def _set_threads(threads: int | None) -> int:
-    """One torch thread count for every engine (default: all CPUs)."""
-    import torch
-
-    threads = threads or os.cpu_count() or 1
-    torch.set_num_threads(threads)
-    # The engine reads its thread count from here when it loads; keep both in step.
-    os.environ["AIOENGINE_CPU_THREADS"] = str(threads)
-    return threads
-
-
-def _emit(report: dict[str, Any], text: str, save_json: str | None) -> None:
-    """Prints the report's table; saves the whole report as JSON when asked."""
-    from aioengine.bench import report as rep
-
-    print(text)
-    if save_json:
-        rep.save_json(save_json, report)
-        print(f"saved {save_json}", file=sys.stderr)
-
-
-def _config(args: argparse.Namespace) -> dict[str, Any]:
-    # The API key stays out of saved results.
-    return {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
 
 
 def build_parser() -> argparse.ArgumentParser:

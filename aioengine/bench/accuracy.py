@@ -171,7 +171,7 @@ def run_accuracy(model: str | None, base_kwargs: dict[str, Any], configs: list[s
                  ppl_stride: int = 512, ppl_max_tokens: int | None = None) -> dict[str, Any]:
     """The reference, then each configuration in turn; the report's measured part."""
     def reference(llm: Any) -> tuple[AccuracyInputs, ConfigRun]:
-        inputs = build_inputs(llm.tokenizer, llm.core.max_model_len, num_prompts, output_len,
+        inputs = build_inputs(llm.tokenizer, llm.max_model_len, num_prompts, output_len,
                               ppl_context, ppl_stride, ppl_max_tokens)
         return inputs, measure(llm, inputs)
 
@@ -271,7 +271,7 @@ def add_accuracy_parser(sub: Any) -> None:
 
 
 def accuracy_main(args: argparse.Namespace) -> int:
-    from aioengine.bench import _config, _emit
+    from aioengine.bench.common import emit, run_config
     from aioengine.bench.report import environment_info
     from aioengine.config import engine_kwargs
     from aioengine.model.default import bundled_model_path
@@ -288,6 +288,6 @@ def accuracy_main(args: argparse.Namespace) -> int:
                             args.output_len, args.ppl_context, args.ppl_stride,
                             args.ppl_max_tokens)
     report = {"mode": "accuracy", "environment": environment_info(), "model": model,
-              "config": _config(args), **measured}
-    _emit(report, format_accuracy(report), args.save_json)
+              "config": run_config(args), **measured}
+    emit(report, format_accuracy(report), args.save_json)
     return 1 if report["skipped"] else 0

@@ -57,95 +57,13 @@ import torch
 
 from aioengine.bench.floor import BANDWIDTH_REPEATS, BandwidthProbe, weight_bytes_per_token
 from aioengine.bench.report import cpu_line
+from aioengine.bench.results import OUR_ENGINE, EngineLatency, checked_run
 from aioengine.metrics import format_spec_decode, spec_decode_delta
 
-OUR_ENGINE = "aioengine"
 LATENCY_ENGINES = (OUR_ENGINE, "hf")
 # `--dataset`: random tokens (`--input-len`), or one prompt of a shipped text dataset.
 LATENCY_DATASETS = ("random", "text", "grounded")
 TARGET_TPOT_OVER_FLOOR = 1.4  # the issue's target for our TPOT
-
-
-# ---- one run of one request -------------------------------------------------------------
-
-
-@dataclass
-class LatencyRun:
-    """One request's token arrival times, in seconds since it was submitted, and the memory
-    read bandwidth (bytes/s) for its floor (`BandwidthProbe`)."""
-
-    token_times_s: list[float]
-    bandwidth: float = 0.0
-    # Our engine with speculative decoding: spec_decode_delta over this run.
-    spec_decode: dict[str, Any] | None = None
-
-    @property
-    def ttft_s(self) -> float:
-        return self.token_times_s[0]
-
-    @property
-    def e2e_s(self) -> float:
-        return self.token_times_s[-1]
-
-    @property
-    def tpot_s(self) -> float:
-        return (self.e2e_s - self.ttft_s) / (len(self.token_times_s) - 1)
-
-    @property
-    def itls_s(self) -> list[float]:
-        t = self.token_times_s
-        return [b - a for a, b in zip(t, t[1:])]
-
-    def to_json(self) -> dict[str, Any]:
-        out = {"ttft_ms": self.ttft_s * 1e3, "tpot_ms": self.tpot_s * 1e3,
-               "itl_median_ms": statistics.median(self.itls_s) * 1e3,
-               "e2e_ms": self.e2e_s * 1e3, "num_tokens": len(self.token_times_s),
-               "bandwidth_gb_per_s": self.bandwidth / 1e9}
-        if self.spec_decode is not None:
-            out["spec_decode"] = self.spec_decode
-        return out
-
-
-def _checked(engine: str, times: list[float], output_len: int,
-             bandwidth: float) -> LatencyRun:
-    if len(times) != output_len:
-        raise RuntimeError(f"{engine}: {len(times)} tokens arrived, expected {output_len}")
-    return LatencyRun(times, bandwidth)
-
-
-@dataclass
-class EngineLatency:
-    engine: str
-    runs: list[LatencyRun]
-    threads: int
-    # Our engine: the weights it holds, for the floor.
-    weight_bytes: int | None = field(default=None, repr=False)
-    # Each timed run's output token ids (greedy: the runs should agree with each other).
-    outputs: list[list[int]] = field(default_factory=list, repr=False)
-    # A peer's versions and set-up (peers.py).
-    peer_info: dict[str, Any] | None = None
-    # Our engine: spec_decode_delta over all timed runs (None without speculative decoding).
-    spec_decode: dict[str, Any] | None = None
-
-    def summary(self, weight_bytes: int | None = None) -> dict[str, Any]:
-        """Median and best (min) over runs of each per-run number; with `weight_bytes`, also
-        each run's TPOT over the floor from its bandwidth (`BandwidthProbe`)."""
-        per_run = [r.to_json() for r in self.runs]
-        if weight_bytes is not None:
-            for run, summary in zip(self.runs, per_run):
-                summary["tpot_over_floor"] = run.tpot_s / (weight_bytes / run.bandwidth)
-        out: dict[str, Any] = {"engine": self.engine, "threads": self.threads,
-                               "num_runs": len(per_run)}
-        keys = ["ttft_ms", "tpot_ms", "itl_median_ms", "e2e_ms"]
-        for key in keys + (["tpot_over_floor"] if weight_bytes is not None else []):
-            values = [r[key] for r in per_run]
-            out[key] = {"median": statistics.median(values), "best": min(values)}
-        out["runs"] = per_run
-        if self.engine == OUR_ENGINE:
-            out["spec_decode"] = self.spec_decode
-        if self.peer_info is not None:
-            out["peer_info"] = self.peer_info
-        return out
 
 
 async def _aioengine_runs(model: str | None, kwargs: dict[str, Any], prompt: list[int],
@@ -159,14 +77,14 @@ async def _aioengine_runs(model: str | None, kwargs: dict[str, Any], prompt: lis
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     runs, outputs = [], []
     probe = BandwidthProbe(bandwidth_bytes)
-    first = before = engine.core.stats()
+    first = before = engine.stats()
     try:
         for i in range(warmup + repeats):
-            if not engine.core.kv_cache_manager.reset_prefix_cache():
+            if not engine.reset_prefix_cache():
                 raise RuntimeError("aioengine: KV blocks still in use between runs")
             if i >= warmup:
                 probe.before_run()
-                before = engine.core.stats()
+                before = engine.stats()
                 if i == warmup:
                     first = before
             times: list[float] = []
@@ -179,12 +97,12 @@ async def _aioengine_runs(model: str | None, kwargs: dict[str, Any], prompt: lis
                 times += [now] * len(new)
                 ids += new
             if i >= warmup:
-                run = _checked(OUR_ENGINE, times, output_len, probe.after_run())
-                run.spec_decode = spec_decode_delta(before, engine.core.stats())
+                run = checked_run(OUR_ENGINE, times, output_len, probe.after_run())
+                run.spec_decode = spec_decode_delta(before, engine.stats())
                 runs.append(run)
                 outputs.append(ids)
-        weight_bytes = weight_bytes_per_token(engine.core.loaded.model)
-        spec_decode = spec_decode_delta(first, engine.core.stats())
+        weight_bytes = weight_bytes_per_token(engine.model)
+        spec_decode = spec_decode_delta(first, engine.stats())
     finally:
         probe.close()
         await engine.shutdown()
@@ -242,7 +160,7 @@ def run_hf(model: str, prompt: list[int], output_len: int, warmup: int, repeats:
                                   eos_token_id=None, temperature=None, top_p=None,
                                   top_k=None, streamer=clock)
             if i >= warmup:
-                runs.append(_checked("hf", clock.times, output_len, probe.after_run()))
+                runs.append(checked_run("hf", clock.times, output_len, probe.after_run()))
                 outputs.append(clock.token_ids)
     return EngineLatency("hf", runs, torch.get_num_threads(), outputs=outputs)
 

@@ -34,13 +34,15 @@ MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
 NUM_ADAPTERS = 4
 
 
-def write_random_adapter(path: str, manager: Any, rank: int, seed: int) -> str:
-    """A PEFT adapter directory of `rank` on every projection the engine wraps."""
+def write_random_adapter(path: str, module_shapes: dict[tuple[int, str], tuple[int, int]],
+                         rank: int, seed: int) -> str:
+    """A PEFT adapter directory of `rank` on every projection the engine wraps
+    (`module_shapes`: the engine's lora_module_shapes)."""
     from safetensors.torch import save_file
 
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
-    for (layer, module), (k, n) in manager.module_shapes.items():
+    for (layer, module), (k, n) in module_shapes.items():
         prefix = f"base_model.model.model.layers.{layer}.{MODULES[module]}.{module}"
         tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, k, generator=gen) / k ** 0.5
         tensors[f"{prefix}.lora_B.weight"] = 0.02 * torch.randn(n, rank, generator=gen)
@@ -62,7 +64,7 @@ async def _final(engine: Any, prompt: Any, params: Any, lora: Any) -> Any:
 async def _w1(engine: Any, workload: Any, loras: list[Any]) -> dict[str, float]:
     from aioengine import SamplingParams
 
-    engine.core.kv_cache_manager.reset_prefix_cache()
+    engine.reset_prefix_cache()
     jobs = [_final(engine, r.prompt_token_ids, SamplingParams(temperature=0, max_tokens=r.output_len,
                                                     ignore_eos=True),
                    loras[i % len(loras)] if loras else None)
@@ -98,7 +100,7 @@ async def run_lora(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> d
     tmp = tempfile.TemporaryDirectory(prefix="aioengine-bench-lora-")
     try:
         paths = (args.lora_modules.split(",") if args.lora_modules else
-                 [write_random_adapter(os.path.join(tmp.name, f"a{i}"), engine.core.lora,
+                 [write_random_adapter(os.path.join(tmp.name, f"a{i}"), engine.lora_module_shapes,
                                        args.rank, i) for i in range(NUM_ADAPTERS)])
         loras = [await engine.add_lora(LoRARequest(f"a{i}", p)) for i, p in enumerate(paths)]
         workload = random_dataset(normal_vocab(engine.tokenizer), 32, 32, 256, 64, 0)
@@ -119,7 +121,7 @@ async def run_lora(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> d
                 records[name] += engine.timeline.records
                 engine.timeline.records.clear()
         phases = {name: decode_phases(rs) for name, rs in records.items()}
-        lora_stats = {k: v for k, v in engine.core.stats().items() if k.startswith("lora_")}
+        lora_stats = {k: v for k, v in engine.stats().items() if k.startswith("lora_")}
     finally:
         await engine.shutdown()
         tmp.cleanup()
@@ -175,16 +177,16 @@ def add_lora_parser(sub: Any) -> None:
 
 
 def lora_main(args: argparse.Namespace) -> int:
-    from aioengine.bench import _config, _emit, _set_threads
+    from aioengine.bench.common import emit, run_config, set_threads
     from aioengine.bench.report import environment_info
     from aioengine.config import engine_kwargs
 
-    _set_threads(None)
+    set_threads(None)
     if args.lora_modules and len(args.lora_modules.split(",")) != NUM_ADAPTERS:
         raise SystemExit(f"--lora-modules needs {NUM_ADAPTERS} directories")
     result = asyncio.run(run_lora(args, engine_kwargs(args)))
     report = {"mode": "lora", "environment": environment_info(), "model": args.model,
-              "config": _config(args), "rank": args.rank, "rounds": args.rounds,
+              "config": run_config(args), "rank": args.rank, "rounds": args.rounds,
               "num_prompts": args.num_prompts, "summary": summarize(result), **result}
-    _emit(report, format_lora(report), args.save_json)
+    emit(report, format_lora(report), args.save_json)
     return 0

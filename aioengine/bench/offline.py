@@ -17,97 +17,24 @@ import gc
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any, Callable
 
 import torch
 
 from aioengine.bench.datasets import Workload
+from aioengine.bench.results import OUR_ENGINE, EngineResult, compare_outputs, make_result
 
-OUR_ENGINE = "aioengine"
 NO_PREFIX_CACHING = "aioengine-no-prefix-caching"
 # Engines that are ours: they report engine stats, and a failure is a bug, never a skip.
 OUR_ENGINES = (OUR_ENGINE, NO_PREFIX_CACHING)
-
-
-@dataclass
-class EngineResult:
-    """One engine's timed run of the whole workload (warm-up excluded)."""
-
-    engine: str
-    num_requests: int
-    num_prompt_tokens: int
-    num_output_tokens: int
-    elapsed_s: float
-    threads: int
-    outputs: list[list[int]] = field(repr=False)
-    # Our engines only: see engine_stats().
-    engine_stats: dict[str, Any] | None = None
-    # Peers in their own interpreters (peers.py): versions and set-up.
-    peer_info: dict[str, Any] | None = None
-
-    @property
-    def output_tps(self) -> float:
-        return self.num_output_tokens / self.elapsed_s
-
-    @property
-    def total_tps(self) -> float:
-        return (self.num_prompt_tokens + self.num_output_tokens) / self.elapsed_s
-
-    def summary(self) -> dict[str, Any]:
-        d = {k: v for k, v in asdict(self).items() if k != "outputs"}
-        return {**d, "output_tok_per_s": self.output_tps, "total_tok_per_s": self.total_tps}
-
-
-def make_result(engine: str, workload: Workload, outputs: list[list[int]],
-                elapsed_s: float) -> EngineResult:
-    # Invariant the comparison relies on: every engine did exactly the same work.
-    want = [r.output_len for r in workload.requests]
-    bad = [i for i, (o, n) in enumerate(zip(outputs, want)) if len(o) != n]
-    if len(outputs) != len(want) or bad:
-        raise RuntimeError(f"{engine}: expected {len(want)} outputs of the requested "
-                           f"lengths; wrong length at requests {bad[:8]}")
-    return EngineResult(engine=engine, num_requests=len(outputs),
-                        num_prompt_tokens=workload.num_prompt_tokens,
-                        num_output_tokens=sum(len(o) for o in outputs),
-                        elapsed_s=elapsed_s, threads=torch.get_num_threads(), outputs=outputs)
-
-
-@dataclass
-class OutputAgreement:
-    """How many of our greedy outputs equal a peer's, token for token.
-
-    Informational: batched fp32 with padding changes summation order, so near-ties in
-    the logits may flip a late token and everything after it.
-    """
-
-    num_equal: int
-    num_requests: int
-    # request index -> first position where the two outputs differ
-    first_diffs: dict[int, int]
-
-    @property
-    def mean_first_diff(self) -> float | None:
-        if not self.first_diffs:
-            return None
-        return sum(self.first_diffs.values()) / len(self.first_diffs)
-
-
-def compare_outputs(ours: list[list[int]], peer: list[list[int]]) -> OutputAgreement:
-    first_diffs = {}
-    for i, (a, b) in enumerate(zip(ours, peer, strict=True)):
-        if a != b:
-            first_diffs[i] = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y),
-                                  min(len(a), len(b)))
-    return OutputAgreement(num_equal=len(ours) - len(first_diffs), num_requests=len(ours),
-                           first_diffs=first_diffs)
 
 
 # ---- engines -------------------------------------------------------------------------
 
 
 def engine_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
-    """What our engine did during one run, from `EngineCore.stats()` around it (the KV
+    """What our engine did during one run, from the engine's `stats()` around it (the KV
     peak reset at its start): prefix-cache lookups and hits (tokens; hit rate None when
     caching is off), preemptions, and the step with the most KV blocks in use, with the
     share of their slots that held no token; `spec_decode`: speculative decoding's
@@ -137,27 +64,26 @@ def run_aioengine(workload: Workload, model: str, kwargs: dict[str, Any],
     warmup = [p[:16] for p in workload.prompts[:2]]
     llm.generate(warmup, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     # The timed run starts from a cold prefix cache (the warm-up cached the prompts' heads).
-    core = llm.core
-    core.kv_cache_manager.reset_prefix_cache()
+    llm.reset_prefix_cache()
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
               for r in workload.requests]
-    core.reset_kv_peak_stats()
-    before = core.stats()
+    llm.reset_kv_peak_stats()
+    before = llm.stats()
     start = time.perf_counter()
     outs = llm.generate(workload.prompts, params)
     elapsed = time.perf_counter() - start
     result = make_result(name, workload, [list(o.outputs[0].token_ids) for o in outs],
                          elapsed)
-    result.engine_stats = engine_stats(before, core.stats())
-    result.engine_stats["weights"] = weight_memory(core)
+    result.engine_stats = engine_stats(before, llm.stats())
+    result.engine_stats["weights"] = weight_memory(llm)
     return result
 
 
-def weight_memory(core: Any) -> dict[str, Any]:
+def weight_memory(engine: Any) -> dict[str, Any]:
     """The weights' storage and resident bytes (packed copies included) against their own
     bytes (the projections, embedding and norms in their storage format, once each)."""
-    info = core.dtype_info()
-    model = core.loaded.model
+    info = engine.dtype_info()
+    model = engine.model
     packed = sum(lin.packed.numel() * lin.packed.element_size()
                  for lin in model.linears() if lin.packed is not None)
     resident = info["weight_bytes"]

@@ -34,6 +34,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from aioengine.bench.results import EngineLatency, checked_run, make_result
+
 VLLM = "vllm"
 LLAMACPP = "llamacpp"
 OFFLINE_PEERS = (VLLM,)
@@ -223,7 +225,6 @@ def run_vllm_offline(workload: Any, model: str, args: argparse.Namespace) -> Any
     import torch
 
     from aioengine.bench.hf_export import export_hf
-    from aioengine.bench.offline import make_result
 
     python = peer_python(args, VLLM)
     if not python:
@@ -281,7 +282,6 @@ def run_peer_latency(backend: str, peer: LatencyPeer, model: str, prompt: list[i
     import torch
 
     from aioengine.bench.floor import BandwidthProbe
-    from aioengine.bench.latency import EngineLatency, _checked
 
     threads = torch.get_num_threads()
     request = PeerRequest(backend, "latency", peer_model(backend, model), threads, [prompt],
@@ -299,7 +299,7 @@ def run_peer_latency(backend: str, peer: LatencyPeer, model: str, prompt: list[i
             proc.send("go\n")
             run = proc.recv("run")
             if i >= warmup:
-                runs.append(_checked(backend, run["token_times_s"], output_len,
+                runs.append(checked_run(backend, run["token_times_s"], output_len,
                                      probe.after_run()))
                 outputs.append(run["token_ids"])
         proc.recv("done")

@@ -42,9 +42,11 @@ def format_profile(report: dict[str, Any]) -> str:
     summary = report["summary"]
     head = f"{'phase (mean ms/step)':22s}" + "".join(f"{k:>10s}" for k in summary)
     lines = [f"elapsed {report['elapsed_s']:.2f} s", head]
-    for key in ("steps", "tokens_per_step", *(f"{p}_ms" for p in PHASES), "overlap"):
+    for key in ("steps", "tokens_per_step", *(f"{p}_ms" for p in PHASES), "overlap",
+                "fused_share"):
         fmt = "{:>10.0f}" if key == "steps" else "{:>10.2f}"
         lines.append(f"{key:22s}" + "".join(fmt.format(row[key]) for row in summary.values()))
     lines.append("worker = prepare + forward + sample; loop = schedule + process + update; "
-                 "overlap = share of the loop's in-step work (process) hidden behind the worker")
+                 "overlap = share of the loop's in-step work (process) hidden behind the worker; "
+                 "fused_share = share of steps whose layers the fused CPU decode executor ran")
     return "\n".join(lines)

@@ -70,7 +70,7 @@ def add_spec_parser(sub: Any) -> None:
 async def _one(engine, prompt: list[dict], max_tokens: int) -> dict[str, Any]:
     from aioengine.sampling_params import SamplingParams
 
-    before = engine.core.stats()
+    before = engine.stats()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     start = time.perf_counter()
     times: list[float] = []
@@ -80,7 +80,7 @@ async def _one(engine, prompt: list[dict], max_tokens: int) -> dict[str, Any]:
         for c in out.outputs:  # n = 1: tokens accepted in one step arrive together
             times.extend([now] * len(c.token_ids))
             token_ids.extend(c.token_ids)
-    delta = spec_decode_delta(before, engine.core.stats())
+    delta = spec_decode_delta(before, engine.stats())
     return {"token_ids": token_ids, "ttft_s": times[0], "e2e_s": times[-1],
             "num_tokens": len(times), "spec_decode": delta}
 
@@ -108,8 +108,8 @@ async def run_spec(model: str | None, specs: dict[str, dict | None], prompts: li
         for i, chat in enumerate(chats):
             for name in names[i % len(names):] + names[:i % len(names)]:
                 runs[name].append(await _one(engines[name], chat, output_len))
-        resolved = {name: (e.core.speculative_config.num_speculative_tokens
-                           if e.core.speculative_config else 0) for name, e in engines.items()}
+        resolved = {name: (e.speculative_config.num_speculative_tokens
+                           if e.speculative_config else 0) for name, e in engines.items()}
         phases = {name: decode_phases(e.timeline.records) for name, e in engines.items()}
     finally:
         for engine in engines.values():
@@ -185,23 +185,23 @@ def format_spec(report: dict[str, Any]) -> str:
 
 
 def spec_main(args: argparse.Namespace) -> int:
-    from aioengine.bench import _config, _emit, _set_threads
+    from aioengine.bench.common import emit, run_config, set_threads
     from aioengine.bench.report import environment_info
     from aioengine.config import engine_kwargs
     from aioengine.spec_decode.train.prompts import split_prompts
 
-    _set_threads(None)
+    set_threads(None)
     specs = {name: parse_spec(name, args.draft_model) for name in args.specs.split(",")}
     prompts = split_prompts()[1][:args.num_prompts]
     result = asyncio.run(run_spec(args.model, specs, prompts, args.output_len, args.warmup,
                                   engine_kwargs(args)))
     report = {"mode": "spec", "environment": environment_info(), "model": args.model,
-              "config": _config(args), "num_prompts": len(prompts),
+              "config": run_config(args), "num_prompts": len(prompts),
               "output_len": args.output_len,
               "num_speculative_tokens": result["num_speculative_tokens"],
               "summary": summarize(result["runs"]),
               "decode_step_ms": result["decode_step_ms"],
               "runs": {n: [{k: v for k, v in r.items() if k != "token_ids"} for r in rs]
                        for n, rs in result["runs"].items()}}
-    _emit(report, format_spec(report), args.save_json)
+    emit(report, format_spec(report), args.save_json)
     return 0

@@ -147,7 +147,7 @@ async def _compile_times(manager: Any) -> dict[str, Any]:
 async def _rounds(engine: Any, chats: list[list[dict]], output_len: int,
                   repeats: int) -> tuple[dict[str, list[RunResult]], int]:
     """The three runs, `repeats` times; also the jump-forward tokens of the last jf run."""
-    manager = engine.core.structured
+    manager = engine.structured_outputs
     constrained = SamplingParams(temperature=0.0, max_tokens=output_len,
                                  structured_outputs=StructuredOutputs(json=SCHEMA))
     runs: dict[str, list[RunResult]] = {"plain": [], "no_jf": [], "jf": []}
@@ -173,7 +173,7 @@ async def run_structured(model: str | None, engine_kwargs: dict[str, Any], num_p
     chats = prompts(num_prompts)
     acc = {"fill": 0.0, "fill_calls": 0, "apply": 0.0, "apply_calls": 0}
     try:
-        compiled = await _compile_times(engine.core.structured)
+        compiled = await _compile_times(engine.structured_outputs)
         # Warm-up (first-step allocations), not measured; ignore_eos so that no step is
         # scheduled ahead in vain and recorded in the first run.
         await _run(engine, chats[:2], SamplingParams(temperature=0.0, max_tokens=4,
@@ -229,7 +229,7 @@ def format_structured(report: dict[str, Any]) -> str:
 
 
 def structured_main(args: argparse.Namespace) -> int:
-    from aioengine.bench import _config, _emit
+    from aioengine.bench.common import emit, run_config
     from aioengine.bench.report import environment_info
     from aioengine.config import engine_kwargs
 
@@ -238,7 +238,7 @@ def structured_main(args: argparse.Namespace) -> int:
     result = asyncio.run(run_structured(args.model, engine_kwargs(args), args.num_prompts,
                                         args.output_len, args.repeats))
     report = {"mode": "structured", "environment": environment_info(), "model": args.model,
-              "config": _config(args), "num_prompts": args.num_prompts,
+              "config": run_config(args), "num_prompts": args.num_prompts,
               "output_len": args.output_len, "repeats": args.repeats, **result}
-    _emit(report, format_structured(report), args.save_json)
+    emit(report, format_structured(report), args.save_json)
     return 0

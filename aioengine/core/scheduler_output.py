@@ -4,10 +4,13 @@ that update_from_output turns them into for the output processor."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from aioengine.outputs import PositionLogprobs
 from aioengine.request import Request
+
+if TYPE_CHECKING:
+    from aioengine.structured.bitmask import GrammarBitmask
 
 # The input id of a token scheduled ahead (async scheduling): the runner replaces it with
 # the token the previous step sampled for that request.
@@ -60,6 +63,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     # Seconds the worker spent in "prepare", "forward", "sample" and "propose" (timeline).
     timings: dict[str, float] = field(default_factory=dict)
+    # Who ran the decoder layers: the model's executor (model/executors.py) or "cuda_graph".
+    executor: str = ""
     # Speculative decoding: request_id -> drafts proposed for the step after this one,
     # assuming every token in sampled_token_ids is kept (else update_from_output drops them).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -85,10 +90,10 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    # The step's grammar bitmask (aioengine.structured.GrammarBitmask), attached by the
-    # engine after scheduling when a sampled row is constrained; filled while the forward
-    # runs, applied by the runner before sampling.
-    grammar_bitmask: Any = None
+    # The step's grammar bitmask, attached by the structured-output feature's prepare_step
+    # after scheduling when a sampled row is constrained; filled while the forward runs,
+    # applied by the runner before sampling.
+    grammar_bitmask: GrammarBitmask | None = None
     step_id: int = 0  # the scheduler's count of steps handed out
     # Async scheduling: set on a step scheduled ahead, while step `follows_step` ran. Each
     # of its requests computes one token, whose id (PLACEHOLDER_TOKEN_ID here) is the one

@@ -19,11 +19,12 @@ import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Callable, Union
+from typing import AsyncIterator, Callable, Sequence, Union
 
 from aioengine import envs
 from aioengine.config import EngineArgs
 from aioengine.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from aioengine.engine.client import EngineClient, PreparedRequest
 from aioengine.engine.core import EngineCore
 from aioengine.engine.faults import FaultInjector
 from aioengine.engine.output_processor import OutputProcessor
@@ -61,7 +62,7 @@ def _forward_executor() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="aioengine-forward")
 
 
-class AsyncEngine:
+class AsyncEngine(EngineClient):
     def __init__(self, core: EngineCore, served_model_name: str | None = None,
                  executor: ThreadPoolExecutor | None = None,
                  metrics_factory: MetricFactory | None = None) -> None:
@@ -69,7 +70,6 @@ class AsyncEngine:
         that loaded the model, so a single thread does all of torch's parallel work.
         `metrics_factory`: where the engine's metrics are also written (EngineMetrics)."""
         self.core = core
-        self.tokenizer = core.tokenizer
         self.model_name = served_model_name or os.path.basename(core.loaded.model_path)
         spec = core.speculative_config
         self.metrics = EngineMetrics(self.model_name, stats_provider=core.stats,
@@ -143,50 +143,76 @@ class AsyncEngine:
 
     # ---- requests -----------------------------------------------------------------------
 
-    def _add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                     request_id: str | None = None, priority: int = 0,
-                     lora_request: LoRARequest | None = None,
-                     ) -> tuple[str, RequestOutputCollector]:
-        """Validates and queues a request; returns its id and output queue. Raises
-        InvalidRequestError for bad input (nothing is queued then). Only generate() calls
-        it: its `finally` is what forgets the queue."""
+    async def prepare(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                      lora_request: LoRARequest | None = None,
+                      fit_kv_cache: bool = False) -> PreparedRequest:
+        """Admits a request once, queueing nothing (see prepare_batch); `generate` runs it."""
+        return (await self.prepare_batch([prompt], sampling_params, lora_request,
+                                         fit_kv_cache=fit_kv_cache))[0]
+
+    async def prepare_batch(self, prompts: Sequence[PromptType],
+                            sampling_params: SamplingParams | None = None,
+                            lora_request: LoRARequest | None = None, fit_kv_cache: bool = False,
+                            admit: Callable[[], None] | None = None) -> list[PreparedRequest]:
+        """Prepares each prompt with the same params and adapter: the adapter loaded first
+        if its name is not (off the loop), every prompt rendered and validated, with its
+        own copy of the params (EngineCore.prepare), then `admit()` (a server's admission
+        control: what it raises refuses the call), then the grammar compiled on a thread
+        pool (once: compiles are cached by constraint). Raises InvalidRequestError (a bad
+        prompt, params, schema, regex or grammar), LoRANotFoundError, LoRAError; nothing is
+        queued. `fit_kv_cache`: an unset max_tokens is capped to what fits the KV cache."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if lora_request is not None and self.get_lora(lora_request.lora_name) is None:
+            await self._off_loop(self.core.load_lora_if_missing, lora_request)
+        prepared = [self.core.prepare(token_ids, params, lora_request, text, fit_kv_cache)
+                    for text, token_ids in (render_prompt(self.tokenizer, p) for p in prompts)]
+        if admit is not None:
+            admit()
+        if params.structured_outputs is not None:
+            await self.core.structured.compile_async(params.structured_outputs)
+        return prepared
+
+    def _add_request(self, prepared: PreparedRequest, request_id: str | None = None,
+                     priority: int = 0) -> tuple[str, RequestOutputCollector]:
+        """Queues a prepared request; returns its id and output queue. Only generate()
+        calls it: its `finally` is what forgets the queue."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running") from self._dead
-        # The engine resolves max_tokens, stop ids, ... on its own copy (vLLM clones too):
-        # a caller may reuse one SamplingParams for many prompts.
-        params = sampling_params.clone() if sampling_params is not None else SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        text, token_ids = render_prompt(self.tokenizer, prompt)
-        samples = self.core.add_request(request_id, token_ids, params, priority,
-                                        lora_request=lora_request)
+        samples = self.core.add_request(request_id, prepared, priority=priority)
         queue = RequestOutputCollector()
         self._queues[request_id] = queue
         self._samples[request_id] = samples
-        self.processor.add_request(request_id, text, samples, queue.put)
+        self.processor.add_request(request_id, prepared.prompt_text, samples, queue.put)
         self._wakeup.set()
         return request_id, queue
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+    async def generate(self, prompt: PromptType | PreparedRequest,
+                       sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0,
                        lora_request: LoRARequest | None = None,
                        ) -> AsyncIterator[RequestOutput]:
         """Streams RequestOutputs until the request finishes. Cancelling the task aborts
         the request and frees its KV blocks at once; so does closing the generator early
-        (`contextlib.aclosing`, or when Python collects it). Raises InvalidRequestError
-        for bad input on the first iteration, before anything is queued (an invalid schema,
-        regex or grammar too: it is compiled first, on a thread pool).
+        (`contextlib.aclosing`, or when Python collects it).
 
-        `lora_request` runs it with an adapter: one loaded under that name, or else loaded
-        from its lora_path first (off the loop). Raises LoRANotFoundError (an unknown name,
-        a missing path) or LoRAError (bad adapter files)."""
-        if sampling_params is not None and sampling_params.structured_outputs is not None:
-            await self.core.structured.compile_async(sampling_params.structured_outputs)
-        if lora_request is not None:
-            lora_request = await self._ensure_lora(lora_request)
-        request_id, queue = self._add_request(prompt, sampling_params, request_id, priority,
-                                              lora_request)
+        `prompt`: a prompt, prepared here (`prepare`: raises InvalidRequestError for bad
+        input on the first iteration, before anything is queued, an invalid schema, regex
+        or grammar too), or a PreparedRequest, queued as it is (it carries its own params
+        and adapter). `lora_request` runs it with an adapter: one loaded under that name,
+        or else loaded from its lora_path first (off the loop). Raises LoRANotFoundError
+        (an unknown name, a missing path) or LoRAError (bad adapter files)."""
+        if isinstance(prompt, PreparedRequest):
+            if sampling_params is not None or lora_request is not None:
+                raise ValueError("a prepared request carries its own params and adapter")
+            prepared = prompt
+        else:
+            if not self.is_running:
+                raise EngineDeadError("the engine is not running") from self._dead
+            prepared = await self.prepare(prompt, sampling_params, lora_request)
+        request_id, queue = self._add_request(prepared, request_id, priority)
         finished = False
         try:
             while not finished:
@@ -198,12 +224,7 @@ class AsyncEngine:
                 self._abort(request_id)
             self._forget(request_id)
 
-    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ----------------------
-
-    async def _ensure_lora(self, lora_request: LoRARequest) -> LoRARequest:
-        if self.get_lora(lora_request.lora_name) is not None:
-            return self.core.resolve_lora(lora_request)  # loaded: no file to read, no hop
-        return await self._off_loop(self.core.ensure_lora, lora_request)
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora; list_loras: EngineClient) ---------
 
     async def _off_loop(self, fn, *args):
         """On the forward's own thread, between steps: a thread of its own would start a
@@ -221,13 +242,6 @@ class AsyncEngine:
         """Unloads an adapter: new requests naming it are refused at once, those already
         running finish on it. Raises LoRANotFoundError for a name not loaded."""
         self.core.remove_lora(lora_name)
-
-    def list_loras(self) -> list[LoRARequest]:
-        return self.core.list_loras()
-
-    def get_lora(self, lora_name: str) -> LoRARequest | None:
-        """The adapter loaded under `lora_name`, or None."""
-        return None if self.core.lora is None else self.core.lora.get(lora_name)
 
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)
@@ -360,6 +374,7 @@ class AsyncEngine:
         record.wait, record.update = updating - waiting, time.perf_counter() - updating
         for phase, seconds in runner_output.timings.items():
             setattr(record, phase, seconds)
+        record.executor = runner_output.executor
         self.timeline.add(record)
         return outputs
 

@@ -3,8 +3,9 @@
     schedule()  ->  execute(scheduler_output)  ->  update(scheduler_output, runner_output)
     (event loop)    (off the loop: worker thread)  (event loop)
 
-It is synchronous; AsyncEngine and LLM drive it. Request validation lives here so both
-front ends (and the HTTP server) reject the same inputs with the same messages.
+It is synchronous; AsyncEngine and LLM drive it, and nothing outside aioengine/engine/
+touches it. Request validation and adapter resolution are its RequestAdmission
+(admission.py): every front end prepares a request there once, then add_request queues it.
 """
 from __future__ import annotations
 
@@ -22,18 +23,19 @@ from aioengine.config import (ConfigError, EngineArgs, SchedulerConfig, auto_dty
 from aioengine.core.kv_cache_manager import KVCacheManager
 from aioengine.core.scheduler import Scheduler
 from aioengine.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
-from aioengine.errors import InvalidRequestError
+from aioengine.engine.admission import RequestAdmission
+from aioengine.engine.client import PreparedRequest
+from aioengine.engine.features import EngineFeature, feature_stats, prepare_step
 from aioengine.model.llama import kv_cache_bytes_per_block
 from aioengine.kernels import cpu as cpu_kernels
-from aioengine.lora.adapter import LoRANotFoundError
 from aioengine.lora.manager import LoRAConfig, LoRAManager
 from aioengine.lora.request import LoRARequest
-from aioengine.metrics import SPEC_PER_POS_PREFIX
 from aioengine.model.loader import activation_dtype, load_model
 from aioengine.model.triton_attention import TritonAttentionBackend, select_attention_backend
 from aioengine.request import Request, RequestStatus
 from aioengine.sampling_params import SamplingParams
 from aioengine.spec_decode import SpeculativeConfig, make_proposer, num_lookahead_tokens
+from aioengine.spec_decode.feature import SpecDecodeFeature
 from aioengine.spec_decode.shipped import resolve_speculative_config
 from aioengine.structured import StructuredOutputManager
 from aioengine.tokenizer_utils import get_eos_token_ids
@@ -45,7 +47,7 @@ from aioengine.worker.model_runner import ModelRunner
 logger = logging.getLogger("aioengine")
 
 
-class EngineCore:
+class EngineCore(RequestAdmission):
     def __init__(self, args: EngineArgs) -> None:
         args.validate()
         self.args = args
@@ -65,8 +67,19 @@ class EngineCore:
                            args.kv_cache_dtype)
         start = time.perf_counter()
         attn_backend = select_attention_backend(args.attention_backend, self.device)  # fails fast
+        # Multi-LoRA: made before the model, which builds its projections through it.
+        self.lora: LoRAManager | None = None
+        if args.enable_lora:
+            self.lora = LoRAManager(LoRAConfig.from_engine_args(args), self.device, self.dtype,
+                                    args.quantization)
         self.loaded = load_model(args.model, self.dtype, self.device, args.quantization,
-                                 tokenizer=args.tokenizer)
+                                 tokenizer=args.tokenizer,
+                                 linear_factory=None if self.lora is None
+                                 else self.lora.linear_factory, lora_source=self.lora)
+        if self.lora is not None:
+            logger.info("LoRA: %d slots of rank %d (%.1f MiB), up to %d adapters in CPU memory",
+                        args.max_loras, args.max_lora_rank, self.lora.slot_bytes() / 2**20,
+                        self.lora.config.cpu_capacity)
         self.loaded.model.attn_backend = attn_backend
         self.speculative_config = resolve_speculative_config(
             self.speculative_config, self.loaded.model_path, self.loaded.arch)
@@ -82,29 +95,24 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size,
                                                enable_caching=args.enable_prefix_caching,
                                                hash_algo=args.prefix_caching_hash_algo)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-            max_model_len=self.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
-            policy=args.scheduling_policy,
-            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-            spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
-            num_lookahead_tokens=num_lookahead_tokens(spec),
-            max_loras=args.max_loras if args.enable_lora else 0,
-        ), self.kv_cache_manager)
-        # Multi-LoRA: wraps the projections (after the weights are in their final storage).
-        self.lora: LoRAManager | None = None
-        if args.enable_lora:
-            self.lora = LoRAManager(self.loaded.model, LoRAConfig(
-                max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                max_cpu_loras=args.max_cpu_loras))
-            logger.info("LoRA: %d slots of rank %d (%.1f MiB), up to %d adapters in CPU memory",
-                        args.max_loras, args.max_lora_rank, self.lora.slot_bytes() / 2**20,
-                        self.lora.config.cpu_capacity)
+        self.scheduler = Scheduler(SchedulerConfig.from_engine_args(
+            args, self.max_model_len, spec, num_lookahead_tokens(spec)), self.kv_cache_manager)
         proposer = make_proposer(spec, self.loaded, num_blocks, args.block_size, self.dtype,
                                  self.device)
+        self.eos_token_ids = get_eos_token_ids(self.tokenizer, self.loaded.hf_config)
+        self.eos_token_ids |= set(self.loaded.arch.eos_token_ids)
+        # Grammars allow EOS only where they may end; compiles run on its own pool.
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size,
+                                                  self.eos_token_ids,
+                                                  jump_forward=args.structured_jump_forward)
+        # The features, in the order their hooks run and their stats are listed.
+        self.features: tuple[EngineFeature, ...] = tuple(f for f in (
+            self.structured, self.lora,
+            None if spec is None else SpecDecodeFeature(spec, self.scheduler.spec_stats),
+        ) if f is not None)
         self.runner = ModelRunner(self.loaded, num_blocks, args.block_size, self.device,
                                   self.kv_cache_dtype, seed=args.seed, proposer=proposer,
-                                  lora=self.lora)
+                                  features=self.features)
         warm_start = time.perf_counter()
         warm_tokens = self.runner.warm_up(args.max_num_batched_tokens, self.max_model_len)
         logger.debug("warm-up step of %d tokens: %.2fs", warm_tokens,
@@ -116,12 +124,6 @@ class EngineCore:
             self.runner.capture_cuda_graphs(sizes, self.max_model_len)
             logger.info("CUDA graphs of decode steps captured for %d batch sizes (1..%d): "
                         "%.1fs", len(sizes), sizes[-1], time.perf_counter() - graph_start)
-        self.eos_token_ids = get_eos_token_ids(self.tokenizer, self.loaded.hf_config)
-        self.eos_token_ids |= set(self.loaded.arch.eos_token_ids)
-        # Grammars allow EOS only where they may end; compiles run on its own pool.
-        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size,
-                                                  self.eos_token_ids,
-                                                  jump_forward=args.structured_jump_forward)
         info = self.dtype_info()
         logger.info("weights %s (%s), activations %s, KV cache %s; %.0f MiB of weights; CPU %s, "
                     "C kernels %s", info["weights"], info["dtype_reason"], info["activations"],
@@ -147,7 +149,7 @@ class EngineCore:
         }
 
     def _resolve_max_model_len(self, args: EngineArgs) -> int:
-        model_len = self.loaded.max_model_len
+        model_len = self.loaded.model.max_model_len  # as its attention backend computes it
         if args.max_model_len is None:
             return model_len
         if not 1 <= args.max_model_len <= model_len:
@@ -174,90 +176,24 @@ class EngineCore:
                               f"per block of {self.args.block_size} tokens)")
         return num_blocks
 
-    # ---- requests -------------------------------------------------------------------
+    # ---- requests (validation and adapters: RequestAdmission) -----------------------
 
-    def check_token_ids(self, token_ids: list[int], param: str) -> None:
-        """InvalidRequestError (naming `param`) for an id outside the vocabulary: the one
-        place that decides it (prompts, /detokenize)."""
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param)
-
-    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raises InvalidRequestError for anything that could never run; resolves
-        `max_tokens` (None = up to the context) and the stop token set in `params`."""
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        self.check_token_ids(prompt_token_ids, "prompt")
-        if num_prompt >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {num_prompt} tokens but the model's context length is "
-                f"{self.max_model_len}, leaving no room to generate", "prompt")
-        if params.max_tokens is None:
-            params.max_tokens = self.max_model_len - num_prompt
-        elif num_prompt + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
-                f"has {num_prompt} tokens and max_tokens is {params.max_tokens} "
-                f"({num_prompt + params.max_tokens} in total)", "max_tokens")
-        params.validate_vocab(self.vocab_size)
-        needed = params.n * self.kv_cache_manager.num_blocks_needed(num_prompt + params.max_tokens)
-        if needed > self.kv_cache_manager.num_blocks:
-            raise InvalidRequestError(
-                f"the request may need {needed} KV blocks (n={params.n}, {num_prompt} prompt + "
-                f"{params.max_tokens} new tokens) but the cache has only "
-                f"{self.kv_cache_manager.num_blocks}", "max_tokens")
-        params.all_stop_token_ids = set(params.stop_token_ids or [])
-        if not params.ignore_eos:
-            params.all_stop_token_ids |= self.eos_token_ids
-
-    # ---- LoRA adapters ------------------------------------------------------------------
-
-    def _lora_manager(self) -> LoRAManager:
-        if self.lora is None:
-            raise InvalidRequestError("LoRA is not enabled on this engine (enable_lora, "
-                                      "--enable-lora)", "lora_request")
-        return self.lora
-
-    def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
-        """Loads and registers an adapter (blocking: reads its files); returns it with the
-        lora_int_id of this load. Raises LoRAError / LoRANotFoundError."""
-        return self._lora_manager().add(lora_request)
-
-    def remove_lora(self, lora_name: str) -> None:
-        """Forgets an adapter: new requests for it are refused, running ones finish on it.
-        Raises LoRANotFoundError for a name not loaded."""
-        if self._lora_manager().remove(lora_name) is None:
-            raise LoRANotFoundError(f"the LoRA adapter {lora_name!r} is not loaded")
-
-    def list_loras(self) -> list[LoRARequest]:
-        return [] if self.lora is None else self.lora.list_loras()
-
-    def lora_requests_info(self) -> tuple[list[str], list[str]]:
-        """The adapters (names) of the running and of the waiting requests (vLLM's
-        lora_requests_info metric), each sorted."""
-        def names(requests: list[Request]) -> list[str]:
-            return sorted({r.lora_request.lora_name for r in requests if r.lora_request})
-        return names(self.scheduler.running), names(self.scheduler.waiting)
-
-    def resolve_lora(self, lora_request: LoRARequest | None) -> LoRARequest | None:
-        """The registered adapter a request names, without loading (LoRAManager.resolve)."""
-        return None if lora_request is None else self._lora_manager().resolve(lora_request)
-
-    def ensure_lora(self, lora_request: LoRARequest | None) -> LoRARequest | None:
-        """resolve_lora, loading the adapter first when its name is not loaded (blocking)."""
-        return None if lora_request is None else self._lora_manager().ensure(lora_request)
-
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None,
+    def add_request(self, request_id: str, prompt: PreparedRequest | list[int],
+                    params: SamplingParams | None = None, priority: int = 0,
+                    arrival_time: float | None = None,
                     lora_request: LoRARequest | None = None) -> list[Request]:
         """Queues one request; returns its samples (n > 1 samples fork from the first once
-        its prompt is computed). Sample i's seed is `seed + i`. `lora_request` must name a
-        loaded adapter (ensure_lora loads one)."""
-        lora = self.resolve_lora(lora_request)
-        self.validate_prompt(prompt_token_ids, params)
+        its prompt is computed). Sample i's seed is `seed + i`. A PreparedRequest is queued
+        as prepared (nothing is validated or resolved again); token ids are prepared here
+        first (`lora_request` must then name a loaded adapter)."""
+        if isinstance(prompt, PreparedRequest):
+            if params is not None or lora_request is not None:
+                raise ValueError("a prepared request carries its own params and adapter")
+            prepared = prompt
+        else:
+            prepared = self.prepare(prompt, params or SamplingParams(), lora_request)
+        prompt_token_ids, params = prepared.prompt_token_ids, prepared.sampling_params
+        lora = prepared.lora_request
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         samples = []
         for i in range(params.n):
@@ -314,22 +250,8 @@ class EngineCore:
             "kv_peak_blocks": kv.peak_num_blocks,
             "kv_peak_empty_slots": kv.peak_num_empty_slots,
             "kv_waste_at_peak": kv.waste_at_peak,
-            **self.structured.get_stats(),
-            **({} if self.lora is None else self.lora.stats()),
-            **self.spec_decode_stats(),
+            **feature_stats(self.features),
         }
-
-    def spec_decode_stats(self) -> dict[str, float]:
-        """vLLM's spec_decode_* counters (empty without speculative decoding); the accepted
-        drafts at position i (0-based) are `spec_decode_num_accepted_tokens_per_pos_<i>`."""
-        if self.speculative_config is None:
-            return {}
-        st = self.scheduler.spec_stats
-        return {"spec_decode_num_drafts": st.num_drafts,
-                "spec_decode_num_draft_tokens": st.num_draft_tokens,
-                "spec_decode_num_accepted_tokens": st.num_accepted_tokens,
-                **{f"{SPEC_PER_POS_PREFIX}{pos}": n
-                   for pos, n in enumerate(st.num_accepted_tokens_per_pos)}}
 
     def reset_kv_peak_stats(self) -> None:
         """Starts a new KV peak measurement (`kv_peak_*` and `kv_waste_at_peak` in stats())."""
@@ -341,9 +263,7 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def schedule(self) -> SchedulerOutput:
-        scheduler_output = self.scheduler.schedule()
-        scheduler_output.grammar_bitmask = self.structured.prepare_bitmask(scheduler_output)
-        return scheduler_output
+        return prepare_step(self.features, self.scheduler.schedule())
 
     def schedule_ahead(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
         """The next step, scheduled while `in_flight` runs (Scheduler.schedule_ahead), or

@@ -45,6 +45,7 @@ class StepRecord:
     wait: float = 0.0  # loop: waiting for the worker after its own work
     update: float = 0.0  # loop: scheduler.update_from_output()
     idle: float = 0.0  # loop: nothing to run before this step
+    executor: str = ""  # worker: who ran the layers (ModelRunnerOutput.executor)
 
 
 @dataclass
@@ -85,6 +86,7 @@ class StepTimeline:
             hidden = sum(min(r.process, r.prepare + r.forward + r.sample + r.propose)
                          for r in recs)
             row["overlap"] = hidden / process if process else 1.0
+            row["fused_share"] = sum(r.executor == "fused_cpu_decode" for r in recs) / len(recs)
             out[kind] = row
         return out
 
@@ -92,4 +94,4 @@ class StepTimeline:
         return [asdict(r) for r in self.records]
 
 
-assert tuple(f.name for f in fields(StepRecord))[3:] == PHASES
+assert tuple(f.name for f in fields(StepRecord))[3:3 + len(PHASES)] == PHASES

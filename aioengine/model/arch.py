@@ -29,8 +29,9 @@ class UnsupportedModelError(ValueError):
 class ModelArchConfig:
     """Shape and numerics of a Llama-family model.
 
-    `sliding_window` is kept only to bound `max_model_len`: we implement full attention,
-    which equals sliding-window attention as long as no sequence is longer than the window.
+    `sliding_window`: the attention window of the layers `sliding_window_layers` lists
+    (None: every layer; transformers' `layer_types`), full attention elsewhere. Per layer,
+    `layer_spec.layer_specs` reads it through `layer_sliding_window`.
     """
 
     architecture: str
@@ -51,13 +52,20 @@ class ModelArchConfig:
     bos_token_id: int | None
     eos_token_ids: list[int]
     sliding_window: int | None = None
+    sliding_window_layers: tuple[int, ...] | None = None
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence this model can run exactly (see `sliding_window`)."""
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest sequence this model can run (its position table's length)."""
         return self.max_position_embeddings
+
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """The attention window of layer `layer_idx` (None: full attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_window_layers is None or layer_idx in self.sliding_window_layers:
+            return self.sliding_window
+        return None
 
     @property
     def q_size(self) -> int:
@@ -96,6 +104,7 @@ class ModelArchConfig:
             bos_token_id=getattr(cfg, "bos_token_id", None),
             eos_token_ids=_token_ids(getattr(cfg, "eos_token_id", None)),
             sliding_window=_sliding_window(cfg, arch),
+            sliding_window_layers=_sliding_window_layers(cfg),
         )
 
 
@@ -149,6 +158,15 @@ def _sliding_window(cfg: Any, arch: str) -> int | None:
             cfg, "use_sliding_window", False):
         return None  # Qwen configs carry a window size even when it is switched off
     return int(window) if window else None
+
+
+def _sliding_window_layers(cfg: Any) -> tuple[int, ...] | None:
+    """The layers transformers' `layer_types` marks "sliding_attention" (None: no such
+    list, the window applies to every layer)."""
+    types = getattr(cfg, "layer_types", None)
+    if not types:
+        return None
+    return tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
 
 
 def _token_ids(value: int | list[int] | None) -> list[int]:

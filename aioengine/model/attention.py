@@ -145,12 +145,20 @@ def to_device(t: Tensor, device: torch.device) -> Tensor:
 
 
 class AttentionBackend(abc.ABC):
-    """Writes this step's K/V into the paged cache, then attends over each request's context."""
+    """Writes this step's K/V into the paged cache, then attends over each request's context.
+
+    SUPPORTED_FEATURES: the attention-side LayerSpec options (layer_spec.py) the backend
+    implements; a model refuses a backend that lacks one its layers use."""
+
+    SUPPORTED_FEATURES: frozenset[str] = frozenset({"qk_norm", "attention_bias"})
 
     @abc.abstractmethod
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor,
-                meta: AttentionMetadata, scale: float) -> Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D], kv_cache [2, blocks, block_size, Hkv, D] -> [T, Hq, D]."""
+                meta: AttentionMetadata, scale: float,
+                sliding_window: int | None = None) -> Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D], kv_cache [2, blocks, block_size, Hkv, D] -> [T, Hq, D].
+        sliding_window: each query attends to the last `sliding_window` positions only (its
+        own included); None = full causal attention."""
 
 
 def write_to_kv_cache(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -176,11 +184,14 @@ class TorchAttentionBackend(AttentionBackend):
     the torch path stays the reference and the fallback when the kernel cannot be built.
     """
 
+    SUPPORTED_FEATURES = AttentionBackend.SUPPORTED_FEATURES | {"sliding_window"}
+
     def __init__(self, use_cpu_kernel: bool = True) -> None:
         self.use_cpu_kernel = use_cpu_kernel
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor,
-                meta: AttentionMetadata, scale: float) -> Tensor:
+                meta: AttentionMetadata, scale: float,
+                sliding_window: int | None = None) -> Tensor:
         num_tokens = meta.num_actual_tokens
         if kv_cache.dtype != q.dtype:
             # A cache in lower precision (kv_cache_dtype): attend to the fresh K/V as the
@@ -190,19 +201,22 @@ class TorchAttentionBackend(AttentionBackend):
         write_to_kv_cache(k[:num_tokens], v[:num_tokens], kv_cache, meta.slot_mapping)
         nd = meta.num_decodes
         if nd == meta.num_reqs:  # a decode-only step: no copy into a second output
-            return self._decode(q, kv_cache, meta, scale)
+            return self._decode(q, kv_cache, meta, scale, sliding_window)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(q[:nd], kv_cache, meta, scale)
+            out[:nd] = self._decode(q[:nd], kv_cache, meta, scale, sliding_window)
         for i in range(nd, meta.num_reqs):
             start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
             out[start:end] = self._prefill(i, q[start:end], k[start:end], v[start:end],
-                                           kv_cache, meta, scale)
+                                           kv_cache, meta, scale, sliding_window)
         return out
 
-    def _decode(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    def _decode(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None = None) -> Tensor:
         nd, num_heads, head_dim = q.shape
-        if self.use_cpu_kernel:
+        # The C kernel attends to the whole context: with a window only where it covers it.
+        if self.use_cpu_kernel and (sliding_window is None
+                                    or meta.max_decode_seq_len <= sliding_window):
             out = torch.empty_like(q)
             # Reads K/V in place from the cache (kernels/cpu.py); False = not applicable here.
             if cpu_kernels.paged_decode_attention(out, q.contiguous(), kv_cache,
@@ -212,11 +226,17 @@ class TorchAttentionBackend(AttentionBackend):
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
         group = num_heads // num_kv_heads
         num_blocks = -(-meta.max_decode_seq_len // block_size)
-        mask = meta.backend_cache.get("decode_mask")
-        if mask is None:  # [nd, 1, 1, L]: True where the key is inside the sequence
+        mask_key = ("decode_mask", sliding_window)
+        mask = meta.backend_cache.get(mask_key)
+        if mask is None:  # [nd, 1, 1, L]: True where the key is inside the sequence (window)
             pos = torch.arange(num_blocks * block_size, device=q.device)
-            mask = (pos[None, :] < meta.seq_lens[:nd, None]).view(nd, 1, 1, -1)
-            meta.backend_cache["decode_mask"] = mask
+            seq_lens = meta.seq_lens[:nd, None]
+            mask = pos[None, :] < seq_lens
+            if sliding_window is not None and meta.max_decode_seq_len > sliding_window:
+                # the query sits at seq_len - 1
+                mask &= pos[None, :] > seq_lens - 1 - sliding_window
+            mask = mask.view(nd, 1, 1, -1)
+            meta.backend_cache[mask_key] = mask
         tables = meta.block_tables[:nd, :num_blocks]
         # [nd, nb, bs, Hkv, D] -> [nd, Hkv, L, D]
         keys = kv_cache[0][tables].view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
@@ -228,12 +248,13 @@ class TorchAttentionBackend(AttentionBackend):
         return o.reshape(nd, num_heads, head_dim)
 
     def _prefill(self, i: int, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor,
-                 meta: AttentionMetadata, scale: float) -> Tensor:
+                 meta: AttentionMetadata, scale: float,
+                 sliding_window: int | None = None) -> Tensor:
         query_len = q.shape[0]
         seq_len = meta.seq_lens_cpu[i]
         context_len = seq_len - query_len
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, Tq, D]
-        if context_len == 0:
+        if context_len == 0 and (sliding_window is None or seq_len <= sliding_window):
             # The whole sequence is in this step: attend to the fresh K/V directly.
             kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
@@ -245,9 +266,13 @@ class TorchAttentionBackend(AttentionBackend):
         kh = kv_cache[0][table].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
         vh = kv_cache[1][table].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
         kh, vh = kh.to(q.dtype), vh.to(q.dtype)
-        # Query j sits at position context_len + j and sees keys 0 .. context_len + j.
-        q_pos = torch.arange(context_len, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        # Query j sits at position context_len + j and sees keys 0 .. context_len + j (the
+        # last sliding_window of them).
+        q_pos = torch.arange(context_len, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
         o = F.scaled_dot_product_attention(qh, kh.unsqueeze(0), vh.unsqueeze(0), attn_mask=mask,
                                            scale=scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)

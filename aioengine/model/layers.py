@@ -1,15 +1,20 @@
-"""The model's building blocks that have a fast CPU path: projections (`Linear`, which owns
-its weight in a storage format, and `linear`), RMSNorm with the residual add fused in, and
-SiLU-and-mul (vLLM's names and semantics).
+"""Projections: `Linear`, which owns its weight in a storage format, and `linear`, the
+matmul it runs (vLLM's names and semantics); the embedding lookup and the LM head.
 
-Each takes the C kernel of `aioengine.kernels.cpu` where it applies (float32 activations on
-the CPU, kernels built) and the plain torch ops otherwise; the torch ops are the reference
-the kernels are tested against.
+`linear` takes the C gemv of `aioengine.kernels.cpu` where it applies (float32 activations
+on the CPU, few rows, kernels built), oneDNN for many rows, and the plain torch op otherwise;
+the torch op is the reference the kernels are tested against. The norms and activations
+between projections are the device ops' (`aioengine.model.ops`).
+
+A model builds every projection through a `LinearFactory` (`ProjectionSpec` says which
+one): a feature that needs to wrap projections (LoRA) supplies the factory when the model is
+built, instead of patching a built model.
 """
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -201,6 +206,20 @@ _FLOAT_STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                   "float16": torch.float16}
 
 
+@dataclass(frozen=True)
+class ProjectionSpec:
+    """Which projection a LinearFactory is asked for."""
+
+    layer_idx: int
+    name: str  # "qkv_proj" | "o_proj" | "gate_up_proj" | "down_proj"
+    slices: tuple[int, ...]  # output sizes of the fused slices: (q, k, v), (gate, up), (out,)
+
+
+# Takes the freshly built base Linear and returns the module the layer holds (the base
+# itself, or a wrapper whose forward adds to the base's output).
+LinearFactory = Callable[[ProjectionSpec, "Linear"], nn.Module]
+
+
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     # Uninitialised: every parameter is overwritten by load_weights (which checks that). In
     # huge pages on the CPU: decode streams every weight once per token (hugepages.py).
@@ -322,44 +341,3 @@ def embed(input_ids: Tensor, table: Linear, dtype: torch.dtype) -> Tensor:
     if table.scales is not None:
         rows.mul_(table.scales.index_select(0, input_ids).to(dtype)[:, None])
     return rows
-
-
-@functools.cache
-def _triton_ops():
-    """The CUDA path's kernels (aioengine.kernels.triton), imported on the first CUDA call:
-    triton.jit reads TRITON_INTERPRET when they are defined."""
-    from aioengine.kernels import triton as ops
-
-    return ops
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """x [T, H] normalised by its root mean square, times weight [H]; a new tensor."""
-    if x.is_cuda:
-        return _triton_ops().rms_norm(x, weight, eps)
-    out = cpu_kernels.rms_norm(x, weight, eps)
-    return out if out is not None else F.rms_norm(x, x.shape[-1:], weight, eps)
-
-
-def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor,
-                       eps: float) -> tuple[Tensor, Tensor]:
-    """(rms_norm(x + residual), x + residual): the pre-norm of a layer's next sub-block and
-    the running residual stream. x and residual [T, H] may be updated in place (the C
-    kernel writes the sum into residual and the normed rows into x): use the results."""
-    if x.is_cuda:
-        return _triton_ops().fused_add_rms_norm(x, residual, weight, eps)
-    if cpu_kernels.fused_add_rms_norm(x, residual, weight, eps):
-        return x, residual
-    residual = x + residual
-    return F.rms_norm(residual, residual.shape[-1:], weight, eps), residual
-
-
-def silu_and_mul(x: Tensor) -> Tensor:
-    """x [T, 2d] = [gate | up] (the fused gate_up projection) -> silu(gate) * up [T, d]."""
-    if x.is_cuda:
-        return _triton_ops().silu_and_mul(x)
-    out = cpu_kernels.silu_and_mul(x)
-    if out is not None:
-        return out
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up

@@ -1,13 +1,18 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
+The model is built once from its architecture: one `LayerSpec` per layer
+(`aioengine.model.layer_spec`), each `LlamaDecoderLayer` built from its spec with the
+model's device ops (`aioengine.model.ops`, chosen once: no layer asks which device it runs
+on) and every projection made through an optional `LinearFactory` (how LoRA wraps them).
+Executors run the layers (`aioengine.model.executors`): layer by layer (the reference), or,
+for decode steps of a few requests on the CPU, all of them in one C call, when that
+executor supports the step and every layer's features. The EAGLE draft head runs this
+layer's own `attention_mlp`.
+
 Written for few Python ops per layer: q/k/v are one matmul, gate/up are one matmul, RoPE
 reads a precomputed cos/sin table, each residual add is fused into the RMSNorm after it, and
-SiLU-and-mul is one op (`aioengine.model.layers`, with C kernels on the CPU; RoPE in
-`aioengine.model.rotary`). On the CPU (float32 activations, weights in any storage of
-`layers.Linear`), a decode step of up to FUSED_DECODE_MAX_TOKENS requests runs all decoder
-layers in one C call instead (`cpu_kernels.llama_decode`); the layer path is its reference.
-Weights arrive with Hugging Face names through `load_weights`, which fuses them into our
-layout.
+SiLU-and-mul is one op. Weights arrive with Hugging Face names through `load_weights`,
+which fuses them into our layout.
 """
 from __future__ import annotations
 
@@ -20,42 +25,54 @@ from torch import Tensor, nn
 
 from aioengine.kernels import cpu as cpu_kernels
 from aioengine.model import hugepages
-from aioengine.model.arch import ModelArchConfig
+from aioengine.model.arch import ModelArchConfig, UnsupportedModelError
 from aioengine.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
-from aioengine.model.layers import (Linear, _param, embed, fused_add_rms_norm, lm_head_logits,
-                                    rms_norm, silu_and_mul)
+from aioengine.model.executors import FusedCpuDecodeExecutor, LayerwiseExecutor
+from aioengine.model.layer_spec import LayerSpec, layer_specs, unsupported
+from aioengine.model.layers import (Linear, LinearFactory, ProjectionSpec, _param, embed,
+                                    lm_head_logits)
+from aioengine.model.ops import TorchOps, select_ops
 from aioengine.model.rotary import RopeStep, RotaryEmbedding, rope_inv_freq
 
 
-# Decode-only steps of up to this many tokens run the decoder layers in one C call where it
-# applies (LlamaForCausalLM.use_fused_decode). Forward + LM head on 2 cores, against the
-# layer path in the same process: 1 token 20.4-21.8 -> 17.5-18.1 ms (the ~4 ms of per-layer
-# Python and op dispatch gone), 2 tokens 25.8 -> 21.1, 4 tokens 33.4-33.8 -> 23.8-28.4,
-# 8 tokens 37.6 -> 34.2; at 12 they are even (oneDNN's GEMM takes over), at 16 the layer
-# path wins (52.6 vs 58.1).
-FUSED_DECODE_MAX_TOKENS = 8
-
-
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device) -> None:
+    """One decoder layer as its LayerSpec describes it.
+
+    The base projections (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`: `Linear`s,
+    whose weights the loader fills and the fused executor reads) are registered modules;
+    forward calls what `linear_factory` made of each (the base itself without one).
+    `qkv_input_size` (default: hidden size) and `input_layernorm=False` serve draft heads
+    whose attention reads something else than the residual stream."""
+
+    def __init__(self, spec: LayerSpec, ops: TorchOps, dtype: torch.dtype,
+                 device: torch.device, linear_factory: LinearFactory | None = None, *,
+                 qkv_input_size: int | None = None, input_layernorm: bool = True) -> None:
         super().__init__()
-        h, d = arch.hidden_size, arch.head_dim
+        h, d = spec.hidden_size, spec.head_dim
         kw = {"dtype": dtype, "device": device}
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            arch.num_attention_heads, arch.num_key_value_heads, d)
-        self.q_size, self.kv_size = arch.q_size, arch.kv_size
-        self.eps = arch.rms_norm_eps
-        self.input_layernorm = _param(h, **kw)
-        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, arch.attention_bias, **kw)
-        self.q_norm = _param(d, **kw) if arch.qk_norm else None
-        self.k_norm = _param(d, **kw) if arch.qk_norm else None
+        self.spec, self.ops = spec, ops
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
+        self.q_size, self.kv_size = spec.q_size, spec.kv_size
+        self.eps, self.scale = spec.rms_norm_eps, spec.scale
+        self.input_layernorm = _param(h, **kw) if input_layernorm else None
+        self.qkv_proj = Linear(qkv_input_size or h, self.q_size + 2 * self.kv_size,
+                               spec.attention_bias, **kw)
+        self.q_norm = _param(d, **kw) if spec.qk_norm else None
+        self.k_norm = _param(d, **kw) if spec.qk_norm else None
         self.o_proj = Linear(self.q_size, h, False, **kw)
         self.post_attention_layernorm = _param(h, **kw)
-        self.gate_up_proj = Linear(h, 2 * arch.intermediate_size, False, **kw)
-        self.down_proj = Linear(arch.intermediate_size, h, False, **kw)
-        self.scale = d ** -0.5
+        self.gate_up_proj = Linear(h, 2 * spec.intermediate_size, False, **kw)
+        self.down_proj = Linear(spec.intermediate_size, h, False, **kw)
+        slices = {"qkv_proj": (self.q_size, self.kv_size, self.kv_size), "o_proj": (h,),
+                  "gate_up_proj": (spec.intermediate_size,) * 2, "down_proj": (h,)}
+        bases = self.projections()
+        # A tuple, not attributes: a wrapper is not registered twice under the layer.
+        self._run: tuple[nn.Module, ...] = bases if linear_factory is None else tuple(
+            linear_factory(ProjectionSpec(spec.layer_idx, name, slices[name]), base)
+            for name, base in zip(slices, bases))
 
     def projections(self) -> tuple[Linear, Linear, Linear, Linear]:
+        """The base projections (qkv, o, gate_up, down)."""
         return self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj
 
     def forward(self, x: Tensor, residual: Tensor | None, rope: RopeStep, kv_cache: Tensor,
@@ -64,12 +81,20 @@ class LlamaDecoderLayer(nn.Module):
         residual None), not yet added to the residual stream. Returns this layer's MLP
         output and the residual stream, the pair the next layer takes (vLLM's layout: each
         residual add is fused into the RMSNorm that follows it)."""
-        t = x.shape[0]
         if residual is None:
-            h, residual = rms_norm(x, self.input_layernorm, self.eps), x
+            h, residual = self.ops.rms_norm(x, self.input_layernorm, self.eps), x
         else:
-            h, residual = fused_add_rms_norm(x, residual, self.input_layernorm, self.eps)
-        qkv = self.qkv_proj(h)
+            h, residual = self.ops.fused_add_rms_norm(x, residual, self.input_layernorm,
+                                                      self.eps)
+        return self.attention_mlp(h, residual, rope, kv_cache, meta, attn)
+
+    def attention_mlp(self, h: Tensor, residual: Tensor, rope: RopeStep, kv_cache: Tensor,
+                      meta: AttentionMetadata, attn: AttentionBackend) -> tuple[Tensor, Tensor]:
+        """The layer from its attention on: h is the attention's input (normed), residual
+        the stream it is added to. Returns (MLP output, residual stream), not yet added."""
+        qkv_proj, o_proj, gate_up_proj, down_proj = self._run
+        t = h.shape[0]
+        qkv = qkv_proj(h)
         # q and k heads side by side, [T, Hq + Hkv, D], so RoPE runs once for both.
         qk_size = self.q_size + self.kv_size
         qk = qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -79,44 +104,80 @@ class LlamaDecoderLayer(nn.Module):
             qk = torch.cat((F.rms_norm(q, (self.head_dim,), self.q_norm, self.eps),
                             F.rms_norm(k, (self.head_dim,), self.k_norm, self.eps)), dim=1)
         q, k = rope(qk).split([self.num_heads, self.num_kv_heads], dim=1)
-        o = attn.forward(q, k, v, kv_cache, meta, self.scale)
-        o = self.o_proj(o.view(t, self.q_size))
-        h, residual = fused_add_rms_norm(o, residual, self.post_attention_layernorm, self.eps)
-        return self.down_proj(silu_and_mul(self.gate_up_proj(h))), residual
+        o = attn.forward(q, k, v, kv_cache, meta, self.scale, self.spec.sliding_window)
+        o = o_proj(o.view(t, self.q_size))
+        h, residual = self.ops.fused_add_rms_norm(o, residual, self.post_attention_layernorm,
+                                                  self.eps)
+        return down_proj(self.ops.silu_and_mul(gate_up_proj(h))), residual
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
-                 attn_backend: AttentionBackend | None = None) -> None:
+                 attn_backend: AttentionBackend | None = None, *,
+                 linear_factory: LinearFactory | None = None,
+                 lora_source: cpu_kernels.LoRADecodeSource | None = None,
+                 ops: TorchOps | None = None) -> None:
         super().__init__()
         self.arch = arch
         self.dtype = dtype
         self.device = device
-        self.attn_backend = attn_backend or TorchAttentionBackend()
+        self.ops = ops or select_ops(device)
+        self.layer_specs = layer_specs(arch)
         kw = {"dtype": dtype, "device": device}
         # The embedding matrix is a Linear [V, H] too: tied, the LM head *is* it (one tensor,
         # loaded and stored once, in the projections' storage format).
         self.embed_tokens = Linear(arch.hidden_size, arch.vocab_size, False, **kw)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, dtype, device) for _ in range(arch.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, self.ops, dtype, device,
+                                                      linear_factory)
+                                    for spec in self.layer_specs)
         self.norm = _param(arch.hidden_size, **kw)
         self.lm_head = (self.embed_tokens if arch.tie_word_embeddings
                         else Linear(arch.hidden_size, arch.vocab_size, False, **kw))
         self.rotary = RotaryEmbedding(arch, dtype, device)
         self._layer_weights = _layer_weight_table(arch)
-        # Decode steps of a few tokens through cpu_kernels.llama_decode (off: layer by layer).
-        self.use_fused_decode = True
-        # (the KV caches' data pointers, the pointer table llama_decode reads) for the last
-        # kv_caches seen: built once, the weights being updated in place. Whatever replaces
-        # a parameter tensor (rather than copying into it) must reset it to None.
-        self._decode_table: tuple[tuple[int, ...], Tensor] | None = None
+        # Multi-LoRA: the step's adapter slots for the fused decode kernel (the source that
+        # made linear_factory's wrappers). None: no adapters, at no cost.
+        self.lora_source = lora_source
+        self.attn_backend = attn_backend or TorchAttentionBackend()
+        self.layerwise = LayerwiseExecutor(self)
+        self.fused_decode = FusedCpuDecodeExecutor(self)
+        self.last_executor = ""  # the executor of the last forward (the step profile's)
         # EAGLE-3 (vLLM's aux_hidden_state_layers): the layers whose input residual stream
         # `forward` returns beside the hidden states; set once by the engine. Empty: forward
         # returns the hidden states alone, at no cost.
         self.aux_hidden_state_layers: tuple[int, ...] = ()
-        # Multi-LoRA (aioengine.lora wraps the projections and sets this): the step's
-        # adapter slots for the fused decode kernel. None: no adapters, at no cost.
-        self.lora: cpu_kernels.LoRADecodeSource | None = None
+
+    @property
+    def attn_backend(self) -> AttentionBackend:
+        return self._attn_backend
+
+    @attn_backend.setter
+    def attn_backend(self, backend: AttentionBackend) -> None:
+        """Refuses (UnsupportedModelError) a backend that lacks a feature of the layers; one
+        without sliding windows is taken with max_model_len capped at the smallest window
+        (full attention is sliding-window attention up to the window's length)."""
+        missing = unsupported(self.layer_specs, backend.SUPPORTED_FEATURES | {"sliding_window"})
+        if missing:
+            raise UnsupportedModelError(
+                f"{self.arch.architecture}: the {type(backend).__name__} does not implement "
+                f"{', '.join(sorted(missing))}")
+        self._attn_backend = backend
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence this model computes exactly with its attention backend."""
+        windows = [s.sliding_window for s in self.layer_specs if s.sliding_window is not None]
+        if windows and "sliding_window" not in self.attn_backend.SUPPORTED_FEATURES:
+            return min(self.arch.max_model_len, *windows)
+        return self.arch.max_model_len
+
+    @property
+    def use_fused_decode(self) -> bool:
+        return self.fused_decode.enabled
+
+    @use_fused_decode.setter
+    def use_fused_decode(self, enabled: bool) -> None:
+        self.fused_decode.enabled = enabled
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
                 attn_metadata: AttentionMetadata,
@@ -134,85 +195,23 @@ class LlamaForCausalLM(nn.Module):
         aux_layers = self.aux_hidden_state_layers
         aux: Tensor | None = None
         aux_index: Tensor | None = None
-        h = self.arch.hidden_size
         if aux_layers:  # allocated before before_layers(): these let go of the GIL
             if not all(0 <= i < len(self.layers) for i in aux_layers):
                 raise ValueError(f"aux_hidden_state_layers {aux_layers}: layer indices must be "
                                  f"in [0, {len(self.layers)})")
-            aux = torch.empty((x.shape[0], len(aux_layers) * h), dtype=torch.float32,
-                              device=x.device)
+            aux = torch.empty((x.shape[0], len(aux_layers) * self.arch.hidden_size),
+                              dtype=torch.float32, device=x.device)
             aux_index = torch.tensor(aux_layers, dtype=torch.int64)
         if before_layers is not None:
             before_layers()
-        if self._fused_decode(x, positions, kv_caches, attn_metadata, aux, aux_index):
-            return x if aux is None else (x, aux)
-        rope = RopeStep(self.rotary, positions)
-        residual: Tensor | None = None
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            if aux is not None and i in aux_layers:
-                # What the layer's input norm sees: x + residual (vLLM's hidden + residual).
-                stream = x if residual is None else x + residual
-                for j, listed in enumerate(aux_layers):
-                    if listed == i:
-                        aux[:, j * h:(j + 1) * h] = stream
-            x, residual = layer(x, residual, rope, kv_cache, attn_metadata, self.attn_backend)
-        if residual is None:  # no layers
-            hidden = rms_norm(x, self.norm, self.arch.rms_norm_eps)
+        fused = self.fused_decode
+        if fused.supports(x, attn_metadata) and fused.run(x, positions, kv_caches,
+                                                          attn_metadata, aux, aux_index):
+            self.last_executor, hidden = fused.name, x
         else:
-            hidden = fused_add_rms_norm(x, residual, self.norm, self.arch.rms_norm_eps)[0]
+            self.last_executor = self.layerwise.name
+            hidden = self.layerwise.run(x, positions, kv_caches, attn_metadata, aux)
         return hidden if aux is None else (hidden, aux)
-
-    def _fused_decode(self, x: Tensor, positions: Tensor, kv_caches: list[Tensor],
-                      meta: AttentionMetadata, aux: Tensor | None = None,
-                      aux_index: Tensor | None = None) -> bool:
-        """Runs the layers and the final norm on x in place through the C decode kernel when
-        the step is decode-only, small, and on the default attention backend with its C
-        kernel (float32 on the CPU); False, having done nothing, otherwise. aux/aux_index:
-        forward's aux output and its layer indices (int64), filled by the kernel too."""
-        num_tokens = x.shape[0]
-        backend = self.attn_backend
-        if not (self.use_fused_decode and 0 < num_tokens <= FUSED_DECODE_MAX_TOKENS
-                and meta.num_decodes == meta.num_reqs == meta.num_actual_tokens == num_tokens
-                and type(backend) is TorchAttentionBackend and backend.use_cpu_kernel
-                and x.device.type == "cpu" and x.dtype == torch.float32 and self.layers):
-            return False
-        table = self._decode_layer_table(kv_caches)
-        if table is None:
-            return False
-        arch = self.arch
-        _, num_blocks, block_size, _, _ = kv_caches[0].shape
-        return cpu_kernels.llama_decode(
-            x, table, self.norm, num_heads=arch.num_attention_heads,
-            num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
-            intermediate_size=arch.intermediate_size, eps=arch.rms_norm_eps,
-            scale=self.layers[0].scale, positions=positions, cos=self.rotary.cos,
-            sin=self.rotary.sin, slot_mapping=meta.slot_mapping,
-            block_tables=meta.block_tables, seq_lens=meta.seq_lens, num_blocks=num_blocks,
-            block_size=block_size,
-            weight_format=self.layers[0].qkv_proj.gemv_format, aux=aux, aux_layers=aux_index,
-            lora=None if self.lora is None else self.lora.decode_args())
-
-    def _decode_layer_table(self, kv_caches: list[Tensor]) -> Tensor | None:
-        key = tuple(c.data_ptr() for c in kv_caches)
-        if self._decode_table is None or self._decode_table[0] != key:
-            arch = self.arch
-            kv_shape = (arch.num_key_value_heads, arch.head_dim)
-            if (len(kv_caches) != len(self.layers) or len({c.shape for c in kv_caches}) != 1
-                    or kv_caches[0].dim() != 5 or kv_caches[0].shape[-2:] != kv_shape):
-                return None
-            table = cpu_kernels.decode_layer_table([
-                {"input_norm": layer.input_layernorm, "qkv": layer.qkv_proj.weight,
-                 "qkv_scales": layer.qkv_proj.scales, "qkv_bias": layer.qkv_proj.bias,
-                 "q_norm": layer.q_norm, "k_norm": layer.k_norm, "o": layer.o_proj.weight,
-                 "o_scales": layer.o_proj.scales, "post_norm": layer.post_attention_layernorm,
-                 "gate_up": layer.gate_up_proj.weight,
-                 "gate_up_scales": layer.gate_up_proj.scales, "down": layer.down_proj.weight,
-                 "down_scales": layer.down_proj.scales, "kv_cache": cache}
-                for layer, cache in zip(self.layers, kv_caches)])
-            if table is None:
-                return None
-            self._decode_table = (key, table)
-        return self._decode_table[1]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, H] -> logits [N, V] in float32."""
@@ -231,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
         """Every projection and the embedding / LM head into `storage` (layers.WEIGHT_STORAGES:
         float32, bfloat16, float16, int8), computed from the loaded weights. Norms, biases,
         RoPE tables and the activations keep the model's dtype."""
-        self._decode_table = None  # raw pointers to the old weights
+        self.fused_decode.reset()  # raw pointers to the old weights
         for lin in self.linears():
             lin.convert(storage)
 
@@ -241,7 +240,7 @@ class LlamaForCausalLM(nn.Module):
         gguf_loader.iter_gguf_q4_1_blocks yields them), fused as load_weights fuses rows;
         the embedding / LM head become int8 (their file format, Q8_0, is not read as is).
         Raises ValueError for a projection the blocks leave unfilled."""
-        self._decode_table = None
+        self.fused_decode.reset()
         projections = [lin for layer in self.layers for lin in layer.projections()]
         for lin in projections:
             lin.use_q4_1_storage()
@@ -289,7 +288,7 @@ class LlamaForCausalLM(nn.Module):
         Raises ValueError for an unknown name, a shape mismatch, or any parameter (or part of
         a fused one) left unloaded.
         """
-        self._decode_table = None  # raw pointers to the parameters: rebuilt on next use
+        self.fused_decode.reset()  # raw pointers to the parameters: rebuilt on next use
         self._check_loaded(self._copy_weights(weights),
                            [name for name, _ in self.named_parameters()], "weight(s)")
 

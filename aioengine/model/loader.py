@@ -24,6 +24,8 @@ import torch
 from aioengine.model.arch import SUPPORTED_ARCHITECTURES, ModelArchConfig, UnsupportedModelError
 from aioengine.model.default import ModelNotFoundError, bundled_model_path
 from aioengine.model.gguf_loader import GGUFFormatError
+from aioengine.kernels.cpu import LoRADecodeSource
+from aioengine.model.layers import LinearFactory
 from aioengine.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -33,6 +35,14 @@ SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch
 
 class ModelLoadError(ValueError):
     """The model cannot be loaded; the message says what is missing or unsupported."""
+
+
+@dataclass(frozen=True)
+class ModelHooks:
+    """What features give the model as it is built (before its weights load): the factory
+    that makes each projection (LoRA's wrappers) and the fused decode kernel's LoRA slots."""
+    linear_factory: LinearFactory | None = None
+    lora_source: LoRADecodeSource | None = None
 
 
 @dataclass
@@ -107,9 +117,12 @@ def activation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
-               quantization: str | None = None, tokenizer: str | None = None) -> LoadedModel:
+               quantization: str | None = None, tokenizer: str | None = None, *,
+               linear_factory: LinearFactory | None = None,
+               lora_source: LoRADecodeSource | None = None) -> LoadedModel:
     """Loads weights, config and tokenizer; see the module docstring for what `model` and
-    `tokenizer` can be.
+    `tokenizer` can be. `linear_factory` / `lora_source` go to the model as it is built
+    (LlamaForCausalLM's: how LoRA wraps the projections), before the weights load.
     The projections and the embedding are stored in `dtype`, or as int8 with per-row scales
     for quantization="int8" / "w8a8", computed from whatever the checkpoint holds; "gguf"
     keeps a GGUF's own Q4_1 projection blocks."""
@@ -127,11 +140,12 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         raise ModelLoadError(f"quantization 'gguf' reads a GGUF file's own blocks; {path} "
                              f"is not a .gguf file")
     start = time.perf_counter()
+    hooks = ModelHooks(linear_factory, lora_source)
     try:
         if path.endswith(".gguf"):
-            loaded = _load_gguf(path, dtype, device, storage, tokenizer_path)
+            loaded = _load_gguf(path, dtype, device, storage, tokenizer_path, hooks)
         else:
-            loaded = _load_hf_dir(path, dtype, device, storage, tokenizer_path)
+            loaded = _load_hf_dir(path, dtype, device, storage, tokenizer_path, hooks)
     except (UnsupportedModelError, GGUFFormatError) as e:
         raise ModelLoadError(f"{path}: {e}") from e
     logger.debug("loaded %s in %.2fs", path, time.perf_counter() - start)
@@ -139,20 +153,18 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
 
 
 def _arch_config(hf_config: Any, path: str) -> ModelArchConfig:
-    arch = ModelArchConfig.from_hf_config(hf_config)
-    if arch.max_model_len < arch.max_position_embeddings:
-        logger.warning("%s uses sliding-window attention (window %d); we implement full attention, "
-                       "so max_model_len is capped to the window", path, arch.sliding_window)
-    return arch
+    return ModelArchConfig.from_hf_config(hf_config)
 
 
 def _build(arch: ModelArchConfig, weights: Iterator[tuple[str, torch.Tensor]],
-           dtype: torch.dtype, device: torch.device, path: str, storage: str,
+           dtype: torch.dtype, device: torch.device, path: str, storage: str, hooks: ModelHooks,
            q4_1_blocks: Iterator[tuple[str, torch.Tensor]] | None = None) -> LlamaForCausalLM:
-    """The model in `storage`: loaded from `weights` (in the activations' dtype), then
-    converted, or given a GGUF's own Q4_1 blocks (`q4_1_blocks`, storage "gguf")."""
+    """The model in `storage`, built with `hooks`: loaded from `weights` (in the activations'
+    dtype), then converted, or given a GGUF's own Q4_1 blocks (`q4_1_blocks`, storage
+    "gguf")."""
     compute = activation_dtype(dtype, device)
-    model = LlamaForCausalLM(arch, compute, device)
+    model = LlamaForCausalLM(arch, compute, device, linear_factory=hooks.linear_factory,
+                             lora_source=hooks.lora_source)
     try:
         model.load_weights(weights)
         if q4_1_blocks is not None:
@@ -168,7 +180,7 @@ def _build(arch: ModelArchConfig, weights: Iterator[tuple[str, torch.Tensor]],
 
 
 def _load_hf_dir(path: str, dtype: torch.dtype, device: torch.device, storage: str,
-                 tokenizer_path: str) -> LoadedModel:
+                 tokenizer_path: str, hooks: ModelHooks) -> LoadedModel:
     from transformers import AutoConfig
 
     try:
@@ -178,7 +190,7 @@ def _load_hf_dir(path: str, dtype: torch.dtype, device: torch.device, storage: s
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}") from e
     arch = _arch_config(hf_config, path)
     files = safetensors_files(path)
-    model = _build(arch, _iter_safetensors(files), dtype, device, path, storage)
+    model = _build(arch, _iter_safetensors(files), dtype, device, path, storage, hooks)
     tokenizer = _load_tokenizer(tokenizer_path)
     return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, model_path=path,
                        hf_config=hf_config, max_model_len=arch.max_model_len)
@@ -213,7 +225,7 @@ def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, storage: str,
-               tokenizer_path: str) -> LoadedModel:
+               tokenizer_path: str, hooks: ModelHooks) -> LoadedModel:
     from aioengine.model import gguf_loader
 
     try:
@@ -227,7 +239,7 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, storage: str
     blocks = (gguf_loader.iter_gguf_q4_1_blocks(reader, arch.num_attention_heads,
                                                 arch.num_key_value_heads)
               if storage == "gguf" else None)
-    model = _build(arch, weights, dtype, device, path, storage, blocks)
+    model = _build(arch, weights, dtype, device, path, storage, hooks, blocks)
     factors = gguf_loader.rope_freq_factors(reader)
     if factors is not None:
         model.set_rope_freq_factors(factors)

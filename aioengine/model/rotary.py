@@ -1,6 +1,6 @@
 """Rotary position embedding (neox style) for the Llama family: inverse frequencies with
 llama3 scaling, a cos/sin table indexed by position, and the per-step rotation every layer
-applies to its q and k heads (the C kernel in place on the CPU, torch ops otherwise)."""
+applies to its q and k heads (the device ops' kernel in place, torch ops otherwise)."""
 from __future__ import annotations
 
 import math
@@ -8,8 +8,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from aioengine.kernels import cpu as cpu_kernels
 from aioengine.model.arch import ModelArchConfig
+from aioengine.model.ops import TorchOps
 
 
 def rope_inv_freq(arch: ModelArchConfig) -> Tensor:
@@ -56,14 +56,14 @@ class RotaryEmbedding(nn.Module):
 class RopeStep:
     """One step's rotary embedding, applied by every layer to its q and k heads."""
 
-    def __init__(self, rotary: RotaryEmbedding, positions: Tensor) -> None:
-        self.rotary, self.positions = rotary, positions
+    def __init__(self, rotary: RotaryEmbedding, positions: Tensor, ops: TorchOps) -> None:
+        self.rotary, self.positions, self.ops = rotary, positions, ops
         self._cos_sin: tuple[Tensor, Tensor] | None = None
 
     def __call__(self, x: Tensor) -> Tensor:
-        """x [T, H, D] rotated: in place by the C kernel where it applies (CPU, float32),
-        else a new tensor from the torch ops (cos/sin looked up once per step)."""
-        if cpu_kernels.rotary_embedding(x, self.positions, self.rotary.cos, self.rotary.sin):
+        """x [T, H, D] rotated: in place by the ops' kernel where it applies, else a new
+        tensor from the torch ops (cos/sin looked up once per step)."""
+        if self.ops.rotary_inplace(x, self.positions, self.rotary.cos, self.rotary.sin):
             return x
         if self._cos_sin is None:
             self._cos_sin = self.rotary.lookup(self.positions)

@@ -58,7 +58,10 @@ class TritonAttentionBackend(AttentionBackend):
                                               meta.max_decode_seq_len, self.num_sms)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor,
-                meta: AttentionMetadata, scale: float) -> Tensor:
+                meta: AttentionMetadata, scale: float,
+                sliding_window: int | None = None) -> Tensor:
+        # Not in SUPPORTED_FEATURES: the model caps max_model_len at its window instead,
+        # within which full attention is the windowed one.
         num_tokens = meta.num_actual_tokens
         # Every K/V of the step lands before any row attends (a request may read blocks
         # another request wrote in this very step).

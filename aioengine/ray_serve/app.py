@@ -14,9 +14,12 @@ from ray import serve
 from ray.serve import Application
 
 import aioengine
+from aioengine.config import engine_kwargs
 from aioengine.ray_serve.deployments import (EngineReplica, EngineReplicaConfig, IngressConfig,
                                              OpenAIIngress)
 from aioengine.ray_serve.options import RayServeOptions, options_from_args
+from aioengine.serve_args import (lora_engine_kwargs, parse_serve_args, serve_model,
+                                  served_names, server_config_from_args)
 
 logger = logging.getLogger("aioengine.ray_serve")
 
@@ -43,20 +46,10 @@ def build_application(replica: EngineReplicaConfig, options: RayServeOptions) ->
     return ingress.bind(engine.bind(replica), config)
 
 
-def served_names(args: argparse.Namespace) -> tuple[str, ...]:
-    from aioengine.cli import default_model_name
-
-    model = args.model_positional or args.model
-    return tuple(args.served_model_name or [default_model_name(model)])
-
-
 def application_from_args(args: argparse.Namespace) -> Application:
     """The application for parsed `aioengine serve` arguments: each replica gets the same
     engine and server settings `aioengine serve` would use."""
-    from aioengine.cli import lora_engine_kwargs, server_config_from_args
-    from aioengine.config import engine_kwargs
-
-    replica = EngineReplicaConfig(args.model_positional or args.model, served_names(args),
+    replica = EngineReplicaConfig(serve_model(args), served_names(args),
                                   {**engine_kwargs(args), **lora_engine_kwargs(args)},
                                   server_config_from_args(args))
     return build_application(replica, options_from_args(args))
@@ -66,8 +59,6 @@ def build_app(cli_args: dict[str, object]) -> Application:
     """`serve run aioengine.ray_serve:build_app ray-replicas=2 max-model-len=4096 ...` (or
     a Serve config file's `import_path` and `args`): each key is an `aioengine serve` flag
     without its dashes ("model" is the model), "true" turns a switch on."""
-    from aioengine.cli import parse_serve_args
-
     return application_from_args(parse_serve_args(serve_argv(cli_args)))
 
 

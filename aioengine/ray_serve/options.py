@@ -1,5 +1,6 @@
-"""The --ray-* flags of `aioengine serve` and what they set (RayServeOptions); importing
-this module does not import Ray (`aioengine serve --help` works without the extra)."""
+"""The --ray-* flags of `aioengine serve`, generated from what they set (RayServeOptions);
+importing this module does not import Ray (`aioengine serve --help` works without the
+extra)."""
 from __future__ import annotations
 
 import argparse
@@ -7,12 +8,16 @@ import math
 import os
 from dataclasses import dataclass
 
+from aioengine.config import FlagSpec, add_dataclass_flags, flag, flag_values
 from aioengine.ray_serve.prefix import DEFAULT_BLOCK_CHARS
 
 ROUTERS = ("prefix", "pow2")
 # The affine replica is passed over when its queue is longer than the shorter of two
 # others by more than this.
 DEFAULT_MAX_IMBALANCE = 8
+# By its import path (Ray's own form of it), so that this module does not import the
+# router, which imports Ray and this module's DEFAULT_MAX_IMBALANCE.
+PREFIX_ROUTER_PATH = "aioengine.ray_serve.router.PrefixAffinityRouter"
 
 
 @dataclass(frozen=True)
@@ -78,66 +83,77 @@ class RayServeOptions:
         if self.router == "prefix":
             from ray.serve.config import RequestRouterConfig
 
-            from aioengine.ray_serve.router import PrefixAffinityRouter
-
             options["request_router_config"] = RequestRouterConfig(
-                request_router_class=PrefixAffinityRouter,
+                request_router_class=PREFIX_ROUTER_PATH,
                 request_router_kwargs={"max_imbalance": self.max_imbalance})
         return options
 
 
+# RayServeOptions field -> its --ray-* flag (dest: the Namespace attribute it has always
+# had). --ray-replicas defaults to None, not num_replicas' 1: given at all, it moves
+# `aioengine serve` onto Ray Serve.
+RAY_FLAGS: dict[str, FlagSpec] = {
+    "num_replicas": flag(
+        "--ray-replicas", dest="ray_replicas", type=int, default=None, metavar="N",
+        help="serve N engine replicas on Ray Serve behind Ray's HTTP proxy on --host/--port "
+             "(a local Ray, or the cluster at $RAY_ADDRESS); with autoscaling, the initial "
+             "count"),
+    "min_replicas": flag("--ray-min-replicas", dest="ray_min_replicas", type=int, metavar="N",
+                         help="autoscale: at least N replicas"),
+    "max_replicas": flag("--ray-max-replicas", dest="ray_max_replicas", type=int, metavar="N",
+                         help="autoscale: at most N replicas"),
+    "target_ongoing_requests": flag(
+        "--ray-target-ongoing-requests", dest="ray_target_ongoing_requests", type=float,
+        metavar="R", help="autoscale toward R ongoing requests per replica (Ray's default: 2)"),
+    "replica_cpus": flag(
+        "--ray-replica-cpus", dest="ray_replica_cpus", type=float, metavar="C",
+        help="Ray CPUs per replica, and its torch threads unless AIOENGINE_CPU_THREADS is set "
+             "(default: %(default)s)"),
+    "max_ongoing_requests": flag(
+        "--ray-max-ongoing-requests", dest="ray_max_ongoing_requests", type=int, metavar="N",
+        help="requests a replica takes at once (default: %(default)s)"),
+    "router": flag(
+        "--ray-router", dest="ray_router", choices=ROUTERS,
+        help="prefix: prefix-cache affinity, then power of two choices; pow2: Ray's default "
+             "router (default: %(default)s)"),
+    "max_imbalance": flag(
+        "--ray-max-imbalance", dest="ray_max_imbalance", type=int, metavar="N",
+        help="the affine replica is passed over when its queue is longer than the other's by "
+             "more (default: %(default)s)"),
+    "prefix_block_chars": flag(
+        "--ray-prefix-block-chars", dest="ray_prefix_block_chars", type=int, metavar="N",
+        help="prompt bytes per routing block (default: %(default)s)"),
+    "max_adapters_per_replica": flag(
+        "--ray-max-adapters-per-replica", dest="ray_max_adapters_per_replica", type=int,
+        metavar="K",
+        help="load the --lora-modules adapters on demand through Ray Serve's model "
+             "multiplexing, at most K per replica (least recently used evicted), and route "
+             "each adapter's requests to replicas that hold it; 0: every replica loads them "
+             "all at start-up (default: %(default)s)"),
+    "metrics_export_port": flag(
+        "--ray-metrics-export-port", dest="ray_metrics_export_port", type=int, metavar="PORT",
+        help="the port of Ray's Prometheus export, where every replica's engine metrics "
+             "appear (a Ray started here; default: Ray's)"),
+    "health_check_period_s": flag(
+        "--ray-health-check-period", dest="ray_health_check_period", type=float, metavar="S",
+        help="seconds between replica health checks (default: %(default)s)"),
+    "graceful_shutdown_timeout_s": flag(
+        "--ray-graceful-shutdown-timeout", dest="ray_graceful_shutdown_timeout", type=float,
+        metavar="S",
+        help="seconds a stopping replica's requests may run before Ray kills it (streams "
+             "still running then end with an error event; default: %(default)s)"),
+}
+
+
 def add_ray_args(parser: argparse.ArgumentParser) -> None:
     """The --ray-* flags of `aioengine serve`."""
-    g = parser.add_argument_group("Ray Serve scale-out (pip install 'aioengine[ray]')")
-    g.add_argument("--ray-replicas", type=int, default=None, metavar="N",
-                   help="serve N engine replicas on Ray Serve behind Ray's HTTP proxy on "
-                        "--host/--port (a local Ray, or the cluster at $RAY_ADDRESS); "
-                        "with autoscaling, the initial count")
-    g.add_argument("--ray-min-replicas", type=int, default=None, metavar="N",
-                   help="autoscale: at least N replicas")
-    g.add_argument("--ray-max-replicas", type=int, default=None, metavar="N",
-                   help="autoscale: at most N replicas")
-    g.add_argument("--ray-target-ongoing-requests", type=float, default=None, metavar="R",
-                   help="autoscale toward R ongoing requests per replica (Ray's default: 2)")
-    g.add_argument("--ray-replica-cpus", type=float, default=1.0, metavar="C",
-                   help="Ray CPUs per replica, and its torch threads unless "
-                        "AIOENGINE_CPU_THREADS is set (default: %(default)s)")
-    g.add_argument("--ray-max-ongoing-requests", type=int, default=256, metavar="N",
-                   help="requests a replica takes at once (default: %(default)s)")
-    g.add_argument("--ray-router", choices=ROUTERS, default="prefix",
-                   help="prefix: prefix-cache affinity, then power of two choices; pow2: "
-                        "Ray's default router (default: %(default)s)")
-    g.add_argument("--ray-max-imbalance", type=int, default=DEFAULT_MAX_IMBALANCE,
-                   metavar="N", help="the affine replica is passed over when its queue is "
-                                     "longer than the other's by more (default: %(default)s)")
-    g.add_argument("--ray-prefix-block-chars", type=int, default=DEFAULT_BLOCK_CHARS,
-                   metavar="N", help="prompt bytes per routing block (default: %(default)s)")
-    g.add_argument("--ray-max-adapters-per-replica", type=int, default=0, metavar="K",
-                   help="load the --lora-modules adapters on demand through Ray Serve's model "
-                        "multiplexing, at most K per replica (least recently used evicted), "
-                        "and route each adapter's requests to replicas that hold it; 0: every "
-                        "replica loads them all at start-up (default: %(default)s)")
-    g.add_argument("--ray-metrics-export-port", type=int, default=None, metavar="PORT",
-                   help="the port of Ray's Prometheus export, where every replica's engine "
-                        "metrics appear (a Ray started here; default: Ray's)")
-    g.add_argument("--ray-health-check-period", type=float, default=2.0, metavar="S",
-                   help="seconds between replica health checks (default: %(default)s)")
-    g.add_argument("--ray-graceful-shutdown-timeout", type=float, default=20.0, metavar="S",
-                   help="seconds a stopping replica's requests may run before Ray kills it "
-                        "(streams still running then end with an error event; default: "
-                        "%(default)s)")
+    add_dataclass_flags(
+        parser.add_argument_group("Ray Serve scale-out (pip install 'aioengine[ray]')"),
+        RayServeOptions, RAY_FLAGS)
 
 
 def options_from_args(args: argparse.Namespace) -> RayServeOptions:
-    return RayServeOptions(num_replicas=args.ray_replicas or 1,
-                           min_replicas=args.ray_min_replicas,
-                           max_replicas=args.ray_max_replicas,
-                           target_ongoing_requests=args.ray_target_ongoing_requests,
-                           replica_cpus=args.ray_replica_cpus,
-                           max_ongoing_requests=args.ray_max_ongoing_requests,
-                           router=args.ray_router, max_imbalance=args.ray_max_imbalance,
-                           prefix_block_chars=args.ray_prefix_block_chars,
-                           health_check_period_s=args.ray_health_check_period,
-                           graceful_shutdown_timeout_s=args.ray_graceful_shutdown_timeout,
-                           max_adapters_per_replica=args.ray_max_adapters_per_replica,
-                           metrics_export_port=args.ray_metrics_export_port)
+    """The RayServeOptions of parsed `serve` arguments (no --ray-replicas: one replica)."""
+    values = flag_values(args, RAY_FLAGS)
+    values["num_replicas"] = values["num_replicas"] or RayServeOptions.num_replicas
+    return RayServeOptions(**values)

@@ -16,7 +16,6 @@ import hmac
 import logging
 import signal
 import socket
-from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from aiohttp import web
@@ -31,14 +30,14 @@ from aioengine.server.protocol import (ApiError, error_body, get_bool, get_int, 
 from aioengine.server.serving_chat import ChatHandler, render_messages
 from aioengine.server.serving_completions import CompletionsHandler
 from aioengine.server.serving_engine import ServingContext, json_response, not_found_body
-from aioengine.server.serving_models import LoRAModulePath, ServingModels
+from aioengine.server.serving_models import ServingModels
 from aioengine.server.serving_responses import ResponsesHandler
+from aioengine.server.server_config import ServerConfig
 from aioengine.server.tools import ToolServingConfig, chat_tool_plan
 from aioengine.tokenizer_utils import encode_prompt
 
 logger = logging.getLogger("aioengine.server")
 
-DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 # A body over the limit is still read (and dropped) up to this much more, so that the client
 # finishes sending and sees the 413 rather than a reset connection.
 _DRAIN_BYTES = 64 << 20
@@ -48,32 +47,6 @@ _STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 JsonHandler = Callable[[web.Request, dict], Awaitable[web.StreamResponse]]
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
-    # Seconds to wait for open connections after in-flight requests were aborted.
-    shutdown_timeout: float = 5.0
-    # Adapters loaded before serving (--lora-modules); the load/unload routes
-    # (--allow-runtime-lora-updating).
-    lora_modules: tuple[LoRAModulePath, ...] = ()
-    allow_runtime_lora_updating: bool = False
-    # Ray Serve model multiplexing: lora_modules are listed, not loaded; each replica loads
-    # one when a request names it (aioengine/ray_serve/adapters.py).
-    load_lora_modules_on_demand: bool = False
-    # Tool calling (vLLM's flags), the chat template override, the Responses API's store.
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    chat_template: str | None = None
-    max_stored_responses: int = 1024
-    response_id_tag: str = ""  # in every response id (a Ray Serve replica's id)
-    # Overload: beyond this many waiting requests new ones get 503 + Retry-After (SGLang's
-    # --max-queued-requests); None = unlimited.
-    max_queued_requests: int | None = None
 
 
 @web.middleware
@@ -176,7 +149,7 @@ class OpenAIServer:
     async def version(self, request: web.Request) -> web.Response:
         # The dtype choice and the CPU it was based on (dtype="auto" depends on the machine).
         return json_response({"version": aioengine.__version__,
-                              **self.ctx.engine.core.dtype_info()})
+                              **self.ctx.engine.dtype_info()})
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.ctx.engine.metrics.render(),
@@ -186,7 +159,7 @@ class OpenAIServer:
         """The base model under each served name, then each LoRA adapter (vLLM's cards:
         `root` its path, `parent` the served name of its base model)."""
         ctx = self.ctx
-        info = ctx.engine.core.dtype_info()
+        info = ctx.engine.dtype_info()
 
         def card(name: str, root: str, parent: str | None) -> dict:
             return {"id": name, "object": "model", "created": ctx.created,
@@ -195,7 +168,7 @@ class OpenAIServer:
                     "quantization": info["quantization"],
                     "kv_cache_dtype": info["kv_cache_dtype"], "permission": []}
 
-        root = ctx.engine.core.loaded.model_path
+        root = ctx.engine.model_path
         data = [card(name, root, None) for name in ctx.served_model_names]
         data += [card(lora.lora_name, lora.lora_path, parent)
                  for lora, parent in ctx.models.lora_cards()]
@@ -242,7 +215,7 @@ class OpenAIServer:
         if tokens is None:
             raise ApiError(400, "tokens (a list of token ids) is required", "tokens")
         try:
-            self.ctx.engine.core.check_token_ids(tokens, "tokens")
+            self.ctx.engine.check_token_ids(tokens, "tokens")
         except InvalidRequestError as e:
             raise ApiError.invalid(e) from None
         return json_response({"prompt": self.ctx.engine.tokenizer.decode(tokens)})

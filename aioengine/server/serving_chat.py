@@ -93,13 +93,12 @@ class ChatHandler:
             raise ApiError(400, "messages is required", "messages")
         prompt_ids = render_messages(ctx, body["messages"], plan,
                                      bool(get_bool(body, "add_generation_prompt", True)))
-        per_prompt = ctx.validate([prompt_ids], params, prompt_param="messages")
-        ctx.check_running()
-        await ctx.compile_structured(params, body, "tools" if plan else None)
+        prepared = await ctx.prepare([prompt_ids], params, lora_request, body,
+                                     prompt_param="messages",
+                                     grammar_param="tools" if plan else None)
         call = _ChatCall(random_id("chatcmpl"), model, params.n, params.logprobs, len(prompt_ids),
                          plan)
-        outputs = merged_outputs(ctx.engine, [prompt_ids], per_prompt, call.id, priority,
-                                 lora_request)
+        outputs = merged_outputs(ctx.engine, prepared, call.id, priority)
         if stream.stream:
             return await call.stream(request, outputs, stream.include_usage)
         return await call.collect(outputs)

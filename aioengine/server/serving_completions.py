@@ -68,15 +68,12 @@ class CompletionsHandler:
         stream = get_stream(body)
         params, echo = completion_sampling_params(body)
         priority = get_priority(body)
-        encoded = [ctx.encode(p, need_text=echo) for p in parse_completion_prompts(body)]
-        prompt_ids = [ids for _, ids in encoded]
-        per_prompt = ctx.validate(prompt_ids, params)
-        ctx.check_running()
-        await ctx.compile_structured(params, body)
+        prompts = parse_completion_prompts(body)
+        prompt_ids = [ctx.encode(p) for p in prompts]
+        prepared = await ctx.prepare(prompt_ids, params, lora_request, body)
         call = _Call(ctx, random_id("cmpl"), model, params.n, echo, params.logprobs,
-                     [text for text, _ in encoded], prompt_ids)
-        outputs = merged_outputs(ctx.engine, prompt_ids, per_prompt, call.id, priority,
-                                 lora_request)
+                     [ctx.prompt_text(p, need_text=echo) for p in prompts], prompt_ids)
+        outputs = merged_outputs(ctx.engine, prepared, call.id, priority)
         if stream.stream:
             return await call.stream(request, outputs, stream.include_usage)
         return await call.collect(outputs)

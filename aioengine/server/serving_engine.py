@@ -1,9 +1,9 @@
-"""What the completions and chat handlers share: the served model, prompt validation,
-one engine request per prompt with their outputs merged, usage, and SSE framing."""
+"""What the completions and chat handlers share: the served model, requests prepared by
+the engine (validated once, with the server's error mapping), one engine request per
+prompt with their outputs merged, usage, and SSE framing."""
 from __future__ import annotations
 
 import asyncio
-import copy
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -15,6 +15,7 @@ import orjson
 from aiohttp import web
 
 from aioengine.engine.async_engine import AsyncEngine
+from aioengine.engine.client import PreparedRequest
 from aioengine.errors import EngineDeadError, InvalidRequestError, NotFoundError
 from aioengine.lora.request import LoRARequest
 from aioengine.outputs import CompletionOutput, RequestOutput
@@ -22,6 +23,7 @@ from aioengine.sampling_params import SamplingParams
 from aioengine.server.protocol import ApiError, error_body, structured_outputs_field
 from aioengine.server.serving_models import ServingModels
 from aioengine.server.tools import ToolServingConfig
+from aioengine.structured import GrammarCompileError
 from aioengine.tokenizer_utils import encode_prompt
 
 # (prompt index, output) of every engine request of one API call, as they come.
@@ -63,7 +65,7 @@ class ServingContext:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.core.max_model_len
+        return self.engine.max_model_len
 
     def resolve_model(self, body: dict) -> tuple[str, LoRARequest | None]:
         """The model a request names (absent = the first served name) and its LoRA adapter
@@ -85,62 +87,45 @@ class ServingContext:
                            "waiting; retry later", type="service_unavailable_error",
                            code="overloaded", headers={"Retry-After": "1"})
 
-    def encode(self, prompt: str | list[int], need_text: bool) -> tuple[str, list[int]]:
-        """(prompt text, token ids) of a completions prompt; the text of token ids is only
-        decoded when `need_text` (echo)."""
-        tokenizer = self.engine.tokenizer
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """The token ids of a completions prompt (checked by `prepare`, not here)."""
         if isinstance(prompt, str):
-            return prompt, encode_prompt(tokenizer, prompt)
+            return encode_prompt(self.engine.tokenizer, prompt)
+        return list(prompt)
+
+    def prompt_text(self, prompt: str | list[int], need_text: bool) -> str:
+        """A completions prompt's text; that of token ids (prepared: in the vocabulary) is
+        only decoded when `need_text` (echo)."""
+        if isinstance(prompt, str):
+            return prompt
+        return (self.engine.tokenizer.decode(prompt, skip_special_tokens=False)
+                if need_text else "")
+
+    async def prepare(self, prompts: list[list[int]], params: SamplingParams,
+                      lora_request: LoRARequest | None, body: dict,
+                      prompt_param: str = "prompt",
+                      grammar_param: str | None = None) -> list[PreparedRequest]:
+        """One engine request per prompt, prepared once by the engine: each validated
+        against its prompt with its own params (max_tokens unset: what fits the KV cache,
+        `default_max_tokens`), the adapter resolved, then `check_running` (503s only for
+        valid requests), then the grammar compiled (thread pool, cached) before any
+        response starts, so an invalid schema, regex or grammar is a 400, never a failed
+        stream. `grammar_param` names the field the constraint came from (default: the
+        structured-output field)."""
         try:
-            self.engine.core.check_token_ids(prompt, "prompt")
-        except InvalidRequestError as e:
-            raise ApiError.invalid(e) from None
-        text = tokenizer.decode(prompt, skip_special_tokens=False) if need_text else ""
-        return text, list(prompt)
-
-    def default_max_tokens(self, num_prompt: int, n: int) -> int:
-        """'Up to the context', capped so that n samples fit in the KV cache together (the
-        engine rejects a request that could never fit)."""
-        core = self.engine.core
-        block_size = core.args.block_size
-        fits = (core.kv_cache_manager.num_blocks // n) * block_size - num_prompt
-        return max(1, min(self.max_model_len - num_prompt, fits))
-
-    def validate(self, prompts: list[list[int]], params: SamplingParams,
-                 prompt_param: str = "prompt") -> list[SamplingParams]:
-        """One SamplingParams per prompt, each validated by the engine against its prompt
-        (the engine resolves max_tokens per prompt, so they must not share one object)."""
-        out = []
-        for token_ids in prompts:
-            p = copy.copy(params)
-            if p.max_tokens is None:
-                p.max_tokens = self.default_max_tokens(len(token_ids), p.n)
-            try:
-                self.engine.core.validate_prompt(token_ids, p)
-            except InvalidRequestError as e:
-                raise ApiError.invalid(e, prompt_param if e.param == "prompt" else None) from None
-            out.append(p)
-        return out
-
-    async def compile_structured(self, params: SamplingParams, body: dict,
-                                 param: str | None = None) -> None:
-        """Compiles the request's grammar (thread pool, cached) before any response starts,
-        so an invalid schema, regex or grammar is a 400, never a failed stream. `param`
-        names the field the constraint came from (default: the structured-output field)."""
-        if params.structured_outputs is None:
-            return
-        try:
-            await self.engine.core.structured.compile_async(params.structured_outputs)
-        except InvalidRequestError as e:
-            raise ApiError(400, str(e), param or structured_outputs_field(body)
+            return await self.engine.prepare_batch(prompts, params, lora_request,
+                                                   fit_kv_cache=True, admit=self.check_running)
+        except GrammarCompileError as e:
+            raise ApiError(400, str(e), grammar_param or structured_outputs_field(body)
                            or e.param) from None
+        except InvalidRequestError as e:
+            raise ApiError.invalid(e, prompt_param if e.param == "prompt" else None) from None
 
 
-async def merged_outputs(engine: AsyncEngine, prompts: list[list[int]],
-                         params: list[SamplingParams], request_id: str,
-                         priority: int = 0,
-                         lora_request: LoRARequest | None = None) -> Outputs:
-    """Runs one engine request per prompt and yields (prompt index, output) as each comes.
+async def merged_outputs(engine: AsyncEngine, prepared: list[PreparedRequest],
+                         request_id: str, priority: int = 0) -> Outputs:
+    """Runs the prepared requests (one per prompt) and yields (prompt index, output) as
+    each comes.
 
     Use under `contextlib.aclosing`: closing (a disconnect cancels the handler) cancels the
     pumps, and each `engine.generate` aborts its request and frees its KV blocks at once.
@@ -149,13 +134,13 @@ async def merged_outputs(engine: AsyncEngine, prompts: list[list[int]],
 
     async def pump(i: int) -> None:
         try:
-            async for out in engine.generate(prompts[i], params[i], f"{request_id}-{i}",
-                                             priority, lora_request):
+            async for out in engine.generate(prepared[i], request_id=f"{request_id}-{i}",
+                                             priority=priority):
                 merged.put_nowait((i, out))
         except Exception as e:  # noqa: BLE001 - handed to the consumer
             merged.put_nowait((i, e))
 
-    tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(prepared))]
     remaining = len(tasks)
     try:
         while remaining:

@@ -189,15 +189,14 @@ class ResponsesHandler:
         apply_tool_plan(plan, params, "text")
         system = [{"role": "system", "content": instructions}] if instructions else []
         prompt_ids = render_messages(ctx, system + messages, plan, param="input")
-        per_prompt = ctx.validate([prompt_ids], params, prompt_param="input")
-        ctx.check_running()
-        await ctx.compile_structured(params, body, "tools" if plan else "text")
+        prepared = await ctx.prepare([prompt_ids], params, lora_request, body,
+                                     prompt_param="input",
+                                     grammar_param="tools" if plan else "text")
         state = ResponseState(new_response_id(self.id_tag), model,
                               _echo(body, instructions, params, plan))
         stored = StoredResponse(state, messages)
         run = ResponseBuilder(state, plan)
-        outputs = merged_outputs(ctx.engine, [prompt_ids], per_prompt, state.id,
-                                 get_priority(body), lora_request)
+        outputs = merged_outputs(ctx.engine, prepared, state.id, get_priority(body))
         usage = UsageTracker([len(prompt_ids)])
         if store:
             self.store.put(stored)

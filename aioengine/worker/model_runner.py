@@ -21,12 +21,12 @@ sampling, the proposer (if any) drafts the next step's tokens.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from aioengine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from aioengine.lora.manager import LoRAManager
+from aioengine.engine.features import EngineFeature
 from aioengine.model.attention import build_attention_metadata, copy_blocks, to_device
 from aioengine.model.llama import make_kv_caches
 from aioengine.model.loader import LoadedModel
@@ -50,11 +50,12 @@ _PlainSample = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tenso
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
                  device: torch.device, kv_cache_dtype: torch.dtype, seed: int = 0,
-                 proposer: Proposer | None = None, lora: LoRAManager | None = None,
+                 proposer: Proposer | None = None, features: Sequence[EngineFeature] = (),
                  async_output: bool | None = None) -> None:
         self.model = loaded.model
-        # Multi-LoRA: puts each step's adapters in slots and sets every token's slot.
-        self.lora = lora
+        # The engine's features, around each forward (begin_execute / end_execute): LoRA
+        # puts the step's adapters in slots and sets every token's slot.
+        self.features = tuple(features)
         # Speculative decoding: drafts the next step's tokens after sampling (None = off).
         self.proposer = proposer
         self.arch = loaded.arch
@@ -88,17 +89,18 @@ class ModelRunner:
                       ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         """`before_layers()` runs once the inputs are ready, right before the model's
         layers (after the embedding lookup: LlamaForCausalLM.forward calls it)."""
-        if self.lora is not None:
-            self.lora.prepare_step([(s.request.lora_request, s.num_new_tokens)
-                                    for s in scheduler_output.scheduled])
+        begun: list[EngineFeature] = []
         try:
+            for feature in self.features:
+                feature.begin_execute(scheduler_output)
+                begun.append(feature)
             if self.stream is None:
                 return self._execute(scheduler_output, before_layers)
             with torch.cuda.stream(self.stream):
                 return self._execute(scheduler_output, before_layers)
         finally:
-            if self.lora is not None:
-                self.lora.end_step()
+            for feature in reversed(begun):
+                feature.end_execute(scheduler_output)
 
     @torch.inference_mode()
     def _execute(self, scheduler_output: SchedulerOutput,
@@ -120,15 +122,17 @@ class ModelRunner:
         prepared = time.perf_counter()
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(attn_metadata):
             hidden = self.cuda_graphs.run(input_ids, positions, attn_metadata, before_layers)
+            executor = "cuda_graph"
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata,
                                 before_layers=before_layers)
+            executor = self.model.last_executor
         aux_hidden = None
         if isinstance(hidden, tuple):  # the model hands out auxiliary layers' hidden states
             hidden, aux_hidden = hidden
         forwarded = time.perf_counter()
 
-        output = ModelRunnerOutput(sampled_token_ids={})
+        output = ModelRunnerOutput(sampled_token_ids={}, executor=executor)
         self._sample(scheduled, hidden, item_starts, output, scheduler_output.grammar_bitmask)
         self._prompt_logprobs(scheduled, hidden, item_starts, output)
         sampled = time.perf_counter()

@@ -123,7 +123,7 @@ def build_data(args: argparse.Namespace, data_dir: str) -> None:
     from aioengine.spec_decode.train.prompts import TOPICS, split_prompts
 
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=args.seed)
-    arch = llm.core.loaded.arch
+    arch = llm.model_arch
     aux = _aux_layers(args.aux_layers) or default_aux_layer_ids(arch.num_hidden_layers)
     os.makedirs(data_dir, exist_ok=True)
     prompts_file = os.path.join(data_dir, "prompts.json")
@@ -152,8 +152,8 @@ def build_data(args: argparse.Namespace, data_dir: str) -> None:
 
     base = dict(temperature=args.temperature, num_sampled=args.num_sampled,
                 max_tokens=args.max_tokens, seed=args.seed)
-    meta = {"model": llm.core.loaded.model_path, "aux_layers": list(aux),
-            "dtype": str(llm.core.dtype), "num_train_prompts": len(train_prompts),
+    meta = {"model": llm.model_path, "aux_layers": list(aux),
+            "dtype": str(llm.dtype), "num_train_prompts": len(train_prompts),
             "num_heldout_prompts": len(held_out), **base}
     write_meta(data_dir, meta)  # before the shards: a stopped run's shards are usable
     held_stats = generate_data(llm, held_out, aux, DataConfig(

@@ -111,7 +111,7 @@ def generate_data(llm, prompts: list[str], aux_layers: tuple[int, ...], cfg: Dat
     from aioengine.sampling_params import SamplingParams
 
     os.makedirs(cfg.out_dir, exist_ok=True)
-    model = llm.core.loaded.model
+    model = llm.model
     greedy = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens)
     stats = {"generated_tokens": 0, "generate_s": 0.0, "recorded_tokens": 0, "record_s": 0.0}
     num_shards = -(-len(prompts) // cfg.shard_prompts)

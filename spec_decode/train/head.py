@@ -1,7 +1,8 @@
 """The EAGLE-3 head as a trainable torch module, with training-time test (TTT), and its
 export in the published EAGLE-3 format that `spec_decode.eagle.load_eagle_head` reads.
 
-The formulas are those of EagleHead (see spec_decode/eagle.py); here over a padded batch
+The formulas are those of EagleHead (see spec_decode/eagle.py), with the engine's reference
+math (aioengine.model.ops.TorchOps' RMSNorm, rotary.apply_rope); here over a padded batch
 [B, T] of whole sequences. Draft step j at origin t (the target's hidden state at t, the
 token at t + 1 + j, RoPE position t + j) predicts the token at t + 2 + j. Step 0 reads
 fc(aux states); step j > 0 reads step j - 1's own output hidden state at the same origin,
@@ -19,7 +20,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aioengine.model.arch import ModelArchConfig
-from aioengine.model.rotary import rope_inv_freq
+from aioengine.model.ops import TorchOps
+from aioengine.model.rotary import apply_rope, rope_inv_freq
+
+_REF = TorchOps()  # differentiable: plain torch ops
 
 # Checkpoint name -> attribute, in the EAGLE-3 spelling (the layer is "midlayer.").
 _LINEARS = {"fc": "fc", "midlayer.self_attn.q_proj": "q_proj",
@@ -69,13 +73,11 @@ class TrainableEagle3(nn.Module):
         return self.lm_head.shape[0]
 
     def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
-        return F.rms_norm(x.float(), x.shape[-1:], weight, self.eps)
+        return _REF.rms_norm(x.float(), weight, self.eps)
 
     def _rope(self, x: Tensor, positions: Tensor) -> Tensor:
         """x [B, heads, T, D] rotated by positions [T] (neox halves, as RotaryEmbedding)."""
-        cos, sin = self.cos[positions], self.sin[positions]  # [T, D/2]
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return apply_rope(x.float(), self.cos[positions], self.sin[positions])  # cos [T, D/2]
 
     def _heads(self, x: Tensor, n: int) -> Tensor:
         b, t, _ = x.shape

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from aioengine import AsyncEngine, InvalidRequestError, SamplingParams
+from aioengine import LLM, AsyncEngine, InvalidRequestError, SamplingParams
 from aioengine.errors import EngineDeadError
 
 from tests.engine.conftest import assert_blocks_released
@@ -131,6 +131,59 @@ async def test_bad_input_raises_a_typed_error_and_queues_nothing(engine: AsyncEn
         await collect(engine, prompt, params)
     assert info.value.param == param
     assert_blocks_released(engine.core)
+
+
+async def test_a_prepared_request_is_validated_once_and_runs_as_prepared(
+        engine: AsyncEngine, tiny_prompts: list[list[int]], tiny_reference: list[list[int]],
+        monkeypatch) -> None:
+    """prepare() admits the request (validation, params copied and resolved); generate()
+    queues it without validating again, and gives the same tokens as a plain prompt."""
+    core = engine.core
+    validated = []
+    real = core.validate_prompt
+
+    def counting(token_ids, params):
+        validated.append(len(token_ids))
+        return real(token_ids, params)
+
+    monkeypatch.setattr(core, "validate_prompt", counting)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prepared = await engine.prepare(tiny_prompts[3], params)
+    assert validated == [len(tiny_prompts[3])] and engine.num_waiting_requests() == 0
+    assert prepared.sampling_params is not params and params.all_stop_token_ids == set()
+    assert prepared.prompt_token_ids == tiny_prompts[3] and prepared.lora_request is None
+    outs = await collect(engine, prepared, None)
+    assert [t for o in outs for t in o.outputs[0].token_ids] == tiny_reference[3]
+    assert validated == [len(tiny_prompts[3])]  # not again when it was queued
+    with pytest.raises(ValueError, match="carries its own"):
+        await collect(engine, prepared, params)
+    # fit_kv_cache: an unset max_tokens is what n samples fit in the cache, not the context
+    unset = SamplingParams(n=2, max_tokens=None)
+    fitted = await engine.prepare(tiny_prompts[0], unset, fit_kv_cache=True)
+    fits = (engine.num_kv_blocks // 2) * engine.block_size - 3
+    assert fitted.sampling_params.max_tokens == min(256 - 3, fits)
+    assert (await engine.prepare(tiny_prompts[0], unset)).sampling_params.max_tokens == 256 - 3
+    with pytest.raises(InvalidRequestError) as info:
+        await engine.prepare([], params)
+    assert info.value.param == "prompt" and engine.num_waiting_requests() == 0
+    assert_blocks_released(engine.core)
+
+
+def test_llm_runs_prepared_requests_and_plain_prompts_alike(
+        tiny_llama_dir: Path, tiny_prompts: list[list[int]],
+        tiny_reference: list[list[int]]) -> None:
+    llm = LLM(str(tiny_llama_dir), max_model_len=256, dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prepared = llm.prepare(tiny_prompts[1], params)
+    outs = llm.generate([prepared, tiny_prompts[2]], [None, params])
+    assert [o.outputs[0].token_ids for o in outs] == tiny_reference[1:3]
+    with pytest.raises(ValueError, match="carries its own"):
+        llm.generate(prepared, params)
+    with pytest.raises(InvalidRequestError) as info:
+        llm.prepare([49152], params)
+    assert info.value.param == "prompt"
+    assert llm.max_model_len == 256 and llm.stats()["num_running"] == 0
+    assert_blocks_released(llm.core)
 
 
 async def test_a_failing_forward_fails_its_requests_not_the_engine(

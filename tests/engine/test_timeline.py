@@ -34,5 +34,11 @@ async def test_timeline_records_every_step_with_its_phases(tiny_llama_dir: Path,
         assert summary["all"]["steps"] == len(records)
         assert set(summary["all"]) >= {f"{p}_ms" for p in PHASES} | {"overlap"}
         assert 0.0 <= summary["all"]["overlap"] <= 1.0
+        # The step profile names the executor: prefill chunks run layerwise, the small
+        # decode steps at the end (8 requests or fewer) in the fused C call.
+        assert all(r.executor == "layerwise" for r in records if r.kind != "decode")
+        assert records[-1].num_reqs <= 8 and records[-1].executor == "fused_cpu_decode"
+        assert 0.0 < summary["decode"]["fused_share"] <= 1.0
+        assert summary["prefill"]["fused_share"] == 0.0
     finally:
         await engine.shutdown()

@@ -82,3 +82,28 @@ def test_rotary_embedding_matches_the_engines_rope(dtype, device) -> None:
     rotary_embedding(positions, q, k, rotary.cos, rotary.sin)
     assert_close(qk, expected, dtype, fp32_tol=1e-6, fp16_tol=1e-3)
     assert torch.equal(qkv[:, 6 * 64:], v_before)  # v untouched
+
+
+def test_the_device_ops_agree(device) -> None:
+    """TritonOps (the CUDA model's), CpuOps and TorchOps (aioengine.model.ops) give one
+    answer for every op a layer calls through them."""
+    from aioengine.model.ops import CpuOps, TorchOps, TritonOps
+
+    x, r = randn(5, 96, dtype=torch.float32, device=device), randn(5, 96, dtype=torch.float32,
+                                                                    device=device, seed=1)
+    w = 1 + 0.2 * randn(96, dtype=torch.float32, device=device, seed=2)
+    gate_up = randn(4, 96, dtype=torch.float32, device=device, seed=3)
+    cos, sin = randn(20, 16, dtype=torch.float32, device=device, seed=4), randn(
+        20, 16, dtype=torch.float32, device=device, seed=5)
+    pos = torch.tensor([0, 19, 7], device=device)
+    results = []
+    for ops in (TorchOps(), CpuOps(), TritonOps()):
+        qk = randn(3, 5, 32, dtype=torch.float32, device=device, seed=6)
+        rotated = qk if ops.rotary_inplace(qk, pos, cos, sin) else apply_rope(
+            qk, cos[pos].unsqueeze(1), sin[pos].unsqueeze(1))
+        results.append((ops.rms_norm(x, w, 1e-6),
+                        *ops.fused_add_rms_norm(x.clone(), r.clone(), w, 1e-6),
+                        ops.silu_and_mul(gate_up), rotated))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert_close(a, b, torch.float32)

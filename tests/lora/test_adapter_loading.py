@@ -20,16 +20,19 @@ from tests.tiny_models import make_tiny_model_dir
 
 @pytest.fixture(scope="module")
 def manager(lora_model_dir: Path) -> LoRAManager:
-    model = load_model(str(lora_model_dir), torch.float32, torch.device("cpu")).model
-    return LoRAManager(model, LoRAConfig(max_loras=2, max_lora_rank=8))
+    cpu = torch.device("cpu")
+    manager = LoRAManager(LoRAConfig(max_loras=2, max_lora_rank=8), cpu, torch.float32)
+    load_model(str(lora_model_dir), torch.float32, cpu, linear_factory=manager.linear_factory,
+               lora_source=manager)
+    return manager
 
 
 def _refused(manager: LoRAManager, path: Path, error: type, match: str) -> None:
-    before = (manager.stats(), [r.lora_name for r in manager.list_loras()])
+    before = (manager.get_stats(), [r.lora_name for r in manager.list_loras()])
     with pytest.raises(error, match=match):
         manager.add(LoRARequest("bad", str(path)))
     assert manager.get("bad") is None
-    assert (manager.stats(), [r.lora_name for r in manager.list_loras()]) == before
+    assert (manager.get_stats(), [r.lora_name for r in manager.list_loras()]) == before
 
 
 def _peft(lora_model_dir, tmp_path, name, **kw) -> Path:
@@ -92,7 +95,7 @@ def test_loads_and_reports_memory(manager, lora_model_dir, tmp_path) -> None:
         q = 8 * arch.in_features + arch.slice_sizes[0] * 8
         down = manager.layers[0]["down_proj"]
         d = 8 * down.in_features + down.out_features * 8
-        assert manager.stats()["lora_cpu_bytes"] == 2 * (q + d) * 4
+        assert manager.get_stats()["lora_cpu_bytes"] == 2 * (q + d) * 4
     finally:
         manager.remove("ok")
 

@@ -77,8 +77,9 @@ def test_max_loras_per_step_and_cpu_lru(lora_model_dir: Path, adapter_dirs, lora
               max_cpu_loras=2, max_lora_rank=8)
     manager = llm.core.lora
     seen = []
-    real = manager.prepare_step
-    manager.prepare_step = lambda items: seen.append({x.lora_name for x, _ in items if x}) or real(items)
+    real = manager.assign_slots
+    manager.assign_slots = (lambda items: seen.append({x.lora_name for x, _ in items if x})
+                            or real(items))
     assigned = _assignments(list(adapter_dirs), len(lora_prompts) * 3)
     outs = llm.generate(lora_prompts * 3, GREEDY, _requests(adapter_dirs, assigned))
     for i, (a, out) in enumerate(zip(assigned, outs)):

@@ -41,8 +41,9 @@ def setup(request, tmp_path_factory):
 
 
 def _engine_model(model_dir, adapters):
-    model = load_model(str(model_dir), torch.float32, CPU).model
-    manager = LoRAManager(model, LoRAConfig(max_loras=3, max_lora_rank=8))
+    manager = LoRAManager(LoRAConfig(max_loras=3, max_lora_rank=8), CPU, torch.float32)
+    model = load_model(str(model_dir), torch.float32, CPU, linear_factory=manager.linear_factory,
+                       lora_source=manager).model
     loras = {name: manager.add(LoRARequest(name, str(path))) for name, path in adapters.items()}
     loras[None] = None
     return model, manager, loras
@@ -74,7 +75,7 @@ def test_mixed_batch_matches_peft(setup, kernels, monkeypatch):
     lens = [len(p) for p in prompts]
     with torch.inference_mode():
         meta, pos = build_attention_metadata(lens, lens, tables, BLOCK, CPU)
-        manager.prepare_step([(loras[n], len(p)) for n, p in zip(names, prompts)])
+        manager.assign_slots([(loras[n], len(p)) for n, p in zip(names, prompts)])
         hidden = model(torch.tensor([t for p in prompts for t in p]), pos, caches, meta)
         logits = model.compute_logits(hidden)
         manager.end_step()
@@ -94,7 +95,7 @@ def test_mixed_batch_matches_peft(setup, kernels, monkeypatch):
         with torch.inference_mode():
             meta, pos = build_attention_metadata([1] * len(prompts), [n + 1 for n in lens],
                                                  tables, BLOCK, CPU)
-            manager.prepare_step([(loras[n], 1) for n in names])
+            manager.assign_slots([(loras[n], 1) for n in names])
             out = model.compute_logits(model(torch.tensor(nxt), pos, caches, meta))
             manager.end_step()
         for i, (name, prompt) in enumerate(zip(names, prompts)):
@@ -110,8 +111,9 @@ def test_bf16_slots_same_on_every_path(setup, monkeypatch):
     form agree, the fused decode agrees with the layer path (bf16's tolerance, as for the
     base model), and the adapters still change the logits."""
     model_dir, adapters, _ = setup
-    model = load_model(str(model_dir), torch.bfloat16, CPU).model
-    manager = LoRAManager(model, LoRAConfig(max_loras=3, max_lora_rank=8))
+    manager = LoRAManager(LoRAConfig(max_loras=3, max_lora_rank=8), CPU, torch.bfloat16)
+    model = load_model(str(model_dir), torch.bfloat16, CPU,
+                       linear_factory=manager.linear_factory, lora_source=manager).model
     assert manager.slot_dtype == torch.bfloat16
     loras = [manager.add(LoRARequest(n, str(p))) for n, p in adapters.items()] + [None]
     rng = random.Random(1)
@@ -124,7 +126,7 @@ def test_bf16_slots_same_on_every_path(setup, monkeypatch):
 
     def decode(token_loras, fused=True):
         model.use_fused_decode = fused
-        manager.prepare_step([(lora, 1) for lora in token_loras])
+        manager.assign_slots([(lora, 1) for lora in token_loras])
         with torch.inference_mode():
             out = model.compute_logits(model(ids, pos, caches, meta))
         manager.end_step()

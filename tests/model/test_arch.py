@@ -37,13 +37,13 @@ def test_arch_specific_features() -> None:
     assert mistral.architecture == "MistralForCausalLM" and mistral.max_model_len == 512
 
 
-def test_sliding_window_caps_max_model_len() -> None:
-    """Full attention equals sliding-window attention only up to the window length."""
+def test_sliding_window_no_longer_caps_max_model_len() -> None:
+    """The window is attention's (tests/model/test_sliding_window.py), not a length cap."""
     arch = ModelArchConfig.from_hf_config(make_tiny_config("mistral", sliding_window=128))
-    assert (arch.sliding_window, arch.max_model_len) == (128, 128)
+    assert (arch.sliding_window, arch.max_model_len) == (128, 512)
     qwen2 = ModelArchConfig.from_hf_config(make_tiny_config("qwen2", use_sliding_window=True,
                                                             sliding_window=100))
-    assert qwen2.max_model_len == 100
+    assert qwen2.max_model_len == 512 and qwen2.sliding_window == 100
 
 
 def test_transformers_4_style_config() -> None:

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from aioengine.kernels import cpu as cpu_kernels
 from aioengine.model.attention import TorchAttentionBackend, build_attention_metadata
 from aioengine.model import layers
-from aioengine.model.layers import (GEMV_MAX_ROWS, _num_chunks, fused_add_rms_norm, linear,
-                                    pack_linear_weight, rms_norm, silu_and_mul)
+from aioengine.model.layers import GEMV_MAX_ROWS, _num_chunks, linear, pack_linear_weight
+from aioengine.model.ops import CpuOps
 from aioengine.model.rotary import apply_rope
 
 CPU = torch.device("cpu")
@@ -169,8 +169,10 @@ def test_norm_and_activation_kernels_decline_what_they_do_not_handle(set_cpu_ker
     assert not cpu_kernels.fused_add_rms_norm(x, x[:2], w, 1e-6)  # shapes differ
     assert cpu_kernels.silu_and_mul(torch.randn(4, 7)) is None  # odd width
     assert cpu_kernels.silu_and_mul(x.double()) is None
-    # The model-facing functions give the same answers with the kernels off (torch path).
+    # The CPU ops give the same answers with the kernels off (torch path).
     residual = torch.randn(4, 8)
+    ops = CpuOps()
+    rms_norm, fused_add_rms_norm, silu_and_mul = ops.rms_norm, ops.fused_add_rms_norm, ops.silu_and_mul
     with_kernels = (rms_norm(x, w, 1e-6), *fused_add_rms_norm(x.clone(), residual.clone(), w,
                                                               1e-6), silu_and_mul(x))
     set_cpu_kernels("0")

@@ -2,6 +2,7 @@
 replaces for decode steps of a few requests (LlamaForCausalLM.use_fused_decode)."""
 from __future__ import annotations
 
+import ctypes
 import random
 
 import pytest
@@ -10,7 +11,8 @@ from tiny_models import TINY_ARCHS
 
 from aioengine.kernels import cpu as cpu_kernels
 from aioengine.model.attention import TorchAttentionBackend, build_attention_metadata
-from aioengine.model.llama import FUSED_DECODE_MAX_TOKENS, make_kv_caches
+from aioengine.model.executors import FUSED_DECODE_MAX_TOKENS
+from aioengine.model.llama import make_kv_caches
 from aioengine.model.loader import load_model
 
 CPU = torch.device("cpu")
@@ -125,8 +127,10 @@ def test_decode_layer_table_declines_what_the_kernel_cannot_read() -> None:
            for name in cpu_kernels.DECODE_LAYER_FIELDS}
     table = cpu_kernels.decode_layer_table([row, {**row, "qkv_bias": None, "q_norm": None,
                                                   "k_norm": None}])
-    assert table is not None and table.shape == (2, 14) and table[1, 3:6].tolist() == [0, 0, 0]
-    assert table[0, 0].item() == w.data_ptr() and table[0, 2].item() == 0
+    assert table is not None and table.num_layers == 2
+    assert [table.layers[1].qkv_bias, table.layers[1].q_norm, table.layers[1].k_norm] == [None] * 3
+    assert table.layers[0].input_norm == w.data_ptr() and table.layers[0].qkv_scales is None
+    assert table.step.layers == ctypes.addressof(table.layers) and table.step.num_layers == 2
     q, s = torch.ones(4, 4, dtype=torch.int8), torch.ones(4)
     int8_row = {**row, **{p: q for p in ("qkv", "o", "gate_up", "down")},
                 **{f"{p}_scales": s for p in ("qkv", "o", "gate_up", "down")}}
@@ -137,3 +141,10 @@ def test_decode_layer_table_declines_what_the_kernel_cannot_read() -> None:
     assert cpu_kernels.decode_layer_table([{**row, "o": None}]) is None  # required
     assert cpu_kernels.decode_layer_table([{**row, "down": w.t()}]) is None  # not contiguous
     assert cpu_kernels.decode_layer_table([{**row, "qkv": w.double()}]) is None
+    # A key the layer struct lacks, or one missing: the caller's mistake, not a decline.
+    with pytest.raises(ValueError, match="unknown keys"):
+        cpu_kernels.decode_layer_table([{**row, "gate": w}])
+    missing = dict(row)
+    del missing["k_norm"]
+    with pytest.raises(ValueError, match="missing keys .'k_norm'"):
+        cpu_kernels.decode_layer_table([missing])

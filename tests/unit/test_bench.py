@@ -14,12 +14,12 @@ from aioengine.bench.datasets import (DATASETS, GROUNDED_FILE, PROMPTS_FILE, Ben
                                       load_prompt_texts, normal_vocab, random_dataset,
                                       shared_prefix_dataset, text_dataset, with_text)
 from aioengine.bench.floor import BandwidthProbe, measure_read_bandwidth
-from aioengine.bench.latency import (EngineLatency, LatencyRun, format_latency,
-                                     parse_latency_engines)
+from aioengine.bench.latency import format_latency, parse_latency_engines
 from aioengine.bench.metrics import (RequestResult, latency_stats, meets_slo, parse_slo,
                                      summarize, throughput_over_time)
 from aioengine.bench.offline import compare_outputs, engine_stats, parse_engines
 from aioengine.bench.report import format_offline, format_serve, save_json
+from aioengine.bench.results import EngineLatency, LatencyRun
 from aioengine.metrics import (SPEC_PER_POS_PREFIX, EngineMetrics, format_spec_decode,
                                spec_decode_delta)
 

@@ -1,5 +1,7 @@
 """The engine flags (aioengine.config): EngineArgs is the one home of their defaults, the
-CLI and the benchmarks share them, bench never imports the CLI; and `--tokenizer`."""
+CLI and the benchmarks share them, bench never imports the CLI; and `--tokenizer`. The
+configs built from EngineArgs (SchedulerConfig, LoRAConfig) take its defaults, and the
+`serve` flags are generated from ServerConfig and RayServeOptions (aioengine.serve_args)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +13,8 @@ import pytest
 import torch
 
 from aioengine.cli import build_parser as cli_parser
-from aioengine.config import ENGINE_FLAGS, EngineArgs, engine_kwargs
+from aioengine.config import ENGINE_FLAGS, EngineArgs, SchedulerConfig, engine_kwargs
+from aioengine.lora.manager import LoRAConfig
 from aioengine.model.loader import ModelLoadError, load_model
 
 from tests.tiny_models import bundled_tokenizer, make_tiny_model_dir
@@ -29,6 +32,18 @@ FLAG_NAMES = {
     "--no-enforce-eager", "--gpu-memory-utilization",
     "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
     "--no-structured-jump-forward", "--no-async-scheduling"}
+# The other flags of `serve`: its own, LoRA, tool calling and --ray-* (those of
+# aioengine/cli.py before they were generated from their dataclasses).
+SERVE_FLAG_NAMES = {
+    "-h", "--help", "--host", "--port", "--served-model-name", "--api-key",
+    "--max-request-body-bytes", "--max-queued-requests", "--enable-lora", "--lora-modules",
+    "--max-loras", "--max-lora-rank", "--max-cpu-loras", "--allow-runtime-lora-updating",
+    "--enable-auto-tool-choice", "--tool-call-parser", "--chat-template",
+    "--max-stored-responses", "--ray-replicas", "--ray-min-replicas", "--ray-max-replicas",
+    "--ray-target-ongoing-requests", "--ray-replica-cpus", "--ray-max-ongoing-requests",
+    "--ray-router", "--ray-max-imbalance", "--ray-prefix-block-chars",
+    "--ray-max-adapters-per-replica", "--ray-metrics-export-port",
+    "--ray-health-check-period", "--ray-graceful-shutdown-timeout"}
 
 
 def _parsed(command: list[str]):
@@ -70,6 +85,70 @@ def test_every_flag_keeps_its_name() -> None:
     assert (kwargs["quantization"], kwargs["kv_cache_memory"]) == ("int8", 4096)
     assert (kwargs["enable_prefix_caching"], kwargs["max_num_seqs"]) == (False, 3)
     assert kwargs["tokenizer"] == "/tok" and "model" not in kwargs
+
+
+def test_configs_built_from_engine_args_take_its_defaults() -> None:
+    """Every field SchedulerConfig or LoRAConfig shares with EngineArgs has its default,
+    and built from EngineArgs() each is its own default (max_model_len aside, which only
+    the model resolves): no default of theirs can drift from EngineArgs'."""
+    engine = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+    for config in (SchedulerConfig, LoRAConfig):
+        # max_model_len has none (the model resolves EngineArgs' None); max_loras is 0 =
+        # LoRA off, EngineArgs' enable_lora default (both checked by from_engine_args below).
+        shared = [f for f in dataclasses.fields(config) if f.name in engine
+                  and (config, f.name) not in ((SchedulerConfig, "max_model_len"),
+                                               (SchedulerConfig, "max_loras"))]
+        assert shared, config
+        for f in shared:
+            assert f.default == engine[f.name], (config.__name__, f.name)
+    assert SchedulerConfig.from_engine_args(EngineArgs(), 96) == SchedulerConfig(max_model_len=96)
+    assert LoRAConfig.from_engine_args(EngineArgs()) == LoRAConfig()
+
+
+def test_configs_built_from_engine_args_take_its_values() -> None:
+    args = EngineArgs(max_num_batched_tokens=77, max_num_seqs=5, scheduling_policy="priority",
+                      enable_chunked_prefill=False, enable_lora=True, max_loras=3,
+                      max_lora_rank=8, max_cpu_loras=6)
+    config = SchedulerConfig.from_engine_args(args, 128, num_lookahead_tokens=2)
+    assert (config.max_num_batched_tokens, config.max_num_seqs, config.policy) == (
+        77, 5, "priority")
+    assert (config.enable_chunked_prefill, config.max_loras) == (False, 3)
+    assert (config.max_model_len, config.num_lookahead_tokens) == (128, 2)
+    assert config.num_speculative_tokens == 0 and config.spec_disable_by_batch_size is None
+    assert LoRAConfig.from_engine_args(args) == LoRAConfig(3, 8, 6)
+
+
+def test_serve_flag_defaults_are_their_dataclasses_defaults(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from aioengine.ray_serve.options import RayServeOptions, options_from_args
+    from aioengine.serve_args import parse_serve_args, server_config_from_args
+    from aioengine.server.server_config import ServerConfig
+
+    monkeypatch.delenv("AIOENGINE_API_KEY", raising=False)
+    args = parse_serve_args([])
+    assert server_config_from_args(args) == ServerConfig()
+    assert options_from_args(args) == RayServeOptions()
+    assert args.ray_replicas is None  # not on Ray unless --ray-replicas is given
+    monkeypatch.setenv("AIOENGINE_API_KEY", "k")
+    assert server_config_from_args(parse_serve_args([])).api_key == "k"
+
+
+def test_every_serve_flag_keeps_its_name_and_dest() -> None:
+    from aioengine.serve_args import parse_serve_args, server_config_from_args
+
+    parser = cli_parser()[1]["serve"]
+    names = {opt for action in parser._actions for opt in action.option_strings
+             if action.dest not in ENGINE_FLAGS}
+    assert names == SERVE_FLAG_NAMES
+    args = parse_serve_args(["--host", "::", "--port", "9", "--api-key", "k",
+                             "--max-queued-requests", "4", "--max-stored-responses", "0",
+                             "--ray-replicas", "3", "--ray-health-check-period", "1.5",
+                             "--ray-graceful-shutdown-timeout", "7", "--ray-router", "pow2"])
+    config = server_config_from_args(args)
+    assert (config.host, config.port, config.api_key) == ("::", 9, "k")
+    assert (config.max_queued_requests, config.max_stored_responses) == (4, 0)
+    assert (args.ray_replicas, args.ray_health_check_period) == (3, 1.5)
+    assert (args.ray_graceful_shutdown_timeout, args.ray_router) == (7.0, "pow2")
 
 
 def test_bench_does_not_import_the_cli() -> None:

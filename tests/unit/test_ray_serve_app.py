@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from aioengine.cli import parse_serve_args
+from aioengine.serve_args import parse_serve_args
 from aioengine.ray_serve.options import RayServeOptions, options_from_args
 
 pytest.importorskip("ray.serve")

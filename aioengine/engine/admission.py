@@ -1,0 +1,134 @@
+"""RequestAdmission: what EngineCore decides about a request before it is queued, in one
+place so that every front end (AsyncEngine, LLM, and the HTTP server through them)
+rejects the same inputs with the same messages: the prompt and params validated, the
+adapter resolved, and `prepare`, which does both once per request.
+
+EngineCore inherits it; the attributes below are the core's.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aioengine.engine.client import PreparedRequest
+from aioengine.errors import InvalidRequestError
+from aioengine.lora.adapter import LoRANotFoundError
+from aioengine.lora.manager import LoRAManager
+from aioengine.lora.request import LoRARequest
+from aioengine.request import Request
+from aioengine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from aioengine.config import EngineArgs
+    from aioengine.core.kv_cache_manager import KVCacheManager
+    from aioengine.core.scheduler import Scheduler
+
+
+class RequestAdmission:
+    args: EngineArgs
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: set[int]
+    kv_cache_manager: KVCacheManager
+    scheduler: Scheduler
+    lora: LoRAManager | None
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        """InvalidRequestError (naming `param`) for an id outside the vocabulary: the one
+        place that decides it (prompts, /detokenize)."""
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param)
+
+    def default_max_tokens(self, num_prompt: int, n: int) -> int:
+        """'Up to the context', capped so that n samples fit in the KV cache together (the
+        server's default: validate_prompt rejects a request that could never fit)."""
+        fits = (self.kv_cache_manager.num_blocks // n) * self.args.block_size - num_prompt
+        return max(1, min(self.max_model_len - num_prompt, fits))
+
+    def prepare(self, prompt_token_ids: list[int], params: SamplingParams,
+                lora_request: LoRARequest | None = None, prompt_text: str | None = None,
+                fit_kv_cache: bool = False) -> PreparedRequest:
+        """Admits a request once, queueing nothing: the registered adapter it names
+        (resolve_lora), its own copy of `params` (a caller may reuse one for many prompts)
+        validated against the prompt. `fit_kv_cache`: max_tokens None means
+        default_max_tokens rather than the whole context. The grammar is compiled by the
+        front end's prepare (on a pool, or blocking). Raises InvalidRequestError,
+        LoRANotFoundError."""
+        lora = self.resolve_lora(lora_request)
+        params = params.clone()
+        if fit_kv_cache and params.max_tokens is None:
+            params.max_tokens = self.default_max_tokens(len(prompt_token_ids), params.n)
+        self.validate_prompt(prompt_token_ids, params)
+        return PreparedRequest(list(prompt_token_ids), params, prompt_text, lora)
+
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises InvalidRequestError for anything that could never run; resolves
+        `max_tokens` (None = up to the context) and the stop token set in `params`."""
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        self.check_token_ids(prompt_token_ids, "prompt")
+        if num_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt} tokens but the model's context length is "
+                f"{self.max_model_len}, leaving no room to generate", "prompt")
+        if params.max_tokens is None:
+            params.max_tokens = self.max_model_len - num_prompt
+        elif num_prompt + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                f"has {num_prompt} tokens and max_tokens is {params.max_tokens} "
+                f"({num_prompt + params.max_tokens} in total)", "max_tokens")
+        params.validate_vocab(self.vocab_size)
+        needed = params.n * self.kv_cache_manager.num_blocks_needed(num_prompt + params.max_tokens)
+        if needed > self.kv_cache_manager.num_blocks:
+            raise InvalidRequestError(
+                f"the request may need {needed} KV blocks (n={params.n}, {num_prompt} prompt + "
+                f"{params.max_tokens} new tokens) but the cache has only "
+                f"{self.kv_cache_manager.num_blocks}", "max_tokens")
+        params.all_stop_token_ids = set(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            params.all_stop_token_ids |= self.eos_token_ids
+
+    # ---- LoRA adapters ------------------------------------------------------------------
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.lora is None:
+            raise InvalidRequestError("LoRA is not enabled on this engine (enable_lora, "
+                                      "--enable-lora)", "lora_request")
+        return self.lora
+
+    def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        """Loads and registers an adapter (blocking: reads its files); returns it with the
+        lora_int_id of this load. Raises LoRAError / LoRANotFoundError."""
+        return self._lora_manager().add(lora_request)
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Forgets an adapter: new requests for it are refused, running ones finish on it.
+        Raises LoRANotFoundError for a name not loaded."""
+        if self._lora_manager().remove(lora_name) is None:
+            raise LoRANotFoundError(f"the LoRA adapter {lora_name!r} is not loaded")
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.lora is None else self.lora.list_loras()
+
+    def lora_requests_info(self) -> tuple[list[str], list[str]]:
+        """The adapters (names) of the running and of the waiting requests (vLLM's
+        lora_requests_info metric), each sorted."""
+        def names(requests: list[Request]) -> list[str]:
+            return sorted({r.lora_request.lora_name for r in requests if r.lora_request})
+        return names(self.scheduler.running), names(self.scheduler.waiting)
+
+    def resolve_lora(self, lora_request: LoRARequest | None) -> LoRARequest | None:
+        """The registered adapter a request names, without loading (LoRAManager.resolve)."""
+        return None if lora_request is None else self._lora_manager().resolve(lora_request)
+
+    def load_lora_if_missing(self, lora_request: LoRARequest | None) -> None:
+        """Loads the adapter a request names from its lora_path when no adapter of that
+        name is loaded (blocking: file reads); prepare() resolves it afterwards."""
+        if lora_request is None:
+            return
+        manager = self._lora_manager()
+        if manager.get(lora_request.lora_name) is None and lora_request.lora_path:
+            manager.add(lora_request, exist_ok=True)

@@ -1,0 +1,136 @@
+"""The client boundary: what AsyncEngine and LLM offer besides running requests.
+
+The server, Ray Serve, the benchmarks and the scripts see the engine only through these:
+a request prepared once (`PreparedRequest`), model info, adapters, KV and engine stats.
+Nothing outside aioengine/engine/ reaches into EngineCore (tests/unit/test_boundaries.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from aioengine.lora.request import LoRARequest
+from aioengine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from aioengine.engine.core import EngineCore
+    from aioengine.model.arch import ModelArchConfig
+    from aioengine.spec_decode import SpeculativeConfig
+    from aioengine.structured import StructuredOutputManager
+
+
+@dataclass
+class PreparedRequest:
+    """A request the engine has admitted, once: its prompt rendered and validated, its
+    adapter resolved (`lora_request` is the registered one, with its lora_int_id), its
+    grammar compiled (front ends' prepare) and `sampling_params` the engine's own copy
+    with max_tokens and the stop token set resolved. `generate` queues it as it is."""
+
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    prompt_text: str | None = None
+    lora_request: LoRARequest | None = None
+
+
+class EngineClient:
+    """Model info, adapters and stats of the engine `self.core` (AsyncEngine, LLM)."""
+
+    core: EngineCore
+
+    # ---- the model ----------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.core.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.core.vocab_size
+
+    @property
+    def model_path(self) -> str:
+        """The model file or folder the weights were loaded from."""
+        return self.core.loaded.model_path
+
+    @property
+    def model_arch(self) -> ModelArchConfig:
+        return self.core.loaded.arch
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The loaded model (for reading: weight bytes, hidden states for training data)."""
+        return self.core.loaded.model
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.core.dtype
+
+    def dtype_info(self) -> dict[str, object]:
+        """Weights, activations and KV cache dtypes and why, resident weight bytes, CPU."""
+        return self.core.dtype_info()
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        return self.core.speculative_config
+
+    @property
+    def cuda_graphs_captured(self) -> bool:
+        return self.core.runner.cuda_graphs is not None
+
+    @property
+    def structured_outputs(self) -> StructuredOutputManager:
+        """The grammar compiler and its stats (benchmarks time compiles through it)."""
+        return self.core.structured
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        """InvalidRequestError (naming `param`) for an id outside the vocabulary."""
+        self.core.check_token_ids(token_ids, param)
+
+    def default_max_tokens(self, num_prompt: int, n: int) -> int:
+        """Up to the context, capped so that n samples fit in the KV cache together."""
+        return self.core.default_max_tokens(num_prompt, n)
+
+    # ---- adapters (vLLM's list_loras; loading is the front end's: blocking or not) ----
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.core.list_loras()
+
+    def get_lora(self, lora_name: str) -> LoRARequest | None:
+        """The adapter loaded under `lora_name`, or None."""
+        return None if self.core.lora is None else self.core.lora.get(lora_name)
+
+    @property
+    def lora_module_shapes(self) -> dict[tuple[int, str], tuple[int, int]]:
+        """(layer, PEFT module name) -> (in_features, out_features) of each projection an
+        adapter may cover; empty without LoRA."""
+        return {} if self.core.lora is None else dict(self.core.lora.module_shapes)
+
+    # ---- KV cache and stats -------------------------------------------------------------
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.core.kv_cache_manager.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.core.args.block_size
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix; False (nothing reset) while blocks are in use."""
+        return self.core.kv_cache_manager.reset_prefix_cache()
+
+    def reset_kv_peak_stats(self) -> None:
+        """Starts a new KV peak measurement (`kv_peak_*`, `kv_waste_at_peak` in stats())."""
+        self.core.reset_kv_peak_stats()
+
+    def stats(self) -> dict[str, float]:
+        """Point-in-time engine numbers: scheduler, KV cache, structured, LoRA, spec decode."""
+        return self.core.stats()

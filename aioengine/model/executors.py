@@ -1,0 +1,147 @@
+"""Executors of a model's decoder layers: who runs the layers of one step.
+
+    LayerwiseExecutor      every step: the layers' own forward, op by op, with the model's
+                           device ops and attention backend (the reference)
+    FusedCpuDecodeExecutor decode steps of a few requests on the CPU: every layer and the
+                           final norm in one C call (`cpu_kernels.llama_decode`)
+
+The model asks the fused executor first, per step; it runs the step only when it
+`supports` it, and it supports only what it declares: the layer features in
+`SUPPORTED_FEATURES` (anything else a LayerSpec uses declines the whole model, see
+layer_spec.py), float32 activations on the CPU, the torch attention backend with its C
+kernel, and the step's shape. Everything else runs layerwise: fail closed. The model
+records which executor ran (`LlamaForCausalLM.last_executor`) for the step profile.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from aioengine.kernels import cpu as cpu_kernels
+from aioengine.model.attention import AttentionMetadata, TorchAttentionBackend
+from aioengine.model.layer_spec import unsupported
+from aioengine.model.rotary import RopeStep
+
+if TYPE_CHECKING:
+    from aioengine.model.llama import LlamaForCausalLM
+
+# Decode-only steps of up to this many tokens run the decoder layers in one C call where it
+# applies. Forward + LM head on 2 cores, against the layer path in the same process: 1 token
+# 20.4-21.8 -> 17.5-18.1 ms (the ~4 ms of per-layer Python and op dispatch gone), 2 tokens
+# 25.8 -> 21.1, 4 tokens 33.4-33.8 -> 23.8-28.4, 8 tokens 37.6 -> 34.2; at 12 they are even
+# (oneDNN's GEMM takes over), at 16 the layer path wins (52.6 vs 58.1).
+FUSED_DECODE_MAX_TOKENS = 8
+
+
+class LayerwiseExecutor:
+    """The layers one by one (any step, any device, any feature the layer code has)."""
+
+    name = "layerwise"
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model = model
+
+    def run(self, x: Tensor, positions: Tensor, kv_caches: list[Tensor],
+            meta: AttentionMetadata, aux: Tensor | None) -> Tensor:
+        """x: the embeddings [T, H] -> the final-normed hidden states; fills aux (the
+        residual stream into each of model.aux_hidden_state_layers) when given."""
+        model = self.model
+        aux_layers, h = model.aux_hidden_state_layers, model.arch.hidden_size
+        rope = RopeStep(model.rotary, positions, model.ops)
+        residual: Tensor | None = None
+        for i, (layer, kv_cache) in enumerate(zip(model.layers, kv_caches)):
+            if aux is not None and i in aux_layers:
+                # What the layer's input norm sees: x + residual (vLLM's hidden + residual).
+                stream = x if residual is None else x + residual
+                for j, listed in enumerate(aux_layers):
+                    if listed == i:
+                        aux[:, j * h:(j + 1) * h] = stream
+            x, residual = layer(x, residual, rope, kv_cache, meta, model.attn_backend)
+        eps = model.arch.rms_norm_eps
+        if residual is None:  # no layers
+            return model.ops.rms_norm(x, model.norm, eps)
+        return model.ops.fused_add_rms_norm(x, residual, model.norm, eps)[0]
+
+
+class FusedCpuDecodeExecutor:
+    """All decoder layers of a small decode step in one C call (kernels/cpu/llama_decode.c),
+    over the same weight objects as the layers."""
+
+    name = "fused_cpu_decode"
+    # The LayerSpec options the C kernel implements (layer_spec.LayerSpec.features()).
+    # "sliding_window" only in steps whose every sequence fits in the window (the kernel
+    # attends to the whole context): then the window masks nothing.
+    SUPPORTED_FEATURES = frozenset({"qk_norm", "attention_bias", "sliding_window"})
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model = model
+        # Off (tests, the runner's A/B): every step runs layerwise.
+        self.enabled = True
+        # The features of the model's layers the kernel lacks: non-empty declines every step.
+        self.declined = unsupported(model.layer_specs, self.SUPPORTED_FEATURES)
+        windows = [s.sliding_window for s in model.layer_specs if s.sliding_window is not None]
+        self.max_seq_len = min(windows) if windows else None  # None: any length
+        # (the KV caches' data pointers, the typed layer table llama_decode reads) for the
+        # last kv_caches seen: built once, the weights being updated in place. Whatever
+        # replaces a parameter tensor (rather than copying into it) must call reset().
+        self._table: tuple[tuple[int, ...], cpu_kernels.DecodeLayerTable] | None = None
+
+    def reset(self) -> None:
+        self._table = None
+
+    def supports(self, x: Tensor, meta: AttentionMetadata) -> bool:
+        """The step is decode-only and small, on the CPU in float32, with the torch
+        attention backend and its C kernel, on layers with only SUPPORTED_FEATURES, and
+        no sequence longer than the smallest sliding window."""
+        num_tokens = x.shape[0]
+        backend = self.model.attn_backend
+        return (self.enabled and not self.declined and bool(self.model.layers)
+                and 0 < num_tokens <= FUSED_DECODE_MAX_TOKENS
+                and meta.num_decodes == meta.num_reqs == meta.num_actual_tokens == num_tokens
+                and (self.max_seq_len is None or meta.max_seq_len <= self.max_seq_len)
+                and type(backend) is TorchAttentionBackend and backend.use_cpu_kernel
+                and x.device.type == "cpu" and x.dtype == torch.float32)
+
+    def run(self, x: Tensor, positions: Tensor, kv_caches: list[Tensor],
+            meta: AttentionMetadata, aux: Tensor | None, aux_index: Tensor | None) -> bool:
+        """The layers and the final norm on x in place; False, having done nothing, where
+        the kernel is not built or the caches are not in its layout."""
+        table = self._layer_table(kv_caches)
+        if table is None:
+            return False
+        model, arch = self.model, self.model.arch
+        lora = model.lora_source
+        _, num_blocks, block_size, _, _ = kv_caches[0].shape
+        return cpu_kernels.llama_decode(
+            x, table, model.norm, num_heads=arch.num_attention_heads,
+            num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
+            intermediate_size=arch.intermediate_size, eps=arch.rms_norm_eps,
+            scale=model.layer_specs[0].scale, positions=positions, cos=model.rotary.cos,
+            sin=model.rotary.sin, slot_mapping=meta.slot_mapping,
+            block_tables=meta.block_tables, seq_lens=meta.seq_lens, num_blocks=num_blocks,
+            block_size=block_size, weight_format=model.layers[0].qkv_proj.gemv_format,
+            aux=aux, aux_layers=aux_index, lora=None if lora is None else lora.decode_args())
+
+    def _layer_table(self, kv_caches: list[Tensor]) -> cpu_kernels.DecodeLayerTable | None:
+        key = tuple(c.data_ptr() for c in kv_caches)
+        if self._table is None or self._table[0] != key:
+            model, arch = self.model, self.model.arch
+            kv_shape = (arch.num_key_value_heads, arch.head_dim)
+            if (len(kv_caches) != len(model.layers) or len({c.shape for c in kv_caches}) != 1
+                    or kv_caches[0].dim() != 5 or kv_caches[0].shape[-2:] != kv_shape):
+                return None
+            table = cpu_kernels.decode_layer_table([
+                {"input_norm": layer.input_layernorm, "qkv": layer.qkv_proj.weight,
+                 "qkv_scales": layer.qkv_proj.scales, "qkv_bias": layer.qkv_proj.bias,
+                 "q_norm": layer.q_norm, "k_norm": layer.k_norm, "o": layer.o_proj.weight,
+                 "o_scales": layer.o_proj.scales, "post_norm": layer.post_attention_layernorm,
+                 "gate_up": layer.gate_up_proj.weight,
+                 "gate_up_scales": layer.gate_up_proj.scales, "down": layer.down_proj.weight,
+                 "down_scales": layer.down_proj.scales, "kv_cache": cache}
+                for layer, cache in zip(model.layers, kv_caches)])
+            if table is None:
+                return None
+            self._table = (key, table)
+        return self._table[1]

@@ -1,0 +1,77 @@
+"""The description of one decoder layer: what every executor of it reads.
+
+A model is described once, per layer, from its `ModelArchConfig`; the layer code
+(`llama.LlamaDecoderLayer`), the fused CPU decode executor and the attention backends all
+read the same `LayerSpec`. Its fields are of two kinds:
+
+    shape    sizes and constants every executor must honour (SHAPE_FIELDS)
+    options  everything else: a value other than the field's default is a *feature* of
+             the layer (`LayerSpec.features()`), which an executor runs only if it lists it
+
+An option added here is therefore a feature no executor supports until it says so: the
+fused executor then declines the layer and decode steps run layerwise (fail closed).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from aioengine.model.arch import ModelArchConfig
+
+SHAPE_FIELDS = frozenset({"layer_idx", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                          "intermediate_size", "rms_norm_eps"})
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    layer_idx: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    # ---- options (feature = a non-default value) ----
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before RoPE
+    attention_bias: bool = False  # q/k/v biases (Qwen2)
+    # Attend to the last `sliding_window` positions only, the query's own included
+    # (Mistral, Qwen2 with use_sliding_window; transformers' kv_idx > q_idx - window).
+    sliding_window: int | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5
+
+    def features(self) -> frozenset[str]:
+        """The options this layer uses: every non-shape field whose value is not its
+        default."""
+        return frozenset(f.name for f in dataclasses.fields(self)
+                         if f.name not in SHAPE_FIELDS and getattr(self, f.name) != f.default)
+
+
+def layer_specs(arch: ModelArchConfig) -> tuple[LayerSpec, ...]:
+    """One LayerSpec per decoder layer of `arch`."""
+    return tuple(
+        LayerSpec(layer_idx=i, hidden_size=arch.hidden_size,
+                  num_heads=arch.num_attention_heads, num_kv_heads=arch.num_key_value_heads,
+                  head_dim=arch.head_dim, intermediate_size=arch.intermediate_size,
+                  rms_norm_eps=arch.rms_norm_eps, qk_norm=arch.qk_norm,
+                  attention_bias=arch.attention_bias,
+                  sliding_window=arch.layer_sliding_window(i))
+        for i in range(arch.num_hidden_layers))
+
+
+def unsupported(specs: tuple[LayerSpec, ...], supported: frozenset[str]) -> frozenset[str]:
+    """The features some layer uses that `supported` does not list."""
+    used: set[str] = set()
+    for spec in specs:
+        used |= spec.features()
+    return frozenset(used - supported)

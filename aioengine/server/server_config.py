@@ -1,0 +1,39 @@
+"""ServerConfig: the settings of the HTTP server in front of one engine (a plain `aioengine
+serve`, or each Ray Serve replica). Its fields are the defaults of the server flags
+(aioengine.serve_args generates them from it), so this module imports nothing heavy:
+building the command line's parser does not import the server."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from aioengine.server.serving_models import LoRAModulePath
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    # Seconds to wait for open connections after in-flight requests were aborted.
+    shutdown_timeout: float = 5.0
+    # Adapters loaded before serving (--lora-modules); the load/unload routes
+    # (--allow-runtime-lora-updating).
+    lora_modules: tuple[LoRAModulePath, ...] = ()
+    allow_runtime_lora_updating: bool = False
+    # Ray Serve model multiplexing: lora_modules are listed, not loaded; each replica loads
+    # one when a request names it (aioengine/ray_serve/adapters.py).
+    load_lora_modules_on_demand: bool = False
+    # Tool calling (vLLM's flags), the chat template override, the Responses API's store.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    chat_template: str | None = None
+    max_stored_responses: int = 1024
+    response_id_tag: str = ""  # in every response id (a Ray Serve replica's id)
+    # Overload: beyond this many waiting requests new ones get 503 + Retry-After (SGLang's
+    # --max-queued-requests); None = unlimited.
+    max_queued_requests: int | None = None
