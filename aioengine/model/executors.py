@@ -21,7 +21,7 @@ from torch import Tensor
 
 from aioengine.kernels import cpu as cpu_kernels
 from aioengine.model.attention import AttentionMetadata, TorchAttentionBackend
-from aioengine.model.layer_spec import unsupported
+from aioengine.model.layer_spec import smallest_window, unsupported
 from aioengine.model.rotary import RopeStep
 
 if TYPE_CHECKING:
@@ -81,8 +81,7 @@ class FusedCpuDecodeExecutor:
         self.enabled = True
         # The features of the model's layers the kernel lacks: non-empty declines every step.
         self.declined = unsupported(model.layer_specs, self.SUPPORTED_FEATURES)
-        windows = [s.sliding_window for s in model.layer_specs if s.sliding_window is not None]
-        self.max_seq_len = min(windows) if windows else None  # None: any length
+        self.max_seq_len = smallest_window(model.layer_specs)  # None: any length
         # (the KV caches' data pointers, the typed layer table llama_decode reads) for the
         # last kv_caches seen: built once, the weights being updated in place. Whatever
         # replaces a parameter tensor (rather than copying into it) must call reset().

@@ -69,6 +69,13 @@ def layer_specs(arch: ModelArchConfig) -> tuple[LayerSpec, ...]:
         for i in range(arch.num_hidden_layers))
 
 
+def smallest_window(specs: tuple[LayerSpec, ...]) -> int | None:
+    """The smallest sliding window of any layer (None: every layer attends to everything):
+    up to that length, windowed attention equals full attention."""
+    windows = [spec.sliding_window for spec in specs if spec.sliding_window is not None]
+    return min(windows) if windows else None
+
+
 def unsupported(specs: tuple[LayerSpec, ...], supported: frozenset[str]) -> frozenset[str]:
     """The features some layer uses that `supported` does not list."""
     used: set[str] = set()

@@ -28,7 +28,7 @@ from aioengine.model import hugepages
 from aioengine.model.arch import ModelArchConfig, UnsupportedModelError
 from aioengine.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from aioengine.model.executors import FusedCpuDecodeExecutor, LayerwiseExecutor
-from aioengine.model.layer_spec import LayerSpec, layer_specs, unsupported
+from aioengine.model.layer_spec import LayerSpec, layer_specs, smallest_window, unsupported
 from aioengine.model.layers import (Linear, LinearFactory, ProjectionSpec, _param, embed,
                                     lm_head_logits)
 from aioengine.model.ops import TorchOps, select_ops
@@ -166,9 +166,9 @@ class LlamaForCausalLM(nn.Module):
     @property
     def max_model_len(self) -> int:
         """The longest sequence this model computes exactly with its attention backend."""
-        windows = [s.sliding_window for s in self.layer_specs if s.sliding_window is not None]
-        if windows and "sliding_window" not in self.attn_backend.SUPPORTED_FEATURES:
-            return min(self.arch.max_model_len, *windows)
+        window = smallest_window(self.layer_specs)
+        if window is not None and "sliding_window" not in self.attn_backend.SUPPORTED_FEATURES:
+            return min(self.arch.max_model_len, window)
         return self.arch.max_model_len
 
     @property

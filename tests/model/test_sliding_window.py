@@ -94,8 +94,8 @@ def test_a_backend_without_windows_caps_max_model_len(models) -> None:
 
 
 def test_an_unknown_layer_feature_declines_the_fused_executor(models) -> None:
-    """Fail closed: a LayerSpec option the fused executor does not list (here a pretend new
-    one, added to the specs as a new field would be) declines every step."""
+    """Fail closed: an executor that does not list a feature the layers use (here one
+    without sliding_window, as the kernel would be before it learnt it) declines them."""
     _, ours, _ = models
     from aioengine.model.executors import FusedCpuDecodeExecutor
 

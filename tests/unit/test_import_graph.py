@@ -20,10 +20,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCE_DIRS = {"aioengine": "aioengine", "spec_decode": "aioengine.spec_decode",
                "structured": "aioengine.structured", "lora": "aioengine.lora",
                "kernels": "aioengine.kernels"}
-# Circles of deferred imports still to remove (test_known_cycles_still_exist fails when one
-# is gone, so the entry goes too). None left.
-KNOWN_DEFERRED_CYCLES: list[set[str]] = []
-
 Graph = dict[str, set[str]]
 
 
@@ -162,16 +158,8 @@ def test_no_module_level_import_cycle(sources: dict[str, tuple[str, bool]]) -> N
 
 
 def test_no_deferred_import_cycle(sources: dict[str, tuple[str, bool]]) -> None:
-    graph = import_graph(sources, deferred=True)
-    found = [_circle(graph, group) for group in circular_groups(graph)
-             if group not in KNOWN_DEFERRED_CYCLES]
+    found = cycles(import_graph(sources, deferred=True))
     assert not found, f"import circles (imports in functions included): {_named(found)}"
-
-
-def test_known_cycles_still_exist(sources: dict[str, tuple[str, bool]]) -> None:
-    groups = circular_groups(import_graph(sources, deferred=True))
-    gone = [sorted(k) for k in KNOWN_DEFERRED_CYCLES if k not in groups]
-    assert not gone, f"no longer circles, remove them from KNOWN_DEFERRED_CYCLES: {gone}"
 
 
 def test_the_graph_sees_circles() -> None:
