@@ -185,8 +185,6 @@ class SchedulerConfig:
     spec_disable_by_batch_size: int | None = None
     # Slots allocated past each step's tokens for a draft head's chain (EAGLE: k).
     num_lookahead_tokens: int = 0
-    # Multi-LoRA: distinct adapters one step may hold (0 = LoRA off, EngineArgs' default).
-    max_loras: int = EngineArgs.max_loras if EngineArgs.enable_lora else 0
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, max_model_len: int,
@@ -201,8 +199,7 @@ class SchedulerConfig:
                    policy=args.scheduling_policy,
                    num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                    spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
-                   num_lookahead_tokens=num_lookahead_tokens,
-                   max_loras=args.max_loras if args.enable_lora else 0)
+                   num_lookahead_tokens=num_lookahead_tokens)
 
 
 def gpu_kv_cache_budget(total: int, utilization: float, peak_torch: int,

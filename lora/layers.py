@@ -14,17 +14,19 @@ and for a step whose per-token slots are `LoRAStep.token_slots` (-1 = base model
     y[t, n] += sum_j u[t, s(n), j] lora_b[slot_t, j, n]  (expand, j < r; the scaling is
                                                           folded into B at load)
 
-The C kernel (`cpu_kernels.lora_apply`) computes this row by row; the torch form below,
-which groups the rows of each adapter (no per-row copy of the weights), is its reference
-and the path off the CPU. The fused decode kernel applies the same row arithmetic inside
-its single call (LoRAManager.decode_args).
+A LoRAKernel (lora/kernels.py, chosen by LoRAManager per device) computes it: the C
+kernel (`cpu_decode.lora_apply`) row by row on the CPU, Triton's shrink/expand on CUDA;
+the torch form below, which groups the rows of each adapter (no per-row copy of the
+weights), is their reference and runs whatever a kernel declines. The fused decode kernel
+applies the same row arithmetic inside its single call (LoRAManager.decode_args).
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
 
-from aioengine.kernels import cpu as cpu_kernels
+from aioengine.kernels import cpu_decode
+from aioengine.lora.kernels import LoRAKernel, TorchLoRAKernel
 from aioengine.model.layers import Linear
 
 
@@ -37,6 +39,7 @@ class LoRAStep:
         self._slots: list[int] = []
         self._device: torch.device | None = None
         self._groups: list[tuple[int, slice | Tensor]] | None = None
+        self._device_groups: tuple[Tensor, tuple[Tensor, Tensor, Tensor]] | None = None
 
     def set(self, token_slots: list[int], device: torch.device) -> None:
         self.clear()
@@ -47,6 +50,17 @@ class LoRAStep:
 
     def clear(self) -> None:
         self.token_slots, self._slots, self._groups = None, [], None
+        self._device_groups = None
+
+    def device_groups(self, num_slots: int) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+        """The token slots on the step's device and their lora_token_groups (Triton's
+        view of the step), built on first use and shared by every projection."""
+        if self._device_groups is None:
+            from aioengine.kernels.triton import lora_token_groups
+            assert self.token_slots is not None and self._device is not None
+            slots = self.token_slots.to(self._device)
+            self._device_groups = slots, lora_token_groups(slots, num_slots)
+        return self._device_groups
 
     @property
     def groups(self) -> list[tuple[int, slice | Tensor]]:
@@ -77,7 +91,8 @@ class LinearWithLoRA(nn.Module):
     layer's forward calls this wrapper instead."""
 
     def __init__(self, base_layer: Linear, slice_sizes: tuple[int, ...], max_loras: int,
-                 max_rank: int, step: LoRAStep, dtype: torch.dtype = torch.float32) -> None:
+                 max_rank: int, step: LoRAStep, dtype: torch.dtype = torch.float32,
+                 kernel: LoRAKernel | None = None) -> None:
         super().__init__()
         if sum(slice_sizes) != base_layer.out_features:
             raise ValueError(f"slices {slice_sizes} do not add up to {base_layer.out_features}")
@@ -90,10 +105,13 @@ class LinearWithLoRA(nn.Module):
         self.lora_a = torch.zeros(max_loras, s, max_rank, k, dtype=dtype, device=device)
         self.lora_b = torch.zeros(max_loras, max_rank, n, dtype=dtype, device=device)
         self.ranks = torch.zeros(max_loras, s, dtype=torch.int32)
+        # The ranks where the slots are too (a kernel on the device reads them there).
+        self.device_ranks = self.ranks if device.type == "cpu" else self.ranks.to(device)
         self.slice_sizes_t = torch.tensor(slice_sizes, dtype=torch.int64)
+        self.kernel: LoRAKernel = kernel or TorchLoRAKernel()
         # The C kernel's view of the slots (None off the CPU / float32): checked once.
-        self._kernel_slots = cpu_kernels.lora_kernel_slots(self.lora_a, self.lora_b,
-                                                           self.ranks, self.slice_sizes_t)
+        self.kernel_slots = cpu_decode.lora_kernel_slots(self.lora_a, self.lora_b,
+                                                          self.ranks, self.slice_sizes_t)
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.base_layer(x)
@@ -105,8 +123,7 @@ class LinearWithLoRA(nn.Module):
         """y [T, N] += each token's adapter update for x [T, K], in place."""
         slots = self.step.token_slots
         assert slots is not None and slots.shape[0] == x.shape[0] == y.shape[0]
-        if self._kernel_slots is not None and cpu_kernels.lora_apply(y, x, self._kernel_slots,
-                                                                     slots):
+        if self.kernel.apply(self, y, x):
             return
         for slot, rows in self.step.groups:
             xs = x[rows].float()
@@ -131,6 +148,8 @@ class LinearWithLoRA(nn.Module):
                 self.lora_a[slot, s, :r].copy_(a)
                 self.lora_b[slot, :r, off:off + n].copy_(b.t())
             self.ranks[slot, s] = r
+        if self.device_ranks is not self.ranks:
+            self.device_ranks.copy_(self.ranks)
 
     def slot_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.lora_a, self.lora_b, self.ranks))

@@ -18,15 +18,16 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from aioengine.config import EngineArgs
 from aioengine.engine.features import EngineFeature
-from aioengine.kernels.cpu import LoRADecodeArgs
+from aioengine.kernels.cpu_decode import LoRADecodeArgs
 from aioengine.lora.adapter import (LoRAError, LoRAModel, LoRANotFoundError, file_stamp,
                                     load_adapter)
+from aioengine.lora.kernels import select_lora_kernel
 from aioengine.lora.layers import LinearWithLoRA, LoRAStep
 from aioengine.lora.request import LoRARequest
 from aioengine.model.layers import Linear, ProjectionSpec
@@ -34,6 +35,7 @@ from aioengine.model.loader import activation_dtype
 
 if TYPE_CHECKING:
     from aioengine.core.scheduler_output import SchedulerOutput
+    from aioengine.request import Request
     from aioengine.sampling_params import SamplingParams
 
 logger = logging.getLogger("aioengine")
@@ -97,6 +99,8 @@ class LoRAManager(EngineFeature):
         self.config = config
         self.step = LoRAStep()
         self.device = device
+        # What adds the adapter updates in the layerwise path (the fused decode has its own).
+        self.kernel = select_lora_kernel(device)
         # The slots in the weights' dtype where that is bf16 (the engine's dtype: the adapter
         # weights are read once per token like the model's), else in the activations'.
         self.slot_dtype = slot_dtype(dtype, device, quantization)
@@ -114,6 +118,7 @@ class LoRAManager(EngineFeature):
         self._slot_last_used: list[int] = [0] * config.max_loras
         self._num_steps = 0
         self.num_loads = self.num_slot_loads = 0
+        self._admitting: set[int] = set()  # the adapters of the step being scheduled
 
     def linear_factory(self, spec: ProjectionSpec, base: Linear) -> LinearWithLoRA:
         """The model's LinearFactory: `base` wrapped with this manager's adapter slots."""
@@ -123,7 +128,7 @@ class LoRAManager(EngineFeature):
         if spec.name in layer:
             raise ValueError(f"LoRA: layer {spec.layer_idx} {spec.name} is built twice")
         w = LinearWithLoRA(base, spec.slices, self.config.max_loras, self.config.max_lora_rank,
-                           self.step, self.slot_dtype)
+                           self.step, self.slot_dtype, self.kernel)
         layer[spec.name] = w
         for module, size in zip(PROJECTION_SLICES[spec.name], spec.slices):
             self.module_shapes[(spec.layer_idx, module)] = (w.in_features, size)
@@ -206,14 +211,30 @@ class LoRAManager(EngineFeature):
             victim = idle[0] if idle else next(iter(self._cpu))
             del self._cpu[victim]
 
-    # ---- the step (worker) ------------------------------------------------------------
-
     def admit(self, params: SamplingParams,
               lora_request: LoRARequest | None) -> LoRARequest | None:
         """EngineFeature.admit: the sample runs with the adapter as registered when the
         request was prepared (`resolve`, which raises LoRANotFoundError / LoRAError): an
         adapter unloaded since keeps serving the requests that hold it."""
         return lora_request
+
+    # ---- the scheduler's hooks (event loop) -------------------------------------------
+
+    def begin_admission(self, running: Sequence[Request]) -> None:
+        """The adapters the running requests hold (a step never names more than
+        max_loras)."""
+        self._admitting = {r.lora_id for r in running if r.lora_id}
+
+    def can_admit(self, request: Request) -> bool:
+        """False if the request's adapter would be one more than max_loras in the step."""
+        return (not request.lora_id or request.lora_id in self._admitting
+                or len(self._admitting) < self.config.max_loras)
+
+    def admitted(self, request: Request) -> None:
+        if request.lora_id:
+            self._admitting.add(request.lora_id)
+
+    # ---- the step (worker) ------------------------------------------------------------
 
     def begin_execute(self, scheduler_output: SchedulerOutput) -> None:
         """EngineFeature.begin_execute: the step's adapters into slots (assign_slots)."""

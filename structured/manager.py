@@ -1,42 +1,49 @@
 """StructuredOutputManager: the engine's one handle on structured output.
 
-An EngineFeature (aioengine.engine.features). The engine touches it at four places, each
-a single call:
+An EngineFeature (aioengine.engine.features); the engine reaches it through its hooks:
 
-    add_request     -> new_request_state(params)      (admit: compile submitted to the pool)
-    scheduler       -> request.structured.is_ready()  (skip until compiled)
+    add_request     -> admit(params)          a sample's state, its compile on the pool
+    scheduler       -> can_admit(request)     skip until compiled (fail a failed compile)
+                       allows_schedule_ahead  never for a constrained request
+                       forced_tokens(...)     the matcher advanced, jump-forward tokens
+                       usable_drafts(...)     the drafts the matcher accepts
     after schedule  -> prepare_step(output) sets output.grammar_bitmask; the loop calls
                        bitmask.fill() while the forward runs, the runner calls
                        bitmask.apply(logits) before sampling
-    update          -> request.structured.advance(request, token, room)
-                       (matcher + jump-forward)
 """
 from __future__ import annotations
 
 import statistics
 from typing import TYPE_CHECKING, Any
 
-from aioengine.engine.features import EngineFeature
+from aioengine.engine.features import AdmissionFailed, EngineFeature
 from aioengine.sampling_params import SamplingParams, StructuredOutputs
 from aioengine.structured.bitmask import GrammarBitmask
-from aioengine.structured.compiler import GrammarCompileCache
+from aioengine.structured.compiler import (DEFAULT_CACHE_BYTES, DEFAULT_COMPILE_TIMEOUT_S,
+                                          GrammarCompileCache)
 from aioengine.structured.request_state import StructuredRequestState, StructuredStats
 
 if TYPE_CHECKING:
     from aioengine.core.scheduler_output import SchedulerOutput
     from aioengine.lora.request import LoRARequest
+    from aioengine.request import Request
 
 
 class StructuredOutputManager(EngineFeature):
     name = "structured"
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int],
-                 jump_forward: bool = True, max_workers: int = 2) -> None:
+                 jump_forward: bool = True, max_workers: int = 2,
+                 compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+                 max_cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.jump_forward = jump_forward
+        # Compile budget and byte-bounded cache: see structured/compiler.py (issue 27).
         self.compiler = GrammarCompileCache(tokenizer, vocab_size, sorted(stop_token_ids),
-                                            max_workers=max_workers)
+                                            max_workers=max_workers,
+                                            compile_timeout_s=compile_timeout_s,
+                                            max_cache_bytes=max_cache_bytes)
         self.stats = StructuredStats()
 
     # ---- requests ---------------------------------------------------------------------
@@ -69,6 +76,36 @@ class StructuredOutputManager(EngineFeature):
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ---- the scheduler's hooks --------------------------------------------------------
+
+    def can_admit(self, request: Request) -> bool:
+        """False while the request's grammar compiles; a failed compile fails the request
+        (front ends compile first and answer 400, so this is a safety net)."""
+        state = request.structured
+        if state is None:
+            return True
+        if not state.is_ready():
+            return False
+        if state.error is not None:
+            raise AdmissionFailed(state.error)
+        return True
+
+    def allows_schedule_ahead(self, request: Request) -> bool:
+        """The next step's mask needs the matcher advanced by this step's token."""
+        return request.structured is None
+
+    def forced_tokens(self, request: Request, token: int, room: int) -> list[int]:
+        """Advances the matcher by `token`; the jump-forward tokens after it (<= room)."""
+        if request.structured is None:
+            return []
+        return request.structured.advance(request, token, room)
+
+    def usable_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        """The prefix of `drafts` the matcher accepts."""
+        if request.structured is None:
+            return drafts
+        return drafts[:request.structured.num_valid_drafts(drafts)]
 
     # ---- the step ---------------------------------------------------------------------
 

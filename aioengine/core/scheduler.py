@@ -15,21 +15,31 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from aioengine.config import SchedulerConfig
 from aioengine.core.kv_cache_manager import KVCacheManager
-from aioengine.core.scheduler_output import (PLACEHOLDER_TOKEN_ID, EngineCoreOutput,
-                                             ModelRunnerOutput, ScheduledRequest,
-                                             SchedulerOutput)
+from aioengine.core.scheduler_output import (EngineCoreOutput, ModelRunnerOutput,
+                                             ScheduledRequest, SchedulerOutput)
 from aioengine.core.spec_stats import SpecDecodingStats
+from aioengine.engine.features import AdmissionFailed, EngineFeature
 from aioengine.request import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    """The synchronous scheduler: one step at a time, each after the update of the one
+    before (AsyncScheduler, in core/async_scheduler.py, also schedules ahead).
+
+    The engine's features (structured output, LoRA) take part through their scheduler
+    hooks (aioengine.engine.features): which waiting requests may be admitted, which may
+    be scheduled ahead, the tokens they force after a sampled one, the drafts kept."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 features: Sequence[EngineFeature] = (),
+                 spec_stats: SpecDecodingStats | None = None) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        self.features = tuple(features)
         self.waiting: list[Request] = []  # kept in policy order; index 0 is next
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -38,7 +48,8 @@ class Scheduler:
         self.newly_failed: list[Request] = []
         self.num_steps = 0
         self.num_steps_ahead = 0  # of them, scheduled ahead (schedule_ahead)
-        self.spec_stats = SpecDecodingStats(config.num_speculative_tokens)
+        # Verified drafts, counted here; SpecDecodeFeature reports them.
+        self.spec_stats = spec_stats or SpecDecodingStats(config.num_speculative_tokens)
 
     # ---- queue management --------------------------------------------------------------
 
@@ -112,49 +123,46 @@ class Scheduler:
             budget -= num_new + num_spec
             i += 1
 
-        # Admit waiting requests only when nobody had to be preempted this step.
-        # A request whose grammar is still compiling is skipped, not waited for; so is one
-        # whose adapter would be one more than max_loras in the step.
-        loras = {r.lora_id for r in self.running if r.lora_id}
-        w = 0
-        while (not preempted and w < len(self.waiting) and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[w]
-            if not self._grammar_ready(request):
-                w += 0 if request.is_finished else 1  # a failed one left the queue
-                continue
-            if (request.lora_id and request.lora_id not in loras
-                    and len(loras) >= self.config.max_loras):
-                w += 1
-                continue
-            num_new = self._admit(request, budget)
-            if num_new is None:
-                break
-            if request.lora_id:
-                loras.add(request.lora_id)
-            scheduled.append((request, num_new, 0))
-            budget -= num_new
-
-        ready = [r for r in list(self.waiting) if self._grammar_ready(r)]
-        if not scheduled and not self.running and ready:
-            self._fail_unfittable(ready[0])
+        if not preempted:  # admit waiting requests only when nobody had to be preempted
+            blocked = self._admit_waiting(scheduled, budget)
+            if blocked is not None and not scheduled and not self.running:
+                self._fail_unfittable(blocked)
         self.kv_cache_manager.observe_peak_usage()
         return self._make_output(scheduled, preempted, speculate)
 
-    def _grammar_ready(self, request: Request) -> bool:
-        """False while the request's grammar compiles; a failed compile fails the request
-        (front ends normally compile first and answer 400, so this is a safety net)."""
-        state = request.structured
-        if state is None:
-            return True
-        if not state.is_ready():
-            return False
-        if state.error is not None:
-            request.error = state.error
+    def _admit_waiting(self, scheduled: list[tuple[Request, int, int]],
+                       budget: int) -> Request | None:
+        """Admits waiting requests in queue order while the budget lasts; returns the one
+        that did not fit (None if none was refused for room). A request a feature holds
+        back (its grammar still compiling, its adapter one more than max_loras in the
+        step) is skipped, not waited for."""
+        for feature in self.features:
+            feature.begin_admission(self.running)
+        w = 0
+        while (w < len(self.waiting) and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[w]
+            if not self._features_admit(request):
+                w += 0 if request.is_finished else 1  # a failed one left the queue
+                continue
+            num_new = self._admit(request, budget)
+            if num_new is None:
+                return request
+            for feature in self.features:
+                feature.admitted(request)
+            scheduled.append((request, num_new, 0))
+            budget -= num_new
+        return None
+
+    def _features_admit(self, request: Request) -> bool:
+        """Every feature's can_admit; one that raises AdmissionFailed fails the request."""
+        try:
+            return all(feature.can_admit(request) for feature in self.features)
+        except AdmissionFailed as e:
+            request.error = str(e)
             self.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
             self.newly_failed.append(request)
             return False
-        return True
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
         num_new = request.num_tokens - num_computed
@@ -264,73 +272,10 @@ class Scheduler:
         return (self.config.num_speculative_tokens > 0
                 and (limit is None or num_running <= limit))
 
-    # ---- async scheduling ------------------------------------------------------------
-
     def schedule_ahead(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
-        """vLLM's async scheduling: the step after `in_flight`, scheduled while it runs and
-        before its tokens are known. Each of its requests computes one more token, the one
-        `in_flight` samples for it (the runner fills the id in), so the worker goes from
-        one step to the next without waiting for the loop's update and schedule.
-
-        Only in the steady state where that is exactly what schedule() would hand out after
-        the update: nothing waiting, every running request in `in_flight` with one sampled
-        row, and nothing in its sampling that reads the output tokens (a grammar, penalties,
-        min_tokens still banning stop tokens). None otherwise: the engine then waits for the
-        update and calls schedule(). Requests that `in_flight` surely ends (max_tokens,
-        max_model_len) are left out; one that it ends by a stop token computes one token in
-        vain, which update_from_output drops, as for an abort.
-
-        Only schedule() admits, preempts or hits the prefix cache, and only with no step in
-        flight. A step ahead writes K/V only into its requests' unhashed tail blocks, so a
-        block freed meanwhile (stop, abort) and handed out again is rewritten by its new
-        owner in a later step (the worker runs steps in order) before anyone reads it.
-        """
-        live = [item for item in in_flight.scheduled if not item.request.is_finished]
-        # With drafts verified in `in_flight` (its tokens unknown in number) or proposed
-        # after it, the next step needs its update first.
-        if (in_flight.propose_drafts or any(item.spec_token_ids for item in live)
-                or self.waiting or len(live) != len(self.running)
-                or len(live) > self.config.max_num_batched_tokens
-                or not all(self._can_run_ahead(item) for item in live)):
-            return None
-        ahead = [item for item in live if not self._ends_by_length(item.request)]
-        if not ahead or not self._allocate_ahead(ahead):
-            return None
-        items = [ScheduledRequest(
-            request=item.request,
-            num_computed_tokens=item.num_computed_tokens + item.num_new_tokens,
-            token_ids=[PLACEHOLDER_TOKEN_ID],
-            block_ids=self.kv_cache_manager.get_block_ids(item.request.request_id),
-            num_samples=1) for item in ahead]
-        self.kv_cache_manager.observe_peak_usage()
-        self.num_steps += 1
-        self.num_steps_ahead += 1
-        return SchedulerOutput(scheduled=items, total_num_scheduled_tokens=len(items),
-                               blocks_to_copy=self.kv_cache_manager.take_copy_ops(),
-                               step_id=self.num_steps, follows_step=in_flight.step_id)
-
-    def _can_run_ahead(self, item: ScheduledRequest) -> bool:
-        request, params = item.request, item.request.sampling_params
-        return (item.num_samples == 1 and request.structured is None
-                and request.num_computed_tokens == item.num_computed_tokens
-                and request.num_output_tokens >= params.min_tokens
-                and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
-                and params.presence_penalty == 0.0)
-
-    def _ends_by_length(self, request: Request) -> bool:
-        """Whether the token being sampled for `request` will end it (_check_stop)."""
-        return (request.num_output_tokens + 1 >= (request.sampling_params.max_tokens or 0)
-                or request.num_tokens + 1 >= self.config.max_model_len)
-
-    def _allocate_ahead(self, ahead: list[ScheduledRequest]) -> bool:
-        """Slots for one token past each in-flight step. On a shortage some requests may
-        keep the blocks they got: their next allocate_slots counts them as theirs."""
-        for item in ahead:
-            done = item.num_computed_tokens + item.num_new_tokens  # once in_flight has run
-            if self.kv_cache_manager.allocate_slots(item.request, 1,
-                                                    num_computed_tokens=done) is None:
-                return False
-        return True
+        """The synchronous scheduler never schedules a step before the update of the one
+        in flight (AsyncScheduler does)."""
+        return None
 
     # ---- after the forward -------------------------------------------------------------
 
@@ -397,7 +342,7 @@ class Scheduler:
             kept += 1
             request.append_output_token_ids([token])
             new_token_ids.append(token)
-            extra = self._advance_structured(request, token) if request.structured else []
+            extra = self._forced_tokens(request, token)
             new_token_ids += extra
             if not request.is_finished:
                 self._check_stop(request)
@@ -420,8 +365,9 @@ class Scheduler:
         # in some step (schedule() trims none of them for it).
         room = min(room, self.config.max_num_batched_tokens - 1)
         drafts = drafts[:max(room, 0)]
-        if drafts and request.structured is not None:
-            drafts = drafts[:request.structured.num_valid_drafts(drafts)]
+        for feature in self.features:
+            if drafts:
+                drafts = feature.usable_drafts(request, drafts)
         return drafts
 
     def _fork(self, request: Request) -> list[Request]:
@@ -437,15 +383,18 @@ class Scheduler:
             self.running.append(child)
         return forks
 
-    def _advance_structured(self, request: Request, token: int) -> list[int]:
-        """Advances the grammar; appends and returns jump-forward tokens (computed as one
-        chunk next step), never past max_tokens / max_model_len, never after a stop token."""
+    def _forced_tokens(self, request: Request, token: int) -> list[int]:
+        """The features' forced_tokens after `token` (a grammar's jump-forward), appended
+        to the request and returned: never past max_tokens / max_model_len, never after a
+        stop token."""
         params = request.sampling_params
         stops = (request.num_output_tokens >= params.min_tokens
                  and token in params.all_stop_token_ids)
         room = 0 if stops else min((params.max_tokens or 0) - request.num_output_tokens,
                                    self.config.max_model_len - request.num_tokens)
-        extra = request.structured.advance(request, token, room)
+        extra: list[int] = []
+        for feature in self.features:
+            extra += feature.forced_tokens(request, token, room - len(extra))
         request.append_output_token_ids(extra)
         return extra
 

@@ -20,9 +20,11 @@ from aioengine import envs
 from aioengine import cpu_info
 from aioengine.config import (ConfigError, EngineArgs, SchedulerConfig, auto_dtype,
                               default_kv_cache_memory, parse_dtype)
+from aioengine.core.async_scheduler import AsyncScheduler
 from aioengine.core.kv_cache_manager import KVCacheManager
 from aioengine.core.scheduler import Scheduler
 from aioengine.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from aioengine.core.spec_stats import SpecDecodingStats
 from aioengine.engine.admission import RequestAdmission
 from aioengine.engine.client import PreparedRequest
 from aioengine.engine.features import EngineFeature, feature_stats, prepare_step
@@ -95,8 +97,6 @@ class EngineCore(RequestAdmission):
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size,
                                                enable_caching=args.enable_prefix_caching,
                                                hash_algo=args.prefix_caching_hash_algo)
-        self.scheduler = Scheduler(SchedulerConfig.from_engine_args(
-            args, self.max_model_len, spec, num_lookahead_tokens(spec)), self.kv_cache_manager)
         proposer = make_proposer(spec, self.loaded, num_blocks, args.block_size, self.dtype,
                                  self.device)
         self.eos_token_ids = get_eos_token_ids(self.tokenizer, self.loaded.hf_config)
@@ -105,11 +105,16 @@ class EngineCore(RequestAdmission):
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size,
                                                   self.eos_token_ids,
                                                   jump_forward=args.structured_jump_forward)
+        spec_stats = SpecDecodingStats(spec.num_speculative_tokens if spec else 0)
         # The features, in the order their hooks run and their stats are listed.
         self.features: tuple[EngineFeature, ...] = tuple(f for f in (
             self.structured, self.lora,
-            None if spec is None else SpecDecodeFeature(spec, self.scheduler.spec_stats),
+            None if spec is None else SpecDecodeFeature(spec, spec_stats),
         ) if f is not None)
+        scheduler_cls = AsyncScheduler if args.async_scheduling else Scheduler
+        self.scheduler = scheduler_cls(SchedulerConfig.from_engine_args(
+            args, self.max_model_len, spec, num_lookahead_tokens(spec)), self.kv_cache_manager,
+            self.features, spec_stats)
         self.runner = ModelRunner(self.loaded, num_blocks, args.block_size, self.device,
                                   self.kv_cache_dtype, seed=args.seed, proposer=proposer,
                                   features=self.features)
@@ -204,7 +209,7 @@ class EngineCore(RequestAdmission):
                 request_id=request_id if params.n == 1 else f"{request_id}#{i}",
                 prompt_token_ids=list(prompt_token_ids), sampling_params=sample_params,
                 arrival_time=arrival, priority=priority, parent_id=request_id, sample_index=i,
-                structured=self.structured.new_request_state(sample_params),
+                structured=self.structured.admit(sample_params, lora),
                 lora_request=lora,
                 # The adapter's load is part of every block hash: KV computed under one
                 # adapter (or an earlier load of the same name) is never reused by another.
@@ -266,10 +271,8 @@ class EngineCore(RequestAdmission):
         return prepare_step(self.features, self.scheduler.schedule())
 
     def schedule_ahead(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
-        """The next step, scheduled while `in_flight` runs (Scheduler.schedule_ahead), or
-        None: then update `in_flight` and call schedule()."""
-        if not self.args.async_scheduling:
-            return None
+        """The next step, scheduled while `in_flight` runs (AsyncScheduler), or None: then
+        update `in_flight` and call schedule(). The synchronous Scheduler always says None."""
         return self.scheduler.schedule_ahead(in_flight)
 
     def fill_bitmask(self, scheduler_output: SchedulerOutput) -> None:

@@ -3,7 +3,7 @@
     LayerwiseExecutor      every step: the layers' own forward, op by op, with the model's
                            device ops and attention backend (the reference)
     FusedCpuDecodeExecutor decode steps of a few requests on the CPU: every layer and the
-                           final norm in one C call (`cpu_kernels.llama_decode`)
+                           final norm in one C call (`cpu_decode.llama_decode`)
 
 The model asks the fused executor first, per step; it runs the step only when it
 `supports` it, and it supports only what it declares: the layer features in
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from aioengine.kernels import cpu as cpu_kernels
+from aioengine.kernels import cpu_decode
 from aioengine.model.attention import AttentionMetadata, TorchAttentionBackend
 from aioengine.model.layer_spec import smallest_window, unsupported
 from aioengine.model.rotary import RopeStep
@@ -85,7 +85,7 @@ class FusedCpuDecodeExecutor:
         # (the KV caches' data pointers, the typed layer table llama_decode reads) for the
         # last kv_caches seen: built once, the weights being updated in place. Whatever
         # replaces a parameter tensor (rather than copying into it) must call reset().
-        self._table: tuple[tuple[int, ...], cpu_kernels.DecodeLayerTable] | None = None
+        self._table: tuple[tuple[int, ...], cpu_decode.DecodeLayerTable] | None = None
 
     def reset(self) -> None:
         self._table = None
@@ -113,7 +113,7 @@ class FusedCpuDecodeExecutor:
         model, arch = self.model, self.model.arch
         lora = model.lora_source
         _, num_blocks, block_size, _, _ = kv_caches[0].shape
-        return cpu_kernels.llama_decode(
+        return cpu_decode.llama_decode(
             x, table, model.norm, num_heads=arch.num_attention_heads,
             num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
             intermediate_size=arch.intermediate_size, eps=arch.rms_norm_eps,
@@ -123,7 +123,7 @@ class FusedCpuDecodeExecutor:
             block_size=block_size, weight_format=model.layers[0].qkv_proj.gemv_format,
             aux=aux, aux_layers=aux_index, lora=None if lora is None else lora.decode_args())
 
-    def _layer_table(self, kv_caches: list[Tensor]) -> cpu_kernels.DecodeLayerTable | None:
+    def _layer_table(self, kv_caches: list[Tensor]) -> cpu_decode.DecodeLayerTable | None:
         key = tuple(c.data_ptr() for c in kv_caches)
         if self._table is None or self._table[0] != key:
             model, arch = self.model, self.model.arch
@@ -131,7 +131,7 @@ class FusedCpuDecodeExecutor:
             if (len(kv_caches) != len(model.layers) or len({c.shape for c in kv_caches}) != 1
                     or kv_caches[0].dim() != 5 or kv_caches[0].shape[-2:] != kv_shape):
                 return None
-            table = cpu_kernels.decode_layer_table([
+            table = cpu_decode.decode_layer_table([
                 {"input_norm": layer.input_layernorm, "qkv": layer.qkv_proj.weight,
                  "qkv_scales": layer.qkv_proj.scales, "qkv_bias": layer.qkv_proj.bias,
                  "q_norm": layer.q_norm, "k_norm": layer.k_norm, "o": layer.o_proj.weight,

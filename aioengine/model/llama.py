@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aioengine.kernels import cpu as cpu_kernels
+from aioengine.kernels import cpu_decode
 from aioengine.model import hugepages
 from aioengine.model.arch import ModelArchConfig, UnsupportedModelError
 from aioengine.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
@@ -115,7 +115,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
                  attn_backend: AttentionBackend | None = None, *,
                  linear_factory: LinearFactory | None = None,
-                 lora_source: cpu_kernels.LoRADecodeSource | None = None,
+                 lora_source: cpu_decode.LoRADecodeSource | None = None,
                  ops: TorchOps | None = None) -> None:
         super().__init__()
         self.arch = arch

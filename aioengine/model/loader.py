@@ -24,7 +24,7 @@ import torch
 from aioengine.model.arch import SUPPORTED_ARCHITECTURES, ModelArchConfig, UnsupportedModelError
 from aioengine.model.default import ModelNotFoundError, bundled_model_path
 from aioengine.model.gguf_loader import GGUFFormatError
-from aioengine.kernels.cpu import LoRADecodeSource
+from aioengine.kernels.cpu_decode import LoRADecodeSource
 from aioengine.model.layers import LinearFactory
 from aioengine.model.llama import LlamaForCausalLM
 

@@ -30,7 +30,6 @@ from aioengine.engine.features import EngineFeature
 from aioengine.model.attention import build_attention_metadata, copy_blocks, to_device
 from aioengine.model.llama import make_kv_caches
 from aioengine.model.loader import LoadedModel
-from aioengine.outputs import Logprob, PositionLogprobs
 from aioengine.request import Request
 from aioengine.structured import GrammarBitmask
 from aioengine.sample import (Sampler, SamplingMetadata, SamplingRow, compute_probs,
@@ -39,12 +38,10 @@ from aioengine.sample import (Sampler, SamplingMetadata, SamplingRow, compute_pr
 from aioengine.spec_decode.proposer import ProposeContext, Proposer
 from aioengine.spec_decode.rejection_sampler import VerifyRows, accept_greedy, accept_sampled
 from aioengine.worker.async_output import AsyncModelRunnerOutput, HostCopier
+from aioengine.worker.runner_outputs import (PlainSample, plain_tensors, read_plain,
+                                             to_position_logprobs)
 from aioengine.worker.cuda_graphs import CUDAGraphRunner
 
-# Sampled ids (and, when asked for, logprob ids, logprobs and ranks) of the plain rows of
-# one step, with the items they belong to: turned into the output's lists by `_read_plain`.
-_PlainSample = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-                     list[ScheduledRequest]]
 
 
 class ModelRunner:
@@ -82,7 +79,7 @@ class ModelRunner:
         # the input ids of a step scheduled ahead, gathered there without a host round trip.
         self._last_step_id: int | None = None
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
-        self._plain: list[_PlainSample] = []
+        self._plain: list[PlainSample] = []
 
     def execute_model(self, scheduler_output: SchedulerOutput,
                       before_layers: Callable[[], None] | None = None,
@@ -141,12 +138,13 @@ class ModelRunner:
         self._last_step_id = scheduler_output.step_id
         if plain and self.async_output and not propose:
             # Only the sampled ids are still on the device: hand the output over unread.
-            hosts, event = self.copier.copy([t for sample in plain for t in _tensors(sample)])
+            hosts, event = self.copier.copy(
+                [t for sample in plain for t in plain_tensors(sample)])
             output.timings = {"prepare": prepared - start, "forward": forwarded - prepared,
                               "sample": time.perf_counter() - forwarded, "propose": 0.0}
-            return AsyncModelRunnerOutput(event, lambda: _read_plain(plain, hosts, output))
+            return AsyncModelRunnerOutput(event, lambda: read_plain(plain, hosts, output))
         if plain:
-            _read_plain(plain, [t for sample in plain for t in _tensors(sample)], output)
+            read_plain(plain, [t for sample in plain for t in plain_tensors(sample)], output)
         if propose:
             output.spec_token_ids = self.proposer.propose(ProposeContext(
                 scheduled=scheduled, sampled_token_ids=output.sampled_token_ids,
@@ -284,7 +282,7 @@ class ModelRunner:
                       owners: list[ScheduledRequest], output: ModelRunnerOutput,
                       masked: bool) -> None:
         """One token per row through the Sampler (1, or 1 + forks, per item), left on the
-        device: `_execute` reads them (`_read_plain`) at once or hands them over unread."""
+        device: `_execute` reads them (`read_plain`) at once or hands them over unread."""
         lp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if not masked and all(is_plain_greedy(row) for row in rows):
             sampled = logits.argmax(dim=1)
@@ -330,7 +328,7 @@ class ModelRunner:
                 ids, lps, ranks = gather_logprobs(
                     raw_logprobs[r:r + len(tokens)],
                     torch.tensor(tokens, dtype=torch.long, device=self.device), params.logprobs)
-                output.logprobs[request.request_id] = _to_position_logprobs(ids, lps, ranks) or []
+                output.logprobs[request.request_id] = to_position_logprobs(ids, lps, ranks) or []
             r += len(drafts) + 1
 
     def _sampling_row(self, request: Request, drafts: list[int] | None = None) -> SamplingRow:
@@ -361,7 +359,7 @@ class ModelRunner:
                                    dtype=torch.long, device=self.device)
             k = request.sampling_params.prompt_logprobs or 0
             ids, lps, ranks = compute_prompt_logprobs(self.model.compute_logits(rows), targets, k)
-            output.prompt_logprobs[request.request_id] = _to_position_logprobs(ids, lps, ranks)
+            output.prompt_logprobs[request.request_id] = to_position_logprobs(ids, lps, ranks)
 
 
 def _step_layout(scheduled: list[ScheduledRequest],
@@ -385,50 +383,3 @@ def _step_layout(scheduled: list[ScheduledRequest],
             tables.append(s.block_ids)
         starts.append(starts[-1] + n)
     return query_lens, seq_lens, tables, starts
-
-
-def _to_position_logprobs(ids: torch.Tensor | None, lps: torch.Tensor | None,
-                          ranks: torch.Tensor | None) -> list[PositionLogprobs] | None:
-    """[N, K+1] tensors (chosen token first, then the top K) -> one dict per row."""
-    if ids is None or lps is None or ranks is None:
-        return None
-    out = []
-    for row_ids, row_lps, rank in zip(ids.tolist(), lps.tolist(), ranks.tolist()):
-        entry = {row_ids[0]: Logprob(row_lps[0], rank)}
-        for j, (tok, lp) in enumerate(zip(row_ids[1:], row_lps[1:])):
-            entry.setdefault(tok, Logprob(lp, j + 1))
-        out.append(entry)
-    return out
-
-
-def _tensors(sample: _PlainSample) -> list[torch.Tensor]:
-    sampled, lp, _ = sample
-    return [sampled] if lp is None else [sampled, *lp]
-
-
-def _read_plain(plain: list[_PlainSample], hosts: list[torch.Tensor],
-                output: ModelRunnerOutput) -> ModelRunnerOutput:
-    """Fills `output` from the host copies of each plain sample's tensors (in the order
-    `_tensors` lists them)."""
-    i = 0
-    for _, lp, owners in plain:
-        sampled = hosts[i].tolist()
-        logprobs = _to_position_logprobs(*hosts[i + 1:i + 4]) if lp is not None else None
-        i += 1 if lp is None else 4
-        r = 0
-        for item in owners:
-            rid = item.request.request_id
-            n = item.num_samples
-            output.sampled_token_ids[rid] = sampled[r:r + n]
-            k = item.request.sampling_params.logprobs
-            if k is not None and logprobs is not None:
-                output.logprobs[rid] = [_top(entry, k) for entry in logprobs[r:r + n]]
-            r += n
-    return output
-
-
-def _top(entry: PositionLogprobs, k: int) -> PositionLogprobs:
-    """Keeps the chosen token (first key) and the k best alternatives."""
-    items = list(entry.items())
-    chosen, rest = items[0], sorted(items[1:], key=lambda kv: kv[1].rank)
-    return dict([chosen] + [kv for kv in rest if kv[1].rank <= k])

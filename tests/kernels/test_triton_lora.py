@@ -7,6 +7,8 @@ import torch
 
 from aioengine.kernels.triton import (lora_expand, lora_expand_ref, lora_shrink,
                                       lora_shrink_ref, lora_token_groups)
+from aioengine.lora.kernels import (CpuLoRAKernel, TorchLoRAKernel, TritonLoRAKernel,
+                                    select_lora_kernel)
 from aioengine.lora.layers import LinearWithLoRA, LoRAStep
 from aioengine.model.layers import Linear
 
@@ -77,7 +79,7 @@ def test_references_match_the_lora_layer() -> None:
     base.weight.data.normal_()
     step = LoRAStep()
     layer = LinearWithLoRA(base, QKV, max_loras=2, max_rank=max_rank, step=step)
-    layer._kernel_slots = None  # the torch path, not the C kernel
+    assert isinstance(layer.kernel, TorchLoRAKernel)  # the torch form, not the C kernel
     for slot, slot_ranks in enumerate(ranks):
         layer.set_slot(slot, [None if r == 0 else
                               (torch.randn(r, k_dim), torch.randn(n, r))
@@ -90,3 +92,32 @@ def test_references_match_the_lora_layer() -> None:
     u = lora_shrink_ref(x, layer.lora_a, layer.ranks, slots)
     got = lora_expand_ref(base(x), u, layer.lora_b, layer.ranks, slots, QKV)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_device_chooses_the_lora_kernel() -> None:
+    assert isinstance(select_lora_kernel(torch.device("cuda")), TritonLoRAKernel)
+    assert isinstance(select_lora_kernel(torch.device("cpu")), CpuLoRAKernel)
+
+
+@pytest.mark.parametrize("token_slots", [[1, -1, 0, 1, 0], [0] * 20 + [1] * 3],
+                         ids=["mixed", "grouped"])
+def test_the_triton_kernel_runs_the_lora_layer(device, token_slots) -> None:
+    """LinearWithLoRA with the Triton kernel (as LoRAManager builds it on CUDA) gives its
+    torch form, the step's groups built once for every projection."""
+    k_dim, max_rank, ranks = 48, 8, [[8, 3, 0], [2, 2, 2]]
+    torch.manual_seed(0)
+    base = Linear(k_dim, sum(QKV), False, torch.float32, device)
+    base.weight.data.normal_()
+    step = LoRAStep()
+    layers = [LinearWithLoRA(base, QKV, max_loras=2, max_rank=max_rank, step=step,
+                             kernel=kernel) for kernel in (TorchLoRAKernel(), TritonLoRAKernel())]
+    for slot, slot_ranks in enumerate(ranks):
+        pairs = [None if r == 0 else (torch.randn(r, k_dim), torch.randn(n, r))
+                 for r, n in zip(slot_ranks, QKV)]
+        for layer in layers:
+            layer.set_slot(slot, pairs)
+    step.set(token_slots, device)
+    x = torch.randn(len(token_slots), k_dim, device=device)
+    expected, got = (layer(x) for layer in layers)
+    assert step._device_groups is not None  # the Triton kernel ran (it built the groups)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

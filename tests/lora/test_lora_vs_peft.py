@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from aioengine.kernels import cpu as cpu_kernels
+from aioengine.kernels import cpu_decode
 from aioengine.lora import LoRARequest
 from aioengine.lora.manager import LoRAConfig, LoRAManager
 from aioengine.model.attention import build_attention_metadata
@@ -60,7 +61,7 @@ def test_mixed_batch_matches_peft(setup, kernels, monkeypatch):
     if kernels == "c":
         assert cpu_kernels.load() is not None, cpu_kernels.load_error()
     else:
-        monkeypatch.setattr(cpu_kernels, "lora_apply", lambda *a: False)
+        monkeypatch.setattr(cpu_decode, "lora_apply", lambda *a: False)
     model, manager, loras = _engine_model(model_dir, adapters)
     rng = random.Random(0)
     names = ["attn", None, "all", "mlp", "all", None, "attn"]
@@ -87,8 +88,8 @@ def test_mixed_batch_matches_peft(setup, kernels, monkeypatch):
     # Decode steps of every prompt's next token: fused (<= 8 rows) and layer path.
     nxt = [int(logits[sum(lens[:i + 1]) - 1].argmax()) for i in range(len(prompts))]
     fused_calls = []
-    real_decode = cpu_kernels.llama_decode
-    monkeypatch.setattr(cpu_kernels, "llama_decode",
+    real_decode = cpu_decode.llama_decode
+    monkeypatch.setattr(cpu_decode, "llama_decode",
                         lambda *a, **kw: fused_calls.append(kw["lora"]) or real_decode(*a, **kw))
     for fused in (True, False):
         model.use_fused_decode = fused
@@ -134,7 +135,7 @@ def test_bf16_slots_same_on_every_path(setup, monkeypatch):
 
     fused, layer = decode(loras), decode(loras, fused=False)
     torch.testing.assert_close(fused, layer, atol=3e-2, rtol=3e-2)
-    monkeypatch.setattr(cpu_kernels, "lora_apply", lambda *a: False)
+    monkeypatch.setattr(cpu_decode, "lora_apply", lambda *a: False)
     torch.testing.assert_close(decode(loras, fused=False), layer, atol=1e-3, rtol=1e-4)
     base = decode([None] * len(loras))
     assert (fused[:3] - base[:3]).abs().amax() > 1.0

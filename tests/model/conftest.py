@@ -7,6 +7,7 @@ import pytest
 from tiny_models import TINY_ARCHS, make_tiny_model_dir
 
 from aioengine.kernels import cpu as cpu_kernels
+from aioengine.kernels import cpu_decode
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +36,7 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The token counts of the llama_decode calls that ran the decoder layers (a spy: each
     call goes through to the kernel)."""
     calls: list[int] = []
-    real = cpu_kernels.llama_decode
+    real = cpu_decode.llama_decode
 
     def spy(x, *args, **kwargs):
         done = real(x, *args, **kwargs)
@@ -43,5 +44,5 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             calls.append(x.shape[0])
         return done
 
-    monkeypatch.setattr(cpu_kernels, "llama_decode", spy)
+    monkeypatch.setattr(cpu_decode, "llama_decode", spy)
     return calls

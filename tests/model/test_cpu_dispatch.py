@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from aioengine.kernels import cpu as cpu_kernels
+from aioengine.kernels import cpu_decode
 from aioengine.model.layers import quantize_int8_rows
 
 VARIANTS = cpu_kernels.supported_variants()
@@ -98,8 +99,8 @@ def test_fused_decode_in_every_build(variant: str, storage: str, tiny_model_dirs
     model = load_model(str(tiny_model_dirs["qwen2"]), dtype, torch.device("cpu"),
                        quantization).model
     case = _prefilled(model, [5, 19, 2])
-    calls, real = [], cpu_kernels.llama_decode
-    monkeypatch.setattr(cpu_kernels, "llama_decode",
+    calls, real = [], cpu_decode.llama_decode
+    monkeypatch.setattr(cpu_decode, "llama_decode",
                         lambda *a, **kw: calls.append(real(*a, **kw)) or calls[-1])
     ours, ours_caches = _decode(model, True, *case)
     assert calls == [True]  # the fused kernel ran the step

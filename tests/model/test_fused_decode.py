@@ -10,6 +10,7 @@ import torch
 from tiny_models import TINY_ARCHS
 
 from aioengine.kernels import cpu as cpu_kernels
+from aioengine.kernels import cpu_decode
 from aioengine.model.attention import TorchAttentionBackend, build_attention_metadata
 from aioengine.model.executors import FUSED_DECODE_MAX_TOKENS
 from aioengine.model.llama import make_kv_caches
@@ -124,8 +125,8 @@ def test_fused_decode_runs_only_where_it_applies(model, set_cpu_kernels, fused_c
 def test_decode_layer_table_declines_what_the_kernel_cannot_read() -> None:
     w = torch.ones(4, 4)
     row = {name: None if name.endswith("_scales") else w
-           for name in cpu_kernels.DECODE_LAYER_FIELDS}
-    table = cpu_kernels.decode_layer_table([row, {**row, "qkv_bias": None, "q_norm": None,
+           for name in cpu_decode.DECODE_LAYER_FIELDS}
+    table = cpu_decode.decode_layer_table([row, {**row, "qkv_bias": None, "q_norm": None,
                                                   "k_norm": None}])
     assert table is not None and table.num_layers == 2
     assert [table.layers[1].qkv_bias, table.layers[1].q_norm, table.layers[1].k_norm] == [None] * 3
@@ -134,17 +135,17 @@ def test_decode_layer_table_declines_what_the_kernel_cannot_read() -> None:
     q, s = torch.ones(4, 4, dtype=torch.int8), torch.ones(4)
     int8_row = {**row, **{p: q for p in ("qkv", "o", "gate_up", "down")},
                 **{f"{p}_scales": s for p in ("qkv", "o", "gate_up", "down")}}
-    assert cpu_kernels.decode_layer_table([int8_row]) is not None
-    assert cpu_kernels.decode_layer_table([{**int8_row, "o_scales": None}]) is None  # int8 needs them
-    assert cpu_kernels.decode_layer_table([{**row, "qkv": w.bfloat16()}]) is None  # mixed formats
-    assert cpu_kernels.decode_layer_table([{**row, "qkv_scales": s}]) is None  # scales on float
-    assert cpu_kernels.decode_layer_table([{**row, "o": None}]) is None  # required
-    assert cpu_kernels.decode_layer_table([{**row, "down": w.t()}]) is None  # not contiguous
-    assert cpu_kernels.decode_layer_table([{**row, "qkv": w.double()}]) is None
+    assert cpu_decode.decode_layer_table([int8_row]) is not None
+    assert cpu_decode.decode_layer_table([{**int8_row, "o_scales": None}]) is None  # int8 needs them
+    assert cpu_decode.decode_layer_table([{**row, "qkv": w.bfloat16()}]) is None  # mixed formats
+    assert cpu_decode.decode_layer_table([{**row, "qkv_scales": s}]) is None  # scales on float
+    assert cpu_decode.decode_layer_table([{**row, "o": None}]) is None  # required
+    assert cpu_decode.decode_layer_table([{**row, "down": w.t()}]) is None  # not contiguous
+    assert cpu_decode.decode_layer_table([{**row, "qkv": w.double()}]) is None
     # A key the layer struct lacks, or one missing: the caller's mistake, not a decline.
     with pytest.raises(ValueError, match="unknown keys"):
-        cpu_kernels.decode_layer_table([{**row, "gate": w}])
+        cpu_decode.decode_layer_table([{**row, "gate": w}])
     missing = dict(row)
     del missing["k_norm"]
     with pytest.raises(ValueError, match="missing keys .'k_norm'"):
-        cpu_kernels.decode_layer_table([missing])
+        cpu_decode.decode_layer_table([missing])

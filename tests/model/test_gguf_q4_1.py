@@ -13,6 +13,7 @@ from tiny_models import make_tiny_hf_model
 
 from aioengine import LLM, SamplingParams
 from aioengine.kernels import cpu as cpu_kernels
+from aioengine.kernels import cpu_decode
 from aioengine.model.gguf_loader import FastGGUFReader
 from aioengine.model.layers import _q4_1_linear, dequantize_q4_1
 from aioengine.model.loader import ModelLoadError, load_model
@@ -65,8 +66,8 @@ def test_loads_the_blocks_as_stored(q4_1_gguf: str) -> None:
 def test_fused_decode_reads_the_blocks(q4_1_gguf: str, monkeypatch: pytest.MonkeyPatch) -> None:
     model = load_model(q4_1_gguf, torch.float32, CPU, quantization="gguf").model
     case = _prefilled(model, [6, 17, 3], vocab=VOCAB)
-    calls, real = [], cpu_kernels.llama_decode
-    monkeypatch.setattr(cpu_kernels, "llama_decode",
+    calls, real = [], cpu_decode.llama_decode
+    monkeypatch.setattr(cpu_decode, "llama_decode",
                         lambda *a, **kw: calls.append(real(*a, **kw)) or calls[-1])
     ours, ours_caches = _decode(model, True, *case)
     assert calls == [True]  # the fused kernel ran the step

@@ -93,11 +93,9 @@ def test_configs_built_from_engine_args_take_its_defaults() -> None:
     the model resolves): no default of theirs can drift from EngineArgs'."""
     engine = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
     for config in (SchedulerConfig, LoRAConfig):
-        # max_model_len has none (the model resolves EngineArgs' None); max_loras is 0 =
-        # LoRA off, EngineArgs' enable_lora default (both checked by from_engine_args below).
+        # max_model_len has none (the model resolves EngineArgs' None).
         shared = [f for f in dataclasses.fields(config) if f.name in engine
-                  and (config, f.name) not in ((SchedulerConfig, "max_model_len"),
-                                               (SchedulerConfig, "max_loras"))]
+                  and (config, f.name) != (SchedulerConfig, "max_model_len")]
         assert shared, config
         for f in shared:
             assert f.default == engine[f.name], (config.__name__, f.name)
@@ -112,7 +110,7 @@ def test_configs_built_from_engine_args_take_its_values() -> None:
     config = SchedulerConfig.from_engine_args(args, 128, num_lookahead_tokens=2)
     assert (config.max_num_batched_tokens, config.max_num_seqs, config.policy) == (
         77, 5, "priority")
-    assert (config.enable_chunked_prefill, config.max_loras) == (False, 3)
+    assert config.enable_chunked_prefill is False
     assert (config.max_model_len, config.num_lookahead_tokens) == (128, 2)
     assert config.num_speculative_tokens == 0 and config.spec_disable_by_batch_size is None
     assert LoRAConfig.from_engine_args(args) == LoRAConfig(3, 8, 6)

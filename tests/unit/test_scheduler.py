@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from aioengine.config import SchedulerConfig
+from aioengine.core.async_scheduler import AsyncScheduler
 from aioengine.core.kv_cache_manager import KVCacheManager
 from aioengine.core.scheduler import Scheduler
+from aioengine.engine.features import EngineFeature
 from aioengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from aioengine.request import Request, RequestStatus
 from aioengine.sampling_params import SamplingParams
@@ -13,10 +15,14 @@ EOS = 2
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 16,
                    max_num_seqs: int = 8, policy: str = "fcfs",
-                   caching: bool = True) -> Scheduler:
+                   caching: bool = True,
+                   features: tuple[EngineFeature, ...] = ()) -> AsyncScheduler:
+    """The engine's default scheduler (async scheduling on: schedule() as the synchronous
+    Scheduler's, and schedule_ahead)."""
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                              max_model_len=1024, policy=policy)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_caching=caching))
+    return AsyncScheduler(config, KVCacheManager(num_blocks, block_size,
+                                                 enable_caching=caching), features)
 
 
 def make_request(rid: str, prompt_len: int, max_tokens: int = 4, arrival: float = 0.0,
@@ -234,3 +240,33 @@ def test_schedule_records_the_kv_peak_and_its_waste() -> None:
     step(s)  # 7 and 10 tokens in the same 5 blocks: not a new peak
     assert not s.has_unfinished_requests()
     assert (kv.peak_num_blocks, kv.peak_num_empty_slots) == (5, 5)
+
+
+def test_the_synchronous_scheduler_never_schedules_ahead() -> None:
+    config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=64)
+    s = Scheduler(config, KVCacheManager(64, 4))
+    s.add_request(make_request("a", 4, max_tokens=8))
+    out = s.schedule()
+    s.update_from_output(out, fake_forward(out))
+    assert s.schedule_ahead(s.schedule()) is None
+
+
+def test_a_step_never_holds_more_adapters_than_max_loras() -> None:
+    """LoRA's admission hooks: with max_loras 2, a third adapter's request waits (a later
+    one of a held adapter goes ahead of it) until the requests of one of the two end."""
+    import torch
+
+    from aioengine.lora.manager import LoRAConfig, LoRAManager
+    from aioengine.lora.request import LoRARequest
+    lora = LoRAManager(LoRAConfig(max_loras=2, max_lora_rank=4), torch.device("cpu"),
+                       torch.float32)
+    s = make_scheduler(budget=64, features=(lora,))
+    adapters = {name: LoRARequest(name, "", i + 1) for i, name in enumerate("xyz")}
+    for i, (rid, name) in enumerate([("a", "x"), ("b", "y"), ("c", "z"), ("d", "x")]):
+        r = make_request(rid, 4, max_tokens=8 if rid == "b" else 2, arrival=float(i))
+        r.lora_request = adapters[name]
+        s.add_request(r)
+    assert set(scheduled_tokens(step(s))) == {"a", "b", "d"}
+    assert [r.request_id for r in s.waiting] == ["c"]
+    assert "c" not in scheduled_tokens(step(s))  # a and d (x) end after this step
+    assert "c" in scheduled_tokens(step(s))

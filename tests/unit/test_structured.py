@@ -234,9 +234,10 @@ def make_request(rid: str, structured: StructuredRequestState | None = None,
     return Request(rid, [10, 11, 12], params, arrival_time=arrival, structured=structured)
 
 
-def test_scheduler_skips_a_request_whose_grammar_is_compiling() -> None:
+def test_scheduler_skips_a_request_whose_grammar_is_compiling(
+        manager: StructuredOutputManager) -> None:
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=128),
-                          KVCacheManager(16, 4))
+                          KVCacheManager(16, 4), (manager,))
     pending: Future = Future()
     state = StructuredRequestState(grammar=pending, encode=lambda s: [], jump_forward=False)
     scheduler.add_request(make_request("slow", state, arrival=0.0))
@@ -257,7 +258,7 @@ def test_scheduler_skips_a_request_whose_grammar_is_compiling() -> None:
 def test_scheduler_appends_jump_forward_tokens_as_one_chunk(manager: StructuredOutputManager,
                                                              bundled_tokenizer) -> None:
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=128),
-                          KVCacheManager(32, 4))
+                          KVCacheManager(32, 4), (manager,))
     request = make_request("j", state_for(manager, json=SCHEMA))
     request.sampling_params.max_tokens = 40
     scheduler.add_request(request)

@@ -1,0 +1,253 @@
+"""The fused decode step's wrappers (`kernels/cpu/llama_decode.c`, `lora.c`): the layer
+table built once from a model's layers (the decode_layer structs of
+`kernels/cpu/decode_layer.h`, mirrored in `cpu_layout.py`), `llama_decode` (all decoder
+layers and the final norm of a decode step in one call), and the LoRA shrink/expand
+kernels it and the layerwise path share. Each returns None / False, having done nothing,
+where it does not apply (the caller keeps its torch path), as in `cpu.py`.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from aioengine.kernels.cpu import _f32_rows, _weight_ok, load
+from aioengine.kernels.cpu_layout import LORA_TABLE_WIDTH, DecodeLayer, DecodeStep
+
+
+# The tensors of one decoder layer: decode_layer's fields (kernels/cpu/decode_layer.h).
+DECODE_LAYER_FIELDS = tuple(name for name, _ in DecodeLayer._fields_)
+_DECODE_LAYER_KEYS = frozenset(DECODE_LAYER_FIELDS)
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+# The ones a model may lack (null pointers for the kernel).
+_OPTIONAL_DECODE_FIELDS = frozenset({"qkv_bias", "q_norm", "k_norm", "qkv_scales", "o_scales",
+                                     "gate_up_scales", "down_scales"})
+
+
+@dataclass(eq=False)
+class DecodeLayerTable:
+    """What llama_decode reads of a model's layers: `layers`, the decode_layer structs (raw
+    pointers: keep the tensors alive, and rebuild the table if any is replaced), and `step`,
+    the decode_step pointing at them that each llama_decode call with this table refreshes
+    and passes (so one step at a time per table, as per set of KV caches it points at)."""
+
+    layers: ctypes.Array
+    step: DecodeStep
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+def _decode_layer_ok(layer: dict[str, Tensor | None], formats: set) -> bool:
+    """Every tensor of `layer` one the kernel reads; collects the projections' dtypes."""
+    for name in DECODE_LAYER_FIELDS:
+        t = layer[name]
+        if name in _PROJECTIONS:
+            if t is None or not _weight_ok(t, layer[f"{name}_scales"]):
+                return False
+            formats.add(t.dtype)
+        elif not (t is None and name in _OPTIONAL_DECODE_FIELDS
+                  or t is not None and _f32_rows(t)):
+            return False
+    return True
+
+
+def decode_layer_table(layers: list[dict[str, Tensor | None]]) -> DecodeLayerTable | None:
+    """The decode_layer structs llama_decode takes, one per layer from a dict keyed by
+    DECODE_LAYER_FIELDS (biases, q/k norms and, but for int8 projections, the scales may be
+    None). None when a tensor does not fit: every projection of the model in one format of
+    WEIGHT_FORMATS (int8 with its scales), everything else float32; all contiguous on the
+    CPU. Raises ValueError for a dict with a key too many or too few."""
+    formats: set = set()
+    for layer in layers:
+        if layer.keys() != _DECODE_LAYER_KEYS:
+            raise ValueError(f"decode_layer_table: unknown keys "
+                             f"{sorted(layer.keys() - _DECODE_LAYER_KEYS)}, missing keys "
+                             f"{sorted(_DECODE_LAYER_KEYS - layer.keys())}")
+        if not _decode_layer_ok(layer, formats):
+            return None
+    if len(formats) > 1:
+        return None
+    table = (DecodeLayer * len(layers))()
+    for row, layer in zip(table, layers):
+        for name in DECODE_LAYER_FIELDS:
+            t = layer[name]
+            setattr(row, name, None if t is None else t.data_ptr())
+    return DecodeLayerTable(table, DecodeStep(layers=ctypes.addressof(table),
+                                              num_layers=len(layers)))
+
+
+def _set_aux(step: DecodeStep, aux: Tensor | None, aux_layers: Tensor | None, t: int,
+             hidden: int) -> bool:
+    """The step's auxiliary outputs into `step`; False where they do not fit."""
+    if aux is None and aux_layers is None:
+        step.aux = step.aux_layers = None  # NULL: no aux output
+        step.num_aux = 0
+        return True
+    if not (aux is not None and aux_layers is not None and aux_layers.dim() == 1
+            and aux_layers.device.type == "cpu"
+            and aux_layers.dtype == torch.int64 and aux_layers.is_contiguous()
+            and aux.shape == (t, aux_layers.shape[0] * hidden) and _f32_rows(aux)):
+        return False
+    indices = aux_layers.tolist()  # a few: cheaper than tensor ops
+    if indices and not 0 <= min(indices) <= max(indices) < step.num_layers:
+        raise ValueError(f"llama_decode: aux layer indices {indices} outside "
+                         f"[0, {step.num_layers})")
+    step.aux, step.aux_layers, step.num_aux = aux.data_ptr(), aux_layers.data_ptr(), len(indices)
+    return True
+
+
+def _set_lora(step: DecodeStep, lora: LoRADecodeArgs | None, t: int) -> bool:
+    """The step's adapter slots into `step`; False where they do not fit."""
+    if lora is None:
+        step.lora = step.token_slots = None
+        step.lora_rank = step.lora_bf16 = 0
+        return True
+    if not (lora.table.dtype == torch.int64 and lora.table.is_contiguous()
+            and lora.table.shape == (step.num_layers, LORA_TABLE_WIDTH)
+            and lora.token_slots.dtype == torch.int32 and lora.token_slots.shape == (t,)
+            and lora.token_slots.is_contiguous()):
+        return False
+    step.lora, step.token_slots = lora.table.data_ptr(), lora.token_slots.data_ptr()
+    step.lora_rank, step.lora_bf16 = lora.max_rank, int(lora.bf16)
+    return True
+
+
+def llama_decode(x: Tensor, layer_table: DecodeLayerTable, final_norm: Tensor, *,
+                 num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int,
+                 eps: float, scale: float, positions: Tensor, cos: Tensor, sin: Tensor,
+                 slot_mapping: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                 num_blocks: int, block_size: int, weight_format: int = 0,
+                 aux: Tensor | None = None, aux_layers: Tensor | None = None,
+                 lora: LoRADecodeArgs | None = None) -> bool:
+    """Runs every decoder layer and the final norm for a decode step of T single-token rows
+    (one per request, or several of one request: each row's K/V are written before any row
+    attends), in place: x [T, H] goes in as the embeddings and comes out as the final-normed
+    hidden states; each layer's K/V are written into its cache (kernels/cpu/llama_decode.c).
+
+    layer_table from `decode_layer_table`; positions and slot_mapping [T] int64;
+    block_tables [T, max_blocks] and seq_lens [T] int32 (AttentionMetadata's); cos/sin
+    [max_positions, head_dim / 2]; weight_format the projections' WEIGHT_FORMATS value.
+    aux [T, L * H] float32 with aux_layers [L] int64 (each in [0, num_layers)), or both
+    None: aux[:, j*H:(j+1)*H] receives the residual stream into layer aux_layers[j] (the
+    embeddings for 0), before its input norm. `lora`: the step's adapter slots (each
+    token's update added to every projection, as `lora_apply` computes it), or None.
+    Raises IndexError, writing nothing, for a slot outside the caches; ValueError for a
+    layer index out of range. Returns False, changing nothing, when the kernel does not
+    apply or is not built.
+    """
+    t = x.shape[0]
+    if not (x.dim() == 2 and _f32_rows(x, final_norm, cos, sin)
+            and type(layer_table) is DecodeLayerTable
+            and positions.dtype == slot_mapping.dtype == torch.int64
+            and positions.shape == slot_mapping.shape == (t,)
+            and positions.is_contiguous() and slot_mapping.is_contiguous()
+            and block_tables.dtype == seq_lens.dtype == torch.int32
+            and block_tables.dim() == 2 and block_tables.shape[0] == t
+            and block_tables.is_contiguous() and seq_lens.shape == (t,)
+            and seq_lens.is_contiguous() and cos.shape[-1] * 2 == head_dim):
+        return False
+    step = layer_table.step
+    if not (_set_aux(step, aux, aux_layers, t, x.shape[1]) and _set_lora(step, lora, t)):
+        return False
+    lib = load()
+    if lib is None:
+        return False
+    step.final_norm, step.hidden, step.num_heads = final_norm.data_ptr(), x.shape[1], num_heads
+    step.num_kv_heads, step.head_dim, step.intermediate = num_kv_heads, head_dim, intermediate_size
+    step.eps, step.scale, step.weight_fmt = eps, scale, weight_format
+    step.cos_table, step.sin_table = cos.data_ptr(), sin.data_ptr()
+    step.num_threads, step.x, step.num_tokens = torch.get_num_threads(), x.data_ptr(), t
+    step.positions, step.slot_mapping = positions.data_ptr(), slot_mapping.data_ptr()
+    step.block_tables, step.table_stride = block_tables.data_ptr(), block_tables.shape[1]
+    step.seq_lens, step.num_blocks, step.block_size = seq_lens.data_ptr(), num_blocks, block_size
+    rc = lib.llama_decode(step)
+    if rc > 0:
+        raise IndexError(f"llama_decode: {rc} slot(s) outside the cache's "
+                         f"{num_blocks * block_size} slots")
+    if rc < 0:
+        raise MemoryError("llama_decode: out of memory for its buffers")
+    return True
+
+
+@dataclass
+class LoRADecodeArgs:
+    """What llama_decode needs to apply a step's adapters: `table` [num_layers,
+    LORA_TABLE_WIDTH] int64, per layer the (a, bt, ranks) pointers of qkv, o, gate_up and
+    down in lora_layer's order (kernels/cpu/decode_layer.h; LinearWithLoRA's lora_a, lora_b,
+    ranks: float32, or bf16 with `bf16`, / int32, contiguous on the CPU); `token_slots` [T]
+    int32 (-1: the base model); `max_rank`, the slots' padded rank R."""
+
+    table: Tensor
+    token_slots: Tensor
+    max_rank: int
+    bf16: bool = False
+
+
+@dataclass(frozen=True)
+class LoRAKernelSlots:
+    """One projection's adapter slots as `lora_apply` takes them, checked once: lora_a
+    [L, S, R, K], lora_b [L, R, N] (B transposed) float32 or bf16, ranks [L, S] int32, slices [S]
+    int64 (the slices' output sizes), contiguous on the CPU. The tensors must stay alive
+    and in place (their pointers are kept)."""
+
+    pointers: tuple[int, int, int, int]
+    bf16: bool
+    num_slots: int
+    num_slices: int
+    rank: int
+    in_features: int
+    out_features: int
+
+
+def lora_kernel_slots(lora_a: Tensor, lora_b: Tensor, ranks: Tensor,
+                      slices: Tensor) -> LoRAKernelSlots | None:
+    """The slots' kernel arguments; None where `lora_apply` cannot take them."""
+    if not (lora_a.dim() == 4 and lora_b.dim() == 3 and lora_a.dtype == lora_b.dtype
+            and lora_a.dtype in (torch.float32, torch.bfloat16)
+            and lora_a.device.type == lora_b.device.type == "cpu"
+            and lora_a.is_contiguous() and lora_b.is_contiguous() and ranks.dtype == torch.int32 and ranks.is_contiguous()
+            and slices.dtype == torch.int64 and slices.is_contiguous()):
+        return None
+    num_slots, s, r, k = lora_a.shape
+    n = lora_b.shape[2]
+    if (lora_b.shape[:2] != (num_slots, r) or ranks.shape != (num_slots, s)
+            or slices.shape != (s,) or int(slices.sum()) != n):
+        return None
+    return LoRAKernelSlots((lora_a.data_ptr(), lora_b.data_ptr(), ranks.data_ptr(),
+                            slices.data_ptr()), lora_a.dtype == torch.bfloat16, num_slots, s, r,
+                           k, n)
+
+
+class LoRADecodeSource(Protocol):
+    """Whatever applies adapters to a model's projections (aioengine.lora.LoRAManager), as
+    LlamaForCausalLM asks it for the fused decode kernel's arguments."""
+
+    def decode_args(self) -> LoRADecodeArgs | None:
+        """The current step's adapter slots for llama_decode; None when no token has one."""
+
+
+def lora_apply(y: Tensor, x: Tensor, slots: LoRAKernelSlots, token_slots: Tensor) -> bool:
+    """y [T, N] += each token's adapter update for x [T, K] in place (kernels/cpu/lora.c);
+    token_slots [T] int32 contiguous on the CPU, each -1 (none) or a slot < L (the caller's
+    invariant). Returns False, changing nothing, where it does not apply (float32
+    contiguous CPU rows) or the kernels are not built."""
+    t = y.shape[0]
+    if not (y.dim() == x.dim() == 2 and x.shape[0] == t and y.shape[1] == slots.out_features
+            and x.shape[1] == slots.in_features and token_slots.shape[0] == t
+            and _f32_rows(y, x)):
+        return False
+    lib = load()
+    if lib is None:
+        return False
+    a, b, ranks, slices = slots.pointers
+    if lib.lora_apply_f32(y.data_ptr(), x.data_ptr(), a, b, int(slots.bf16), ranks, slices,
+                          token_slots.data_ptr(), t, slots.num_slices, slots.rank,
+                          slots.in_features, slots.out_features, slots.num_slots,
+                          torch.get_num_threads()) != 0:
+        raise MemoryError("lora_apply: out of memory for its buffers")
+    return True
