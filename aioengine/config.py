@@ -87,9 +87,16 @@ class EngineArgs:
     # Python's hash(), trivially collidable (docs/architecture.md, "KV cache blocks").
     prefix_caching_hash_algo: str = "sha256"
     enable_chunked_prefill: bool = True
+    # vLLM's name: a prompt chunk is at most this many tokens, so a long prompt leaves room
+    # for decodes and short prompts in every step (the one in flight when they arrive too).
+    # None: a quarter of max_num_batched_tokens; 0: off (a prompt takes the whole budget).
+    long_prefill_token_threshold: int | None = None
     scheduling_policy: str = "fcfs"
     # Structured output: append grammar-forced tokens without sampling them one by one.
     structured_jump_forward: bool = True
+    # Seconds one grammar compile may take (queueing included) before its request gets a
+    # 400; xgrammar's C++ compile cannot be interrupted (structured/compiler.py).
+    structured_outputs_compile_timeout: float = 10.0
     # AsyncEngine: schedule a decode step while the one before it runs, so the worker goes
     # straight on to it (Scheduler.schedule_ahead). The synchronous LLM never does.
     async_scheduling: bool = True
@@ -135,6 +142,9 @@ class EngineArgs:
         if self.max_num_batched_tokens < 1:
             raise ConfigError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
+            raise ConfigError("long_prefill_token_threshold must be >= 0, got "
+                              f"{self.long_prefill_token_threshold}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
@@ -177,6 +187,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = EngineArgs.max_num_batched_tokens
     max_num_seqs: int = EngineArgs.max_num_seqs
     enable_chunked_prefill: bool = EngineArgs.enable_chunked_prefill
+    long_prefill_token_threshold: int | None = EngineArgs.long_prefill_token_threshold
     # "fcfs" or "priority" (lower value first, then arrival): EngineArgs.scheduling_policy.
     policy: str = EngineArgs.scheduling_policy
     # Speculative decoding: drafts per request per step (0 = off), and the batch size above
@@ -185,6 +196,15 @@ class SchedulerConfig:
     spec_disable_by_batch_size: int | None = None
     # Slots allocated past each step's tokens for a draft head's chain (EAGLE: k).
     num_lookahead_tokens: int = 0
+
+    @property
+    def prefill_chunk_cap(self) -> int:
+        """long_prefill_token_threshold resolved: 0 = no cap (chunked prefill off too)."""
+        if not self.enable_chunked_prefill:
+            return 0
+        if self.long_prefill_token_threshold is None:
+            return max(1, self.max_num_batched_tokens // 4)
+        return self.long_prefill_token_threshold
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, max_model_len: int,
@@ -196,6 +216,7 @@ class SchedulerConfig:
                    max_num_batched_tokens=args.max_num_batched_tokens,
                    max_num_seqs=args.max_num_seqs,
                    enable_chunked_prefill=args.enable_chunked_prefill,
+                   long_prefill_token_threshold=args.long_prefill_token_threshold,
                    policy=args.scheduling_policy,
                    num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                    spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
@@ -208,16 +229,6 @@ def gpu_kv_cache_budget(total: int, utilization: float, peak_torch: int,
     the profiling run's peak of torch memory (weights + the largest step's activations,
     without KV) and the memory outside torch (CUDA context, other processes) leave."""
     return max(0, int(total * utilization) - peak_torch - non_torch)
-
-
-def default_kv_cache_memory(device: torch.device) -> int:
-    """A quarter of available host memory (capped at 4 GiB): the KV cache off CUDA (on CUDA
-    EngineCore profiles instead: gpu_kv_cache_budget)."""
-    try:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        avail = 8 << 30
-    return int(min(avail // 4, 4 << 30))
 
 
 # ---- Flags from dataclasses ---------------------------------------------------------------
@@ -312,8 +323,15 @@ ENGINE_FLAGS: dict[str, FlagSpec] = {
              "(xxh3_128: faster, not cryptographic), builtin (Python's hash(): one trusted "
              "tenant only)"),
     "enable_chunked_prefill": flag("--enable-chunked-prefill", action=_BOOL),
+    "long_prefill_token_threshold": flag(
+        "--long-prefill-token-threshold", type=int,
+        help="largest prompt chunk of a step (default: a quarter of "
+             "--max-num-batched-tokens; 0: off)"),
     "structured_jump_forward": flag("--structured-jump-forward", action=_BOOL,
                                     help="append grammar-forced tokens without sampling them"),
+    "structured_outputs_compile_timeout": flag(
+        "--structured-outputs-compile-timeout", type=float, metavar="SECONDS",
+        help="budget of one grammar compile; a request whose grammar takes longer gets a 400"),
     "async_scheduling": flag("--async-scheduling", action=_BOOL,
                              help="schedule each decode step while the previous one runs"),
     "scheduling_policy": flag("--scheduling-policy", choices=SCHEDULING_POLICIES,

@@ -29,6 +29,13 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 1 adds POST /debug/faults to `aioengine serve` (in-process fault injection for tests
     # and soak runs: aioengine/engine/faults.py). Never on a server others use.
     "AIOENGINE_FAULT_INJECTION": lambda: os.getenv("AIOENGINE_FAULT_INJECTION", "0") == "1",
+    # GiB of KV cache off CUDA when neither --kv-cache-memory nor --num-kv-blocks is given
+    # (vLLM's VLLM_CPU_KVCACHE_SPACE; default 2, at most a quarter of free memory:
+    # worker/gpu_memory.cpu_kv_cache_memory validates it).
+    "AIOENGINE_CPU_KVCACHE_SPACE": lambda: os.getenv("AIOENGINE_CPU_KVCACHE_SPACE") or None,
+    # The start-up cache's root (model/weight_cache.py: parsed GGUFs, tokenizers), default
+    # $XDG_CACHE_HOME/aioengine, else ~/.cache/aioengine.
+    "AIOENGINE_CACHE_DIR": lambda: os.getenv("AIOENGINE_CACHE_DIR") or None,
 }
 
 

@@ -19,7 +19,7 @@ import torch
 from aioengine import envs
 from aioengine import cpu_info
 from aioengine.config import (ConfigError, EngineArgs, SchedulerConfig, auto_dtype,
-                              default_kv_cache_memory, parse_dtype)
+                              parse_dtype)
 from aioengine.core.async_scheduler import AsyncScheduler
 from aioengine.core.kv_cache_manager import KVCacheManager
 from aioengine.core.scheduler import Scheduler
@@ -104,7 +104,9 @@ class EngineCore(RequestAdmission):
         # Grammars allow EOS only where they may end; compiles run on its own pool.
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size,
                                                   self.eos_token_ids,
-                                                  jump_forward=args.structured_jump_forward)
+                                                  jump_forward=args.structured_jump_forward,
+                                                  compile_timeout_s=(
+                                                      args.structured_outputs_compile_timeout))
         spec_stats = SpecDecodingStats(spec.num_speculative_tokens if spec else 0)
         # The features, in the order their hooks run and their stats are listed.
         self.features: tuple[EngineFeature, ...] = tuple(f for f in (
@@ -163,6 +165,12 @@ class EngineCore(RequestAdmission):
         return args.max_model_len
 
     def _num_kv_blocks(self) -> int:
+        """--num-kv-blocks; else the blocks of --kv-cache-memory bytes, or of the default
+        space (CUDA: what a profiling run leaves of --gpu-memory-utilization; elsewhere
+        $AIOENGINE_CPU_KVCACHE_SPACE GiB, default 2, at most a quarter of free memory:
+        gpu_memory.cpu_kv_cache_memory), at most what max_num_seqs full-length requests use."""
+        from aioengine.worker.gpu_memory import cpu_kv_cache_memory
+
         if self.args.num_kv_blocks is not None:
             return self.args.num_kv_blocks
         per_block = kv_cache_bytes_per_block(self.loaded.arch, self.args.block_size,
@@ -171,7 +179,7 @@ class EngineCore(RequestAdmission):
         if memory is None:
             memory = (profile_gpu_kv_cache_memory(self.loaded, self.args, self.max_model_len,
                                                   self.kv_cache_dtype, self.device)
-                      if self.device.type == "cuda" else default_kv_cache_memory(self.device))
+                      if self.device.type == "cuda" else cpu_kv_cache_memory())
         # More blocks than max_num_seqs full-length requests can use only serve the prefix
         # cache; capping keeps a tiny model from building millions of block objects.
         usable = self.args.max_num_seqs * -(-self.max_model_len // self.args.block_size)

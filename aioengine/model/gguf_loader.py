@@ -5,14 +5,23 @@ dequantize loads; the model then runs in the requested float dtype.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 import re
+import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
+
+from aioengine.model.arch import ModelArchConfig
+
+logger = logging.getLogger(__name__)
 
 # GGUF general.architecture -> (transformers config class, HF architecture name).
 GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -85,8 +94,20 @@ def gguf_architecture(reader: Any) -> str:
 
 def gguf_hf_config(reader: Any) -> Any:
     """Builds the transformers config the GGUF metadata describes."""
+    return hf_config_from_kwargs(*gguf_hf_config_kwargs(reader))
+
+
+def hf_config_from_kwargs(cls_name: str, kwargs: dict[str, Any]) -> Any:
+    """The transformers config class `cls_name` built from `kwargs` (gguf_hf_config_kwargs;
+    the start-up cache keeps the pair as JSON)."""
     import transformers
 
+    return getattr(transformers, cls_name)(**kwargs)
+
+
+def gguf_hf_config_kwargs(reader: Any) -> tuple[str, dict[str, Any]]:
+    """(transformers config class name, its keyword arguments) from the GGUF metadata:
+    plain JSON values, so the start-up cache can keep them."""
     arch = gguf_architecture(reader)
     cls_name, hf_arch = GGUF_ARCHITECTURES[arch]
 
@@ -117,9 +138,9 @@ def gguf_hf_config(reader: Any) -> Any:
         rope_theta=float(get("rope.freq_base", 10000.0)),
         max_position_embeddings=int(get("context_length")),
         tie_word_embeddings="output.weight" not in names,
-        bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=field_value(reader, "tokenizer.ggml.eos_token_id"),
-        pad_token_id=field_value(reader, "tokenizer.ggml.padding_token_id"),
+        bos_token_id=_plain(field_value(reader, "tokenizer.ggml.bos_token_id")),
+        eos_token_id=_plain(field_value(reader, "tokenizer.ggml.eos_token_id")),
+        pad_token_id=_plain(field_value(reader, "tokenizer.ggml.padding_token_id")),
     )
     window = field_value(reader, f"{arch}.attention.sliding_window")
     if window:
@@ -128,7 +149,12 @@ def gguf_hf_config(reader: Any) -> Any:
             kwargs["use_sliding_window"] = True
     if arch == "llama":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
-    return getattr(transformers, cls_name)(**kwargs)
+    return cls_name, kwargs
+
+
+def _plain(value: Any) -> Any:
+    """A metadata scalar as a Python int (numpy integers are not JSON), or None."""
+    return None if value is None else int(value)
 
 
 def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -218,3 +244,105 @@ def rope_freq_factors(reader: Any) -> torch.Tensor | None:
         if tensor.name == ROPE_FREQS:
             return torch.from_numpy(dequantize_tensor(tensor).astype(np.float32).reshape(-1))
     return None
+
+
+# ---- once per start: the file parsed at most once, its results cached on disk ----------
+
+_CACHE_SECTION = "weights"
+_WEIGHT_PREFIX, _BLOCK_PREFIX, _ROPE_NAME = "w/", "q/", "rope_freqs"
+
+
+@dataclass
+class GGUFParts:
+    """What loading a GGUF takes from it: the config (class name and kwargs, and the
+    ModelArchConfig made of it), the HF-named float32 weights (dequantized, q/k rows in HF
+    order), the projections' Q4_1 blocks (quantization "gguf" only) and llama3's RoPE
+    factors. Read from the start-up cache (weight_cache) when an entry for the file's bytes
+    exists, else from the file, parsed once, and then cached. `weights` / `q4_1_blocks` are
+    iterated once. The arch is cached too: building the transformers config imports ~1 s of
+    transformers modules (torch.distributed among them), which a start from the cache does
+    on the side (`hf_config`) while the weights load."""
+    config_class: str
+    config_kwargs: dict[str, Any]
+    arch: ModelArchConfig
+    weights: Iterator[tuple[str, torch.Tensor]]
+    q4_1_blocks: Iterator[tuple[str, torch.Tensor]] | None
+    rope_freq_factors: torch.Tensor | None
+    from_cache: bool
+
+    def hf_config(self) -> Any:
+        """The transformers config; GGUFFormatError if its arch is not the cached one."""
+        config = hf_config_from_kwargs(self.config_class, self.config_kwargs)
+        if ModelArchConfig.from_hf_config(config) != self.arch:
+            raise GGUFFormatError("the start-up cache's model config differs from the "
+                                  "file's; remove the cache directory")
+        return config
+
+
+def _arch_json(arch: ModelArchConfig) -> str:
+    return json.dumps(dataclasses.asdict(arch))
+
+
+def _arch_from_json(text: str) -> ModelArchConfig:
+    fields = json.loads(text)
+    if fields.get("sliding_window_layers") is not None:
+        fields["sliding_window_layers"] = tuple(fields["sliding_window_layers"])
+    return ModelArchConfig(**fields)
+
+
+def load_gguf_parts(path: str, with_q4_1_blocks: bool) -> GGUFParts:
+    """GGUFParts of the file at `path`, from the cache or from the file (see GGUFParts).
+    Raises GGUFFormatError / OSError / ValueError for a file we cannot read."""
+    from aioengine.model import weight_cache
+
+    import transformers
+
+    kind = (f"gguf-parts:float32{'+q4_1' if with_q4_1_blocks else ''}:"
+            f"transformers-{transformers.__version__}")
+    name = weight_cache.entry_name(weight_cache.file_digest(path), kind)
+    entry = weight_cache.lookup(_CACHE_SECTION, name)
+    if entry is not None:
+        try:
+            return _parts_from_entry(entry)
+        except (OSError, ValueError, KeyError) as e:  # verified, yet unreadable: rebuild
+            logger.warning("start-up cache entry %s unreadable, rebuilding it: %s", entry, e)
+            shutil.rmtree(entry, ignore_errors=True)
+    parts, tensors = _parts_from_file(path, with_q4_1_blocks)
+    meta = {"config_class": parts.config_class, "arch": _arch_json(parts.arch),
+            "config_kwargs": json.dumps(parts.config_kwargs)}
+    weight_cache.store(_CACHE_SECTION, name, kind,
+                       lambda tmp: weight_cache.save_tensors(tmp, tensors, meta))
+    return parts
+
+
+def _parts_from_entry(entry: Any) -> GGUFParts:
+    from aioengine.model import weight_cache
+
+    meta = weight_cache.read_metadata(entry)
+    # Copies: a view would keep the whole file's mapping (and its pages) alive.
+    rope = next((t.clone() for _, t in weight_cache.iter_tensors(entry, _ROPE_NAME)), None)
+    has_blocks = next(weight_cache.iter_tensors(entry, _BLOCK_PREFIX), None) is not None
+    return GGUFParts(meta["config_class"], json.loads(meta["config_kwargs"]),
+                     _arch_from_json(meta["arch"]), weight_cache.iter_tensors(entry, _WEIGHT_PREFIX),
+                     weight_cache.iter_tensors(entry, _BLOCK_PREFIX) if has_blocks else None,
+                     rope, from_cache=True)
+
+
+def _parts_from_file(path: str, with_q4_1_blocks: bool
+                     ) -> tuple[GGUFParts, dict[str, torch.Tensor]]:
+    """The parts read from the file (its one parse this start), and the same tensors by
+    cache name."""
+    reader = FastGGUFReader(path)
+    cls_name, kwargs = gguf_hf_config_kwargs(reader)
+    arch = ModelArchConfig.from_hf_config(hf_config_from_kwargs(cls_name, kwargs))
+    heads, kv_heads = kwargs["num_attention_heads"], kwargs["num_key_value_heads"]
+    weights = list(iter_gguf_weights(reader, heads, kv_heads))
+    blocks = list(iter_gguf_q4_1_blocks(reader, heads, kv_heads)) if with_q4_1_blocks else None
+    rope = rope_freq_factors(reader)
+    tensors = {_WEIGHT_PREFIX + n: t for n, t in weights}
+    tensors.update({_BLOCK_PREFIX + n: t for n, t in blocks or ()})
+    if rope is not None:
+        tensors[_ROPE_NAME] = rope
+    parts = GGUFParts(cls_name, kwargs, arch, iter(weights), None if blocks is None else iter(blocks),
+                      rope, from_cache=False)
+    return parts, tensors

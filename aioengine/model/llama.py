@@ -383,13 +383,24 @@ def make_kv_caches(arch: ModelArchConfig, num_blocks: int, block_size: int,
                    dtype: torch.dtype, device: torch.device) -> list[Tensor]:
     """One `[2, num_blocks, block_size, num_kv_heads, head_dim]` tensor per layer.
 
-    Zeroed, not empty: padded decode reads touch slots no request wrote, and although their
-    attention weight is 0, a NaN left in uninitialised memory would still poison 0 * NaN.
-    In huge pages on the CPU, like the weights: decode attention streams the context's K/V.
+    All zeros, but not written here where that is free: padded decode reads touch slots no
+    request wrote, and although their attention weight is 0, a NaN left in uninitialised
+    memory would still poison 0 * NaN. On the CPU under Linux a cache of at least
+    hugepages.MIN_BYTES is a fresh anonymous mapping of its own (hugepages.empty, in huge
+    pages like the weights: decode attention streams the context's K/V), which the kernel
+    fills with zeros page by page on first touch, so nothing is written at start-up and a
+    page becomes resident only once a request writes K/V into it (issue 27: zeroing 4.3 GB
+    took 12 s). Anything else (a GPU, a small cache, another OS) is zeroed here.
     """
+    import math
+    import mmap
+
     shape = (2, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
-    return [hugepages.empty(shape, dtype, device).zero_()
-            for _ in range(arch.num_hidden_layers)]
+    nbytes = math.prod(shape) * dtype.itemsize
+    zero_pages = (torch.device(device).type == "cpu" and nbytes >= hugepages.MIN_BYTES
+                  and hasattr(mmap, "MADV_HUGEPAGE"))  # hugepages.empty's own-mapping case
+    caches = [hugepages.empty(shape, dtype, device) for _ in range(arch.num_hidden_layers)]
+    return caches if zero_pages else [cache.zero_() for cache in caches]
 
 
 def kv_cache_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -2,7 +2,9 @@
 
     model=None            -> the bundled SmolLM2-135M-Instruct (Q4_1 GGUF)
     model="/x/m.gguf"     -> GGUF: config from metadata, weights dequantized, tokenizer and
-                             chat template read by transformers from the same file
+                             chat template read by transformers from the same file; all
+                             three cached on disk by the file's bytes (weight_cache), so a
+                             second start parses nothing
     model="/x/dir"        -> config.json + *.safetensors (sharded or not) + tokenizer files
     tokenizer="/x/tok"    -> that tokenizer (a directory of HF tokenizer files, or a .gguf
                              file) instead of the model's own (vLLM's --tokenizer)
@@ -16,6 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,12 +101,16 @@ def resolve_tokenizer_path(tokenizer: str) -> str:
 
 
 def _load_tokenizer(path: str) -> Any:
+    """A directory's tokenizer, or a GGUF's, through the start-up cache (weight_cache:
+    transformers builds a GGUF's tokenizer by parsing the whole file, ~6 s here)."""
     from transformers import AutoTokenizer
+
+    from aioengine.model import weight_cache
 
     try:
         if path.endswith(".gguf"):
-            return AutoTokenizer.from_pretrained(os.path.dirname(path),
-                                                 gguf_file=os.path.basename(path))
+            return weight_cache.cached_tokenizer(path, lambda: AutoTokenizer.from_pretrained(
+                os.path.dirname(path), gguf_file=os.path.basename(path)))
         return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {e}") from e
@@ -226,23 +233,26 @@ def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, storage: str,
                tokenizer_path: str, hooks: ModelHooks) -> LoadedModel:
+    """The file is parsed at most once (never when the start-up cache has its parts), and
+    the tokenizer and the transformers config load on a thread of their own meanwhile:
+    mostly Python and imports, against mostly GIL-free numpy and torch here."""
     from aioengine.model import gguf_loader
 
-    try:
-        reader = gguf_loader.FastGGUFReader(path)
-    except (ValueError, OSError) as e:
-        raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
-    hf_config = gguf_loader.gguf_hf_config(reader)
-    arch = _arch_config(hf_config, path)
-    weights = gguf_loader.iter_gguf_weights(reader, arch.num_attention_heads,
-                                            arch.num_key_value_heads)
-    blocks = (gguf_loader.iter_gguf_q4_1_blocks(reader, arch.num_attention_heads,
-                                                arch.num_key_value_heads)
-              if storage == "gguf" else None)
-    model = _build(arch, weights, dtype, device, path, storage, hooks, blocks)
-    factors = gguf_loader.rope_freq_factors(reader)
-    if factors is not None:
-        model.set_rope_freq_factors(factors)
-    tokenizer = _load_tokenizer(tokenizer_path)
-    return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, model_path=path,
-                       hf_config=hf_config, max_model_len=arch.max_model_len)
+    with ThreadPoolExecutor(2, thread_name_prefix="aioengine-load") as pool:
+        tokenizer_future = pool.submit(_load_tokenizer, tokenizer_path)
+        try:
+            parts = gguf_loader.load_gguf_parts(path, with_q4_1_blocks=storage == "gguf")
+        except (ValueError, OSError) as e:
+            if isinstance(e, (GGUFFormatError, UnsupportedModelError)):
+                raise
+            raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
+        config_future = pool.submit(parts.hf_config)
+        model = _build(parts.arch, parts.weights, dtype, device, path, storage, hooks,
+                       parts.q4_1_blocks)
+        if parts.rope_freq_factors is not None:
+            model.set_rope_freq_factors(parts.rope_freq_factors)
+        tokenizer, hf_config = tokenizer_future.result(), config_future.result()
+    logger.debug("GGUF parts %s the start-up cache", "read from" if parts.from_cache
+                 else "computed and written to")
+    return LoadedModel(model=model, arch=parts.arch, tokenizer=tokenizer, model_path=path,
+                       hf_config=hf_config, max_model_len=parts.arch.max_model_len)

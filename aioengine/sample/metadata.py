@@ -24,6 +24,28 @@ from aioengine.sampling_params import SamplingParams
 CANDIDATE_SIZES = (256, 4096)
 
 
+# float32 bounds for user numbers (issue 27). A temperature of 1e308 became inf in float32
+# and masked logits -inf / inf = NaN; a repetition penalty of 5e-324 became 0 and
+# -inf * 0 = NaN. NaN wins argmax, so a grammar's masked token was sampled (a 500).
+# Clamped, an extreme value behaves as the limit it approaches: a huge temperature is
+# uniform over the allowed tokens, a tiny penalty makes seen tokens dominate.
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+_FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)
+# |processed logit| bound: divided by the smallest random temperature (1e-5) it stays
+# finite, so no inf - inf appears downstream.
+LOGIT_BOUND = 1e30
+
+
+def safe_temperature(temperature: float) -> float:
+    """A temperature float32 can hold (dividing finite logits by it never overflows)."""
+    return min(temperature, _FLOAT32_MAX)
+
+
+def safe_repetition_penalty(penalty: float) -> float:
+    """A penalty float32 holds as a positive finite number (never 0 or inf)."""
+    return min(max(penalty, _FLOAT32_TINY), _FLOAT32_MAX)
+
+
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
     """A request's own RNG, seeded from `params.seed`; None when the request has no seed.
 
@@ -141,7 +163,8 @@ class SamplingMetadata:
                 return None
             return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
 
-        self.temperature = column([p.temperature for p in params], 1.0, torch.float32)
+        self.temperature = column([safe_temperature(p.temperature) for p in params], 1.0,
+                                  torch.float32)
         min_p = column([p.min_p for p in params], 0.0, torch.float32)
         self.log_min_p = None if min_p is None else min_p.log()
         self.top_k = column(top_ks, 0, torch.int64)
@@ -212,7 +235,7 @@ def _build_repetition_penalty(rows: list[SamplingRow],
     """HF semantics: every distinct token of prompt + output gets the row's factor."""
     edits = _SparseBuilder()
     for i, row in enumerate(rows):
-        penalty = row.params.repetition_penalty
+        penalty = safe_repetition_penalty(row.params.repetition_penalty)
         if penalty != 1.0:
             seen = set(row.prompt_token_ids)
             seen.update(row.output_token_ids)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from aioengine.sample.metadata import SamplingMetadata
+from aioengine.sample.metadata import LOGIT_BOUND, SamplingMetadata
 
 NEG_INF = float("-inf")
 
@@ -32,7 +32,11 @@ def apply_logits_processors(logits: Tensor, metadata: SamplingMetadata) -> Tenso
         rep = metadata.repetition_penalty
         position = (rep.row_indices, rep.token_ids)
         seen = logits[position]
-        logits[position] = torch.where(seen > 0, seen / rep.values, seen * rep.values)
+        # Clamped to +-LOGIT_BOUND so an extreme factor gives no inf (inf - inf = NaN
+        # later); a masked -inf stays -inf.
+        edited = torch.where(seen > 0, seen / rep.values, seen * rep.values)
+        edited.clamp_(-LOGIT_BOUND, LOGIT_BOUND)
+        logits[position] = torch.where(torch.isneginf(seen), seen, edited)
     if metadata.output_penalty is not None:
         out = metadata.output_penalty
         logits.index_put_((out.row_indices, out.token_ids), out.values, accumulate=True)

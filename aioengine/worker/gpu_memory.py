@@ -1,11 +1,14 @@
-"""The KV cache's size on a GPU, from a profiling run (vLLM's --gpu-memory-utilization)."""
+"""The KV cache's size: on a GPU from a profiling run (vLLM's --gpu-memory-utilization), on
+the CPU a fixed space (vLLM's VLLM_CPU_KVCACHE_SPACE)."""
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
-from aioengine.config import EngineArgs, gpu_kv_cache_budget
+from aioengine import envs
+from aioengine.config import ConfigError, EngineArgs, gpu_kv_cache_budget
 from aioengine.model.loader import LoadedModel
 from aioengine.worker.model_runner import ModelRunner
 
@@ -35,3 +38,32 @@ def profile_gpu_kv_cache_memory(loaded: LoadedModel, args: EngineArgs, max_model
                 "%.2f GiB for the KV cache (--gpu-memory-utilization %.2f)", total / 2**30,
                 peak / 2**30, non_torch / 2**30, memory / 2**30, args.gpu_memory_utilization)
     return memory
+
+
+# The CPU's KV space in GiB, like vLLM's VLLM_CPU_KVCACHE_SPACE (whose default is 4 GiB).
+CPU_KVCACHE_SPACE_ENV = "AIOENGINE_CPU_KVCACHE_SPACE"
+# 2 GiB: 2,900 blocks of 16 tokens (46k tokens) of SmolLM2-135M in float32, 1.4x the most
+# any benchmark in docs/benchmarks.md held at once (2,107 blocks, prefix caching off); two
+# cores decode far fewer sequences than that holds. vLLM's 4 GiB is sized for 7B models.
+DEFAULT_CPU_KVCACHE_SPACE_GIB = 2.0
+
+
+def cpu_kv_cache_memory() -> int:
+    """Bytes of the KV cache off CUDA: $AIOENGINE_CPU_KVCACHE_SPACE GiB (default
+    DEFAULT_CPU_KVCACHE_SPACE_GIB), at most a quarter of the memory available now.
+    EngineCore also caps the blocks at what max_num_seqs requests of max_model_len tokens
+    can use; --kv-cache-memory / --num-kv-blocks override all of it. The pages are
+    reserved, not touched: they become resident as requests write K/V (make_kv_caches)."""
+    raw = envs.AIOENGINE_CPU_KVCACHE_SPACE
+    try:
+        gib = DEFAULT_CPU_KVCACHE_SPACE_GIB if raw in (None, "") else float(raw)
+    except ValueError:
+        gib = -1.0
+    if not 0 < gib < float("inf"):
+        raise ConfigError(f"{CPU_KVCACHE_SPACE_ENV} must be a positive number of GiB, "
+                          f"got {raw!r}")
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        available = 8 << 30
+    return int(min(gib * 2**30, available // 4))

@@ -195,8 +195,17 @@ class ModelRunner:
         allocator's growth to a full step's activations (measured on 2 CPU cores: the first
         512-token step took up to 1.2 s where the next ones took ~0.65 s). The KV blocks it
         wrote are zeroed again; no request or hash ever saw them.
+
+        On the CPU at most 128 tokens, since only that much pays (issue 27): most of
+        the one-time cost is the first step of any size (oneDNN's and libgomp's set-up, the
+        C kernels' first calls: a first 32-token step took 3-5 s on a loaded 2-core VM where
+        a 37-token step right after took 1.3 s), while a 512-token step computes 4x a
+        128-token one for a saving only the first 512-token step sees (~0.5 s). On a GPU the
+        full step runs: gpu_memory profiles the largest step's peak memory with it.
         """
         bs = self.block_size
+        if self.device.type == "cpu":
+            max_num_tokens = min(max_num_tokens, 128)
         per_request = max(1, min(max_model_len, max_num_tokens))
 
         def split(num_tokens: int) -> list[int]:

@@ -31,7 +31,8 @@ FLAG_NAMES = {
     "--prefix-caching-hash-algo", "--attention-backend", "--enforce-eager",
     "--no-enforce-eager", "--gpu-memory-utilization",
     "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
-    "--no-structured-jump-forward", "--no-async-scheduling"}
+    "--no-structured-jump-forward", "--no-async-scheduling", "--long-prefill-token-threshold",
+    "--structured-outputs-compile-timeout"}
 # The other flags of `serve`: its own, LoRA, tool calling and --ray-* (those of
 # aioengine/cli.py before they were generated from their dataclasses).
 SERVE_FLAG_NAMES = {

@@ -16,11 +16,13 @@ EOS = 2
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 16,
                    max_num_seqs: int = 8, policy: str = "fcfs",
                    caching: bool = True,
-                   features: tuple[EngineFeature, ...] = ()) -> AsyncScheduler:
+                   features: tuple[EngineFeature, ...] = (),
+                   chunk_cap: int = 0) -> AsyncScheduler:
     """The engine's default scheduler (async scheduling on: schedule() as the synchronous
-    Scheduler's, and schedule_ahead)."""
+    Scheduler's, and schedule_ahead); fair prefill off unless `chunk_cap` is given."""
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                             max_model_len=1024, policy=policy)
+                             max_model_len=1024, policy=policy,
+                             long_prefill_token_threshold=chunk_cap)
     return AsyncScheduler(config, KVCacheManager(num_blocks, block_size,
                                                  enable_caching=caching), features)
 
@@ -270,3 +272,25 @@ def test_a_step_never_holds_more_adapters_than_max_loras() -> None:
     assert [r.request_id for r in s.waiting] == ["c"]
     assert "c" not in scheduled_tokens(step(s))  # a and d (x) end after this step
     assert "c" in scheduled_tokens(step(s))
+
+
+def test_a_long_prompt_leaves_room_for_others_in_every_step() -> None:
+    """Fair prefill (long_prefill_token_threshold 4 of a 16-token budget): a long prompt is
+    computed 4 tokens a step, so a short one that arrives is admitted at once, computed
+    in the room left and sampled in the step after its prompt is done."""
+    s = make_scheduler(budget=16, chunk_cap=4)
+    s.add_request(make_request("long", 100, max_tokens=2))
+    assert scheduled_tokens(step(s)) == {"long": 4}
+    s.add_request(make_request("short", 6, arrival=1.0, first_token=100))
+    assert scheduled_tokens(step(s)) == {"long": 4, "short": 4}
+    assert scheduled_tokens(step(s)) == {"long": 4, "short": 2}
+    assert s.requests["short"].num_output_tokens == 1
+    assert scheduled_tokens(step(s)) == {"long": 4, "short": 1}  # the short one decodes
+    s.add_request(make_request("second", 3, arrival=2.0, first_token=200))
+    assert scheduled_tokens(step(s)) == {"long": 4, "short": 1, "second": 3}
+
+
+def test_the_default_prefill_chunk_cap_is_a_quarter_of_the_budget() -> None:
+    assert SchedulerConfig(max_model_len=64, max_num_batched_tokens=512).prefill_chunk_cap == 128
+    assert SchedulerConfig(max_model_len=64, long_prefill_token_threshold=0).prefill_chunk_cap == 0
+    assert SchedulerConfig(max_model_len=64, enable_chunked_prefill=False).prefill_chunk_cap == 0

@@ -1,0 +1,167 @@
+"""Issue 27: the work a grammar causes is bounded by the request's own limits.
+
+- jump-forward on a grammar with no finite output (`root ::= "a" root`, a schema whose
+  object requires itself) ends within the room it is given (xgrammar's
+  find_jump_forward_string looped forever: checked in a child process with a timeout and a
+  memory cap, so a regression fails instead of hanging or eating the machine);
+- extreme temperatures and repetition penalties under a grammar's mask sample an allowed
+  token (they gave NaN, a masked token, and a 500);
+- oversized constraints are refused up front, a compile past its budget fails with a
+  GrammarCompileError naming the budget, and the compile cache is bounded in bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from aioengine.config import EngineArgs, add_engine_args, engine_kwargs
+from aioengine.sample import Sampler, SamplingMetadata, SamplingRow
+from aioengine.sampling_params import SamplingParams, StructuredOutputs
+from aioengine.structured import GrammarBitmask, GrammarCompileError, StructuredOutputManager
+from aioengine.structured.compiler import MAX_ENUM_VALUES, GrammarCompileCache
+
+VOCAB = 49152
+EOS = 2
+SELF_REQUIRING = {"$defs": {"n": {"type": "object", "properties": {"x": {"$ref": "#/$defs/n"}},
+                                  "required": ["x"]}},
+                  "$ref": "#/$defs/n"}
+
+_CHILD = textwrap.dedent("""
+    import json, resource, sys
+    resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))  # a runaway dies, not the box
+    from aioengine.model.default import bundled_model_path
+    from transformers import AutoTokenizer
+    import os
+    from aioengine.request import Request, RequestStatus
+    from aioengine.sampling_params import SamplingParams, StructuredOutputs
+    from aioengine.structured import StructuredOutputManager
+    path = bundled_model_path()
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    manager = StructuredOutputManager(tok, 49152, {2})
+    results = []
+    for constraint, first in json.loads(sys.argv[1]):
+        params = SamplingParams(max_tokens=16, structured_outputs=StructuredOutputs(**constraint))
+        state = manager.new_request_state(params)
+        state.grammar.result(timeout=60)
+        request = Request("r", [1], params, structured=state)
+        token = tok.encode(first, add_special_tokens=False)[0]
+        forced = state.advance(request, token, 15)  # room: max_tokens 16 - the sampled one
+        results.append([tok.decode([token] + forced), len(forced), request.status.name])
+    manager.shutdown()
+    print("RESULT " + json.dumps(results), flush=True)
+""")
+
+
+def test_jump_forward_on_an_endless_grammar_stays_within_the_room() -> None:
+    cases = [[{"grammar": 'root ::= "a" root'}, "a"], [{"json": SELF_REQUIRING}, "{"]]
+    try:
+        done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(cases)],
+                              capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("jump-forward on an endless grammar did not return within 120 s")
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    (ebnf_text, ebnf_n, ebnf_status), (json_text, json_n, json_status) = \
+        json.loads(lines[0][len("RESULT "):])
+    assert 0 < ebnf_n <= 15 and set(ebnf_text) == {"a"}
+    assert 0 < json_n <= 15 and json_text.startswith('{"x": {"x":')
+    assert ebnf_status == json_status == "WAITING"  # not finished: the length rule ends it
+
+
+# ---- extreme sampling values under a mask ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def manager(bundled_tokenizer) -> StructuredOutputManager:
+    m = StructuredOutputManager(bundled_tokenizer, VOCAB, {EOS})
+    yield m
+    m.shutdown()
+
+
+@pytest.mark.parametrize("extreme", [
+    {"temperature": 1e308}, {"temperature": 1e300}, {"temperature": 3.5e38},
+    {"temperature": 1e308, "top_p": 0.5}, {"temperature": 1e308, "top_k": 3},
+    {"temperature": 1e308, "min_p": 0.5},
+    {"repetition_penalty": 5e-324}, {"repetition_penalty": 5e-324, "temperature": 0.0}])
+def test_extreme_values_sample_an_allowed_token(manager: StructuredOutputManager,
+                                                bundled_tokenizer, extreme: dict) -> None:
+    constraint = StructuredOutputs(choice=["yes", "no", "maybe"])
+    params = SamplingParams(structured_outputs=constraint, **extreme)
+    state = manager.new_request_state(params)
+    state.grammar.result(timeout=30)
+    first = {bundled_tokenizer.encode(c, add_special_tokens=False)[0]
+             for c in ("yes", "no", "maybe")}
+    # The prompt holds allowed tokens and masked ones: penalties touch both.
+    prompt = sorted(first) + list(range(10, 400))
+    torch.manual_seed(0)
+    for _ in range(8):
+        logits = torch.randn(1, VOCAB) * 8
+        bitmask = GrammarBitmask([state], VOCAB)
+        bitmask.fill()
+        bitmask.apply(logits)
+        metadata = SamplingMetadata.build([SamplingRow(params, prompt, [])], VOCAB,
+                                          torch.device("cpu"))
+        token = int(Sampler()(logits, metadata).sampled_token_ids[0])
+        allowed = bool((int(bitmask.bitmask[0, token // 32]) >> (token % 32)) & 1)
+        assert allowed, (extreme, token, bundled_tokenizer.decode([token]))
+
+
+# ---- compile bounds --------------------------------------------------------------------------
+
+def test_a_huge_enum_is_refused_up_front(manager: StructuredOutputManager) -> None:
+    schema = {"type": "object", "properties": {
+        "x": {"type": "string", "enum": [f"value_{i}" for i in range(100_000)]}},
+        "required": ["x"]}
+    start = time.monotonic()
+    future = manager.compiler.submit(StructuredOutputs(json=schema))
+    with pytest.raises(GrammarCompileError, match=f"at most {MAX_ENUM_VALUES}") as e:
+        future.result(timeout=10)  # it compiled for minutes before
+    assert e.value.param == "structured_outputs" and time.monotonic() - start < 5
+    with pytest.raises(GrammarCompileError, match="at most"):
+        manager.compiler.submit(StructuredOutputs(choice=[str(i) for i in range(100_000)])
+                                ).result(timeout=10)
+
+
+def test_a_compile_past_its_budget_fails_and_stays_failed(bundled_tokenizer) -> None:
+    # ~5 s to compile on 2 EPYC cores (47 s at {0,8000}), though only 47 characters.
+    slow = StructuredOutputs(json={"type": "string", "pattern": "[a-z0-9]{0,4000}"})
+    cache = GrammarCompileCache(bundled_tokenizer, VOCAB, [EOS], compile_timeout_s=1.0)
+    try:
+        cache.compile(StructuredOutputs(regex="warm"))  # builds TokenizerInfo (not budgeted here)
+        start = time.monotonic()
+        future = cache.submit(slow)
+        with pytest.raises(GrammarCompileError, match=r"the 1 s budget") as e:
+            future.result(timeout=30)
+        assert time.monotonic() - start < 2.5 and e.value.param == "structured_outputs"
+        assert cache.submit(slow) is future  # a retry fails fast, no second compile
+        assert cache.compile(StructuredOutputs(regex="[0-9]+")) is not None  # others still do
+    finally:
+        cache.shutdown()
+
+
+def test_the_compile_cache_is_bounded_in_bytes(bundled_tokenizer) -> None:
+    bound = 1 << 20
+    cache = GrammarCompileCache(bundled_tokenizer, VOCAB, [EOS], max_cache_bytes=bound)
+    try:
+        sizes = []
+        for i in range(4):  # each ~0.5 MB (xgrammar's memory_size_bytes)
+            enum = [f"v{i}_{j}" for j in range(3000)]
+            sizes.append(cache.compile(StructuredOutputs(json={"enum": enum})).memory_size_bytes)
+        assert sum(sizes) > bound
+        assert 0 < cache.cache_bytes <= bound
+    finally:
+        cache.shutdown()
+
+
+def test_the_compile_timeout_flag_reaches_engine_args() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--structured-outputs-compile-timeout", "2.5"])
+    assert engine_kwargs(args)["structured_outputs_compile_timeout"] == 2.5
+    assert EngineArgs().structured_outputs_compile_timeout == 10.0
