@@ -30,10 +30,25 @@ def lora_modules_arg(text: str) -> list:
 SERVER_FLAGS: dict[str, FlagSpec] = {
     "host": flag("--host", help="bind address (default: loopback)"),
     "port": flag("--port", type=int, help="0 picks a free port"),
-    "api_key": flag("--api-key", help="require `Authorization: Bearer KEY` on /v1/* "
-                                      "(default: $AIOENGINE_API_KEY)"),
+    "api_key": flag("--api-key", help="require `Authorization: Bearer KEY` on every route "
+                                      "but /health (default: $AIOENGINE_API_KEY)"),
+    "metrics_without_api_key": flag(
+        "--metrics-without-api-key", action="store_true",
+        help="with --api-key: let /metrics answer without the key (a Prometheus scraper)"),
     "max_request_body_bytes": flag("--max-request-body-bytes", type=int,
                                    help="larger request bodies get a 413"),
+    "keepalive_timeout": flag(
+        "--keepalive-timeout", type=float, metavar="SECONDS",
+        help="close a connection idle this long, or one that has not sent a whole request "
+             "head in that time (default: %(default)s)"),
+    "body_read_timeout": flag(
+        "--body-read-timeout", type=float, metavar="SECONDS",
+        help="a request body not received within this time gets a 408 and the connection "
+             "is closed (default: %(default)s)"),
+    "max_connections": flag(
+        "--max-connections", type=int, metavar="N",
+        help="beyond N open connections a new one gets a 503 with Retry-After and is "
+             "closed; 0: no cap (default: %(default)s)"),
     "max_queued_requests": flag("--max-queued-requests", type=int, metavar="N",
                                 help="beyond N waiting requests new ones get 503 with "
                                      "Retry-After (SGLang's flag; default: unlimited)"),
@@ -97,7 +112,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="model name(s) in the API (default: MODEL)")
     add_dataclass_flags(parser, ServerConfig, _some(
-        SERVER_FLAGS, "api_key", "max_request_body_bytes", "max_queued_requests"))
+        SERVER_FLAGS, "api_key", "metrics_without_api_key", "max_request_body_bytes",
+        "keepalive_timeout", "body_read_timeout", "max_connections", "max_queued_requests"))
     parser.set_defaults(api_key=envs.AIOENGINE_API_KEY)  # read when the parser is built
     add_engine_args(parser)
     lora = parser.add_argument_group("LoRA adapters")
@@ -152,13 +168,22 @@ def _check_tool_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error("--enable-auto-tool-choice requires --tool-call-parser")
     if args.max_stored_responses < 0:
         parser.error("--max-stored-responses must be >= 0")
-    if args.max_queued_requests is not None and args.max_queued_requests < 1:
-        parser.error("--max-queued-requests must be >= 1")
     if args.chat_template is not None:
         try:
             args.chat_template = load_chat_template(args.chat_template)
         except (OSError, ValueError) as e:
             parser.error(str(e))
+
+
+def _check_server_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Limits that would leave the server unusable (a timeout of 0 closes every connection)."""
+    if args.max_queued_requests is not None and args.max_queued_requests < 1:
+        parser.error("--max-queued-requests must be >= 1")
+    if args.max_connections < 0:
+        parser.error("--max-connections must be >= 0")
+    for name in ("keepalive_timeout", "body_read_timeout"):
+        if not getattr(args, name) > 0:  # NaN too
+            parser.error(f"--{name.replace('_', '-')} must be > 0")
 
 
 def _check_lora_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -179,6 +204,7 @@ def _check_lora_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """What argparse cannot check of parsed `serve` arguments (parser.error on a bad one)."""
+    _check_server_args(parser, args)
     _check_lora_args(parser, args)
     _check_tool_args(parser, args)
     if args.ray_replicas is not None and args.port == 0:

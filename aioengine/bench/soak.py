@@ -141,9 +141,12 @@ def proc_sample(pid: int | None) -> dict[str, Any]:
     return sample
 
 
-async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """/metrics as {"name": value summed over label sets} (and the labelled keys)."""
-    async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=30)) as r:
+async def scrape(session: aiohttp.ClientSession, url: str,
+                 headers: dict[str, str] | None = None) -> dict[str, float]:
+    """/metrics as {"name": value summed over label sets} (and the labelled keys);
+    `headers` carry the API key where the server has one (it guards /metrics too)."""
+    async with session.get(url + "/metrics", headers=headers,
+                           timeout=aiohttp.ClientTimeout(total=30)) as r:
         text = await r.text()
     values: dict[str, float] = {}
     for line in text.splitlines():
@@ -169,7 +172,7 @@ async def _sampler(t: Traffic, pid: int | None, interval_s: float, done: asyncio
     while True:
         sample = {"t": round(time.monotonic() - t.t0, 2), **proc_sample(pid)}
         try:
-            m = await scrape(t.session, t.url)
+            m = await scrape(t.session, t.url, t.headers)
             sample.update({k: m.get(name) for k, name in _GAUGES.items()})
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             sample["scrape_error"] = f"{type(e).__name__}: {e}"
@@ -192,7 +195,7 @@ async def _wait_idle(session: aiohttp.ClientSession, url: str,
     idle: dict[str, Any] = dict.fromkeys(_GAUGES)
     while True:
         try:
-            m = await scrape(session, url)
+            m = await scrape(session, url, headers)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return {**idle, "idle": False, "waited_s": round(time.monotonic() - start, 2),
                     "error": f"{type(e).__name__}: {e}"}
@@ -214,7 +217,7 @@ async def run_soak(cfg: SoakConfig, url: str, pid: int | None,
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
         async with session.get(url + "/v1/models", headers=headers) as r:
             model = (await r.json())["data"][0]["id"]
-        before = await scrape(session, url)
+        before = await scrape(session, url, headers)
         t0 = time.monotonic()
         traffic = Traffic(session, url, model, headers, cfg.timeout_s, long_tokens,
                           cfg.long_burst, t0)

@@ -34,11 +34,31 @@ class RequestAdmission:
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         """InvalidRequestError (naming `param`) for an id outside the vocabulary: the one
-        place that decides it (prompts, /detokenize)."""
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
+        place that decides it (prompts, /detokenize). min/max run in C; the ids are only
+        walked in Python to name the first bad one."""
+        if not token_ids or (min(token_ids) >= 0 and max(token_ids) < self.vocab_size):
+            return
+        bad = next(t for t in token_ids if not 0 <= t < self.vocab_size)
+        raise InvalidRequestError(
+            f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param)
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """InvalidRequestError for a prompt that could never run whatever its params: empty,
+        an id outside the vocabulary, no room left in the context. Reads only fixed
+        attributes, so a front end may call it off the event loop, right after tokenizing
+        (a prompt far over the context fails there, not on the loop)."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        self.check_token_ids(prompt_token_ids, "prompt")
+        self.check_prompt_length(len(prompt_token_ids))
+
+    def check_prompt_length(self, num_prompt: int) -> None:
+        """InvalidRequestError for a prompt of `num_prompt` tokens that leaves no room to
+        generate (a front end that has only counted a long prompt's tokens asks this)."""
+        if num_prompt >= self.max_model_len:
             raise InvalidRequestError(
-                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param)
+                f"the prompt has {num_prompt} tokens but the model's context length is "
+                f"{self.max_model_len}, leaving no room to generate", "prompt")
 
     def default_max_tokens(self, num_prompt: int, n: int) -> int:
         """'Up to the context', capped so that n samples fit in the KV cache together (the
@@ -66,13 +86,7 @@ class RequestAdmission:
         """Raises InvalidRequestError for anything that could never run; resolves
         `max_tokens` (None = up to the context) and the stop token set in `params`."""
         num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        self.check_token_ids(prompt_token_ids, "prompt")
-        if num_prompt >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {num_prompt} tokens but the model's context length is "
-                f"{self.max_model_len}, leaving no room to generate", "prompt")
+        self.check_prompt(prompt_token_ids)
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - num_prompt
         elif num_prompt + params.max_tokens > self.max_model_len:

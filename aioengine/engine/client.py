@@ -94,6 +94,16 @@ class EngineClient:
         """InvalidRequestError (naming `param`) for an id outside the vocabulary."""
         self.core.check_token_ids(token_ids, param)
 
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """InvalidRequestError for a prompt that could never run (empty, outside the
+        vocabulary, over the context), as `prepare` would raise it; safe off the loop."""
+        self.core.check_prompt(prompt_token_ids)
+
+    def check_prompt_length(self, num_prompt: int) -> None:
+        """InvalidRequestError for a prompt of `num_prompt` tokens over the context (the
+        message `prepare` gives it); safe off the loop."""
+        self.core.check_prompt_length(num_prompt)
+
     def default_max_tokens(self, num_prompt: int, n: int) -> int:
         """Up to the context, capped so that n samples fit in the KV cache together."""
         return self.core.default_max_tokens(num_prompt, n)

@@ -1,7 +1,11 @@
 """The OpenAI-compatible HTTP server (aiohttp) in front of one AsyncEngine.
 
-    client ──HTTP──> middleware (errors -> OpenAI error bodies, bearer auth on /v1/*)
+    client ──HTTP──> middleware (errors -> OpenAI error bodies, bearer auth on every route
+                        │                but /health)
                         └─> route handler ─> engine.generate(...) per prompt ─> JSON or SSE
+
+Tokenizing, rendering and detokenizing of a large body run off the event loop (offload.py);
+connection limits: connections.py.
 
 `model` names the base model (a served name) or a LoRA adapter (serving_models.py, with
 vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter).
@@ -25,6 +29,8 @@ from aioengine import envs
 from aioengine.engine.async_engine import AsyncEngine
 from aioengine.errors import EngineDeadError, InvalidRequestError, NotFoundError
 from aioengine.metrics import CONTENT_TYPE
+from aioengine.server.connections import CappedSockSite, client_error_log
+from aioengine.server.offload import BODY_BYTES, decode_ids, encode_text
 from aioengine.server.protocol import (ApiError, error_body, get_bool, get_int, get_int_list,
                                        get_str, parse_json_object)
 from aioengine.server.serving_chat import ChatHandler, render_messages
@@ -34,7 +40,6 @@ from aioengine.server.serving_models import ServingModels
 from aioengine.server.serving_responses import ResponsesHandler
 from aioengine.server.server_config import ServerConfig
 from aioengine.server.tools import ToolServingConfig, chat_tool_plan
-from aioengine.tokenizer_utils import encode_prompt
 
 logger = logging.getLogger("aioengine.server")
 
@@ -43,7 +48,8 @@ logger = logging.getLogger("aioengine.server")
 _DRAIN_BYTES = 64 << 20
 _STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
                  404: "not_found_error", 405: "invalid_request_error",
-                 413: "invalid_request_error", 503: "service_unavailable_error"}
+                 408: "invalid_request_error", 413: "invalid_request_error",
+                 503: "service_unavailable_error"}
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 JsonHandler = Callable[[web.Request, dict], Awaitable[web.StreamResponse]]
@@ -55,7 +61,13 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except ApiError as e:
-        return json_response(e.body(), e.status, e.headers)
+        response = json_response(e.body(), e.status, e.headers)
+        if e.status == 408:  # sent, then closed: the rest of the body is not waited for
+            await response.prepare(request)
+            await response.write_eof()
+            if request.transport is not None:
+                request.transport.close()
+        return response
     except web.HTTPException as e:  # unknown route, wrong method, ...
         if e.status < 400:
             raise
@@ -74,10 +86,15 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
                                         "internal_server_error"), 500)
 
 
-def auth_middleware(api_key: str | None) -> Callable:
+def auth_middleware(api_key: str | None, metrics_without_api_key: bool = False) -> Callable:
+    """With a key, every route but /health (and /metrics if told) needs `Authorization:
+    Bearer KEY`: /tokenize, /version and /debug/faults too, and an unknown route is a 401
+    rather than a 404, so nothing about the server is told without the key."""
+    open_paths = {"/health", "/metrics"} if metrics_without_api_key else {"/health"}
+
     @web.middleware
     async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if api_key is not None and request.path.startswith("/v1/"):
+        if api_key is not None and request.path not in open_paths:
             header = request.headers.get("Authorization", "")
             token = header[len("Bearer "):] if header.startswith("Bearer ") else ""
             if not hmac.compare_digest(token.encode(), api_key.encode()):
@@ -86,16 +103,24 @@ def auth_middleware(api_key: str | None) -> Callable:
     return check_api_key
 
 
-async def read_json(request: web.Request, limit: int) -> dict:
-    """The body as a JSON object; 413 past `limit` bytes (the excess is drained first)."""
+async def read_json(request: web.Request, limit: int, timeout: float | None = None) -> dict:
+    """The body as a JSON object; 413 past `limit` bytes (the excess is drained first), 408
+    if it has not all come within `timeout` seconds (a slow-loris body). Its size is kept
+    for the handler (offload.body_bytes)."""
     chunks: list[bytes] = []
     total = 0
-    async for chunk in request.content.iter_chunked(1 << 16):
-        total += len(chunk)
-        if total <= limit:
-            chunks.append(chunk)
-        elif total > limit + _DRAIN_BYTES:
-            break
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.content.iter_chunked(1 << 16):
+                total += len(chunk)
+                if total <= limit:
+                    chunks.append(chunk)
+                elif total > limit + _DRAIN_BYTES:
+                    break
+    except TimeoutError:
+        raise ApiError(408, f"the request body was not received within {timeout:g} s "
+                       "(--body-read-timeout)", code="request_timeout") from None
+    request[BODY_BYTES] = total
     if total > limit:
         raise ApiError(413, f"the request body is larger than the limit of {limit} bytes",
                        code="request_too_large")
@@ -114,7 +139,8 @@ class OpenAIServer:
                                           config.response_id_tag)
 
     def build_app(self) -> web.Application:
-        app = web.Application(middlewares=[error_middleware, auth_middleware(self.config.api_key)])
+        auth = auth_middleware(self.config.api_key, self.config.metrics_without_api_key)
+        app = web.Application(middlewares=[error_middleware, auth])
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.metrics)
@@ -132,11 +158,16 @@ class OpenAIServer:
             app.router.add_post("/v1/load_lora_adapter", self._json(self.load_lora_adapter))
             app.router.add_post("/v1/unload_lora_adapter",
                                 self._json(self.unload_lora_adapter))
+
+        async def stop_prompt_threads(app: web.Application) -> None:
+            self.ctx.work.shutdown()
+        app.on_cleanup.append(stop_prompt_threads)
         return app
 
     def _json(self, handler: JsonHandler) -> Handler:
         async def route(request: web.Request) -> web.StreamResponse:
-            body = await read_json(request, self.config.max_request_body_bytes)
+            body = await read_json(request, self.config.max_request_body_bytes,
+                                   self.config.body_read_timeout)
             return await handler(request, body)
         return route
 
@@ -192,25 +223,29 @@ class OpenAIServer:
 
     async def tokenize(self, request: web.Request, body: dict) -> web.Response:
         self.ctx.check_model(body)
-        tokenizer = self.ctx.engine.tokenizer
-        if body.get("messages") is not None:  # rendered as chat would (tools, template)
-            plan = chat_tool_plan(body, self.ctx.tools)
-            add_generation_prompt = get_bool(body, "add_generation_prompt", True)
-            tokens = render_messages(self.ctx, body["messages"], plan,
-                                     bool(add_generation_prompt))
-        else:
-            prompt = get_str(body, "prompt", None)
-            if prompt is None:
-                raise ApiError(400, "prompt (a string) or messages is required", "prompt")
-            if get_bool(body, "add_special_tokens", True):
-                tokens = encode_prompt(tokenizer, prompt)
-            else:
-                tokens = list(tokenizer.encode(prompt, add_special_tokens=False))
+        tokens = await self.ctx.work.run(request, self._tokens, body)
         return json_response({"count": len(tokens), "max_model_len": self.ctx.max_model_len,
                               "tokens": tokens})
 
+    def _tokens(self, body: dict) -> list[int]:
+        """/tokenize's ids (off the loop for a large body)."""
+        if body.get("messages") is not None:  # rendered as chat would (tools, template)
+            plan = chat_tool_plan(body, self.ctx.tools)
+            add_generation_prompt = get_bool(body, "add_generation_prompt", True)
+            return render_messages(self.ctx, body["messages"], plan,
+                                   bool(add_generation_prompt))
+        prompt = get_str(body, "prompt", None)
+        if prompt is None:
+            raise ApiError(400, "prompt (a string) or messages is required", "prompt")
+        return encode_text(self.ctx.engine.tokenizer, prompt,
+                           bool(get_bool(body, "add_special_tokens", True)))
+
     async def detokenize(self, request: web.Request, body: dict) -> web.Response:
         self.ctx.check_model(body)
+        return json_response({"prompt": await self.ctx.work.run(request, self._text, body)})
+
+    def _text(self, body: dict) -> str:
+        """/detokenize's text (off the loop for a large body)."""
         tokens = get_int_list(body, "tokens")
         if tokens is None:
             raise ApiError(400, "tokens (a list of token ids) is required", "tokens")
@@ -218,7 +253,7 @@ class OpenAIServer:
             self.ctx.engine.check_token_ids(tokens, "tokens")
         except InvalidRequestError as e:
             raise ApiError.invalid(e) from None
-        return json_response({"prompt": self.ctx.engine.tokenizer.decode(tokens)})
+        return decode_ids(self.ctx.engine.tokenizer, tokens)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -247,9 +282,11 @@ async def build_server_app(engine: AsyncEngine, served_model_names: list[str],
 
 
 def app_runner(app: web.Application, config: ServerConfig) -> web.AppRunner:
-    """Handlers are cancelled when their client goes away (that aborts its requests)."""
+    """Handlers are cancelled when their client goes away (that aborts its requests); idle
+    and half-sent connections close after `keepalive_timeout` (connections.py)."""
     return web.AppRunner(app, handler_cancellation=True, access_log=None,
-                         shutdown_timeout=config.shutdown_timeout)
+                         shutdown_timeout=config.shutdown_timeout,
+                         keepalive_timeout=config.keepalive_timeout, logger=client_error_log())
 
 
 async def serve(engine: AsyncEngine, served_model_names: list[str], config: ServerConfig,
@@ -266,7 +303,8 @@ async def serve(engine: AsyncEngine, served_model_names: list[str], config: Serv
     runner = app_runner(app, config)
     await runner.setup()
     try:
-        site = web.SockSite(runner, sock or bind_socket(config.host, config.port))
+        site = CappedSockSite(runner, sock or bind_socket(config.host, config.port),
+                              config.max_connections, backlog=1024)
         await site.start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

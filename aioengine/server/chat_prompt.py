@@ -16,7 +16,7 @@ from typing import Any
 
 from aioengine.server.tool_parsers import ToolParser
 from aioengine.server.tools import FunctionTool
-from aioengine.tokenizer_utils import ChatTemplateError, apply_chat_template
+from aioengine.tokenizer_utils import ChatTemplateError, render_chat_template
 
 DEFAULT_TOOL_PROMPT = """\
 You are a function calling AI model. You may call one or more functions to assist with \
@@ -63,19 +63,27 @@ def _past_calls(message: dict, index: int) -> list[tuple[str, Any]]:
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise ChatTemplateError(f"{where}[{j}] needs function.name")
         arguments = function.get("arguments", "{}")
-        if not isinstance(arguments, (str, dict)):
+        if isinstance(arguments, str):
+            _check_arguments(arguments, f"{where}[{j}].function.arguments")
+        elif not isinstance(arguments, dict):
             raise ChatTemplateError(f"{where}[{j}].function.arguments must be a JSON string")
         out.append((function["name"], arguments))
     return out
 
 
-def _as_object(arguments: str | dict) -> Any:
-    if isinstance(arguments, dict):
-        return arguments
+def _check_arguments(arguments: str, where: str) -> None:
+    """A past call's arguments are a JSON object, as the model is to write them (a call
+    the model is shown with broken arguments teaches it to write broken ones)."""
     try:
-        return json.loads(arguments)
-    except ValueError:
-        return arguments  # a template can still print it as text
+        value = json.loads(arguments)
+    except ValueError as e:
+        raise ChatTemplateError(f"{where} is not valid JSON ({e}): {arguments[:80]!r}") from None
+    if not isinstance(value, dict):
+        raise ChatTemplateError(f"{where} must be a JSON object, got {type(value).__name__}")
+
+
+def _as_object(arguments: str | dict) -> Any:
+    return arguments if isinstance(arguments, dict) else json.loads(arguments)
 
 
 def _for_tool_template(messages: list[dict]) -> list[dict]:
@@ -125,19 +133,30 @@ def _with_system_block(messages: list[dict], block: str) -> list[dict]:
     return [{"role": "system", "content": block}, *messages]
 
 
-def render_chat_prompt(tokenizer: Any, messages: Any, tools: list[FunctionTool],
-                       parser: ToolParser, chat_template: str | None = None,
-                       add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of `messages` with `tools` offered (empty: none). ChatTemplateError for
-    malformed messages or a failing template."""
+def render_chat_text(tokenizer: Any, messages: Any, tools: list[FunctionTool],
+                     parser: ToolParser, chat_template: str | None = None,
+                     add_generation_prompt: bool = True) -> str:
+    """The prompt text of `messages` with `tools` offered (empty: none); the template
+    writes its own special tokens, so it is encoded without adding any. ChatTemplateError
+    for malformed messages or a failing template."""
     if not isinstance(messages, list) or not messages:
         raise ChatTemplateError("messages must be a non-empty list")
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if template_takes_tools(template):
-        return apply_chat_template(tokenizer, _for_tool_template(messages),
-                                   add_generation_prompt,
-                                   [t.chat_dict() for t in tools] or None, chat_template)
+        return render_chat_template(tokenizer, _for_tool_template(messages),
+                                    add_generation_prompt,
+                                    [t.chat_dict() for t in tools] or None, chat_template)
     messages = _for_plain_template(messages, parser)
     if tools:
         messages = _with_system_block(messages, default_tool_prompt(tools, parser))
-    return apply_chat_template(tokenizer, messages, add_generation_prompt, None, chat_template)
+    return render_chat_template(tokenizer, messages, add_generation_prompt, None,
+                                chat_template)
+
+
+def render_chat_prompt(tokenizer: Any, messages: Any, tools: list[FunctionTool],
+                       parser: ToolParser, chat_template: str | None = None,
+                       add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of `messages` with `tools` offered (render_chat_text, encoded)."""
+    text = render_chat_text(tokenizer, messages, tools, parser, chat_template,
+                            add_generation_prompt)
+    return list(tokenizer.encode(text, add_special_tokens=False))

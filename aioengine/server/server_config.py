@@ -11,6 +11,15 @@ if TYPE_CHECKING:
     from aioengine.server.serving_models import LoRAModulePath
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
+# Longer than the keep-alive expiry of the common clients' pools (httpx, which the openai
+# client uses: 5 s; aiohttp's: 15 s), so a client never reuses a connection the server is
+# closing at that moment.
+DEFAULT_KEEPALIVE_TIMEOUT = 20.0
+# 8 MiB (the body limit) in 60 s is ~140 KB/s: any real client, not a slow-loris.
+DEFAULT_BODY_READ_TIMEOUT = 60.0
+# 8x the default --max-num-seqs: room for the running, the queued and idle keep-alive
+# connections, far below the usual 1024 open files per process.
+DEFAULT_MAX_CONNECTIONS = 512
 
 
 @dataclass(frozen=True)
@@ -18,7 +27,16 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    # With api_key: /metrics answers without it too (for a Prometheus scraper).
+    metrics_without_api_key: bool = False
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    # Connections: one idle this long, or that has not sent a whole request head in that
+    # time, is closed (aiohttp's keepalive_timeout); a body not received within
+    # body_read_timeout gets a 408 and the connection is closed; beyond max_connections open
+    # connections a new one gets a 503 and is closed (0: no cap).
+    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT
+    body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
     # Seconds to wait for open connections after in-flight requests were aborted.
     shutdown_timeout: float = 5.0
     # Adapters loaded before serving (--lora-modules); the load/unload routes

@@ -16,7 +16,8 @@ from aiohttp import web
 
 from aioengine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from aioengine.sampling_params import SamplingParams
-from aioengine.server.chat_prompt import render_chat_prompt
+from aioengine.server.chat_prompt import render_chat_text
+from aioengine.server.offload import encode_text
 from aioengine.server.protocol import (ApiError, chat_sampling_params, get_bool, get_priority,
                                        get_stream, structured_outputs_field)
 from aioengine.server.serving_engine import (ApiCall, SSEStream, ServingContext, check_failed,
@@ -55,15 +56,35 @@ def apply_tool_plan(plan: ToolPlan | None, params: SamplingParams,
 
 
 def render_messages(ctx: ServingContext, messages: Any, plan: ToolPlan | None,
-                    add_generation_prompt: bool = True, param: str = "messages") -> list[int]:
-    """Prompt ids of chat messages, with the plan's tools offered (400 on bad messages)."""
+                    add_generation_prompt: bool = True, param: str = "messages",
+                    check: bool = False) -> list[int]:
+    """Prompt ids of chat messages, with the plan's tools offered (400 on bad messages;
+    `check`: and for a prompt that could never run, counted before it is listed)."""
+    tokenizer = ctx.engine.tokenizer
     try:
-        return render_chat_prompt(ctx.engine.tokenizer, messages,
-                                  plan.tools if plan else [],
-                                  plan.parser if plan else ctx.tools.parser,
-                                  ctx.chat_template, add_generation_prompt)
+        text = render_chat_text(tokenizer, messages, plan.tools if plan else [],
+                                plan.parser if plan else ctx.tools.parser,
+                                ctx.chat_template, add_generation_prompt)
     except ChatTemplateError as e:
         raise ApiError(400, str(e), param) from None
+    if not check:
+        return encode_text(tokenizer, text, add_special_tokens=False)
+    with ctx.prompt_errors(param):
+        ids = encode_text(tokenizer, text, False, ctx.engine.check_prompt_length)
+        ctx.engine.check_prompt(ids)
+    return ids
+
+
+def chat_prompt(ctx: ServingContext, body: dict) -> tuple[ToolPlan | None, list[int]]:
+    """A chat body's tool plan and prompt ids, checked against the context (for a large
+    body, off the loop: the tools are validated, the messages rendered and tokenized)."""
+    plan = chat_tool_plan(body, ctx.tools)
+    if body.get("messages") is None:
+        raise ApiError(400, "messages is required", "messages")
+    prompt_ids = render_messages(ctx, body["messages"], plan,
+                                 bool(get_bool(body, "add_generation_prompt", True)),
+                                 check=True)
+    return plan, prompt_ids
 
 
 @dataclass
@@ -86,13 +107,9 @@ class ChatHandler:
         model, lora_request = ctx.resolve_model(body)
         stream = get_stream(body)
         params = chat_sampling_params(body)
-        plan = chat_tool_plan(body, ctx.tools)
-        apply_tool_plan(plan, params, structured_outputs_field(body))
         priority = get_priority(body)
-        if body.get("messages") is None:
-            raise ApiError(400, "messages is required", "messages")
-        prompt_ids = render_messages(ctx, body["messages"], plan,
-                                     bool(get_bool(body, "add_generation_prompt", True)))
+        plan, prompt_ids = await ctx.work.run(request, chat_prompt, ctx, body)
+        apply_tool_plan(plan, params, structured_outputs_field(body))
         prepared = await ctx.prepare([prompt_ids], params, lora_request, body,
                                      prompt_param="messages",
                                      grammar_param="tools" if plan else None)

@@ -58,6 +58,14 @@ class Choice:
     stop_reason: int | str | None = None
 
 
+def completion_prompts(ctx: ServingContext,
+                       body: dict) -> tuple[list[str | list[int]], list[list[int]]]:
+    """The prompts as given and their token ids, each checked against the context (for a
+    large body, off the loop: its ids are walked, its text tokenized)."""
+    prompts = parse_completion_prompts(body)
+    return prompts, [ctx.encode(p) for p in prompts]
+
+
 class CompletionsHandler:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
@@ -68,8 +76,7 @@ class CompletionsHandler:
         stream = get_stream(body)
         params, echo = completion_sampling_params(body)
         priority = get_priority(body)
-        prompts = parse_completion_prompts(body)
-        prompt_ids = [ctx.encode(p) for p in prompts]
+        prompts, prompt_ids = await ctx.work.run(request, completion_prompts, ctx, body)
         prepared = await ctx.prepare(prompt_ids, params, lora_request, body)
         call = _Call(ctx, random_id("cmpl"), model, params.n, echo, params.logprobs,
                      [ctx.prompt_text(p, need_text=echo) for p in prompts], prompt_ids)

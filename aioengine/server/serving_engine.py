@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, Iterator
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,11 +20,11 @@ from aioengine.errors import EngineDeadError, InvalidRequestError, NotFoundError
 from aioengine.lora.request import LoRARequest
 from aioengine.outputs import CompletionOutput, RequestOutput
 from aioengine.sampling_params import SamplingParams
+from aioengine.server.offload import PromptWork, encode_text
 from aioengine.server.protocol import ApiError, error_body, structured_outputs_field
 from aioengine.server.serving_models import ServingModels
 from aioengine.server.tools import ToolServingConfig
 from aioengine.structured import GrammarCompileError
-from aioengine.tokenizer_utils import encode_prompt
 
 # (prompt index, output) of every engine request of one API call, as they come.
 Outputs = AsyncGenerator[tuple[int, RequestOutput], None]
@@ -54,6 +54,8 @@ class ServingContext:
     # --max-queued-requests: beyond this many waiting requests new ones get a 503.
     max_queued_requests: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    # Tokenizing, rendering and detokenizing of large bodies, off the event loop.
+    work: PromptWork = field(default_factory=PromptWork)
 
     @property
     def served_model_names(self) -> list[str]:
@@ -88,10 +90,25 @@ class ServingContext:
                            code="overloaded", headers={"Retry-After": "1"})
 
     def encode(self, prompt: str | list[int]) -> list[int]:
-        """The token ids of a completions prompt (checked by `prepare`, not here)."""
-        if isinstance(prompt, str):
-            return encode_prompt(self.engine.tokenizer, prompt)
-        return list(prompt)
+        """The token ids of a completions prompt, checked as `prepare` would check them (a
+        400 for one that could never run): right after tokenizing, on the thread that
+        tokenized a large body, and a text far over the context from its token count."""
+        with self.prompt_errors("prompt"):
+            if isinstance(prompt, str):
+                ids = encode_text(self.engine.tokenizer, prompt, True,
+                                  self.engine.check_prompt_length)
+            else:
+                ids = list(prompt)
+            self.engine.check_prompt(ids)
+        return ids
+
+    @contextmanager
+    def prompt_errors(self, param: str) -> Iterator[None]:
+        """The engine's InvalidRequestError for a prompt as a 400 naming `param`."""
+        try:
+            yield
+        except InvalidRequestError as e:
+            raise ApiError.invalid(e, param if e.param == "prompt" else None) from None
 
     def prompt_text(self, prompt: str | list[int], need_text: bool) -> str:
         """A completions prompt's text; that of token ids (prepared: in the vocabulary) is

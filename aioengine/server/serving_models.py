@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,25 @@ if TYPE_CHECKING:
     from aioengine.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger("aioengine.server")
+
+
+# An adapter's name is a model name in requests, /v1/models and Ray's multiplexed ids:
+# letters, digits, '.', '_', '-', in '/'-separated parts (an "org/name" is fine), each
+# starting with a letter, digit or '_' (so no '.', '..' or empty part), <= 128 characters.
+_ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*(?:/[A-Za-z0-9_][A-Za-z0-9._-]*)*")
+ADAPTER_NAME_RULE = ("letters, digits, '.', '_' and '-' in '/'-separated parts, each starting "
+                     "with a letter, digit or '_', at most 128 characters")
+# One text for any adapter that cannot be found, whatever is missing at its path (the
+# directory, its config, its weights): a client learns nothing about the server's files.
+# The reason goes to the server's log.
+_ADAPTER_NOT_FOUND = "No LoRA adapter can be loaded from lora_path {path!r}."
+
+
+def adapter_name_problem(name: str) -> str | None:
+    """Why `name` cannot be an adapter's name (ADAPTER_NAME_RULE), or None."""
+    if len(name) <= 128 and _ADAPTER_NAME_RE.fullmatch(name):
+        return None
+    return f"invalid LoRA adapter name {name[:140]!r}: use {ADAPTER_NAME_RULE}"
 
 
 @dataclass(frozen=True)
@@ -58,6 +78,13 @@ def _module_from_dict(item: Any, text: str) -> LoRAModulePath:
     if base is not None and not isinstance(base, str):
         raise argparse.ArgumentTypeError(
             f"invalid --lora-modules entry {text!r}: base_model_name must be a string")
+    return _module(name, path, base, text)
+
+
+def _module(name: str, path: str, base: str | None, text: str) -> LoRAModulePath:
+    problem = adapter_name_problem(name)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"--lora-modules entry {text!r}: {problem}")
     return LoRAModulePath(name, path, base)
 
 
@@ -78,7 +105,7 @@ def parse_lora_modules(text: str) -> list[LoRAModulePath]:
         raise argparse.ArgumentTypeError(
             f"invalid --lora-modules entry {text!r}: expected name=path or a JSON object "
             f'{{"name": ..., "path": ..., "base_model_name": ...}}')
-    return [LoRAModulePath(name, path)]
+    return [_module(name, path, None, text)]
 
 
 def _lora_error(status: int, message: str, type: str, param: str | None = None) -> ApiError:
@@ -133,6 +160,9 @@ class ServingModels:
 
     def _check_name(self, name: str) -> str | None:
         """Why `name` cannot be a new adapter's, or None."""
+        problem = adapter_name_problem(name)
+        if problem is not None:
+            return problem
         if name in self.base_model_names:
             return f"'{name}' is a served name of the base model"
         if self._registered(name) is not None:
@@ -169,7 +199,9 @@ class ServingModels:
         try:
             await self.engine.add_lora(LoRARequest(name, path))
         except NotFoundError as e:
-            raise _lora_error(404, str(e), "NotFoundError", "lora_path") from None
+            logger.info("LoRA adapter %r not loaded from %r: %s", name, path, e)
+            raise _lora_error(404, _ADAPTER_NOT_FOUND.format(path=path[:300]),
+                              "NotFoundError", "lora_path") from None
         except InvalidRequestError as e:
             raise _lora_error(400, str(e), "BadRequestError", e.param) from None
         return f"Success: LoRA adapter '{name}' added successfully."

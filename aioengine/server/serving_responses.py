@@ -86,6 +86,18 @@ def responses_tool_plan(body: dict, ctx: ServingContext) -> ToolPlan | None:
     return plan_tools(tools, choice, bool(parallel), ctx.tools)
 
 
+def response_prompt(ctx: ServingContext, body: dict, history: list[dict[str, Any]],
+                    instructions: str | None,
+                    ) -> tuple[list[dict[str, Any]], ToolPlan | None, list[int]]:
+    """The conversation (`history`, then `input`), the tool plan and the prompt ids, checked
+    against the context (for a large body, off the loop)."""
+    messages = history + input_messages(body["input"])
+    plan = responses_tool_plan(body, ctx)
+    system = [{"role": "system", "content": instructions}] if instructions else []
+    prompt_ids = render_messages(ctx, system + messages, plan, param="input", check=True)
+    return messages, plan, prompt_ids
+
+
 @dataclass
 class StoredResponse:
     state: ResponseState
@@ -153,8 +165,8 @@ class ResponsesHandler:
         self.store = ResponsesStore(max_stored)
         self.id_tag = id_tag
 
-    def _conversation(self, body: dict) -> list[dict[str, Any]]:
-        """The previous response's conversation (output included), then `input`."""
+    def _history(self, body: dict) -> list[dict[str, Any]]:
+        """The previous response's conversation (output included); [] for none."""
         history: list[dict[str, Any]] = []
         previous_id = get_str(body, "previous_response_id", None)
         if previous_id is not None:
@@ -169,7 +181,7 @@ class ResponsesHandler:
             history = previous.messages
         if body.get("input") is None:
             raise ApiError(400, "input is required", "input")
-        return history + input_messages(body["input"])
+        return history
 
     async def create(self, request: web.Request, body: dict) -> web.StreamResponse:
         ctx = self.ctx
@@ -183,12 +195,11 @@ class ResponsesHandler:
         if background and stream:
             raise ApiError(400, "background responses cannot be streamed here", "stream")
         instructions = get_str(body, "instructions", None)
-        messages = self._conversation(body)
-        plan = responses_tool_plan(body, ctx)
+        history = self._history(body)
         params = responses_sampling_params(body)
+        messages, plan, prompt_ids = await ctx.work.run(request, response_prompt, ctx, body,
+                                                        history, instructions)
         apply_tool_plan(plan, params, "text")
-        system = [{"role": "system", "content": instructions}] if instructions else []
-        prompt_ids = render_messages(ctx, system + messages, plan, param="input")
         prepared = await ctx.prepare([prompt_ids], params, lora_request, body,
                                      prompt_param="input",
                                      grammar_param="tools" if plan else "text")

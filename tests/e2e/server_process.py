@@ -27,6 +27,8 @@ class ServerProcess:
     url: str
     model: str
     log: list[str] = field(default_factory=list)
+    # The key it was started with (--api-key): metrics() and wait_idle() send it.
+    api_key: str | None = None
 
     @property
     def base_url(self) -> str:
@@ -48,7 +50,8 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         """/metrics as {"name{labels}": value}; also {"name": sum over label sets}."""
-        status, text = self.request("GET", "/metrics")
+        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        status, text = self.request("GET", "/metrics", headers=auth)
         assert status == 200
         values: dict[str, float] = {}
         for line in text.decode().splitlines():
@@ -112,7 +115,8 @@ def start_server(*extra_args: str, timeout: float = 240,
     if not got_ready.wait(timeout) or not ready:
         proc.kill()
         raise RuntimeError("server did not start:\n" + "".join(log))
-    return ServerProcess(proc, ready[0].group(2), ready[0].group(1), log)
+    key = extra_args[extra_args.index("--api-key") + 1] if "--api-key" in extra_args else None
+    return ServerProcess(proc, ready[0].group(2), ready[0].group(1), log, key)
 
 
 def serving(*extra_args: str, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:

@@ -12,6 +12,8 @@ import pytest
 
 from server_process import API_KEY, MODEL, ServerProcess, openai_client, serving
 
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
 PROMPT = "The capital of France is"
 
 
@@ -43,7 +45,7 @@ def test_models_health_version(server: ServerProcess, client: openai.OpenAI) -> 
     assert models[0].model_extra["max_model_len"] == 8192
     status, body = server.request("GET", "/health")
     assert status == 200
-    status, body = server.request("GET", "/version")
+    status, body = server.request("GET", "/version", headers=AUTH)
     version = orjson.loads(body)
     assert status == 200 and version["version"]
     # dtype "auto": what it chose and the CPU flags it was based on.
@@ -108,7 +110,8 @@ def test_batch_of_prompts_strings_and_token_ids(server: ServerProcess,
     assert [c.index for c in batch.choices] == [0, 1, 2, 3]
     # choice index = prompt index * n + sample index
     assert [c.text for c in batch.choices] == [single[0], single[0], single[1], single[1]]
-    ids = [orjson.loads(server.request("POST", "/tokenize", {"prompt": p})[1])["tokens"]
+    ids = [orjson.loads(server.request("POST", "/tokenize", {"prompt": p},
+                                      headers=AUTH)[1])["tokens"]
            for p in prompts]
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
     assert [c.text for c in by_ids.choices] == single
@@ -132,7 +135,8 @@ def test_echo_with_logprobs(server: ServerProcess, client: openai.OpenAI) -> Non
     for token, top, value in zip(lp.tokens[5:], lp.top_logprobs[5:], lp.token_logprobs[5:]):
         assert top[token] == value == max(top.values())  # greedy takes the best
         assert len(top) <= 3
-    ids = orjson.loads(server.request("POST", "/tokenize", {"prompt": PROMPT})[1])["tokens"]
+    ids = orjson.loads(server.request("POST", "/tokenize", {"prompt": PROMPT},
+                                      headers=AUTH)[1])["tokens"]
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0,
                                        echo=True)
     assert by_ids.choices[0].text == choice.text  # token ids echo as their text
@@ -172,14 +176,15 @@ def test_prefix_cache_hits_show_in_usage(client: openai.OpenAI) -> None:
 
 
 def test_tokenize_detokenize_roundtrip(server: ServerProcess) -> None:
-    status, body = server.request("POST", "/tokenize", {"prompt": PROMPT})
+    status, body = server.request("POST", "/tokenize", {"prompt": PROMPT}, headers=AUTH)
     tokens = orjson.loads(body)
     assert status == 200 and tokens["count"] == 5 == len(tokens["tokens"])
     assert tokens["max_model_len"] == 8192
-    status, body = server.request("POST", "/detokenize", {"tokens": tokens["tokens"]})
+    status, body = server.request("POST", "/detokenize", {"tokens": tokens["tokens"]},
+                                  headers=AUTH)
     assert status == 200 and orjson.loads(body)["prompt"] == PROMPT
     status, body = server.request("POST", "/tokenize", {
-        "messages": [{"role": "user", "content": "Hi"}]})
+        "messages": [{"role": "user", "content": "Hi"}]}, headers=AUTH)
     assert status == 200 and orjson.loads(body)["count"] > 5
 
 

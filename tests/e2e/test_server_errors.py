@@ -133,11 +133,13 @@ def test_api_key(server: ServerProcess) -> None:
         assert status == 401 and body["error"]["code"] == "invalid_api_key"
     status, _ = server.request("GET", "/v1/models")
     assert status == 401
+    for path in ("/metrics", "/version"):  # every route but /health needs the key
+        assert server.request("GET", path)[0] == 401
+        assert server.request("GET", path, headers=AUTH)[0] == 200
     bad = openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
-    assert server.request("GET", "/health")[0] == 200  # only /v1/* needs the key
-    assert server.request("GET", "/metrics")[0] == 200
+    assert server.request("GET", "/health")[0] == 200
 
 
 def test_body_over_the_limit_is_413(server: ServerProcess) -> None:

@@ -263,10 +263,11 @@ def _bad_requests(adapters: dict[str, Path]) -> list[tuple[str, dict | bytes, in
          "InvalidUserInput", "The lora adapter 'beta' has already been loaded."),
         (LOAD, {"lora_name": MODEL, "lora_path": str(adapters["gamma"])}, 400,
          "InvalidUserInput", f"'{MODEL}' is a served name of the base model"),
+        # One text for any adapter that cannot be found: it never says what exists.
         (LOAD, {"lora_name": "x", "lora_path": "/nonexistent/adapter"}, 404, "NotFoundError",
-         "no LoRA adapter directory at '/nonexistent/adapter'"),
+         "No LoRA adapter can be loaded from lora_path '/nonexistent/adapter'"),
         (LOAD, {"lora_name": "x", "lora_path": str(adapters["empty"])}, 404, "NotFoundError",
-         "no adapter_config.json in"),
+         "No LoRA adapter can be loaded from lora_path"),
         (LOAD, {"lora_name": "x", "lora_path": str(adapters["corrupt"])}, 400,
          "BadRequestError", "adapter_model.safetensors: cannot be read"),
         (LOAD, {"lora_name": "x", "lora_path": str(adapters["big"])}, 400, "BadRequestError",

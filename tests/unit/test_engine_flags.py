@@ -44,7 +44,9 @@ SERVE_FLAG_NAMES = {
     "--ray-target-ongoing-requests", "--ray-replica-cpus", "--ray-max-ongoing-requests",
     "--ray-router", "--ray-max-imbalance", "--ray-prefix-block-chars",
     "--ray-max-adapters-per-replica", "--ray-metrics-export-port",
-    "--ray-health-check-period", "--ray-graceful-shutdown-timeout"}
+    "--ray-health-check-period", "--ray-graceful-shutdown-timeout",
+    "--metrics-without-api-key", "--keepalive-timeout", "--body-read-timeout",
+    "--max-connections"}
 
 
 def _parsed(command: list[str]):
