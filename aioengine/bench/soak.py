@@ -188,8 +188,8 @@ async def _sampler(t: Traffic, pid: int | None, interval_s: float, done: asyncio
             pass
 
 
-async def _wait_idle(session: aiohttp.ClientSession, url: str,
-                     timeout_s: float) -> dict[str, Any]:
+async def _wait_idle(session: aiohttp.ClientSession, url: str, timeout_s: float,
+                     headers: dict[str, str] | None = None) -> dict[str, Any]:
     """Polls /metrics until nothing runs or waits and no KV block is in use."""
     start = time.monotonic()
     idle: dict[str, Any] = dict.fromkeys(_GAUGES)
@@ -230,7 +230,7 @@ async def run_soak(cfg: SoakConfig, url: str, pid: int | None,
         traffic_s = time.monotonic() - t0
         done.set()
         await sampler
-        idle = await _wait_idle(session, url, cfg.idle_timeout_s)
+        idle = await _wait_idle(session, url, cfg.idle_timeout_s, headers)
         idle.update(proc_sample(pid))
     before_n = before.get(_GAUGES["preemptions"], 0)
     preemptions = None if idle["preemptions"] is None else idle["preemptions"] - before_n
