@@ -5,7 +5,6 @@ fields (`add_dataclass_flags`), and with it the engine flags (`add_engine_args`,
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 

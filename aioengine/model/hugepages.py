@@ -26,6 +26,13 @@ MIN_BYTES = 1 << 20
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
 
 
+def maps_fresh(nbytes: int, device: torch.device) -> bool:
+    """Whether `empty` gives `nbytes` on `device` a fresh anonymous mapping of its own,
+    whose pages the kernel hands out zero-filled on first touch."""
+    return (torch.device(device).type == "cpu" and nbytes >= MIN_BYTES
+            and _MADV_HUGEPAGE is not None)
+
+
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
     """An uninitialised contiguous tensor, like torch.empty; on the CPU under Linux, and of
     at least MIN_BYTES, one that starts on a 2 MB boundary of its own anonymous mapping,
@@ -35,7 +42,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> T
     numel = math.prod(shape)
     itemsize = dtype.itemsize
     nbytes = numel * itemsize
-    if torch.device(device).type != "cpu" or nbytes < MIN_BYTES or _MADV_HUGEPAGE is None:
+    if not maps_fresh(nbytes, device):
         return torch.empty(shape, dtype=dtype, device=device)
     length = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
     mapping = mmap.mmap(-1, length + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -16,6 +16,7 @@ which fuses them into our layout.
 """
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable
 
@@ -392,13 +393,8 @@ def make_kv_caches(arch: ModelArchConfig, num_blocks: int, block_size: int,
     page becomes resident only once a request writes K/V into it (issue 27: zeroing 4.3 GB
     took 12 s). Anything else (a GPU, a small cache, another OS) is zeroed here.
     """
-    import math
-    import mmap
-
     shape = (2, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
-    nbytes = math.prod(shape) * dtype.itemsize
-    zero_pages = (torch.device(device).type == "cpu" and nbytes >= hugepages.MIN_BYTES
-                  and hasattr(mmap, "MADV_HUGEPAGE"))  # hugepages.empty's own-mapping case
+    zero_pages = hugepages.maps_fresh(math.prod(shape) * dtype.itemsize, device)
     caches = [hugepages.empty(shape, dtype, device) for _ in range(arch.num_hidden_layers)]
     return caches if zero_pages else [cache.zero_() for cache in caches]
 
