@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from aioengine.kernels.cpu import _f32_rows, _weight_ok, load
+from aioengine.kernels import cpu_gemm
 from aioengine.kernels.cpu_layout import LORA_TABLE_WIDTH, DecodeLayer, DecodeStep
 
 
@@ -42,14 +43,24 @@ class DecodeLayerTable:
         return len(self.layers)
 
 
+def _projection_ok(weight: Tensor, scales: Tensor | None) -> bool:
+    """A projection weight the kernel reads: row-major (gemv.h) or panel-packed (gemm.h,
+    cpu_gemm.pack_weight; int8 with its scales)."""
+    if weight.dim() != 3:
+        return _weight_ok(weight, scales)
+    return (weight.device.type == "cpu" and weight.is_contiguous()
+            and weight.dtype in cpu_gemm.PACKED_FORMATS
+            and (scales is not None) == (weight.dtype == torch.int8))
+
+
 def _decode_layer_ok(layer: dict[str, Tensor | None], formats: set) -> bool:
     """Every tensor of `layer` one the kernel reads; collects the projections' dtypes."""
     for name in DECODE_LAYER_FIELDS:
         t = layer[name]
         if name in _PROJECTIONS:
-            if t is None or not _weight_ok(t, layer[f"{name}_scales"]):
+            if t is None or not _projection_ok(t, layer[f"{name}_scales"]):
                 return False
-            formats.add(t.dtype)
+            formats.add((t.dtype, t.dim()))
         elif not (t is None and name in _OPTIONAL_DECODE_FIELDS
                   or t is not None and _f32_rows(t)):
             return False

@@ -27,6 +27,7 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
                  for lin in model.linears() if lin.scales is not None)
     embed = model.embed_tokens.weight
     if model.lm_head is not model.embed_tokens:
+        embed = model.embed_tokens.dense_weight()
         # Untied: the embedding lookup reads one row, not the whole table.
         total -= embed.numel() * embed.element_size()
         total += embed.shape[1] * embed.element_size()

@@ -44,9 +44,10 @@ class LLM(EngineClient):
         adapter not loaded yet is loaded from its lora_path. A PreparedRequest (`prepare`)
         runs as prepared, with its own params and adapter. Every prompt is prepared before
         any is queued, so a bad one leaves nothing queued."""
-        if isinstance(prompts, (str, PreparedRequest)) or (
-                prompts and isinstance(prompts[0], (int, dict))):
-            prompts = [prompts]  # a single prompt
+        if isinstance(prompts, (str, PreparedRequest, dict)) or (
+                prompts and (isinstance(prompts[0], int)
+                             or isinstance(prompts[0], dict) and "role" in prompts[0])):
+            prompts = [prompts]  # a single prompt: text, token ids, a dict or chat messages
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):

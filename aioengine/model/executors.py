@@ -33,6 +33,10 @@ if TYPE_CHECKING:
 # 25.8 -> 21.1, 4 tokens 33.4-33.8 -> 23.8-28.4, 8 tokens 37.6 -> 34.2; at 12 they are even
 # (oneDNN's GEMM takes over), at 16 the layer path wins (52.6 vs 58.1).
 FUSED_DECODE_MAX_TOKENS = 8
+# With panel-packed weights (the any-M GEMM of kernels/cpu/gemm.h, which reads each weight
+# once per step whatever the rows) the fused call takes decode steps of any size: this bounds
+# only its scratch (a few MB).
+FUSED_DECODE_MAX_TOKENS_PACKED = 1024
 
 
 class LayerwiseExecutor:
@@ -97,11 +101,17 @@ class FusedCpuDecodeExecutor:
         num_tokens = x.shape[0]
         backend = self.model.attn_backend
         return (self.enabled and not self.declined and bool(self.model.layers)
-                and 0 < num_tokens <= FUSED_DECODE_MAX_TOKENS
+                and 0 < num_tokens <= self.max_tokens()
                 and meta.num_decodes == meta.num_reqs == meta.num_actual_tokens == num_tokens
                 and (self.max_seq_len is None or meta.max_seq_len <= self.max_seq_len)
                 and type(backend) is TorchAttentionBackend and backend.use_cpu_kernel
                 and x.device.type == "cpu" and x.dtype == torch.float32)
+
+    def max_tokens(self) -> int:
+        """The largest decode step it takes: any size with packed weights, else a few."""
+        layers = self.model.layers
+        packed = bool(layers) and getattr(layers[0].qkv_proj, "is_packed", False)
+        return FUSED_DECODE_MAX_TOKENS_PACKED if packed else FUSED_DECODE_MAX_TOKENS
 
     def run(self, x: Tensor, positions: Tensor, kv_caches: list[Tensor],
             meta: AttentionMetadata, aux: Tensor | None, aux_index: Tensor | None) -> bool:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aioengine.kernels import cpu as cpu_kernels
+from aioengine.kernels import cpu_gemm
 from aioengine.model import hugepages
 
 
@@ -249,7 +250,36 @@ class Linear(nn.Module):
         self.packed: Tensor | None = None  # float32: oneDNN's blocked copy
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.is_packed:
+            return self._packed_forward(x)
         return linear(x, self.weight, self.bias, self.packed, self.scales, self.act_quant)
+
+    @property
+    def is_packed(self) -> bool:
+        """Whether the weight is held panel-packed ([N / 16, K, 16], cpu_gemm)."""
+        return self.weight.dim() == 3
+
+    def _packed_forward(self, x: Tensor) -> Tensor:
+        """The any-M GEMM on the packed weight (every row count, one arithmetic per
+        output element); anything it does not take (another dtype, no kernels since) runs
+        the torch path on the weight unpacked for the call."""
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype == torch.float32 and rows.device.type == "cpu":
+            out = cpu_gemm.gemm(rows.contiguous(), self.weight, self.out_features, self.bias,
+                                self.scales)
+            if out is not None:
+                return out.view(*x.shape[:-1], self.out_features)
+        dense = cpu_gemm.unpack_weight(self.weight, self.out_features)
+        if dense.dtype == torch.bfloat16:  # the GEMM's arithmetic: x not rounded to bf16
+            dense = dense.to(x.dtype)
+        return linear(x, dense, self.bias, None, self.scales, self.act_quant)
+
+    def dense_weight(self) -> Tensor:
+        """The weight as [out_features, in_features] in its storage dtype (a copy when
+        packed; Q4_1 blocks stay blocks)."""
+        if self.is_packed:
+            return cpu_gemm.unpack_weight(self.weight, self.out_features)
+        return self.weight
 
     @property
     def storage(self) -> str:
@@ -270,7 +300,10 @@ class Linear(nn.Module):
 
     @property
     def gemv_format(self) -> int:
-        """The C kernels' code for this weight (cpu_kernels.weight_format)."""
+        """The C kernels' code for this weight (cpu_kernels.weight_format; packed:
+        cpu_gemm.PACKED_FORMATS)."""
+        if self.is_packed:
+            return cpu_gemm.PACKED_FORMATS[self.weight.dtype]
         return cpu_kernels.weight_format(self.weight, self.act_quant)
 
     @torch.no_grad()
@@ -280,7 +313,7 @@ class Linear(nn.Module):
         if storage not in WEIGHT_STORAGES:
             raise ValueError(f"unknown weight storage {storage!r}; known: {WEIGHT_STORAGES}")
         self.packed = None
-        w = self.weight
+        w = self.dense_weight()
         self.act_quant = storage == "w8a8"
         if storage in ("int8", "w8a8"):
             q, self.scales = quantize_int8_rows(w)
@@ -288,6 +321,8 @@ class Linear(nn.Module):
         else:
             dtype = _FLOAT_STORAGE[storage]
             if w.dtype == dtype:
+                if self.is_packed:
+                    self.weight = nn.Parameter(w, requires_grad=False)
                 return
             new = hugepages.empty(tuple(w.shape), dtype, w.device).copy_(w)
             if self.bias is not None and dtype != self.bias.dtype:
@@ -297,9 +332,21 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(new, requires_grad=False)
 
     def pack(self) -> int:
-        """Adds the oneDNN-packed copy `linear` uses for many-row float32 products; returns
-        the bytes added (0 where it would not be used)."""
-        packed = pack_linear_weight(self.weight)
+        """Repacks the weight in place into the any-M GEMM's panels where the CPU kernels
+        read its storage (float32, bf16, int8 weight-only: cpu_gemm), so every row count
+        takes one kernel and one arithmetic; else, for float32 on the CPU, adds the
+        oneDNN-packed copy `linear` uses for many-row products. Returns the bytes added
+        (the panels' padding, or the copy)."""
+        if self.is_packed:
+            return 0
+        w = self.weight
+        if not self.act_quant and cpu_gemm.can_pack(w):
+            before = w.numel() * w.element_size()
+            shape = (-(-self.out_features // cpu_gemm.PANEL), self.in_features, cpu_gemm.PANEL)
+            packed = cpu_gemm.pack_weight(w, hugepages.empty(shape, w.dtype, w.device))
+            self.weight, self.packed = nn.Parameter(packed, requires_grad=False), None
+            return packed.numel() * packed.element_size() - before
+        packed = pack_linear_weight(w)
         self.packed = packed
         return 0 if packed is None else packed.numel() * packed.element_size()
 
@@ -324,8 +371,8 @@ def lm_head_logits(x: Tensor, head: Linear) -> Tensor:
     resolution, the tail in bf16, the same whether the gemv or oneDNN computed the rest."""
     logits = head(x).float()
     w = head.weight
-    if w.dtype != torch.bfloat16 or x.dtype != torch.float32:
-        return logits
+    if head.is_packed or w.dtype != torch.bfloat16 or x.dtype != torch.float32:
+        return logits  # packed: the GEMM's sums are float32 sums of unrounded x already
     top = logits.topk(min(LOGITS_REFINE_TOP, logits.shape[1]), dim=-1).indices  # [N, k]
     xb = x.to(torch.bfloat16).float().unsqueeze(-1)  # [N, H, 1], as the matmul rounds it
     exact = torch.bmm(w[top].float(), xb).squeeze(-1)  # [N, k]
@@ -337,7 +384,10 @@ def lm_head_logits(x: Tensor, head: Linear) -> Tensor:
 def embed(input_ids: Tensor, table: Linear, dtype: torch.dtype) -> Tensor:
     """The rows of an embedding matrix held as a Linear [V, H] (any storage) for input_ids
     [T], as [T, H] in `dtype`."""
-    rows = table.weight.index_select(0, input_ids).to(dtype)
+    if table.is_packed:
+        rows = cpu_gemm.packed_rows(table.weight, input_ids).to(dtype)
+    else:
+        rows = table.weight.index_select(0, input_ids).to(dtype)
     if table.scales is not None:
         rows.mul_(table.scales.index_select(0, input_ids).to(dtype)[:, None])
     return rows

@@ -1,7 +1,7 @@
 /*
- * y = x w^T (* scales) (+ bias) for a few rows of x: the kernel of gemv.h on its own, for
- * the projections `linear` runs outside the fused decode of llama_decode.c (the LM head, and
- * few-row steps that are not pure decode).
+ * y = x w^T (* scales) (+ bias): the kernels of gemv.h (a few rows, row-major weights) and
+ * gemm.h (any rows, panel-packed weights) on their own, for the projections `linear` runs
+ * outside the fused decode of llama_decode.c (the LM head, prefill chunks, mixed steps).
  */
 #include <omp.h>
 #include <stdint.h>
@@ -22,7 +22,8 @@ int gemv(float *restrict y, const float *restrict x, const void *w, const float 
     /* Below ~64K weights one thread is done before a second would start (and see
      * parallel.h on entering OpenMP for nothing). */
     if (n * k < 65536 || num_threads < 2) {
-        gemv_range(y, gemv_prepare_x(buf, x, m, k, fmt), &W, bias, m, n, k, 0, n);
+        gemv_range(y, gemv_prepare_x(buf, x, m, k, fmt), &W, bias, m, n, k, 0,
+                   gemm_is_packed(fmt) ? gemm_num_panels(n) : n);
     } else {
         gemv_claim claims[num_threads];
         memset(claims, 0, sizeof(claims));

@@ -276,12 +276,14 @@ static inline void i8_quantize_row(float *restrict sx, i8_xelem *restrict q,
 }
 
 #include "gemv_q4_1.h"
+#include "gemm.h"
 
 /* x [M, k] in the form format `fmt` reads, in buf (M * k floats) where it differs from x:
  * the rows themselves for float32 and int8, rounded to bf16 for GEMV_BF16 (packed to bf16
  * where the dot-product instruction reads them). */
 static inline const float *gemv_prepare_x(float *restrict buf, const float *restrict x,
                                           int64_t M, int64_t k, int fmt) {
+    if (gemm_is_packed(fmt)) return x;
     if (fmt == GEMV_Q4_1) {
         q41_prepare_x(buf, x, M, k);
         return buf;
@@ -324,6 +326,10 @@ static inline const float *gemv_prepare_x(float *restrict buf, const float *rest
 static inline void gemv_range(float *restrict y, const float *restrict xp, const gemv_weight *W,
                               const float *restrict bias, int64_t M, int64_t n, int64_t k,
                               int64_t lo, int64_t hi) {
+    if (gemm_is_packed(W->fmt)) {  /* lo, hi: panels */
+        gemm_range(y, n, xp, W->data, W->scales, W->fmt, bias, M, n, k, lo, hi);
+        return;
+    }
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
         float *ym = y + m0 * n;
         const int64_t m4 = M - m0 < 4 ? M - m0 : 4;
@@ -376,11 +382,15 @@ typedef struct {
 static inline void gemv_shared(float *restrict y, const float *restrict xp, const gemv_weight *W,
                                const float *restrict bias, int64_t M, int64_t n, int64_t k,
                                int tid, int num_threads, gemv_claim *claims) {
-    int64_t chunk = GEMV_CLAIM_BYTES / gemv_row_bytes(W->fmt, k);
+    /* Packed weights (gemm.h) are claimed by panels, in whole groups of 4. */
+    const int packed = gemm_is_packed(W->fmt);
+    const int64_t units = packed ? gemm_num_panels(n) : n;
+    int64_t chunk = packed ? gemm_claim_panels(W->fmt, k) : GEMV_CLAIM_BYTES / gemv_row_bytes(W->fmt, k);
     chunk = chunk > 0 ? chunk : 1;
     for (int i = 0; i < num_threads; i++) {
         const int r = (tid + i) % num_threads;
-        const int64_t lo = n * r / num_threads, hi = n * (r + 1) / num_threads;
+        int64_t lo = units * r / num_threads, hi = units * (r + 1) / num_threads;
+        if (packed) lo = lo / 4 * 4, hi = r + 1 == num_threads ? units : hi / 4 * 4;
         for (;;) {
             const int64_t start = lo + chunk * __atomic_fetch_add(&claims[r].next, 1,
                                                                   __ATOMIC_RELAXED);

@@ -55,8 +55,8 @@ def load_target_tables(model: str | None):
 
     loaded = load_model(model, torch.float32, torch.device("cpu"))
     m = loaded.model
-    embed = m.embed_tokens.weight.detach()
-    lm_head = m.lm_head.weight.detach()
+    embed = m.embed_tokens.dense_weight().detach()
+    lm_head = m.lm_head.dense_weight().detach()
     return loaded.arch, embed, lm_head, loaded.model_path
 
 

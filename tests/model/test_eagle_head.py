@@ -77,12 +77,12 @@ def test_load_eagle1(tmp_path, target_dir, target_arch, fc_bias: bool, input_nor
     w = load_file(str(path / "model.safetensors"))
     assert (head.method, head.hidden_size, head.aux_layer_ids) == ("eagle", H, ())
     assert head.input_hidden_size == H
-    assert head.fc is not None and torch.equal(head.fc.weight, w["fc.weight"])
+    assert head.fc is not None and torch.equal(head.fc.dense_weight(), w["fc.weight"])
     assert (head.fc.bias is not None) == fc_bias
     assert (head.layer.input_layernorm is not None) == input_norm
     assert head.lm_head is None and head.draft_to_target is None and head.norm is None
     qkv = torch.cat([w[f"layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
-    assert torch.equal(head.layer.qkv_proj.weight, qkv)
+    assert torch.equal(head.layer.qkv_proj.dense_weight(), qkv)
 
 
 def test_load_eagle3(tmp_path, target_dir, target_arch) -> None:
@@ -94,7 +94,7 @@ def test_load_eagle3(tmp_path, target_dir, target_arch) -> None:
     assert (head.method, head.aux_layer_ids, head.input_hidden_size) == ("eagle3", (1, 2, 3),
                                                                          3 * H)
     assert head.layer.qkv_proj.in_features == 2 * H
-    assert head.lm_head is not None and head.lm_head.weight.shape == (300, H)
+    assert head.lm_head is not None and head.lm_head.dense_weight().shape == (300, H)
     assert torch.equal(head.draft_to_target, w["t2d"].nonzero().flatten())
     assert torch.equal(head.hidden_norm, w["midlayer.hidden_norm.weight"])
     # vLLM reads the ids at the top level first; without any, its default.
@@ -327,7 +327,7 @@ def test_pytorch_model_bin_and_bf16_storage(tmp_path, target_dir, target_arch) -
     (path / "model.safetensors").unlink()
     torch.save(w, path / "pytorch_model.bin")
     head = _load(path, "eagle3", target_arch)
-    assert torch.equal(head.fc.weight, w["fc.weight"])
+    assert torch.equal(head.fc.dense_weight(), w["fc.weight"])
     head16 = load_eagle_head(str(path), "eagle3", target_arch, torch.bfloat16, CPU)
     assert head16.dtype == torch.float32
     assert {lin.weight.dtype for lin in head16.linears()} == {torch.bfloat16}

@@ -54,7 +54,7 @@ def test_loads_the_blocks_as_stored(q4_1_gguf: str) -> None:
     assert model.embed_tokens.storage == "int8"
     reader = FastGGUFReader(q4_1_gguf)
     v = next(t for t in reader.tensors if t.name == "blk.0.attn_v.weight")
-    qkv = model.layers[0].qkv_proj.weight  # v's rows are the last of the fused q/k/v
+    qkv = model.layers[0].qkv_proj.dense_weight()  # v's rows are the last of the fused q/k/v
     assert torch.equal(qkv[-v.data.shape[0]:], torch.from_numpy(np.array(v.data)))
     # Against the same file dequantized: only x's per-block quantization differs.
     tokens = torch.randint(3, VOCAB, (30,), generator=torch.Generator().manual_seed(0)).tolist()

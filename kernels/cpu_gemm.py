@@ -1,0 +1,96 @@
+"""Panel-packed weights and the any-M GEMM that reads them (`kernels/cpu/gemm.h`).
+
+A projection's weight [N, K] is repacked once at load into [ceil(N / 16), K, 16] (panel p
+holds output columns 16 p .. 16 p + 15, k-major; the last panel zero-padded) in its own
+dtype: float32, bf16, or int8 with per-column scales. The packed tensor replaces the
+row-major one (no second copy). `gemm` then computes x [M, K] @ W^T for any M with one
+arithmetic per output element, so a row's result does not depend on the rows beside it.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from aioengine.kernels import cpu_build
+
+PANEL = 16  # gemm.h's GEMM_NR
+# gemm.h's GEMM_*P codes, by the packed tensor's dtype.
+PACKED_FORMATS = {torch.float32: 5, torch.bfloat16: 6, torch.int8: 7}
+
+
+def can_pack(weight: Tensor) -> bool:
+    """Whether `weight` [N, K] has a packed form the built kernels read."""
+    return (weight.dim() == 2 and weight.device.type == "cpu"
+            and weight.dtype in PACKED_FORMATS and cpu_build.load() is not None)
+
+
+# Where column j of a panel sits: bf16 panels interleave columns j and j + 8 (one 32-bit
+# lane holds both, which gemm.h widens with a shift and a mask); the others keep the order.
+_BF16_SLOT = torch.tensor([2 * (j % 8) + j // 8 for j in range(PANEL)])
+_BF16_ORDER = torch.argsort(_BF16_SLOT)  # the column held by each slot
+
+
+def _slots(dtype: torch.dtype) -> Tensor | None:
+    return _BF16_SLOT if dtype == torch.bfloat16 else None
+
+
+def pack_weight(weight: Tensor, out: Tensor | None = None) -> Tensor:
+    """weight [N, K] -> [ceil(N / 16), K, 16] in the same dtype (into `out` when given:
+    e.g. a huge-page buffer of that shape)."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = weight
+    if panels * PANEL != n:
+        padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype)
+        padded[:n] = weight
+    grouped = padded.view(panels, PANEL, k)
+    if weight.dtype == torch.bfloat16:
+        grouped = grouped[:, _BF16_ORDER]
+    view = grouped.transpose(1, 2)
+    if out is None:
+        return view.contiguous()
+    return out.copy_(view)
+
+
+def unpack_weight(packed: Tensor, n: int) -> Tensor:
+    """The row-major [n, K] weight back from its packed form (a copy)."""
+    panels, k, _ = packed.shape
+    cols = packed if (slots := _slots(packed.dtype)) is None else packed[:, :, slots]
+    return cols.transpose(1, 2).reshape(panels * PANEL, k)[:n].contiguous()
+
+
+def packed_rows(packed: Tensor, rows: Tensor) -> Tensor:
+    """Rows `rows` [T] (int64) of the weight, [T, K], gathered from its packed form: the
+    embedding lookup of a table that is also the (tied) LM head."""
+    col = rows % PANEL
+    if (slots := _slots(packed.dtype)) is not None:
+        col = slots[col]
+    return packed[rows // PANEL, :, col]
+
+
+def gemm(x: Tensor, packed: Tensor, n: int, bias: Tensor | None = None,
+         scales: Tensor | None = None) -> Tensor | None:
+    """x [M, K] float32 @ W^T (* scales [n]) (+ bias [n]) -> [M, n] float32 for any M, W
+    packed by `pack_weight`; None (nothing computed) where the kernel does not apply or is
+    not built, so the caller takes its torch path."""
+    lib = cpu_build.load()
+    if (lib is None or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu"
+            or not x.is_contiguous() or packed.dim() != 3 or not packed.is_contiguous()
+            or packed.shape[1] != x.shape[1] or packed.shape[0] * PANEL < n
+            or packed.dtype not in PACKED_FORMATS
+            or (packed.dtype == torch.int8) != (scales is not None)):
+        return None
+    for t in (bias, scales):
+        if t is not None and not (t.dtype == torch.float32 and t.is_contiguous()
+                                  and t.shape == (n,)):
+            return None
+    m, k = x.shape
+    out = x.new_empty((m, n))
+    if m == 0:
+        return out
+    rc = lib.gemv(out.data_ptr(), x.data_ptr(), packed.data_ptr(),
+                  0 if scales is None else scales.data_ptr(), PACKED_FORMATS[packed.dtype],
+                  0 if bias is None else bias.data_ptr(), m, n, k, torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("gemm: out of memory")
+    return out
