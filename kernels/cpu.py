@@ -5,8 +5,9 @@ builds and their run-time choice live in `cpu_build.py`; called through ctypes, 
 releases the GIL.
 
 Only what torch has no fast path for lives here, each file in `kernels/cpu/` explaining its
-kernel: paged decode attention, which would otherwise gather every request's K/V blocks into
-a padded copy on each layer; and, in place of several small allocating torch ops per layer,
+kernel: paged attention of decode and prefill rows, which would otherwise gather every
+request's K/V blocks into a padded copy on each layer, split at fixed absolute positions so
+a token's bits do not depend on how its step was formed; and, in place of several small allocating torch ops per layer,
 rotary embedding in place, the K/V cache write (reshape_and_cache), RMSNorm with the residual
 add fused in, and SiLU-and-mul. For decode steps of a few requests: a gemv that streams the
 weights (float32, bf16, int8 with per-row scales, or int8 W8A8) faster than MKL's here, and
@@ -14,6 +15,8 @@ all decoder layers in one call (`llama_decode`, in `cpu_decode.py` with the LoRA
 which removes the per-layer Python work that otherwise costs a fifth of the step.
 """
 from __future__ import annotations
+
+import ctypes
 
 import torch
 from torch import Tensor
@@ -54,26 +57,86 @@ def _f32_rows(*tensors: Tensor) -> bool:
 
 def paged_decode_attention(out: Tensor, q: Tensor, kv_cache: Tensor, block_tables: Tensor,
                            seq_lens: Tensor, scale: float) -> bool:
-    """out[n] = softmax(q[n] K_n^T * scale) V_n over request n's first seq_lens[n] positions.
+    """out[n] = softmax(q[n] K_n^T * scale) V_n over request n's first seq_lens[n] positions:
+    paged_attention with one row per request.
 
     out/q [N, Hq, D] float32, kv_cache [2, blocks, block_size, Hkv, D] float32, block_tables
     [N, >= blocks needed] int32, seq_lens [N] int32 (each >= 1), all contiguous on the CPU.
     Returns False, leaving `out` untouched, when the kernel does not apply or is not built.
     """
-    if not (_f32_rows(out, q, kv_cache) and block_tables.dtype == seq_lens.dtype == torch.int32
-            and block_tables.is_contiguous() and seq_lens.is_contiguous()):
+    if not (block_tables.dtype == torch.int32 and block_tables.dim() == 2
+            and block_tables.shape[0] == q.shape[0]):
+        return False
+    return paged_attention(out, q, kv_cache, block_tables, _row_range(q.shape[0]), seq_lens,
+                           scale)
+
+
+_ROW_RANGES: dict[int, Tensor] = {}
+
+
+def _row_range(n: int) -> Tensor:
+    """arange(n) as int32, cached: a decode step's row_to_req (one row per request)."""
+    rows = _ROW_RANGES.get(n)
+    if rows is None:
+        rows = _ROW_RANGES[n] = torch.arange(n, dtype=torch.int32)
+    return rows
+
+
+def _paged_attention_fn(lib):
+    """The kernel with its ctypes signature, declared on first use.
+
+    Declared here rather than in cpu_build._build, which this change does not own."""
+    fn = lib.paged_attention_f32
+    if fn.restype is not ctypes.c_int or not fn.argtypes:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, i64,
+                       ctypes.c_float, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    return fn
+
+
+def paged_attention(out: Tensor, q: Tensor, kv_cache: Tensor, block_tables: Tensor,
+                    row_to_req: Tensor, seq_lens: Tensor, scale: float,
+                    num_threads: int | None = None) -> bool:
+    """out[r] = softmax(q[r] K^T * scale) V over positions 0 .. seq_lens[r] - 1 of request
+    row_to_req[r]: decode rows and prefill rows (row j of a chunk after context_len cached
+    positions: seq_len context_len + j + 1) in one call, K/V read in place from the cache.
+
+    Every row is split at fixed absolute positions and its parts combined in order
+    (kernels/cpu/attention.h), so a row's bits depend only on its query, the cache and its
+    seq_len: not on the other rows, the chunking, the prefix cache or num_threads.
+
+    out/q [R, Hq, D] float32, kv_cache [2, blocks, block_size, Hkv, D] float32, block_tables
+    [N, max_blocks] int32, row_to_req/seq_lens [R] int32, all contiguous on the CPU.
+    Raises ValueError for a row_to_req outside [0, N) or a seq_len outside
+    [1, max_blocks * block_size]. Returns False, leaving `out` untouched, when the kernel
+    does not apply or is not built.
+    """
+    num_rows = q.shape[0] if q.dim() == 3 else -1
+    if not (num_rows >= 0 and _f32_rows(out, q, kv_cache) and out.shape == q.shape
+            and kv_cache.dim() == 5 and q.shape[2] == kv_cache.shape[4]
+            and q.shape[1] % kv_cache.shape[3] == 0 and block_tables.dim() == 2
+            and block_tables.dtype == row_to_req.dtype == seq_lens.dtype == torch.int32
+            and block_tables.is_contiguous() and row_to_req.is_contiguous()
+            and seq_lens.is_contiguous() and row_to_req.shape == seq_lens.shape == (num_rows,)
+            and block_tables.device.type == row_to_req.device.type == "cpu"
+            and seq_lens.device.type == "cpu"):
         return False
     lib = load()
     if lib is None:
         return False
-    num_reqs, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
-    rc = lib.paged_decode_attention_f32(
-        out.data_ptr(), q.data_ptr(), kv_cache.data_ptr(), num_blocks,
-        block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), num_reqs,
-        num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads())
+    rc = _paged_attention_fn(lib)(
+        out.data_ptr(), q.data_ptr(), kv_cache.data_ptr(), num_blocks, block_tables.data_ptr(),
+        block_tables.shape[1], block_tables.shape[0], row_to_req.data_ptr(),
+        seq_lens.data_ptr(), num_rows, num_heads, num_kv_heads, head_dim, block_size, scale,
+        torch.get_num_threads() if num_threads is None else num_threads)
+    if rc == -2:
+        raise ValueError("paged_attention: a row_to_req outside the block tables or a seq_len "
+                         "outside [1, table width * block_size]")
     if rc != 0:
-        raise MemoryError("paged_decode_attention: out of memory for the score buffer")
+        raise MemoryError("paged_attention: out of memory for its part buffers")
     return True
 
 

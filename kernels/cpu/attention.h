@@ -1,6 +1,16 @@
 /*
- * Decode attention for one request over its paged K/V, float32 (paged_decode_attention.c
- * explains the layout and has the batch kernel; llama_decode.c calls this directly).
+ * Attention of one query token over its request's paged K/V, float32
+ * (paged_decode_attention.c explains the layout and has the batch kernel; llama_decode.c
+ * uses the same parts).
+ *
+ * Fixed-position parts: a token with seq_len positions (its position + 1) attends to parts
+ * j = 0 .. attn_num_parts(seq_len) - 1, part j covering [j * P, min((j + 1) * P, seq_len))
+ * with P = attn_part_len(block_size), and its result is ALWAYS attn_combine_parts over its
+ * parts in order, even with one. The bits of a token's attention then depend only on its
+ * query, its K/V and its seq_len: not on how many rows the step has, how a prompt was
+ * chunked, whether a prefix came from the cache, which kernel ran (batch or fused decode) or
+ * how many threads shared the (token, part) tasks. Greedy output no longer changes with
+ * prefix caching, chunk size or batch (issue 29).
  */
 #ifndef AIOENGINE_ATTENTION_H
 #define AIOENGINE_ATTENTION_H
@@ -123,5 +133,41 @@ static inline void attend_combine(float *restrict o, const float *restrict parts
         for (int64_t d = 0; d < head_dim; d++) oh[d] *= inv;
     }
 }
+
+/* Positions per part (before rounding up to whole blocks): parts are independent tasks, so
+ * a decode of >= 2 parts spreads over the threads; each costs one part buffer and a combine
+ * term, negligible next to its P x num_heads dot products. */
+#define ATTN_PART_POSITIONS 256
+
+/* P: ATTN_PART_POSITIONS rounded up to a multiple of block_size (a part starts on a block). */
+static inline int64_t attn_part_len(int64_t block_size) {
+    return (ATTN_PART_POSITIONS + block_size - 1) / block_size * block_size;
+}
+
+/* How many parts a token with seq_len positions (>= 1) attends to. */
+static inline int64_t attn_num_parts(int64_t seq_len, int64_t block_size) {
+    const int64_t P = attn_part_len(block_size);
+    return (seq_len + P - 1) / P;
+}
+
+/* Floats of one part buffer: [o: num_heads * head_dim | max: num_heads | sum: num_heads]. */
+static inline int64_t attn_part_floats(int64_t num_heads, int64_t head_dim) {
+    return num_heads * (head_dim + 2);
+}
+
+/* Part j of one token (query q, its request's block table, its seq_len) into `part`
+ * (attn_part_floats): attend_range over the part's positions. `scores` holds
+ * num_heads * attn_part_len(block_size) floats. Defined once, in paged_decode_attention.c,
+ * not inline: every caller runs the same machine code, so the same bits. */
+void attn_compute_part(float *restrict part, const float *restrict q,
+                       const float *restrict k_cache, const float *restrict v_cache,
+                       const int32_t *restrict table, int64_t seq_len, int64_t j,
+                       int64_t num_heads, int64_t group, int64_t head_dim, int64_t block_size,
+                       int64_t block_stride, float scale, float *restrict scores);
+
+/* A token's attention o [num_heads * head_dim] from its num_parts consecutive part buffers
+ * (attend_combine, in order). Defined once, like attn_compute_part. */
+void attn_combine_parts(float *restrict o, const float *restrict parts, int64_t num_parts,
+                        int64_t num_heads, int64_t head_dim);
 
 #endif /* AIOENGINE_ATTENTION_H */

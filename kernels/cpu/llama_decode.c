@@ -1,7 +1,7 @@
 /*
- * The decoder layers of a Llama-family model for a decode step of a few tokens (one per
- * request; the model uses it up to 8) on the CPU, in one call: float32 activations, the
- * projections' weights float32, bf16 or int8 (gemv.h).
+ * The decoder layers of a Llama-family model for a decode step (one token per request; any
+ * number on panel-packed weights, up to 8 on row-major ones) on the CPU, in one call:
+ * float32 activations, the projections' weights float32, bf16 or int8 (gemv.h, gemm.h).
  *
  * At a few tokens the layers are bound by streaming their weights from memory (14 MB a
  * layer for SmolLM2-135M) and everything else is small; but layer by layer from Python each
@@ -10,13 +10,13 @@
  * thread taking the rest of another's share once done with its own (gemv_shared in gemv.h);
  * the per-token work (residual add, RMSNorm, SiLU-and-mul) done by every thread on its own
  * copy of the residual stream, which is cheaper than a barrier. Attention splits every
- * token's context across the threads by blocks (flash-decoding) and every thread combines
- * the parts on its own copy: a lone request's attention was ~1 ms of a 15 ms step on one
- * thread while the other waited. Split for every step, not only those with fewer tokens
- * than threads, a token's arithmetic does not depend on how many tokens the step has: a
- * verification step of k + 1 rows computes each row exactly as a one-token step would, so
- * greedy speculative decoding keeps the very tokens of plain decoding (with one request
- * per thread the summation order differed and bf16 near-ties flipped). Six barriers a
+ * token's context into parts at fixed absolute positions (attention.h), shares the
+ * (token, part) tasks over the threads and every thread combines each token's parts in
+ * order on its own copy, with the very functions of the layerwise kernel
+ * (paged_decode_attention.c): a token's arithmetic depends on its seq_len alone, not on
+ * how many tokens the step has or which path ran it, so a verification step of k + 1 rows,
+ * a prefill and a decode agree bit for bit and greedy speculative decoding keeps the very
+ * tokens of plain decoding. Six barriers a
  * layer (after qkv, the K/V write, attention, o, gate_up and down), one of them between
  * writing every token's K/V and any token attending: the
  * tokens of one request (speculative decoding's verified tokens, each its own row with its
@@ -131,15 +131,32 @@ static void write_kv(float *restrict qkv_row, const decode_layer *layer,
     memcpy(v_cache + s->slot_mapping[t] * s->kv_size, v, bytes);
 }
 
-/* Token t's attention over context positions [begin, end), unnormalised (attend_range). */
-static void attend_part(float *restrict o, float *restrict max, float *restrict sum,
-                        const float *restrict q, const decode_layer *layer,
-                        const attention_step *s, int64_t t, int64_t begin, int64_t end,
-                        float *restrict scores) {
+/* Part j of token t's attention (attention.h's fixed-position parts) into `part`: the very
+ * function paged_attention_f32 runs, so a fused row has the bits of a layerwise one. */
+static void attend_part(float *restrict part, const float *restrict q,
+                        const decode_layer *layer, const attention_step *s, int64_t t,
+                        int64_t j, float *restrict scores) {
     const float *k_cache = layer->kv_cache, *v_cache = k_cache + s->num_slots * s->kv_size;
-    attend_request(o, max, sum, q, k_cache, v_cache, s->block_tables + t * s->table_stride,
-                   begin, end, s->num_heads, s->num_heads / s->num_kv_heads, s->head_dim,
-                   s->block_size, s->block_size * s->kv_size, s->scale, scores);
+    attn_compute_part(part, q, k_cache, v_cache, s->block_tables + t * s->table_stride,
+                      s->seq_lens[t], j, s->num_heads, s->num_heads / s->num_kv_heads,
+                      s->head_dim, s->block_size, s->block_size * s->kv_size, s->scale, scores);
+}
+
+/* The step's (token, part) tasks, tokens in order, each its attn_num_parts: tasks[2 k] is
+ * task k's token, tasks[2 k + 1] its part. NULL when out of memory; *num_tasks set. */
+static int64_t *part_tasks(const int32_t *seq_lens, int64_t M, int64_t block_size,
+                           int64_t *num_tasks) {
+    int64_t n = 0;
+    for (int64_t t = 0; t < M; t++) n += attn_num_parts(seq_lens[t], block_size);
+    *num_tasks = n;
+    int64_t *tasks = malloc(sizeof(int64_t) * (size_t)(2 * n));
+    if (tasks == NULL) return NULL;
+    for (int64_t t = 0, k = 0; t < M; t++)
+        for (int64_t j = 0; j < attn_num_parts(seq_lens[t], block_size); j++, k++) {
+            tasks[2 * k] = t;
+            tasks[2 * k + 1] = j;
+        }
+    return tasks;
 }
 
 /* The step of `d` (decode_layer.h: its fields' meaning and the return value). */
@@ -177,14 +194,18 @@ int64_t llama_decode(const decode_step *d) {
         if (seq_lens[t] > max_seq_len) max_seq_len = seq_lens[t];
     }
     if (bad) return bad;
-    /* A part of a split attention: [o: q_size | max: num_heads | sum: num_heads]. */
-    const int64_t part_stride = q_size + 2 * num_heads;
-    /* Shared: the qkv projection, the attention output (one request per thread) or its
-     * parts (split requests), the gate_up projection. */
-    const int64_t attn_floats = M * (q_size > num_threads * part_stride ? q_size
-                                                                       : num_threads * part_stride);
+    /* A part of a token's attention: [o: q_size | max: num_heads | sum: num_heads]. */
+    const int64_t part_stride = attn_part_floats(num_heads, head_dim);
+    int64_t num_parts;
+    int64_t *tasks = part_tasks(seq_lens, M, block_size, &num_parts);
+    if (tasks == NULL) return -1;
+    /* Shared: the qkv projection, every token's attention parts, the gate_up projection. */
+    const int64_t attn_floats = num_parts * part_stride;
     float *shared = malloc(sizeof(float) * (size_t)(M * (qkv_size + 2 * intermediate) + attn_floats));
-    if (shared == NULL) return -1;
+    if (shared == NULL) {
+        free(tasks);
+        return -1;
+    }
     float *qkv = shared, *gate_up = qkv + M * qkv_size, *attn = gate_up + M * 2 * intermediate;
     int64_t wide = hidden > intermediate ? hidden : intermediate;
     wide = wide > q_size ? wide : q_size;
@@ -193,6 +214,7 @@ int64_t llama_decode(const decode_step *d) {
     gemv_claim *claims = calloc((size_t)(num_layers * 4 * num_threads), sizeof(gemv_claim));
     if (claims == NULL) {
         free(shared);
+        free(tasks);
         return -1;
     }
     int failed = 0;
@@ -207,7 +229,6 @@ int64_t llama_decode(const decode_step *d) {
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int split = nt > 1;  /* the same arithmetic for every M (see the top) */
         /* Private: the residual stream, the normed input of a projection, a rotated q, the
          * combined attention of split requests, scores and the softmax's max and sum. */
         float *residual = malloc(sizeof(float) * (size_t)(M * (hidden + 2 * wide + q_size) + 16 +
@@ -265,33 +286,26 @@ int64_t llama_decode(const decode_step *d) {
                 write_kv(qkv + t * qkv_size, layer, &step, t);
             }
             /* implicit barrier: the step's K/V written */
-            const float *attn_out = attn;
-            if (!split) {
+            /* The (token, part) tasks of every token over the threads, then every thread
+             * combines every token's parts in order on its own copy (no barrier after): a
+             * token's bits depend on its seq_len alone, never on M or the threads
+             * (attention.h). */
+            int64_t prepared = -1;  /* the token whose q is in `q` */
 #pragma omp for schedule(static)
-                for (int64_t t = 0; t < M; t++) {
-                    if (!ok) continue;
-                    float *row = qkv + t * qkv_size, *o = attn + t * q_size;
-                    prepare_q(q, row, layer, &step, t);
-                    attend_part(o, max, sum, q, layer, &step, t, 0, seq_lens[t], scores);
-                    attend_normalize(o, sum, num_heads, head_dim);
-                } /* implicit barrier: attn complete */
-            } else {
-                for (int64_t t = 0; t < M && ok; t++) {
-                    prepare_q(q, qkv + t * qkv_size, layer, &step, t);
-                    const int64_t blocks = (seq_lens[t] + block_size - 1) / block_size;
-                    const int64_t begin = blocks * tid / nt * block_size;
-                    int64_t end = blocks * (tid + 1) / nt * block_size;
-                    end = end < seq_lens[t] ? end : seq_lens[t];
-                    float *part = attn + (t * nt + tid) * part_stride;
-                    attend_part(part, part + q_size, part + q_size + num_heads, q, layer, &step,
-                                t, begin, end, scores);
-                }
-#pragma omp barrier
-                for (int64_t t = 0; t < M && ok; t++)
-                    attend_combine(own_attn + t * q_size, attn + t * nt * part_stride,
-                                   part_stride, nt, num_heads, head_dim);
-                attn_out = own_attn;
+            for (int64_t k = 0; k < num_parts; k++) {
+                if (!ok) continue;
+                const int64_t t = tasks[2 * k], j = tasks[2 * k + 1];
+                if (t != prepared) prepare_q(q, qkv + t * qkv_size, layer, &step, t);
+                prepared = t;
+                attend_part(attn + k * part_stride, q, layer, &step, t, j, scores);
+            } /* implicit barrier: every part */
+            for (int64_t t = 0, first = 0; t < M && ok; t++) {
+                const int64_t n = attn_num_parts(seq_lens[t], block_size);
+                attn_combine_parts(own_attn + t * q_size, attn + first * part_stride, n,
+                                   num_heads, head_dim);
+                first += n;
             }
+            const float *attn_out = own_attn;
             if (ok) {
                 const gemv_weight w = proj(layer->o, layer->o_scales, fmt);
                 gemv_shared(x, gemv_prepare_x(xbuf, attn_out, M, q_size, fmt), &w, NULL, M, hidden,
@@ -353,5 +367,6 @@ int64_t llama_decode(const decode_step *d) {
     }
     free(claims);
     free(shared);
+    free(tasks);
     return failed ? -1 : 0;
 }

@@ -1,17 +1,28 @@
 /*
- * Paged decode attention on the CPU, float32: one query token per request, keys and values
- * read in place from the paged KV cache (no gathered copy), GQA without repeating K/V.
+ * Paged attention on the CPU, float32, for ROWS of queries: every decode token and every
+ * prefill token of a step in one call, keys and values read in place from the paged KV
+ * cache (no gathered copy), GQA without repeating K/V.
  *
  *   kv_cache  [2, num_blocks, block_size, num_kv_heads, head_dim]   (0 = K, 1 = V)
- *   q, out    [num_reqs, num_heads, head_dim]   query head h uses KV head h / group
- *   block_tables [num_reqs, table_stride] int32, seq_lens [num_reqs] int32
+ *   q, out    [num_rows, num_heads, head_dim]   query head h uses KV head h / group
+ *   block_tables [num_reqs, table_stride] int32
+ *   row_to_req [num_rows] int32: the block table row of each query row
+ *   seq_lens   [num_rows] int32: the positions the row sees, its own included (its
+ *              position + 1): 0 .. seq_len - 1 of its request
  *
- * Position p of request n lives in block block_tables[n][p / block_size], slot
- * p % block_size. One task per request: it scores every query head against every key,
- * walking the blocks in order so each block's K (all KV heads, contiguous) is read once,
- * takes an exact softmax per head, then sums the values the same way. Decode attention is
- * memory-bound: reading each block once, contiguously, straight from the cache is the whole
- * point (a task per KV head reads strided thirds of each block and measured 3x slower).
+ * A decode is one row per request (seq_len = the request's); a prefill chunk of a request
+ * with context_len cached positions is one row per token, row j with seq_len =
+ * context_len + j + 1 (causal), the step's K/V already written to the cache. Position p of
+ * a request lives in block block_tables[req][p / block_size], slot p % block_size.
+ *
+ * Every row is split at fixed absolute positions (attention.h): the (row, part) tasks are
+ * shared over the threads, then each row combines its parts in order. A row's bits thus
+ * depend only on its query, the cache and its seq_len: a token computed in a fresh prefill,
+ * after a cached prefix, in a chunk, as a decode or in llama_decode.c's fused decode gets
+ * the same result. Within a part, each block's K (all KV heads, contiguous) is read once,
+ * then its V: decode attention is memory-bound, and reading each block once, contiguously,
+ * straight from the cache is what makes it fast (a task per KV head read strided thirds of
+ * each block and measured 3x slower).
  *
  * Built and loaded by aioengine/kernels/cpu.py; torch's OpenMP runtime is already loaded
  * then, so this shares its thread pool.
@@ -21,38 +32,138 @@
 
 #include "attention.h"
 
+/* Part buffers held at once: rows are taken in groups of at most this many parts (a row
+ * with more goes alone), so a long prefill does not need a buffer per part of every row
+ * (3000 rows of a 3000-token prompt: 19k parts, 46 MB for SmolLM2's heads). */
+#define PARTS_PER_GROUP 2048
+
+void attn_compute_part(float *restrict part, const float *restrict q,
+                       const float *restrict k_cache, const float *restrict v_cache,
+                       const int32_t *restrict table, int64_t seq_len, int64_t j,
+                       int64_t num_heads, int64_t group, int64_t head_dim, int64_t block_size,
+                       int64_t block_stride, float scale, float *restrict scores) {
+    const int64_t P = attn_part_len(block_size), begin = j * P;
+    const int64_t end = begin + P < seq_len ? begin + P : seq_len;
+    float *max = part + num_heads * head_dim, *sum = max + num_heads;
+    attend_request(part, max, sum, q, k_cache, v_cache, table, begin, end, num_heads, group,
+                   head_dim, block_size, block_stride, scale, scores);
+}
+
+void attn_combine_parts(float *restrict o, const float *restrict parts, int64_t num_parts,
+                        int64_t num_heads, int64_t head_dim) {
+    attend_combine(o, parts, attn_part_floats(num_heads, head_dim), (int)num_parts, num_heads,
+                   head_dim);
+}
+
+/* The first row whose parts end after task k: starts[r] <= k < starts[r + 1]. */
+static int64_t row_of_task(const int64_t *starts, int64_t lo, int64_t hi, int64_t k) {
+    while (hi - lo > 1) {
+        const int64_t mid = (lo + hi) / 2;
+        if (starts[mid] <= k) lo = mid;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* Rows r0 .. returned - 1: at most PARTS_PER_GROUP parts, at least one row. */
+static int64_t group_end(const int64_t *starts, int64_t r0, int64_t num_rows) {
+    int64_t r1 = r0 + 1;
+    while (r1 < num_rows && starts[r1 + 1] - starts[r0] <= PARTS_PER_GROUP) r1++;
+    return r1;
+}
+
+/* starts[num_rows + 1]: the first part of each row; -2 for a row the tables cannot hold. */
+static int row_parts(int64_t *starts, const int32_t *row_to_req, const int32_t *seq_lens,
+                     int64_t num_rows, int64_t num_reqs, int64_t table_stride,
+                     int64_t block_size) {
+    starts[0] = 0;
+    for (int64_t r = 0; r < num_rows; r++) {
+        if (row_to_req[r] < 0 || row_to_req[r] >= num_reqs || seq_lens[r] < 1 ||
+            seq_lens[r] > table_stride * block_size)
+            return -2;
+        starts[r + 1] = starts[r] + attn_num_parts(seq_lens[r], block_size);
+    }
+    return 0;
+}
+
+/* Returns 0, -1 when out of memory, -2 for a row_to_req or seq_len out of range (nothing
+ * computed). */
+int paged_attention_f32(float *restrict out, const float *restrict q,
+                        const float *restrict kv_cache, int64_t num_blocks,
+                        const int32_t *restrict block_tables, int64_t table_stride,
+                        int64_t num_reqs, const int32_t *restrict row_to_req,
+                        const int32_t *restrict seq_lens, int64_t num_rows, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                        float scale, int num_threads) {
+    const int64_t group = num_heads / num_kv_heads, q_size = num_heads * head_dim;
+    const int64_t block_stride = block_size * num_kv_heads * head_dim;
+    const int64_t stride = attn_part_floats(num_heads, head_dim);
+    const float *k_cache = kv_cache, *v_cache = kv_cache + num_blocks * block_stride;
+    int64_t *starts = malloc(sizeof(int64_t) * (size_t)(num_rows + 1));
+    if (starts == NULL) return -1;
+    if (row_parts(starts, row_to_req, seq_lens, num_rows, num_reqs, table_stride, block_size)) {
+        free(starts);
+        return -2;
+    }
+    int64_t most = 1;  /* the largest group's parts */
+    for (int64_t r0 = 0, r1; r0 < num_rows; r0 = r1) {
+        r1 = group_end(starts, r0, num_rows);
+        if (starts[r1] - starts[r0] > most) most = starts[r1] - starts[r0];
+    }
+    float *parts = malloc(sizeof(float) * (size_t)(most * stride));
+    if (parts == NULL) {
+        free(starts);
+        return -1;
+    }
+    const size_t score_bytes = (sizeof(float) * (size_t)(num_heads * attn_part_len(block_size))
+                                + 63) / 64 * 64;
+    int failed = 0;
+
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *scores = aligned_alloc(64, score_bytes);
+        if (scores == NULL) failed = 1;
+        /* Every thread walks the same groups; a thread without memory still meets every
+         * barrier (and the step reports failure). */
+        for (int64_t r0 = 0, r1; r0 < num_rows; r0 = r1) {
+            r1 = group_end(starts, r0, num_rows);
+            const int64_t first = starts[r0], n = starts[r1] - first;
+#pragma omp for schedule(dynamic, 2)
+            for (int64_t k = 0; k < n; k++) {
+                if (scores == NULL) continue;
+                const int64_t r = row_of_task(starts, r0, r1, first + k);
+                attn_compute_part(parts + k * stride, q + r * q_size, k_cache, v_cache,
+                                  block_tables + (int64_t)row_to_req[r] * table_stride,
+                                  seq_lens[r], first + k - starts[r], num_heads, group,
+                                  head_dim, block_size, block_stride, scale, scores);
+            } /* implicit barrier: the group's parts complete */
+#pragma omp for schedule(static)
+            for (int64_t r = r0; r < r1; r++)
+                attn_combine_parts(out + r * q_size, parts + (starts[r] - first) * stride,
+                                   starts[r + 1] - starts[r], num_heads, head_dim);
+            /* implicit barrier: parts free for the next group */
+        }
+        free(scores);
+    }
+    free(parts);
+    free(starts);
+    return failed ? -1 : 0;
+}
+
+/* One decode row per request (row n uses block table row n): paged_attention_f32. Kept for
+ * callers of the one-row-per-request form. */
 int paged_decode_attention_f32(float *restrict out, const float *restrict q,
                                const float *restrict kv_cache, int64_t num_blocks,
                                const int32_t *restrict block_tables, int64_t table_stride,
                                const int32_t *restrict seq_lens, int64_t num_reqs,
                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                int64_t block_size, float scale, int num_threads) {
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t block_stride = block_size * num_kv_heads * head_dim;
-    const float *k_cache = kv_cache;
-    const float *v_cache = kv_cache + num_blocks * block_stride;
-    int64_t max_seq_len = 1;
-    for (int64_t n = 0; n < num_reqs; n++)
-        if (seq_lens[n] > max_seq_len) max_seq_len = seq_lens[n];
-    int failed = 0;
-
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        /* scores [num_heads, max_seq_len], then the softmax's max and sum per head. */
-        float *scores = malloc(sizeof(float) * (size_t)(num_heads * (max_seq_len + 2)));
-        if (scores == NULL) failed = 1;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t n = 0; n < num_reqs; n++) {
-            if (scores == NULL) continue;
-            const int64_t offset = n * num_heads * head_dim;
-            const int32_t *table = block_tables + n * table_stride;
-            float *max = scores + num_heads * max_seq_len, *sum = max + num_heads;
-            attend_request(out + offset, max, sum, q + offset, k_cache, v_cache, table, 0,
-                           seq_lens[n], num_heads, group, head_dim, block_size, block_stride,
-                           scale, scores);
-            attend_normalize(out + offset, sum, num_heads, head_dim);
-        }
-        free(scores);
-    }
-    return failed ? -1 : 0;
+    int32_t *rows = malloc(sizeof(int32_t) * (size_t)(num_reqs > 0 ? num_reqs : 1));
+    if (rows == NULL) return -1;
+    for (int64_t n = 0; n < num_reqs; n++) rows[n] = (int32_t)n;
+    const int rc = paged_attention_f32(out, q, kv_cache, num_blocks, block_tables, table_stride,
+                                       num_reqs, rows, seq_lens, num_reqs, num_heads,
+                                       num_kv_heads, head_dim, block_size, scale, num_threads);
+    free(rows);
+    return rc;
 }

@@ -1,0 +1,123 @@
+"""Decode-step cost against the number of rows, and against this CPU's roofline.
+
+One engine; for each repeat, for each row count R (interleaved: 1 4 32 1 4 32 ...), R
+concurrent requests of 16 random prompt tokens and --output-len new tokens (EOS ignored);
+the step timeline's worker time (prepare + forward + sample, the LM head included) of the
+decode steps with exactly R rows, median over repeats. The roofline of an R-row step is
+max(weight bytes / read bandwidth, 2 R params / GEMM peak), with the bandwidth measured by
+the bench's probe (sums over 1 GiB in a child) and the GEMM peak by the any-M GEMM itself on
+an L2-resident packed weight in the model's storage (48 rows).
+
+    .venv/bin/python scripts/step_cost.py --dtype bfloat16 --rows 1,4,32 --repeats 3
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from aioengine import AsyncEngine, SamplingParams, cpu_info
+from aioengine.bench.floor import measure_read_bandwidth, weight_bytes_per_token
+
+
+def gemm_peak_flops(dtype: torch.dtype) -> float | None:
+    """FLOP/s of the any-M GEMM on a [512, 576] weight of `dtype` (L2-resident) at 48 rows,
+    best of 20; None where it is not built (an older checkout)."""
+    try:
+        from aioengine.kernels import cpu_gemm
+    except ImportError:
+        return None
+    w = torch.randn(512, 576)
+    scales = None
+    if dtype == torch.int8:
+        scales = w.abs().amax(1) / 127
+        w = (w / scales[:, None]).round().to(torch.int8)
+    packed = cpu_gemm.pack_weight(w.to(dtype) if dtype != torch.int8 else w)
+    x = torch.randn(48, 576)
+    best = float("inf")
+    for _ in range(20):
+        start = time.perf_counter()
+        for _ in range(50):
+            cpu_gemm.gemm(x, packed, 512, None, scales)
+        best = min(best, (time.perf_counter() - start) / 50)
+    return 2 * 48 * 512 * 576 / best
+
+
+async def decode_step_ms(engine: AsyncEngine, rows: int, output_len: int, seed: int) -> float:
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+
+    async def one() -> None:
+        prompt = [rng.randrange(1000, 20000) for _ in range(16)]
+        async for _ in engine.generate(prompt, params):
+            pass
+
+    timeline = engine.timeline
+    timeline.records.clear()
+    timeline.enabled = True
+    await asyncio.gather(*(one() for _ in range(rows)))
+    timeline.enabled = False
+    steps = [r for r in timeline.records if r.kind == "decode" and r.num_tokens == rows]
+    return 1e3 * statistics.median(r.prepare + r.forward + r.sample for r in steps)
+
+
+async def main_async(args: argparse.Namespace) -> dict:
+    engine = await AsyncEngine.create(args.model, dtype=args.dtype,
+                                      quantization=args.quantization)
+    try:
+        model = engine.model
+        await decode_step_ms(engine, 1, 8, 0)  # warm-up
+        times: dict[int, list[float]] = {r: [] for r in args.rows}
+        for rep in range(args.repeats):
+            for r in args.rows:
+                times[r].append(await decode_step_ms(engine, r, args.output_len, rep))
+        weights = weight_bytes_per_token(model)
+        params = sum(lin.in_features * lin.out_features for lin in model.linears()
+                     if lin is not model.embed_tokens or lin is model.lm_head)
+        storage = model.lm_head.weight.dtype
+    finally:
+        await engine.shutdown()
+    bandwidth = measure_read_bandwidth()
+    peak = gemm_peak_flops(storage)
+    out = {"cpu": cpu_info.cpu_model(), "flags": cpu_info.relevant_flags(),
+           "dtype": args.dtype, "quantization": args.quantization,
+           "weight_bytes": weights, "params": params, "read_bandwidth_gbs": bandwidth / 1e9,
+           "gemm_peak_gflops": None if peak is None else peak / 1e9, "rows": {}}
+    one = statistics.median(times[args.rows[0]])
+    for r in args.rows:
+        ms = statistics.median(times[r])
+        roof = max(weights / bandwidth, 2 * r * params / peak if peak else 0.0) * 1e3
+        out["rows"][r] = {"step_ms": ms, "all_ms": times[r], "vs_first": ms / one,
+                          "roofline_ms": roof, "vs_roofline": ms / roof}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 32])
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--save-json", default=None)
+    args = ap.parse_args()
+    out = asyncio.run(main_async(args))
+    print(f"{out['cpu']} {' '.join(out['flags'])}; {args.dtype} {args.quantization or ''}; "
+          f"read {out['read_bandwidth_gbs']:.1f} GB/s, GEMM peak "
+          f"{out['gemm_peak_gflops'] or float('nan'):.0f} GFLOP/s")
+    for r, row in out["rows"].items():
+        print(f"rows {r:3d}: {row['step_ms']:7.2f} ms  x{row['vs_first']:.2f} of {args.rows[0]} "
+              f"row(s)  roofline {row['roofline_ms']:6.2f} ms  x{row['vs_roofline']:.2f}")
+    if args.save_json:
+        with open(args.save_json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
