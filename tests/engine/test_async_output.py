@@ -54,9 +54,15 @@ async def _run(model_dir: Path, prompts: list[list[int]], async_output: bool,
         results = []
         for params in cases:
             for i, prompt in enumerate(prompts[:3]):
-                outs = [o async for o in engine.generate(prompt, params, f"r{len(results)}")]
-                results.append([(c.token_ids, [sorted(lp.items()) for lp in c.logprobs or []])
-                                for c in outs[-1].outputs])
+                # Outputs carry the new tokens since the last one the consumer took, so how
+                # they are grouped depends on timing: join them per sample.
+                samples: dict[int, tuple[list, list]] = {}
+                async for out in engine.generate(prompt, params, f"r{len(results)}"):
+                    for c in out.outputs:
+                        ids, lps = samples.setdefault(c.index, ([], []))
+                        ids.extend(c.token_ids)
+                        lps.extend(sorted(lp.items()) for lp in c.logprobs or [])
+                results.append(sorted(samples.items()))
         assert_blocks_released(engine.core)
         if async_output:
             assert handed and all(t is AsyncModelRunnerOutput for t in handed)

@@ -12,7 +12,6 @@ from tiny_models import TINY_ARCHS
 from aioengine.kernels import cpu as cpu_kernels
 from aioengine.kernels import cpu_decode
 from aioengine.model.attention import TorchAttentionBackend, build_attention_metadata
-from aioengine.model.executors import FUSED_DECODE_MAX_TOKENS
 from aioengine.model.llama import make_kv_caches
 from aioengine.model.loader import load_model
 
@@ -77,11 +76,11 @@ def _decode(model, fused: bool, caches, input_ids, positions, meta):
                                       [3, 6, 9, 12, 15], [2, 4, 6, 8, 10, 12, 14, 16, 18]])
 def test_fused_decode_matches_the_layer_path(model, seq_lens: list[int], fused_calls) -> None:
     """Hidden states and every layer's new K/V as the layer-by-layer path computes them,
-    for 1 to 5 requests (more than 4 x-rows go through the gemv 4 at a time) and 9, which
-    takes the layer path either way."""
+    for 1 to 5 requests and 9: the fused call takes 9 on packed weights (the any-M GEMM);
+    on row-major ones (w8a8) 9 is past FUSED_DECODE_MAX_TOKENS and runs layerwise."""
     case = _prefilled(model, seq_lens)
     ours, ours_caches = _decode(model, True, *case)
-    expected_calls = [len(seq_lens)] if len(seq_lens) <= FUSED_DECODE_MAX_TOKENS else []
+    expected_calls = [len(seq_lens)] if len(seq_lens) <= model.fused_decode.max_tokens() else []
     assert fused_calls == expected_calls  # the prefill above took the layer path
     ref, ref_caches = _decode(model, False, *case)
     assert fused_calls == expected_calls
