@@ -123,6 +123,34 @@ def cache_key(name: str, cc: str, source_dir: str = _DIR) -> str:
     return h.hexdigest()[:16]
 
 
+def _compile(cc: str, flags: list[str], out: str, timeout: float = 240.0) -> None:
+    """Every source to an object file, all at once (the GEMM's tiles alone take ~20 s of
+    one core), then one link into `out`. Raises RuntimeError with the compiler's message."""
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(out)) as objdir:
+        objects, procs = [], []
+        for src in _sources(_DIR):
+            obj = os.path.join(objdir, os.path.basename(src) + ".o")
+            objects.append(obj)
+            procs.append(subprocess.Popen([cc, *flags, "-c", src, "-o", obj], text=True,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        errors = []
+        for proc in procs:
+            try:
+                _, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                err = f"timed out after {timeout:.0f} s"
+            if proc.returncode != 0:
+                errors.append(err.strip())
+        if errors:
+            raise RuntimeError(f"{cc} failed: {' / '.join(errors)[:2000]}")
+        link = subprocess.run([cc, *flags, *objects, "-o", out, "-lm"], capture_output=True,
+                              text=True, timeout=timeout)
+        if link.returncode != 0:
+            raise RuntimeError(f"{cc} failed to link: {link.stderr.strip()[:2000]}")
+
+
 def _build(name: str) -> ctypes.CDLL:
     cc = _compiler()
     if cc is None:
@@ -135,10 +163,7 @@ def _build(name: str) -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
         os.close(fd)
         try:
-            proc = subprocess.run([cc, *flags, *_sources(_DIR), "-o", tmp, "-lm"],
-                                  capture_output=True, text=True, timeout=120)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:2000]}")
+            _compile(cc, flags, tmp)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):

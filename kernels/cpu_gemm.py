@@ -5,6 +5,8 @@ holds output columns 16 p .. 16 p + 15, k-major; the last panel zero-padded) in 
 dtype: float32, bf16, or int8 with per-column scales. The packed tensor replaces the
 row-major one (no second copy). `gemm` then computes x [M, K] @ W^T for any M with one
 arithmetic per output element, so a row's result does not depend on the rows beside it.
+With bf16 weights the AVX512-BF16 build rounds x to bf16 and takes k in pairs
+(`rounds_x_to_bf16`); the others keep x in float32.
 """
 from __future__ import annotations
 
@@ -16,6 +18,18 @@ from aioengine.kernels import cpu_build
 PANEL = 16  # gemm.h's GEMM_NR
 # gemm.h's GEMM_*P codes, by the packed tensor's dtype.
 PACKED_FORMATS = {torch.float32: 5, torch.bfloat16: 6, torch.int8: 7}
+
+
+# The builds whose bf16 GEMM rounds x to bf16 (AVX512-BF16's vdpbf16ps multiplies bf16
+# pairs); the others multiply float32 x by the widened weights.
+_ROUNDING_BUILDS = frozenset({"avx512_bf16"})
+
+
+def rounds_x_to_bf16() -> bool:
+    """Whether the loaded build's bf16 GEMM rounds x to bf16 (to nearest even) before its
+    exact products and float32 sums: a documented difference in arithmetic between builds,
+    never between row counts of one build."""
+    return cpu_build.load() is not None and cpu_build.variant() in _ROUNDING_BUILDS
 
 
 def can_pack(weight: Tensor) -> bool:

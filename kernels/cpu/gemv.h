@@ -32,6 +32,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "gemm.h"
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -68,7 +70,7 @@ static inline int64_t gemv_row_bytes(int fmt, int64_t k) {
 
 /* Formats whose x gemv_prepare_x rewrites into a buffer. */
 static inline int gemv_needs_buffer(int fmt) {
-    return fmt == GEMV_BF16 || fmt == GEMV_I8A8 || fmt == GEMV_Q4_1;
+    return fmt == GEMV_BF16 || fmt == GEMV_I8A8 || fmt == GEMV_Q4_1 || gemm_x_is_pairs(fmt);
 }
 
 /* bf16 <-> float32: a bf16 is the top half of a float32; rounding is to nearest even. */
@@ -276,13 +278,18 @@ static inline void i8_quantize_row(float *restrict sx, i8_xelem *restrict q,
 }
 
 #include "gemv_q4_1.h"
-#include "gemm.h"
 
 /* x [M, k] in the form format `fmt` reads, in buf (M * k floats) where it differs from x:
  * the rows themselves for float32 and int8, rounded to bf16 for GEMV_BF16 (packed to bf16
  * where the dot-product instruction reads them). */
 static inline const float *gemv_prepare_x(float *restrict buf, const float *restrict x,
                                           int64_t M, int64_t k, int fmt) {
+#if defined(__AVX512BF16__)
+    if (gemm_x_is_pairs(fmt)) {  /* [M, ceil(k / 2)] pairs fit in the [M, k] floats */
+        gemm_x_pairs((uint32_t *)buf, x, M, k);
+        return buf;
+    }
+#endif
     if (gemm_is_packed(fmt)) return x;
     if (fmt == GEMV_Q4_1) {
         q41_prepare_x(buf, x, M, k);

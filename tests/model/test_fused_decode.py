@@ -20,11 +20,13 @@ BLOCK_SIZE = 4
 
 
 # Weight storage -> (dtype, quantization) and the tolerance of fused vs layer path: the same
-# arithmetic up to summation order, except that bf16 rounds each projection's output, so a
-# last-bit difference in a sum can become one bf16 ulp (2^-8 relative) there, and w8a8
-# quantizes each projection's input, so one can become a quantization step (the
-# projections themselves are bit-exact: tests/model/test_cpu_dispatch.py).
-STORAGES = {"float32": (torch.float32, None, 1e-5), "bfloat16": (torch.bfloat16, None, 3e-2),
+# arithmetic up to summation order, except where bf16 rounds: the row-major bf16 paths round
+# each projection's x and output (2^-8 relative), and the AVX512-BF16 build's packed GEMM
+# rounds x where the torch fallback (kernels off) does not, so a last-bit difference can
+# become a bf16 ulp, amplified by the tiny random models' layers; w8a8 quantizes each
+# projection's input, so one can become a quantization step (the projections themselves
+# are bit-exact: tests/model/test_cpu_dispatch.py).
+STORAGES = {"float32": (torch.float32, None, 1e-5), "bfloat16": (torch.bfloat16, None, 6e-2),
             "int8": (torch.float32, "int8", 1e-4), "w8a8": (torch.float32, "w8a8", 3e-2)}
 
 
