@@ -1,0 +1,71 @@
+"""The any-M GEMM alone over SmolLM2-135M's projection shapes (30 layers' qkv, o, gate_up,
+down and the LM head, random weights packed in the storage), per CPU-kernel build, the
+builds interleaved in one process: best of 5 per round, min over rounds.
+
+    .venv/bin/python scripts/gemm_bench.py --dtype bfloat16 --builds avx2,avx512,avx512_bf16
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from aioengine import cpu_info
+from aioengine.kernels import cpu as cpu_kernels
+from aioengine.kernels import cpu_gemm
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+
+
+def packed_weights(dtype: torch.dtype) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
+    out = []
+    for n, k in SHAPES:
+        w, scales = torch.randn(n, k) * 0.05, None
+        if dtype == torch.int8:
+            scales = w.abs().amax(1) / 127
+            w = (w / scales[:, None]).round().to(torch.int8)
+        else:
+            w = w.to(dtype)
+        out.append((cpu_gemm.pack_weight(w), n, scales))
+    return out
+
+
+def best_ms(weights: list, m: int, repeats: int = 5) -> float:
+    xs = {k: torch.randn(m, k) for k in {p.shape[1] for p, _, _ in weights}}
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for packed, n, scales in weights:
+            cpu_gemm.gemm(xs[packed.shape[1]], packed, n, None, scales)
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "int8"])
+    ap.add_argument("--builds", default=",".join(cpu_kernels.supported_variants()[:-1]))
+    ap.add_argument("--rows", default="1,2,4,5,8,16,32,64")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    builds, rows = args.builds.split(","), [int(r) for r in args.rows.split(",")]
+    weights = packed_weights(getattr(torch, args.dtype))
+    times = {b: {m: [] for m in rows} for b in builds}
+    for _ in range(args.rounds):
+        for b in builds:
+            cpu_kernels.use_variant(b)
+            best_ms(weights, 1, 1)  # load the build
+            for m in rows:
+                times[b][m].append(best_ms(weights, m))
+    flops = 2 * sum(n * k for n, k in SHAPES)
+    print(f"{cpu_info.cpu_model()} ({' '.join(cpu_info.relevant_flags())}); {args.dtype}, "
+          f"{sum(p.numel() * p.element_size() for p, _, _ in weights) / 1e6:.0f} MB")
+    for m in rows:
+        cells = [f"{b} {min(times[b][m]):7.2f} ms (x{min(times[b][m]) / min(times[b][1]):.2f}, "
+                 f"{m * flops / min(times[b][m]) / 1e6:4.0f} GFLOP/s)" for b in builds]
+        print(f"M={m:3d}  " + "  ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
