@@ -188,11 +188,9 @@ int64_t llama_decode(const decode_step *d) {
         .block_size = block_size, .table_stride = table_stride, .eps = eps, .scale = scale,
         .positions = positions, .slot_mapping = slot_mapping, .block_tables = block_tables,
         .seq_lens = seq_lens, .cos_table = cos_table, .sin_table = sin_table};
-    int64_t bad = 0, max_seq_len = 1;
-    for (int64_t t = 0; t < M; t++) {
+    int64_t bad = 0;
+    for (int64_t t = 0; t < M; t++)
         bad += slot_mapping[t] < 0 || slot_mapping[t] >= step.num_slots;
-        if (seq_lens[t] > max_seq_len) max_seq_len = seq_lens[t];
-    }
     if (bad) return bad;
     /* A part of a token's attention: [o: q_size | max: num_heads | sum: num_heads]. */
     const int64_t part_stride = attn_part_floats(num_heads, head_dim);
@@ -229,17 +227,17 @@ int64_t llama_decode(const decode_step *d) {
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        /* Private: the residual stream, the normed input of a projection, a rotated q, the
-         * combined attention of split requests, scores and the softmax's max and sum. */
+        /* Private: the residual stream, the normed input of a projection, a rotated q,
+         * every token's combined attention, one part's scores. */
         float *residual = malloc(sizeof(float) * (size_t)(M * (hidden + 2 * wide + q_size) + 16 +
-                                                          q_size + num_heads * (max_seq_len + 2) +
+                                                          q_size + num_heads * attn_part_len(block_size) +
                                                           lora_floats));
         float *h = residual + M * hidden, *own_attn = h + M * wide, *q = own_attn + M * q_size;
         /* A projection's input as its weight format reads it (gemv_prepare_x). */
         float *xbuf = q + q_size;
-        float *scores = xbuf + M * wide + 16, *max = scores + num_heads * max_seq_len;
-        float *sum = max + num_heads;
-        float *lora_u = sum + num_heads, *lora_gate_up = lora_u + 3 * R;
+        float *scores = xbuf + M * wide + 16;
+        float *lora_u = scores + num_heads * attn_part_len(block_size);
+        float *lora_gate_up = lora_u + 3 * R;
         float *lora_down = lora_gate_up + M * 2 * R, *lora_row_buf = lora_down + M * R;
         /* A thread without memory skips the work but still meets every barrier. */
         const int ok = residual != NULL;
