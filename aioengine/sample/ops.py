@@ -25,7 +25,13 @@ def apply_logits_processors(logits: Tensor, metadata: SamplingMetadata) -> Tenso
         logits.index_put_((bias.row_indices, bias.token_ids), bias.values, accumulate=True)
     if metadata.min_tokens_mask is not None:
         mask = metadata.min_tokens_mask
-        logits.index_put_((mask.row_indices, mask.token_ids), mask.values)
+        position = (mask.row_indices, mask.token_ids)
+        before = logits[position]
+        logits.index_put_(position, mask.values)
+        # A grammar that allows only stop tokens here (it has ended) wins over min_tokens:
+        # a row the ban left without any token gets its stop tokens back (no sync).
+        emptied = torch.isneginf(logits.amax(dim=-1))[mask.row_indices]
+        logits.index_put_(position, torch.where(emptied, before, mask.values))
     if metadata.repetition_penalty is not None:
         # HF: a seen token's positive logit is divided by the factor, a negative one
         # multiplied, so a factor > 1 always makes it less likely.

@@ -196,3 +196,18 @@ def test_preemption_keeps_matchers_in_step(llm: LLM) -> None:
     assert [o.outputs[0].token_ids for o in outs] == expected
     for out, schema in zip(outs, SCHEMAS.values()):
         jsonschema.validate(json.loads(texts(out)[0]), schema)
+
+
+def test_a_grammar_that_ends_before_min_tokens_ends_the_request(llm: LLM) -> None:
+    """min_tokens bans the stop tokens, and a finished grammar allows only them: the grammar
+    wins (the stop tokens come back for that row) and the request stops with the complete
+    match, instead of sampling from a row with every token masked (finish_reason "error")."""
+    ab = StructuredOutputs(regex="ab")
+    params = [SamplingParams(temperature=0.0, max_tokens=10, min_tokens=5, structured_outputs=ab),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=10, min_tokens=5,
+                             structured_outputs=ab),
+              SamplingParams(temperature=0.0, max_tokens=6, min_tokens=5)]  # no grammar
+    outs = llm.generate(["Say ab:", "Say ab:", "Say ab:"], params)
+    for out in outs[:2]:
+        assert out.outputs[0].text == "ab" and out.outputs[0].finish_reason == "stop"
+    assert len(outs[2].outputs[0].token_ids) >= 5  # min_tokens alone still holds
