@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from aioengine.kernels import cpu as cpu_kernels
-from aioengine.kernels import cpu_decode
+from aioengine.kernels import cpu_decode, cpu_gemm
 from aioengine.lora import LoRARequest
 from aioengine.lora.manager import LoRAConfig, LoRAManager
 from aioengine.model.attention import build_attention_metadata
@@ -136,7 +136,11 @@ def test_bf16_slots_same_on_every_path(setup, monkeypatch):
     fused, layer = decode(loras), decode(loras, fused=False)
     torch.testing.assert_close(fused, layer, atol=3e-2, rtol=3e-2)
     monkeypatch.setattr(cpu_decode, "lora_apply", lambda *a: False)
-    torch.testing.assert_close(decode(loras, fused=False), layer, atol=1e-3, rtol=1e-4)
+    # The two LoRA forms differ in summation order only; where the base GEMM rounds its x to
+    # bf16 (the AVX512-BF16 build) a last-bit difference can move x by a bf16 step in the
+    # next projection, so the tolerance is bf16's there.
+    tol = (3e-2, 3e-2) if cpu_gemm.rounds_x_to_bf16() else (1e-3, 1e-4)
+    torch.testing.assert_close(decode(loras, fused=False), layer, atol=tol[0], rtol=tol[1])
     base = decode([None] * len(loras))
     assert (fused[:3] - base[:3]).abs().amax() > 1.0
     torch.testing.assert_close(fused[3], base[3])
