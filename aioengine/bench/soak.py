@@ -4,15 +4,20 @@
     aioengine bench soak --base-url http://HOST:PORT [--server-pid PID] [--kv-blocks N]
 
 Without --base-url it starts `aioengine serve` on the bundled model on a free port with
-DEFAULT_SERVER_ARGS (a small KV cache, so that the long prompts preempt, and tool calling)
-followed by --server-args (a repeated flag wins), and stops it at the end. The workers (one
-asyncio loop, raw aiohttp) draw a seeded mix of the kinds in soak_traffic.KINDS. The report
-(soak_report.py) counts requests by kind and outcome, follows the server's resident memory,
-open file descriptors, threads and CPU time over time (/proc/PID), and reads /metrics once
-the server is idle again: no KV block may stay in use. Exit status 1 on any 5xx outside
---expect-5xx, any other unexpected outcome, KV blocks still held, or (own server) a
-non-zero exit or an error in its log. A --server-args value without a space must be
-written `--server-args=--flag` (argparse would take `--flag` for an option of ours).
+DEFAULT_SERVER_ARGS (a small KV cache, so that the long prompts preempt, a context as long
+as that cache, and tool calling) followed by --server-args (a repeated flag wins), and stops
+it at the end. The workers (one asyncio loop, raw aiohttp and raw sockets) draw a seeded
+mix of the kinds in soak_mix.KINDS: short requests, malformed bodies, long prompts, prompts
+near and over the context, and slow clients (half a head, half a body, a slow reader of a
+stream). The report (soak_report.py) counts requests by kind and outcome (and how each
+slow-client and context case ended), compares the short streams' TTFT with and without long
+prompts in flight, follows the server's resident memory, open file descriptors, threads
+and CPU time over time (/proc/PID), and reads /metrics once the server is idle again: no
+KV block may stay in use. Exit status 1 on any 5xx outside --expect-5xx, any other
+unexpected outcome (a stalled connection the server did not close is one), KV blocks still
+held, or (own server) a non-zero exit or an error in its log. A --server-args value
+without a space must be written `--server-args=--flag` (argparse would take `--flag` for an
+option of ours).
 """
 from __future__ import annotations
 
@@ -31,11 +36,18 @@ from typing import Any
 
 import aiohttp
 
+from aioengine.bench.soak_mix import KINDS, run_workers, ttft_alone
 from aioengine.bench.soak_report import build_report, format_report, save_json
-from aioengine.bench.soak_traffic import KINDS, Traffic, run_workers
+from aioengine.bench.soak_samples import GAUGES, proc_sample, sampler, scrape, wait_idle
+from aioengine.bench.soak_traffic import Traffic
+from aioengine.server.server_config import DEFAULT_BODY_READ_TIMEOUT, DEFAULT_KEEPALIVE_TIMEOUT
 
-DEFAULT_SERVER_ARGS = ("--num-kv-blocks", "256", "--max-num-seqs", "16",
-                       "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+# The context is the KV cache's 4,096 tokens, so a near_context prompt (85% of it, several
+# thousand tokens) takes most blocks while it runs and the rest of the traffic is preempted
+# around it. On a CPU-starved server (1 core of 2) that stretched short streams and the
+# prompt itself past the 120 s timeout; `--server-args "--max-model-len 2048"` halves it.
+DEFAULT_SERVER_ARGS = ("--num-kv-blocks", "256", "--max-model-len", "4096", "--max-num-seqs",
+                       "16", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 _READY = re.compile(r"ready: serving (\S+) at (http://\S+)")
 
 
@@ -57,6 +69,12 @@ class SoakConfig:
     block_size: int = 16
     long_prompt_tokens: int | None = None
     long_burst: int = 3
+    near_context_tokens: int | None = None  # None: 85% of the context (or the KV cache)
+    slow_client_interval_s: float = 5.0  # one more slow client this often (0: only drawn)
+    # The server's --keepalive-timeout and --body-read-timeout; None: our own server's
+    # flags, or the defaults.
+    keepalive_timeout_s: float | None = None
+    body_read_timeout_s: float | None = None
 
 
 # ---- our own server ----------------------------------------------------------------------
@@ -118,146 +136,92 @@ def _flag_value(args: list[str], flag: str) -> str | None:
     return value
 
 
-# ---- sampling the server -------------------------------------------------------------------
-
-def proc_sample(pid: int | None) -> dict[str, Any]:
-    """VmRSS (KiB), open file descriptors, threads and CPU seconds (user + system) of
-    `pid`; Nones when there is none or it is gone."""
-    sample: dict[str, Any] = dict.fromkeys(("rss_kib", "fds", "threads", "cpu_s"))
-    if not pid:
-        return sample
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-        sample["rss_kib"] = int(fields["VmRSS"].split()[0])
-        sample["threads"] = int(fields["Threads"])
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            # Fields after the parenthesised name; utime and stime are the 12th and 13th.
-            stat = f.read().rsplit(")", 1)[1].split()
-        sample["cpu_s"] = round((int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK"), 2)
-        sample["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
-    except (OSError, KeyError, ValueError, IndexError):
-        pass
-    return sample
-
-
-async def scrape(session: aiohttp.ClientSession, url: str,
-                 headers: dict[str, str] | None = None) -> dict[str, float]:
-    """/metrics as {"name": value summed over label sets} (and the labelled keys);
-    `headers` carry the API key where the server has one (it guards /metrics too)."""
-    async with session.get(url + "/metrics", headers=headers,
-                           timeout=aiohttp.ClientTimeout(total=30)) as r:
-        text = await r.text()
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        key, value = line.rsplit(" ", 1)
-        values[key] = float(value)
-        name = key.split("{", 1)[0]
-        if name != key:
-            values[name] = values.get(name, 0.0) + float(value)
-    return values
-
-
-_GAUGES = {"kv_usage": "aioengine:kv_cache_usage_perc",
-           "running": "aioengine:num_requests_running",
-           "waiting": "aioengine:num_requests_waiting",
-           "preemptions": "aioengine:num_preemptions_total"}
-
-
-async def _sampler(t: Traffic, pid: int | None, interval_s: float, done: asyncio.Event,
-                   samples: list[dict]) -> None:
-    """Samples until `done`; ends the traffic (t.stop) if the server process is gone."""
-    while True:
-        sample = {"t": round(time.monotonic() - t.t0, 2), **proc_sample(pid)}
-        try:
-            m = await scrape(t.session, t.url, t.headers)
-            sample.update({k: m.get(name) for k, name in _GAUGES.items()})
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            sample["scrape_error"] = f"{type(e).__name__}: {e}"
-        samples.append(sample)
-        if pid and sample["rss_kib"] is None:
-            sample["server_gone"] = True
-            t.stop.set()
-            return
-        try:
-            await asyncio.wait_for(done.wait(), interval_s)
-            return
-        except asyncio.TimeoutError:
-            pass
-
-
-async def _wait_idle(session: aiohttp.ClientSession, url: str, timeout_s: float,
-                     headers: dict[str, str] | None = None) -> dict[str, Any]:
-    """Polls /metrics until nothing runs or waits and no KV block is in use."""
-    start = time.monotonic()
-    idle: dict[str, Any] = dict.fromkeys(_GAUGES)
-    while True:
-        try:
-            m = await scrape(session, url, headers)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            return {**idle, "idle": False, "waited_s": round(time.monotonic() - start, 2),
-                    "error": f"{type(e).__name__}: {e}"}
-        idle = {k: m.get(name) for k, name in _GAUGES.items()}
-        quiet = idle["running"] == 0 and idle["waiting"] == 0 and idle["kv_usage"] == 0
-        if quiet or time.monotonic() - start > timeout_s:
-            return {**idle, "idle": quiet, "waited_s": round(time.monotonic() - start, 2)}
-        await asyncio.sleep(0.2)
-
-
 # ---- the run -------------------------------------------------------------------------------
 
+@dataclass
+class SoakPlan:
+    """What the traffic needs to know of the server, from the flags or the defaults."""
+    kv_blocks: int | None
+    block_size: int
+    long_prompt_tokens: int
+    keepalive_timeout_s: float
+    body_read_timeout_s: float
+
+    def near_context_tokens(self, max_model_len: int) -> int:
+        """85% of the context, or of the KV cache if that is smaller, less room for the
+        answer: a prompt that fits, but only just."""
+        room = min(max_model_len, self.kv_blocks * self.block_size if self.kv_blocks
+                   else max_model_len)
+        return max(1, int(0.85 * room) - 32)
+
+
 async def run_soak(cfg: SoakConfig, url: str, pid: int | None,
-                   long_tokens: int) -> dict[str, Any]:
+                   plan: SoakPlan) -> dict[str, Any]:
     """Traffic for cfg.duration_s, sampling alongside; then waits for the server to idle."""
     headers = {"Content-Type": "application/json"}
     if cfg.api_key:
         headers["Authorization"] = f"Bearer {cfg.api_key}"
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+    # Our pool drops an idle connection well before the server does, so that no request
+    # goes out on a connection the server is closing at that moment.
+    connector = aiohttp.TCPConnector(keepalive_timeout=min(15.0, plan.keepalive_timeout_s / 2))
+    async with aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=None)) as session:
         async with session.get(url + "/v1/models", headers=headers) as r:
-            model = (await r.json())["data"][0]["id"]
+            card = (await r.json())["data"][0]
+        model, max_model_len = card["id"], int(card["max_model_len"])
         before = await scrape(session, url, headers)
         t0 = time.monotonic()
-        traffic = Traffic(session, url, model, headers, cfg.timeout_s, long_tokens,
-                          cfg.long_burst, t0)
+        traffic = Traffic(session, url, model, headers, cfg.timeout_s, plan.long_prompt_tokens,
+                          cfg.long_burst, t0, max_model_len=max_model_len,
+                          near_context_tokens=(cfg.near_context_tokens
+                                               or plan.near_context_tokens(max_model_len)),
+                          keepalive_timeout_s=plan.keepalive_timeout_s,
+                          body_read_timeout_s=plan.body_read_timeout_s)
+        alone = await ttft_alone(traffic, 4, cfg.seed)
+        traffic.t0 = t0 = time.monotonic()
         samples: list[dict] = []
         done = asyncio.Event()
-        sampler = asyncio.create_task(_sampler(traffic, pid, cfg.sample_interval_s, done,
+        sampling = asyncio.create_task(sampler(traffic, pid, cfg.sample_interval_s, done,
                                                samples))
         results = await run_workers(traffic, cfg.kinds, cfg.concurrency, cfg.seed,
-                                    t0 + cfg.duration_s)
+                                    t0 + cfg.duration_s, cfg.slow_client_interval_s)
         traffic_s = time.monotonic() - t0
         done.set()
-        await sampler
-        idle = await _wait_idle(session, url, cfg.idle_timeout_s, headers)
+        await sampling
+        idle = await wait_idle(session, url, cfg.idle_timeout_s, headers)
         idle.update(proc_sample(pid))
-    before_n = before.get(_GAUGES["preemptions"], 0)
+    before_n = before.get(GAUGES["preemptions"], 0)
     preemptions = None if idle["preemptions"] is None else idle["preemptions"] - before_n
-    return {"model": model, "traffic_s": round(traffic_s, 1), "results": results,
+    return {"model": model, "traffic_s": round(traffic_s, 1), "results": alone + results,
             "samples": samples, "idle": idle, "preemptions": preemptions,
-            "server_gone": traffic.stop.is_set()}
+            "server_gone": traffic.stop.is_set(), "max_model_len": max_model_len,
+
+            "near_context_tokens": traffic.near_context_tokens}
 
 
-def _defaults(cfg: SoakConfig) -> tuple[int | None, int]:
-    """(KV blocks if known, long prompt tokens): the long prompts are 40% of the cache, so
-    that three at once cannot all fit (and under 80% of max_model_len, if set)."""
+def _plan(cfg: SoakConfig) -> SoakPlan:
+    """The KV blocks if known; the long prompts at 40% of the cache, so that three at once
+    cannot all fit (and under 80% of max_model_len, if set); the server's timeouts."""
     blocks = cfg.kv_blocks
     block_size, max_len = cfg.block_size, None
+    keepalive, body_read = cfg.keepalive_timeout_s, cfg.body_read_timeout_s
     if cfg.base_url is None:
         args = [*DEFAULT_SERVER_ARGS, *cfg.server_args]
         blocks = blocks or int(_flag_value(args, "--num-kv-blocks") or 0) or None
         block_size = int(_flag_value(args, "--block-size") or block_size)
         max_len = _flag_value(args, "--max-model-len")
+        keepalive = keepalive or float(_flag_value(args, "--keepalive-timeout") or 0) or None
+        body_read = body_read or float(_flag_value(args, "--body-read-timeout") or 0) or None
     tokens = cfg.long_prompt_tokens or (int(0.4 * blocks * block_size) if blocks else 1600)
     if max_len and not cfg.long_prompt_tokens:
         tokens = min(tokens, int(0.8 * int(max_len)))
-    return blocks, tokens
+    return SoakPlan(blocks, block_size, tokens, keepalive or DEFAULT_KEEPALIVE_TIMEOUT,
+                    body_read or DEFAULT_BODY_READ_TIMEOUT)
 
 
 def soak(cfg: SoakConfig) -> dict[str, Any]:
     """Runs the whole soak (our own server unless cfg.base_url) and returns the report."""
-    blocks, long_tokens = _defaults(cfg)
+    plan = _plan(cfg)
     server = None
     if cfg.base_url is None:
         server = ManagedServer.start([*DEFAULT_SERVER_ARGS, *cfg.server_args])
@@ -265,11 +229,15 @@ def soak(cfg: SoakConfig) -> dict[str, Any]:
     else:
         url, pid = cfg.base_url.rstrip("/").removesuffix("/v1"), cfg.server_pid
     try:
-        run = asyncio.run(run_soak(cfg, url, pid, long_tokens))
+        run = asyncio.run(run_soak(cfg, url, pid, plan))
     finally:
         server_exit = server.stop() if server else None
     config = {**vars(cfg), "api_key": None,  # the key stays out of saved results
-              "kv_blocks": blocks, "long_prompt_tokens": long_tokens}
+              "kv_blocks": plan.kv_blocks, "long_prompt_tokens": plan.long_prompt_tokens,
+              "keepalive_timeout_s": plan.keepalive_timeout_s,
+              "body_read_timeout_s": plan.body_read_timeout_s,
+              "max_model_len": run["max_model_len"],
+              "near_context_tokens": run["near_context_tokens"]}
     return build_report(config, run, url, server_exit)
 
 
@@ -324,6 +292,18 @@ def add_soak_args(p: argparse.ArgumentParser) -> None:
                    help="default: 40%% of the KV cache (1600 if unknown)")
     p.add_argument("--long-burst", type=int, default=3,
                    help="long prompts sent at once (default 3)")
+    p.add_argument("--near-context-tokens", type=int, default=None,
+                   help="the near_context prompts (default: 85%% of the context or the KV "
+                        "cache, whichever is smaller)")
+    p.add_argument("--slow-client-interval", type=float, default=5.0, metavar="SECONDS",
+                   help="start one more slow client (of the kinds in the mix) this often, "
+                        "besides the workers' draws (default 5; 0: only those)")
+    p.add_argument("--keepalive-timeout", type=float, default=None,
+                   help="with --base-url: the server's (for the slow clients); our own "
+                        "server's comes from --server-args (default 20)")
+    p.add_argument("--body-read-timeout", type=float, default=None,
+                   help="with --base-url: the server's; our own server's comes from "
+                        "--server-args (default 60)")
     p.add_argument("--save-json", default=None, metavar="PATH",
                    help="the whole report, with every sample")
 
@@ -346,7 +326,9 @@ def soak_main(args: argparse.Namespace) -> int:
         expect_5xx=args.expect_5xx, sample_interval_s=args.sample_interval,
         timeout_s=args.timeout, idle_timeout_s=args.idle_timeout, kv_blocks=args.kv_blocks,
         block_size=args.block_size, long_prompt_tokens=args.long_prompt_tokens,
-        long_burst=args.long_burst)
+        long_burst=args.long_burst, near_context_tokens=args.near_context_tokens,
+        slow_client_interval_s=args.slow_client_interval,
+        keepalive_timeout_s=args.keepalive_timeout, body_read_timeout_s=args.body_read_timeout)
     report = soak(cfg)
     print(format_report(report))
     if args.save_json:

@@ -1,5 +1,7 @@
-"""The soak test's report (aioengine/bench/soak.py): counts by kind and outcome, the
-server's memory and fds over time, the state after the traffic, and the verdict."""
+"""The soak test's report (aioengine/bench/soak.py): counts by kind and outcome, how each
+slow-client and context-length case ended, the short streams' TTFT with and without long
+prompts in flight, the server's memory and fds over time, the state after the traffic, and
+the verdict."""
 from __future__ import annotations
 
 import os
@@ -43,6 +45,52 @@ def _counts(results: list[Outcome]) -> dict[str, dict[str, int]]:
         row = counts.setdefault(r.kind, dict.fromkeys(OUTCOMES, 0))
         row[r.outcome] += 1
     return counts
+
+
+def _stats(values: list[float]) -> dict[str, Any]:
+    v = sorted(values)
+    if not v:
+        return {"n": 0, "min": None, "p50": None, "p95": None, "max": None}
+    return {"n": len(v), "min": v[0], "p50": v[len(v) // 2],
+            "p95": v[min(len(v) - 1, int(0.95 * len(v)))], "max": v[-1]}
+
+
+def _cases(results: list[Outcome]) -> dict[str, dict[str, dict[str, Any]]]:
+    """For the kinds whose outcomes carry a label (slow clients, context-length prompts):
+    by kind and label, how many and how long they took (for a stalled connection: until
+    the server closed it)."""
+    by: dict[str, dict[str, list[float]]] = {}
+    for r in results:
+        if r.label:
+            by.setdefault(r.kind, {}).setdefault(r.label, []).append(r.latency_s)
+    return {kind: {label: _stats(v) for label, v in sorted(labels.items())}
+            for kind, labels in sorted(by.items())}
+
+
+SHORT_STREAMS = ("stream", "cancel")
+
+
+def _ttft(results: list[Outcome]) -> dict[str, Any]:
+    """The short streams' TTFT: alone (the "alone" kind, on the idle server before the
+    traffic), and in the traffic by what was in flight between their start and their first
+    token: no long prompt; a long prompt (a long burst or a near_context prompt); a
+    near_context prompt (on the soak's own server, whose context is its KV cache, that
+    prompt also leaves the others few KV blocks); a slow reader."""
+    short = [r for r in results if r.kind in SHORT_STREAMS and r.ttft_s is not None]
+    long = [r for r in short if {"long", "near_context"} & set(r.overlaps)]
+    groups = {"without_long": [r.ttft_s for r in short
+                               if not {"long", "near_context"} & set(r.overlaps)],
+              "during_long": [r.ttft_s for r in long],
+              "during_near_context": [r.ttft_s for r in long if "near_context" in r.overlaps],
+              "during_slow_reader": [r.ttft_s for r in short if "slow_reader" in r.overlaps]}
+    groups["alone"] = [r.ttft_s for r in results if r.kind == "alone" and r.ttft_s is not None]
+    ttft: dict[str, Any] = {k: _stats(v) for k, v in groups.items()}
+    during = ttft["during_long"]["p50"]
+    for base in ("alone", "without_long"):
+        p50 = ttft[base]["p50"]
+        ttft[f"p50_ratio_during_long_to_{base}"] = (round(during / p50, 2) if p50 and during
+                                                    else None)
+    return ttft
 
 
 def _latencies(results: list[Outcome]) -> dict[str, dict[str, float]]:
@@ -124,7 +172,8 @@ def build_report(config: dict[str, Any], run: dict[str, Any], url: str,
         "config": config, "traffic_s": run["traffic_s"], "warmup_s": warmup_s,
         "num_requests": len(results), "counts": _counts(results),
         "num_5xx": sum(1 for r in results if r.outcome == "5xx"),
-        "latency_s": _latencies(results),
+        "latency_s": _latencies(results), "cases": _cases(results),
+        "ttft_s": _ttft(results),
         "rss_mib": _mib(_trend(samples, "rss_kib", warmup_s)),
         "fds": _trend(samples, "fds", warmup_s),
         "threads": _trend(samples, "threads", warmup_s),
@@ -180,16 +229,17 @@ def format_report(report: dict[str, Any]) -> str:
              f"{report['num_requests']} requests; warm-up {report['warmup_s']:g} s",
              f"CPU: {env['cpu_model']} ({' '.join(env['cpu_flags']) or 'no listed flags'}); "
              f"commit {commit}",
-             f"{'kind':<11}" + "".join(f"{o:>15}" for o in OUTCOMES) + f"{'ok p50 s':>10}"
+             f"{'kind':<13}" + "".join(f"{o:>15}" for o in OUTCOMES) + f"{'ok p50 s':>10}"
              + f"{'ok p95 s':>10}"]
     total = dict.fromkeys(OUTCOMES, 0)
     for kind, row in sorted(report["counts"].items()):
         lat = report["latency_s"].get(kind, {})
-        lines.append(f"{kind:<11}" + "".join(f"{row[o]:>15}" for o in OUTCOMES)
+        lines.append(f"{kind:<13}" + "".join(f"{row[o]:>15}" for o in OUTCOMES)
                      + f"{_fmt(lat.get('p50'), 2):>10}{_fmt(lat.get('p95'), 2):>10}")
         total = {o: total[o] + row[o] for o in OUTCOMES}
-    lines.append(f"{'all':<11}" + "".join(f"{total[o]:>15}" for o in OUTCOMES))
-    lines += [f"5xx: {report['num_5xx']}",
+    lines.append(f"{'all':<13}" + "".join(f"{total[o]:>15}" for o in OUTCOMES))
+    lines += [*_case_lines(report), *_ttft_lines(report["ttft_s"]),
+              f"5xx: {report['num_5xx']}",
               _trend_line("server RSS", report["rss_mib"], " MiB"),
               _trend_line("server fds", report["fds"], ""),
               _trend_line("server threads", report["threads"], ""),
@@ -213,3 +263,39 @@ def format_report(report: dict[str, Any]) -> str:
     verdict = report["verdict"]
     lines.append("PASS" if verdict["pass"] else "FAIL: " + "; ".join(verdict["reasons"]))
     return "\n".join(lines)
+
+
+def _case_lines(report: dict[str, Any]) -> list[str]:
+    if not report["cases"]:
+        return []
+    cfg = report["config"]
+    about = {"slow_head": f"--keepalive-timeout {cfg['keepalive_timeout_s']:g}",
+             "slow_body": f"--body-read-timeout {cfg['body_read_timeout_s']:g}",
+             "near_context": f"prompts of {cfg['near_context_tokens']} tokens",
+             "over_context": f"the context is {cfg['max_model_len']} tokens"}
+    lines = ["slow clients and context-length prompts: how each ended, how many (seconds "
+             "from the start to the close, the answer or the disconnect, min-max)"]
+    for kind, labels in report["cases"].items():
+        parts = [f"{label} {st['n']} ({_fmt(st['min'], 1)}-{_fmt(st['max'], 1)} s)"
+                 for label, st in labels.items()]
+        note = f"  [{about[kind]}]" if kind in about else ""
+        lines.append(f"  {kind:<13}{', '.join(parts)}{note}")
+    return lines
+
+
+def _ttft_lines(ttft: dict[str, Any]) -> list[str]:
+    def stat(name: str, what: str) -> str:
+        st = ttft[name]
+        return (f"{what}: p50 {_fmt(st['p50'], 2)} s, p95 {_fmt(st['p95'], 2)} s, max "
+                f"{_fmt(st['max'], 2)} s (n={st['n']})")
+    if not any(ttft[k]["n"] for k in ("alone", "without_long", "during_long")):
+        return []
+    ratios = ", ".join(f"{_fmt(ttft[f'p50_ratio_during_long_to_{base}'], 2)}x {what}"
+                       for base, what in (("alone", "alone"),
+                                          ("without_long", "without long prompts")))
+    return ["short streams' TTFT:",
+            f"  {stat('alone', 'alone (idle server, before the traffic)')}",
+            f"  {stat('without_long', 'in the traffic, no long prompt in flight')}",
+            f"  {stat('during_long', 'in the traffic, during long prompts')}; p50 {ratios}",
+            f"  {stat('during_near_context', 'of which during near_context prompts')}",
+            f"  {stat('during_slow_reader', 'in the traffic, during slow readers')}"]
