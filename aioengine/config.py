@@ -27,6 +27,11 @@ _DTYPES = {
 QUANTIZATIONS = ("int8", "w8a8", "gguf")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# (query, key) pairs of a long prompt's chunk per step while other requests run or wait
+# (core/chunking.py): 90 tokens at position 0, 8 at 1,000, 1 at 8,000 (alone: 4x that);
+# docs/benchmarks.md, "Fair prefill", measured 4x, 5x and 58x a short chat's TTFT for
+# 8192, 16384 and none.
+DEFAULT_PREFILL_ATTENTION_BUDGET = 8192
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -90,6 +95,10 @@ class EngineArgs:
     # for decodes and short prompts in every step (the one in flight when they arrive too).
     # None: a quarter of max_num_batched_tokens; 0: off (a prompt takes the whole budget).
     long_prefill_token_threshold: int | None = None
+    # A long prompt's chunk shrinks as its context grows: its tokens times the positions
+    # they attend stay within this (core/chunking.py). None: DEFAULT_PREFILL_ATTENTION_BUDGET;
+    # 0: off (the token cap alone).
+    long_prefill_attention_budget: int | None = None
     scheduling_policy: str = "fcfs"
     # Structured output: append grammar-forced tokens without sampling them one by one.
     structured_jump_forward: bool = True
@@ -144,6 +153,10 @@ class EngineArgs:
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
             raise ConfigError("long_prefill_token_threshold must be >= 0, got "
                               f"{self.long_prefill_token_threshold}")
+        if (self.long_prefill_attention_budget is not None
+                and self.long_prefill_attention_budget < 0):
+            raise ConfigError("long_prefill_attention_budget must be >= 0, got "
+                              f"{self.long_prefill_attention_budget}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
@@ -187,6 +200,7 @@ class SchedulerConfig:
     max_num_seqs: int = EngineArgs.max_num_seqs
     enable_chunked_prefill: bool = EngineArgs.enable_chunked_prefill
     long_prefill_token_threshold: int | None = EngineArgs.long_prefill_token_threshold
+    long_prefill_attention_budget: int | None = EngineArgs.long_prefill_attention_budget
     # "fcfs" or "priority" (lower value first, then arrival): EngineArgs.scheduling_policy.
     policy: str = EngineArgs.scheduling_policy
     # Speculative decoding: drafts per request per step (0 = off), and the batch size above
@@ -205,6 +219,15 @@ class SchedulerConfig:
             return max(1, self.max_num_batched_tokens // 4)
         return self.long_prefill_token_threshold
 
+    @property
+    def prefill_attention_budget(self) -> int:
+        """long_prefill_attention_budget resolved: 0 = none (also when chunks are uncapped)."""
+        if not self.prefill_chunk_cap:
+            return 0
+        if self.long_prefill_attention_budget is None:
+            return DEFAULT_PREFILL_ATTENTION_BUDGET
+        return self.long_prefill_attention_budget
+
     @classmethod
     def from_engine_args(cls, args: EngineArgs, max_model_len: int,
                          spec: SpeculativeConfig | None = None,
@@ -216,6 +239,7 @@ class SchedulerConfig:
                    max_num_seqs=args.max_num_seqs,
                    enable_chunked_prefill=args.enable_chunked_prefill,
                    long_prefill_token_threshold=args.long_prefill_token_threshold,
+                   long_prefill_attention_budget=args.long_prefill_attention_budget,
                    policy=args.scheduling_policy,
                    num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                    spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
@@ -326,6 +350,11 @@ ENGINE_FLAGS: dict[str, FlagSpec] = {
         "--long-prefill-token-threshold", type=int,
         help="largest prompt chunk of a step (default: a quarter of "
              "--max-num-batched-tokens; 0: off)"),
+    "long_prefill_attention_budget": flag(
+        "--long-prefill-attention-budget", type=int, metavar="PAIRS",
+        help="a long prompt's chunk: at most this many (query, key) position pairs, so "
+             "its steps stay short as its context grows (default "
+             f"{DEFAULT_PREFILL_ATTENTION_BUDGET}; 0: off)"),
     "structured_jump_forward": flag("--structured-jump-forward", action=_BOOL,
                                     help="append grammar-forced tokens without sampling them"),
     "structured_outputs_compile_timeout": flag(

@@ -18,6 +18,7 @@ import time
 from typing import Iterable, Sequence
 
 from aioengine.config import SchedulerConfig
+from aioengine.core.chunking import PrefillChunker
 from aioengine.core.kv_cache_manager import KVCacheManager
 from aioengine.core.scheduler_output import (EngineCoreOutput, ModelRunnerOutput,
                                              ScheduledRequest, SchedulerOutput)
@@ -48,9 +49,8 @@ class Scheduler:
         self.newly_failed: list[Request] = []
         self.num_steps = 0
         self.num_steps_ahead = 0  # of them, scheduled ahead (schedule_ahead)
-        # Fair prefill: no prompt chunk longer than this (0: none), so a long prompt leaves
-        # room in every step, the one a new request arrives during included.
-        self._chunk_cap = config.prefill_chunk_cap
+        # Fair prefill: how many tokens a request computes in a step (core/chunking.py).
+        self._chunker = PrefillChunker(config)
         # Verified drafts, counted here; SpecDecodeFeature reports them.
         self.spec_stats = spec_stats or SpecDecodingStats(config.num_speculative_tokens)
 
@@ -168,12 +168,8 @@ class Scheduler:
             return False
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
-        """The tokens `request` computes this step: all it lacks, within the budget and the
-        prefill chunk cap (vLLM's long_prefill_token_threshold)."""
-        num_new = request.num_tokens - num_computed
-        if not self.config.enable_chunked_prefill and num_new > budget:
-            return 0
-        return min(num_new, budget, self._chunk_cap or num_new)
+        alone = len(self.running) + len(self.waiting) <= 1
+        return self._chunker.num_new_tokens(request, num_computed, budget, alone)
 
     def _lookahead(self, request: Request, end: int, speculate: bool) -> int:
         """Slots past a step ending at token `end` that a draft head writes its chain into

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from aioengine.config import SchedulerConfig
 from aioengine.core.async_scheduler import AsyncScheduler
+from aioengine.core.chunking import attention_chunk_cap
 from aioengine.core.kv_cache_manager import KVCacheManager
 from aioengine.core.scheduler import Scheduler
 from aioengine.engine.features import EngineFeature
@@ -17,12 +18,14 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 16,
                    max_num_seqs: int = 8, policy: str = "fcfs",
                    caching: bool = True,
                    features: tuple[EngineFeature, ...] = (),
-                   chunk_cap: int = 0) -> AsyncScheduler:
+                   chunk_cap: int = 0, attention_budget: int = 0) -> AsyncScheduler:
     """The engine's default scheduler (async scheduling on: schedule() as the synchronous
-    Scheduler's, and schedule_ahead); fair prefill off unless `chunk_cap` is given."""
+    Scheduler's, and schedule_ahead); fair prefill off unless `chunk_cap` (and
+    `attention_budget`) is given."""
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                              max_model_len=1024, policy=policy,
-                             long_prefill_token_threshold=chunk_cap)
+                             long_prefill_token_threshold=chunk_cap,
+                             long_prefill_attention_budget=attention_budget)
     return AsyncScheduler(config, KVCacheManager(num_blocks, block_size,
                                                  enable_caching=caching), features)
 
@@ -294,3 +297,54 @@ def test_the_default_prefill_chunk_cap_is_a_quarter_of_the_budget() -> None:
     assert SchedulerConfig(max_model_len=64, max_num_batched_tokens=512).prefill_chunk_cap == 128
     assert SchedulerConfig(max_model_len=64, long_prefill_token_threshold=0).prefill_chunk_cap == 0
     assert SchedulerConfig(max_model_len=64, enable_chunked_prefill=False).prefill_chunk_cap == 0
+
+
+def test_the_attention_cap_is_the_largest_chunk_within_the_budget() -> None:
+    for budget in (1, 7, 100, 16384, 99991):
+        for p in (0, 1, 5, 127, 128, 1000, 7999, 100000):
+            c = attention_chunk_cap(p, budget)
+            assert c >= 1
+            assert c == 1 or c * (p + c) <= budget
+            assert (c + 1) * (p + c + 1) > budget
+    assert attention_chunk_cap(0, 16384) == 128
+    assert attention_chunk_cap(8000, 16384) == 2
+
+
+def test_a_long_prompts_chunks_shrink_as_its_context_grows() -> None:
+    """Attention budget 256 pairs with a 16-token cap: the chunk at position p is the
+    largest c with c * (p + c) <= 256 while another request runs, 4 x 256 while the long
+    prompt is alone, never below one token; a short prompt that arrives is computed whole
+    in the room left, and decodes beside the long prompt's later chunks."""
+    s = make_scheduler(budget=64, chunk_cap=16, attention_budget=256, num_blocks=256)
+    s.add_request(make_request("long", 300, max_tokens=1))
+    sizes, expected = [], []
+    while "long" in s.requests and not s.requests["long"].num_output_tokens:
+        p = s.requests["long"].num_computed_tokens
+        if p == 48:
+            s.add_request(make_request("short", 12, max_tokens=500, arrival=1.0,
+                                       first_token=500))
+        alone = len(s.requests) == 1
+        tokens = scheduled_tokens(step(s))
+        sizes.append(tokens["long"])
+        expected.append(min(16, 300 - p, attention_chunk_cap(p, 1024 if alone else 256)))
+        assert tokens.get("short") == (None if p < 48 else 12 if p == 48 else 1)
+    assert sum(sizes) == 300
+    assert sizes == expected
+    assert sizes[0] == 16 and sizes[-1] == 1
+    assert sizes[:3] == [16, 16, 16] and sizes[3] == attention_chunk_cap(48, 256) == 4
+
+
+def test_a_short_turn_after_a_long_cached_prefix_is_not_chunked_by_attention() -> None:
+    """Only a long prompt is capped by attention: a second turn that adds 8 tokens to a
+    cached 200-token conversation is computed in one step (8 x 208 pairs > 256)."""
+    s = make_scheduler(budget=64, chunk_cap=16, attention_budget=256, num_blocks=128)
+    first = make_request("first", 200, max_tokens=1)
+    s.add_request(first)
+    while "first" in s.requests:
+        step(s)
+    turn = Request("turn", first.prompt_token_ids + list(range(900, 908)),
+                   first.sampling_params, arrival_time=1.0)
+    s.add_request(turn)
+    out = step(s)
+    assert turn.num_cached_tokens == 200
+    assert scheduled_tokens(out) == {"turn": 8}
