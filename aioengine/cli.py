@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import sys
 
@@ -33,6 +34,7 @@ async def _generate(args: argparse.Namespace) -> int:
     except (ConfigError, ModelLoadError, ModelNotFoundError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    _started()
     async with engine:
         try:
             async for out in engine.generate(prompt, params):
@@ -68,6 +70,7 @@ async def _serve(args: argparse.Namespace) -> int:
         sock.close()
         print(f"error: {e}", file=sys.stderr)
         return 2
+    _started()
     try:
         await serve(engine, names, server_config_from_args(args), sock)
     except LoRAModuleError as e:
@@ -75,6 +78,13 @@ async def _serve(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _started() -> None:
+    """The engine is up: the garbage collector back on (aioengine/__main__.py turns it off
+    for the start-up), everything alive now frozen out of its collections."""
+    gc.enable()
+    gc.freeze()
 
 
 def _serve_on_ray(args: argparse.Namespace) -> int:

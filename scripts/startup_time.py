@@ -30,12 +30,14 @@ def _rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def start_once(cache_dir: str, extra: list[str], timeout: float = 300.0) -> tuple[float, float]:
-    """(seconds to the first /health 200, RSS MiB one second later)."""
+def start_once(cache_dir: str, extra: list[str], module: str = "aioengine",
+               timeout: float = 300.0) -> tuple[float, float]:
+    """(seconds to the first /health 200, RSS MiB one second later) of `python -m module
+    serve`."""
     port = _free_port()
     env = dict(os.environ, AIOENGINE_CACHE_DIR=cache_dir)
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "aioengine.cli", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", module, "serve", "--port", str(port),
                              *extra], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
@@ -59,13 +61,19 @@ def start_once(cache_dir: str, extra: list[str], timeout: float = 300.0) -> tupl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--warm", type=int, default=2, help="warm starts after the cold one")
+    ap.add_argument("--modules", default="aioengine",
+                    help="comma-separated modules run as `python -m MODULE serve`, "
+                         "interleaved per warm start (aioengine.cli: without the start-up "
+                         "garbage-collector pause of aioengine/__main__.py)")
     ap.add_argument("extra", nargs="*", help="flags for aioengine serve (after --)")
     args = ap.parse_args()
+    modules = args.modules.split(",")
     with tempfile.TemporaryDirectory(prefix="aioengine-startup-") as cache_dir:
         for i in range(1 + args.warm):
-            ready, rss = start_once(cache_dir, args.extra)
-            print(f"{'cold' if i == 0 else 'warm'}: ready in {ready:.2f} s, RSS {rss:.0f} MiB",
-                  flush=True)
+            for module in modules[:1] if i == 0 else modules:
+                ready, rss = start_once(cache_dir, args.extra, module)
+                print(f"{'cold' if i == 0 else 'warm'} ({module}): ready in {ready:.2f} s, "
+                      f"RSS {rss:.0f} MiB", flush=True)
 
 
 if __name__ == "__main__":

@@ -195,3 +195,15 @@ def test_engine_args_tokenizer_reaches_the_engine(tiny_dir: Path,
     llm = LLM(str(tiny_dir), tokenizer=str(marked_tokenizer_dir), dtype="float32",
               num_kv_blocks=16, max_model_len=64)
     assert llm.tokenizer.chat_template.startswith("MARKED")
+
+
+def test_python_dash_m_aioengine_is_the_cli() -> None:
+    """`python -m aioengine` (and the `aioengine` script) run the CLI through
+    aioengine/__main__.py, which pauses the garbage collector while it starts."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "aioengine", "serve", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "--long-prefill-attention-budget" in done.stdout
