@@ -48,6 +48,17 @@ def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
     return torch.float32, f"CPU has no native bf16 dot products (flags: {shown})"
 
 
+def auto_kv_cache_dtype(weight_dtype: torch.dtype, compute: torch.dtype,
+                        quantization: str | None, device: torch.device) -> torch.dtype:
+    """What kv_cache_dtype="auto" means: on the CPU bf16 where the weights are bf16 (not
+    quantized), as vLLM's CPU build keeps K/V in the model's dtype (the C attention widens
+    each element exactly as it reads it: half the bytes of float32); elsewhere the
+    activations' dtype (`compute`)."""
+    if device.type == "cpu" and quantization is None and weight_dtype == torch.bfloat16:
+        return torch.bfloat16
+    return compute
+
+
 def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """The model's weight dtype; "auto" as `auto_dtype` decides."""
     if isinstance(dtype, torch.dtype):
@@ -75,7 +86,8 @@ class EngineArgs:
     # matmuls); "gguf" keeps a GGUF's own Q4_1 projection blocks; None keeps the weights in
     # `dtype`.
     quantization: str | None = None
-    # "auto": float32 on the CPU (activations are float32 there), the model dtype on CUDA.
+    # "auto": on the CPU bf16 where the weights are bf16 (the C attention widens it as it
+    # reads: half the bytes), else float32 (the activations' dtype); the model dtype on CUDA.
     kv_cache_dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
@@ -329,7 +341,8 @@ ENGINE_FLAGS: dict[str, FlagSpec] = {
              "faster, less exact); gguf: a GGUF's own Q4_1 projections as stored (x "
              "quantized per 32-block)"),
     "kv_cache_dtype": flag("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
-                           help="auto: float32 on the CPU, the model dtype on CUDA"),
+                           help="auto: on the CPU bfloat16 with bf16 weights, else float32; "
+                                "the model dtype on CUDA"),
     "device": flag("--device"),
     "seed": flag("--seed", type=int),
     "max_model_len": flag("--max-model-len", type=int),

@@ -47,6 +47,10 @@ def weight_in_features(weight: Tensor) -> int:
         return weight.shape[-1] // Q4_1_BLOCK_BYTES * Q4_1_BLOCK
     return weight.shape[-1]
 
+# The K/V cache element types the C attention reads (bf16 widened to float32 as read).
+KV_CACHE_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _f32_rows(*tensors: Tensor) -> bool:
     """Every tensor float32 on the CPU and contiguous."""
     for t in tensors:  # a plain loop: a generator here cost ~1 us per call
@@ -89,8 +93,8 @@ def _paged_attention_fn(lib):
     fn = lib.paged_attention_f32
     if fn.restype is not ctypes.c_int or not fn.argtypes:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, i64,
-                       ctypes.c_float, ctypes.c_int]
+        fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, i64, ptr, i64, i64, ptr, ptr, i64, i64,
+                       i64, i64, i64, ctypes.c_float, ctypes.c_int]
         fn.restype = ctypes.c_int
     return fn
 
@@ -106,14 +110,17 @@ def paged_attention(out: Tensor, q: Tensor, kv_cache: Tensor, block_tables: Tens
     (kernels/cpu/attention.h), so a row's bits depend only on its query, the cache and its
     seq_len: not on the other rows, the chunking, the prefix cache or num_threads.
 
-    out/q [R, Hq, D] float32, kv_cache [2, blocks, block_size, Hkv, D] float32, block_tables
+    out/q [R, Hq, D] float32, kv_cache [2, blocks, block_size, Hkv, D] float32 or bfloat16
+    (KV_CACHE_DTYPES: bf16 values widened exactly to float32 as read), block_tables
     [N, max_blocks] int32, row_to_req/seq_lens [R] int32, all contiguous on the CPU.
     Raises ValueError for a row_to_req outside [0, N) or a seq_len outside
     [1, max_blocks * block_size]. Returns False, leaving `out` untouched, when the kernel
     does not apply or is not built.
     """
     num_rows = q.shape[0] if q.dim() == 3 else -1
-    if not (num_rows >= 0 and _f32_rows(out, q, kv_cache) and out.shape == q.shape
+    if not (num_rows >= 0 and _f32_rows(out, q) and kv_cache.dtype in KV_CACHE_DTYPES
+            and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
+            and out.shape == q.shape
             and kv_cache.dim() == 5 and q.shape[2] == kv_cache.shape[4]
             and q.shape[1] % kv_cache.shape[3] == 0 and block_tables.dim() == 2
             and block_tables.dtype == row_to_req.dtype == seq_lens.dtype == torch.int32
@@ -128,7 +135,8 @@ def paged_attention(out: Tensor, q: Tensor, kv_cache: Tensor, block_tables: Tens
     _, num_heads, head_dim = q.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
     rc = _paged_attention_fn(lib)(
-        out.data_ptr(), q.data_ptr(), kv_cache.data_ptr(), num_blocks, block_tables.data_ptr(),
+        out.data_ptr(), q.data_ptr(), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16),
+        num_blocks, block_tables.data_ptr(),
         block_tables.shape[1], block_tables.shape[0], row_to_req.data_ptr(),
         seq_lens.data_ptr(), num_rows, num_heads, num_kv_heads, head_dim, block_size, scale,
         torch.get_num_threads() if num_threads is None else num_threads)
@@ -172,12 +180,14 @@ def reshape_and_cache(key: Tensor, value: Tensor, kv_cache: Tensor,
     key[t], and the same for value in kv_cache[1].
 
     key/value float32 on the CPU with contiguous heads (any token stride: views into a fused
-    qkv output qualify). Raises IndexError, writing nothing, for a slot outside the cache.
+    qkv output qualify); kv_cache float32 or bf16 (KV_CACHE_DTYPES: rounded to nearest even
+    as torch rounds). Raises IndexError, writing nothing, for a slot outside the cache.
     Returns False, writing nothing, when the kernel does not apply or is not built.
     """
     num_tokens, num_kv_heads, head_dim = key.shape
     row = num_kv_heads * head_dim
-    if not (_f32_rows(kv_cache) and value.shape == key.shape
+    if not (kv_cache.dtype in KV_CACHE_DTYPES and kv_cache.device.type == "cpu"
+            and kv_cache.is_contiguous() and value.shape == key.shape
             and key.dtype == value.dtype == torch.float32 and key.device.type == "cpu"
             and value.device.type == "cpu" and kv_cache.shape[-2:] == key.shape[1:]
             and key.stride(2) == value.stride(2) == 1
@@ -189,7 +199,9 @@ def reshape_and_cache(key: Tensor, value: Tensor, kv_cache: Tensor,
     if lib is None:
         return False
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-    bad = lib.reshape_and_cache_f32(
+    write = (lib.reshape_and_cache_bf16 if kv_cache.dtype == torch.bfloat16
+             else lib.reshape_and_cache_f32)
+    bad = write(
         key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0), kv_cache.data_ptr(),
         num_slots, slot_mapping.data_ptr(), num_tokens, row, torch.get_num_threads())
     if bad:

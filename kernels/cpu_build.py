@@ -177,9 +177,9 @@ def _build(name: str) -> ctypes.CDLL:
     fn = lib.rotary_embedding_f32
     fn.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
     fn.restype = None
-    fn = lib.reshape_and_cache_f32
-    fn.argtypes = [ptr, ptr, i64, i64, ptr, i64, ptr, i64, i64, ctypes.c_int]
-    fn.restype = i64
+    for fn in (lib.reshape_and_cache_f32, lib.reshape_and_cache_bf16):
+        fn.argtypes = [ptr, ptr, i64, i64, ptr, i64, ptr, i64, i64, ctypes.c_int]
+        fn.restype = i64
     fn = lib.rms_norm_f32
     fn.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
     fn.restype = None

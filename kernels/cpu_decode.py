@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from aioengine.kernels.cpu import _f32_rows, _weight_ok, load
+from aioengine.kernels.cpu import KV_CACHE_DTYPES, _f32_rows, _weight_ok, load
 from aioengine.kernels import cpu_gemm
 from aioengine.kernels.cpu_layout import LORA_TABLE_WIDTH, DecodeLayer, DecodeStep
 
@@ -53,11 +53,18 @@ def _projection_ok(weight: Tensor, scales: Tensor | None) -> bool:
             and (scales is not None) == (weight.dtype == torch.int8))
 
 
-def _decode_layer_ok(layer: dict[str, Tensor | None], formats: set) -> bool:
-    """Every tensor of `layer` one the kernel reads; collects the projections' dtypes."""
+def _decode_layer_ok(layer: dict[str, Tensor | None], formats: set,
+                     kv_dtypes: set) -> bool:
+    """Every tensor of `layer` one the kernel reads; collects the projections' dtypes and
+    the KV cache's."""
     for name in DECODE_LAYER_FIELDS:
         t = layer[name]
-        if name in _PROJECTIONS:
+        if name == "kv_cache":
+            if not (t is not None and t.dtype in KV_CACHE_DTYPES and t.device.type == "cpu"
+                    and t.is_contiguous()):
+                return False
+            kv_dtypes.add(t.dtype)
+        elif name in _PROJECTIONS:
             if t is None or not _projection_ok(t, layer[f"{name}_scales"]):
                 return False
             formats.add((t.dtype, t.dim()))
@@ -71,25 +78,28 @@ def decode_layer_table(layers: list[dict[str, Tensor | None]]) -> DecodeLayerTab
     """The decode_layer structs llama_decode takes, one per layer from a dict keyed by
     DECODE_LAYER_FIELDS (biases, q/k norms and, but for int8 projections, the scales may be
     None). None when a tensor does not fit: every projection of the model in one format of
-    WEIGHT_FORMATS (int8 with its scales), everything else float32; all contiguous on the
-    CPU. Raises ValueError for a dict with a key too many or too few."""
+    WEIGHT_FORMATS (int8 with its scales), every KV cache in one of KV_CACHE_DTYPES,
+    everything else float32; all contiguous on the CPU. Raises ValueError for a dict with a
+    key too many or too few."""
     formats: set = set()
+    kv_dtypes: set = set()
     for layer in layers:
         if layer.keys() != _DECODE_LAYER_KEYS:
             raise ValueError(f"decode_layer_table: unknown keys "
                              f"{sorted(layer.keys() - _DECODE_LAYER_KEYS)}, missing keys "
                              f"{sorted(_DECODE_LAYER_KEYS - layer.keys())}")
-        if not _decode_layer_ok(layer, formats):
+        if not _decode_layer_ok(layer, formats, kv_dtypes):
             return None
-    if len(formats) > 1:
+    if len(formats) > 1 or len(kv_dtypes) > 1:
         return None
     table = (DecodeLayer * len(layers))()
     for row, layer in zip(table, layers):
         for name in DECODE_LAYER_FIELDS:
             t = layer[name]
             setattr(row, name, None if t is None else t.data_ptr())
-    return DecodeLayerTable(table, DecodeStep(layers=ctypes.addressof(table),
-                                              num_layers=len(layers)))
+    return DecodeLayerTable(table, DecodeStep(
+        layers=ctypes.addressof(table), num_layers=len(layers),
+        kv_bf16=int(kv_dtypes == {torch.bfloat16})))
 
 
 def _set_aux(step: DecodeStep, aux: Tensor | None, aux_layers: Tensor | None, t: int,

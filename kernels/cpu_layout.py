@@ -50,6 +50,7 @@ class DecodeStep(ctypes.Structure):
         ("num_heads", _i64), ("num_kv_heads", _i64), ("head_dim", _i64),
         ("intermediate", _i64), ("eps", _f32), ("scale", _f32), ("cos_table", _ptr),
         ("sin_table", _ptr), ("weight_fmt", _i32), ("num_threads", _i32),
+        ("kv_bf16", _i32),
         # the step
         ("x", _ptr), ("num_tokens", _i64), ("positions", _ptr), ("slot_mapping", _ptr),
         ("block_tables", _ptr), ("table_stride", _i64), ("seq_lens", _ptr),

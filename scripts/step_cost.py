@@ -68,7 +68,8 @@ async def decode_step_ms(engine: AsyncEngine, rows: int, output_len: int, seed: 
 
 async def main_async(args: argparse.Namespace) -> dict:
     engine = await AsyncEngine.create(args.model, dtype=args.dtype,
-                                      quantization=args.quantization)
+                                      quantization=args.quantization,
+                                      kv_cache_dtype=args.kv_cache_dtype)
     try:
         model = engine.model
         await decode_step_ms(engine, 1, 8, 0)  # warm-up
@@ -86,6 +87,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     peak = gemm_peak_flops(storage)
     out = {"cpu": cpu_info.cpu_model(), "flags": cpu_info.relevant_flags(),
            "dtype": args.dtype, "quantization": args.quantization,
+           "kv_cache_dtype": args.kv_cache_dtype,
            "weight_bytes": weights, "params": params, "read_bandwidth_gbs": bandwidth / 1e9,
            "gemm_peak_gflops": None if peak is None else peak / 1e9, "rows": {}}
     one = statistics.median(times[args.rows[0]])
@@ -102,6 +104,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 32])
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)

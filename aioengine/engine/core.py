@@ -19,7 +19,7 @@ import torch
 from aioengine import envs
 from aioengine import cpu_info
 from aioengine.config import (ConfigError, EngineArgs, SchedulerConfig, auto_dtype,
-                              parse_dtype)
+                              auto_kv_cache_dtype, parse_dtype)
 from aioengine.core.async_scheduler import AsyncScheduler
 from aioengine.core.kv_cache_manager import KVCacheManager
 from aioengine.core.scheduler import Scheduler
@@ -61,12 +61,10 @@ class EngineCore(RequestAdmission):
         self.dtype_reason = (auto_dtype(self.device)[1] if args.dtype == "auto"
                              else f"dtype={args.dtype} requested")
         compute = activation_dtype(self.dtype, self.device)
-        self.kv_cache_dtype = (compute if args.kv_cache_dtype == "auto"
+        self.kv_cache_dtype = (auto_kv_cache_dtype(self.dtype, compute, args.quantization,
+                                                   self.device)
+                               if args.kv_cache_dtype == "auto"
                                else parse_dtype(args.kv_cache_dtype, self.device))
-        if self.device.type == "cpu" and self.kv_cache_dtype != compute:
-            logger.warning("kv_cache_dtype %s: half the KV memory, but the C decode kernels "
-                           "read float32 K/V, so decode attention takes the torch path",
-                           args.kv_cache_dtype)
         start = time.perf_counter()
         attn_backend = select_attention_backend(args.attention_backend, self.device)  # fails fast
         # Multi-LoRA: made before the model, which builds its projections through it.

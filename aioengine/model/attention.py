@@ -175,15 +175,16 @@ def write_to_kv_cache(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tens
 class TorchAttentionBackend(AttentionBackend):
     """Torch backend (SDPA), the one used on CPU.
 
-    With `use_cpu_kernel`, float32 q and K/V on the CPU: every decode and prefill token of
-    the step in one call of the C kernel (`kernels/cpu.py` paged_attention), one row per
-    token with its own seq_len, K/V read in place. The kernel splits each token's context
-    at fixed absolute positions, so a token's attention has the same bits whether it is
-    decoded, prefilled fresh, prefilled after a cached prefix or in another chunk (issue
-    29). A request with a sliding window narrower than its context takes the torch path.
+    With `use_cpu_kernel`, float32 q and a float32 or bf16 KV cache on the CPU: every decode
+    and prefill token of the step in one call of the C kernel (`kernels/cpu.py`
+    paged_attention), one row per token with its own seq_len, K/V read in place. The kernel
+    splits each token's context at fixed absolute positions, so a token's attention has the
+    same bits whether it is decoded, prefilled fresh, prefilled after a cached prefix or in
+    another chunk (issue 29). A request with a sliding window narrower than its context
+    takes the torch path.
 
     Torch path (the reference, and the fallback where the kernel does not apply: other
-    dtypes, a kv_cache_dtype below q's, the kernel not built), correct but not
+    dtypes, the kernel not built), correct but not
     bit-deterministic across step shapes. Decodes: one batched SDPA over all of them, keys
     gathered block-wise and padded to the longest decode, padding masked. GQA is handled by
     folding the query heads of a KV group into SDPA's query-length axis, so K/V are never
@@ -200,10 +201,6 @@ class TorchAttentionBackend(AttentionBackend):
                 meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None) -> Tensor:
         num_tokens = meta.num_actual_tokens
-        if kv_cache.dtype != q.dtype:
-            # A cache in lower precision (kv_cache_dtype): attend to the fresh K/V as the
-            # cache holds them, so a prefix-cache hit sees what a recompute would.
-            k, v = k.to(kv_cache.dtype).to(q.dtype), v.to(kv_cache.dtype).to(q.dtype)
         # Write first: a request may read blocks another request wrote in this very step.
         write_to_kv_cache(k[:num_tokens], v[:num_tokens], kv_cache, meta.slot_mapping)
         kernel_reqs = self._kernel_requests(q, kv_cache, meta, sliding_window)
@@ -212,6 +209,11 @@ class TorchAttentionBackend(AttentionBackend):
             out = self._kernel_rows(q, kv_cache, meta, scale, kernel_reqs)
             if out is not None and kernel_reqs.every:
                 return out
+        if kv_cache.dtype != q.dtype:
+            # A cache in lower precision (kv_cache_dtype): the torch path attends to the
+            # fresh K/V as the cache holds them, so a prefix-cache hit sees what a recompute
+            # would (the C kernel reads them back from the cache).
+            k, v = k.to(kv_cache.dtype).to(q.dtype), v.to(kv_cache.dtype).to(q.dtype)
         nd = meta.num_decodes
         if nd == meta.num_reqs and out is None:  # a decode-only step: no second output
             return self._decode(q, kv_cache, meta, scale, sliding_window)
@@ -232,8 +234,8 @@ class TorchAttentionBackend(AttentionBackend):
                          sliding_window: int | None) -> _KernelRequests | None:
         """The requests the C kernel attends for (it sees whole contexts: with a window
         only where the window covers the context); None when it takes none of them."""
-        if not (self.use_cpu_kernel and q.dtype == kv_cache.dtype == torch.float32
-                and q.device.type == "cpu"):
+        if not (self.use_cpu_kernel and q.dtype == torch.float32
+                and kv_cache.dtype in cpu_kernels.KV_CACHE_DTYPES and q.device.type == "cpu"):
             return None
         if sliding_window is None or meta.max_seq_len <= sliding_window:
             return _ALL

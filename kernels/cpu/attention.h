@@ -1,7 +1,8 @@
 /*
- * Attention of one query token over its request's paged K/V, float32
- * (paged_decode_attention.c explains the layout and has the batch kernel; llama_decode.c
- * uses the same parts).
+ * Attention of one query token over its request's paged K/V, in float32 arithmetic over a
+ * float32 or bf16 cache (kv_bf16: each K/V element widened exactly to float32 as it is
+ * read; paged_decode_attention.c explains the layout and has the batch kernel;
+ * llama_decode.c uses the same parts).
  *
  * Fixed-position parts: a token with seq_len positions (its position + 1) attends to parts
  * j = 0 .. attn_num_parts(seq_len) - 1, part j covering [j * P, min((j + 1) * P, seq_len))
@@ -17,8 +18,15 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "vec_math.h"
+
+/* Element i of a K/V cache in its element type, as float32. */
+static inline __attribute__((always_inline)) float kv_at(const void *restrict cache, int64_t i,
+                                                         const int kv_bf16) {
+    return kv_bf16 ? bf16_to_f32(((const uint16_t *)cache)[i]) : ((const float *)cache)[i];
+}
 
 /* One request's query against its positions [begin, end) (begin a multiple of block_size:
  * the whole context, or one thread's part of it). Leaves, per query head h, the
@@ -31,20 +39,22 @@
  * short runtime-length loops. Query head h uses KV head h / group. */
 static inline __attribute__((always_inline)) void attend_range(
     float *restrict o, float *restrict max, float *restrict sum, const float *restrict q,
-    const float *restrict k_cache, const float *restrict v_cache,
+    const void *restrict k_cache, const void *restrict v_cache, const int kv_bf16,
     const int32_t *restrict table, int64_t begin, int64_t end, int64_t num_heads,
     int64_t group, const int64_t head_dim, int64_t block_size, int64_t block_stride,
     float scale, float *restrict scores) {
     const int64_t slot_stride = (num_heads / group) * head_dim, len = end - begin;
     for (int64_t start = begin; start < end; start += block_size) {
-        const float *kb = k_cache + (int64_t)table[start / block_size] * block_stride;
+        const int64_t kb = (int64_t)table[start / block_size] * block_stride;
         const int64_t stop = start + block_size < end ? start + block_size : end;
         for (int64_t p = start; p < stop; p++) {
-            const float *slot = kb + (p - start) * slot_stride;
+            const int64_t slot = kb + (p - start) * slot_stride;
             for (int64_t h = 0; h < num_heads; h++) {
-                const float *k = slot + (h / group) * head_dim, *qh = q + h * head_dim;
+                const int64_t k = slot + (h / group) * head_dim;
+                const float *qh = q + h * head_dim;
                 float dot = 0.0f;
-                for (int64_t d = 0; d < head_dim; d++) dot += qh[d] * k[d];
+                for (int64_t d = 0; d < head_dim; d++)
+                    dot += qh[d] * kv_at(k_cache, k + d, kv_bf16);
                 scores[h * len + p - begin] = dot * scale;
             }
         }
@@ -65,36 +75,48 @@ static inline __attribute__((always_inline)) void attend_range(
         for (int64_t d = 0; d < head_dim; d++) o[h * head_dim + d] = 0.0f;
     }
     for (int64_t start = begin; start < end; start += block_size) {
-        const float *vb = v_cache + (int64_t)table[start / block_size] * block_stride;
+        const int64_t vb = (int64_t)table[start / block_size] * block_stride;
         const int64_t stop = start + block_size < end ? start + block_size : end;
         for (int64_t p = start; p < stop; p++) {
-            const float *slot = vb + (p - start) * slot_stride;
+            const int64_t slot = vb + (p - start) * slot_stride;
             for (int64_t h = 0; h < num_heads; h++) {
-                const float *v = slot + (h / group) * head_dim;
+                const int64_t v = slot + (h / group) * head_dim;
                 const float w = scores[h * len + p - begin];
                 float *oh = o + h * head_dim;
-                for (int64_t d = 0; d < head_dim; d++) oh[d] += w * v[d];
+                for (int64_t d = 0; d < head_dim; d++)
+                    oh[d] += w * kv_at(v_cache, v + d, kv_bf16);
             }
         }
     }
 }
 
-/* attend_range() with the common head sizes compiled as constants. */
+/* attend_range() for one cache element type, the common head sizes compiled as constants. */
+#define ATTEND_HEAD_SIZES(KV_BF16)                                                          \
+    do {                                                                                   \
+        if (head_dim == 64)                                                                \
+            attend_range(o, max, sum, q, k_cache, v_cache, KV_BF16, table, begin, end,     \
+                         num_heads, group, 64, block_size, block_stride, scale, scores);   \
+        else if (head_dim == 128)                                                          \
+            attend_range(o, max, sum, q, k_cache, v_cache, KV_BF16, table, begin, end,     \
+                         num_heads, group, 128, block_size, block_stride, scale, scores);  \
+        else                                                                               \
+            attend_range(o, max, sum, q, k_cache, v_cache, KV_BF16, table, begin, end,     \
+                         num_heads, group, head_dim, block_size, block_stride, scale,      \
+                         scores);                                                          \
+    } while (0)
+
+/* attend_range() with the cache's element type and the common head sizes as constants. */
 static inline void attend_request(float *restrict o, float *restrict max, float *restrict sum,
-                                  const float *restrict q, const float *restrict k_cache,
-                                  const float *restrict v_cache, const int32_t *restrict table,
-                                  int64_t begin, int64_t end, int64_t num_heads, int64_t group,
-                                  int64_t head_dim, int64_t block_size, int64_t block_stride,
-                                  float scale, float *restrict scores) {
-    if (head_dim == 64)
-        attend_range(o, max, sum, q, k_cache, v_cache, table, begin, end, num_heads, group, 64,
-                     block_size, block_stride, scale, scores);
-    else if (head_dim == 128)
-        attend_range(o, max, sum, q, k_cache, v_cache, table, begin, end, num_heads, group, 128,
-                     block_size, block_stride, scale, scores);
+                                  const float *restrict q, const void *restrict k_cache,
+                                  const void *restrict v_cache, int kv_bf16,
+                                  const int32_t *restrict table, int64_t begin, int64_t end,
+                                  int64_t num_heads, int64_t group, int64_t head_dim,
+                                  int64_t block_size, int64_t block_stride, float scale,
+                                  float *restrict scores) {
+    if (kv_bf16)
+        ATTEND_HEAD_SIZES(1);
     else
-        attend_range(o, max, sum, q, k_cache, v_cache, table, begin, end, num_heads, group,
-                     head_dim, block_size, block_stride, scale, scores);
+        ATTEND_HEAD_SIZES(0);
 }
 
 /* o[h] /= sum[h]: the softmax of a whole context (every sum >= 1: the max term is e^0). */
@@ -156,11 +178,12 @@ static inline int64_t attn_part_floats(int64_t num_heads, int64_t head_dim) {
 }
 
 /* Part j of one token (query q, its request's block table, its seq_len) into `part`
- * (attn_part_floats): attend_range over the part's positions. `scores` holds
+ * (attn_part_floats): attend_range over the part's positions, K/V of the cache's element type
+ * (kv_bf16: bf16, else float32; k_cache/v_cache and block_stride in elements). `scores` holds
  * num_heads * attn_part_len(block_size) floats. Defined once, in paged_decode_attention.c,
  * not inline: every caller runs the same machine code, so the same bits. */
 void attn_compute_part(float *restrict part, const float *restrict q,
-                       const float *restrict k_cache, const float *restrict v_cache,
+                       const void *restrict k_cache, const void *restrict v_cache, int kv_bf16,
                        const int32_t *restrict table, int64_t seq_len, int64_t j,
                        int64_t num_heads, int64_t group, int64_t head_dim, int64_t block_size,
                        int64_t block_stride, float scale, float *restrict scores);

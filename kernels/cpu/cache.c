@@ -1,6 +1,7 @@
 /*
  * reshape_and_cache on the CPU (vLLM's name): writes this step's keys and values into their
- * slots of the paged KV cache, float32.
+ * slots of the paged KV cache, float32 (reshape_and_cache_f32) or bf16 (_bf16: each value
+ * rounded to nearest even, as torch's .to(torch.bfloat16) and the fused decode round).
  *
  *   key, value  [num_tokens, num_kv_heads * head_dim] rows, `key_stride` / `value_stride`
  *               floats apart (views into the fused qkv projection's output qualify)
@@ -15,6 +16,7 @@
 #include <string.h>
 
 #include "parallel.h"
+#include "vec_math.h"
 
 int64_t reshape_and_cache_f32(const float *restrict key, const float *restrict value,
                               int64_t key_stride, int64_t value_stride,
@@ -31,5 +33,28 @@ int64_t reshape_and_cache_f32(const float *restrict key, const float *restrict v
                  memcpy(k_cache + slot_mapping[t] * row_size, key + t * key_stride, row_bytes);
                  memcpy(v_cache + slot_mapping[t] * row_size, value + t * value_stride,
                         row_bytes));
+    return 0;
+}
+
+/* One row of n floats rounded into bf16. */
+static void row_to_bf16(uint16_t *restrict dst, const float *restrict src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+}
+
+int64_t reshape_and_cache_bf16(const float *restrict key, const float *restrict value,
+                               int64_t key_stride, int64_t value_stride,
+                               uint16_t *restrict kv_cache, int64_t num_slots,
+                               const int64_t *restrict slot_mapping, int64_t num_tokens,
+                               int64_t row_size, int num_threads) {
+    int64_t bad = 0;
+    for (int64_t t = 0; t < num_tokens; t++)
+        bad += slot_mapping[t] < 0 || slot_mapping[t] >= num_slots;
+    if (bad) return bad;
+    uint16_t *k_cache = kv_cache, *v_cache = kv_cache + num_slots * row_size;
+    PARALLEL_FOR(t, num_tokens, 256,
+                 row_to_bf16(k_cache + slot_mapping[t] * row_size, key + t * key_stride,
+                             row_size);
+                 row_to_bf16(v_cache + slot_mapping[t] * row_size, value + t * value_stride,
+                             row_size));
     return 0;
 }

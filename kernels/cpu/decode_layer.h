@@ -13,7 +13,8 @@
 
 /* One layer's weights, as LlamaDecoderLayer holds them (qkv_bias, q_norm, k_norm may be
  * NULL; the projections in the step's weight format, with their per-row scales for int8,
- * else NULL scales), and its KV cache [2, num_blocks, block_size, num_kv_heads, head_dim]. */
+ * else NULL scales), and its KV cache [2, num_blocks, block_size, num_kv_heads, head_dim]
+ * (float32, or bf16 where the step's kv_bf16 says so). */
 typedef struct {
     const float *input_norm;
     const void *qkv;
@@ -24,7 +25,7 @@ typedef struct {
     const float *gate_up_scales;
     const void *down;
     const float *down_scales;
-    float *kv_cache;
+    void *kv_cache;
 } decode_layer;
 
 /* One projection's adapter slots (lora.h): a [L, S, R, K], bt [L, R, N] (float32, or bf16
@@ -51,7 +52,9 @@ _Static_assert(sizeof(lora_layer) == LORA_LAYER_POINTERS * sizeof(void *),
  * x [num_tokens, hidden]: the embeddings in, the final-normed hidden states out.
  * positions, slot_mapping [num_tokens] int64; block_tables [num_tokens, table_stride] and
  * seq_lens [num_tokens] int32 (as for paged_decode_attention_f32); cos/sin tables
- * [max_positions, head_dim / 2]; weight_fmt the projections' GEMV_* format (gemv.h).
+ * [max_positions, head_dim / 2]; weight_fmt the projections' GEMV_* format (gemv.h); K/V
+ * are written to the caches rounded to bf16 (as torch rounds) and read back widened where
+ * kv_bf16 is set.
  * aux NULL, or [num_tokens, num_aux * hidden]: its j-th hidden-wide column block receives
  * the residual stream into layer aux_layers[j] (each in [0, num_layers); the embeddings for
  * 0), the input of that layer's input norm. lora NULL, or [num_layers] adapter slots with
@@ -72,6 +75,7 @@ typedef struct {
     const float *cos_table, *sin_table;
     int32_t weight_fmt;
     int32_t num_threads;
+    int32_t kv_bf16; /* every layer's KV cache in bf16 (else float32) */
     /* the step */
     float *x;
     int64_t num_tokens;

@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include "gemm.h"
+#include "vec_math.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -73,18 +74,7 @@ static inline int gemv_needs_buffer(int fmt) {
     return fmt == GEMV_BF16 || fmt == GEMV_I8A8 || fmt == GEMV_Q4_1 || gemm_x_is_pairs(fmt);
 }
 
-/* bf16 <-> float32: a bf16 is the top half of a float32; rounding is to nearest even. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t b;
-    memcpy(&b, &f, sizeof b);
-    return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-}
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t b = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &b, sizeof f);
-    return f;
-}
+/* bf16 <-> float32: vec_math.h's f32_to_bf16 and bf16_to_f32. */
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 /* 8 weights of row `wr` from element d on, as float32. */

@@ -46,6 +46,7 @@ static const layout_field decode_step_fields[] = {
     FIELD(decode_step, eps),          FIELD(decode_step, scale),
     FIELD(decode_step, cos_table),    FIELD(decode_step, sin_table),
     FIELD(decode_step, weight_fmt),   FIELD(decode_step, num_threads),
+    FIELD(decode_step, kv_bf16),
     FIELD(decode_step, x),            FIELD(decode_step, num_tokens),
     FIELD(decode_step, positions),    FIELD(decode_step, slot_mapping),
     FIELD(decode_step, block_tables), FIELD(decode_step, table_stride),

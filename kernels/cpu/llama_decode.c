@@ -100,6 +100,7 @@ typedef struct {
     int64_t num_heads, num_kv_heads, head_dim, q_size, kv_size, num_slots, block_size,
         table_stride;
     float eps, scale;
+    int kv_bf16;
     const int64_t *positions, *slot_mapping;
     const int32_t *block_tables, *seq_lens;
     const float *cos_table, *sin_table;
@@ -125,10 +126,18 @@ static void write_kv(float *restrict qkv_row, const decode_layer *layer,
     const int64_t half = s->head_dim / 2;
     rotate_token(k, s->num_kv_heads, s->head_dim, s->cos_table + s->positions[t] * half,
                  s->sin_table + s->positions[t] * half);
-    float *k_cache = layer->kv_cache, *v_cache = k_cache + s->num_slots * s->kv_size;
-    const size_t bytes = sizeof(float) * (size_t)s->kv_size;
-    memcpy(k_cache + s->slot_mapping[t] * s->kv_size, k, bytes);
-    memcpy(v_cache + s->slot_mapping[t] * s->kv_size, v, bytes);
+    const int64_t at = s->slot_mapping[t] * s->kv_size, v_at = s->num_slots * s->kv_size + at;
+    if (s->kv_bf16) {
+        uint16_t *cache = layer->kv_cache;
+        for (int64_t i = 0; i < s->kv_size; i++) {
+            cache[at + i] = f32_to_bf16(k[i]);
+            cache[v_at + i] = f32_to_bf16(v[i]);
+        }
+    } else {
+        float *cache = layer->kv_cache;
+        memcpy(cache + at, k, sizeof(float) * (size_t)s->kv_size);
+        memcpy(cache + v_at, v, sizeof(float) * (size_t)s->kv_size);
+    }
 }
 
 /* Part j of token t's attention (attention.h's fixed-position parts) into `part`: the very
@@ -136,8 +145,11 @@ static void write_kv(float *restrict qkv_row, const decode_layer *layer,
 static void attend_part(float *restrict part, const float *restrict q,
                         const decode_layer *layer, const attention_step *s, int64_t t,
                         int64_t j, float *restrict scores) {
-    const float *k_cache = layer->kv_cache, *v_cache = k_cache + s->num_slots * s->kv_size;
-    attn_compute_part(part, q, k_cache, v_cache, s->block_tables + t * s->table_stride,
+    const void *k_cache = layer->kv_cache;
+    const void *v_cache = (const char *)k_cache
+                          + (size_t)(s->num_slots * s->kv_size) * (s->kv_bf16 ? 2 : 4);
+    attn_compute_part(part, q, k_cache, v_cache, s->kv_bf16,
+                      s->block_tables + t * s->table_stride,
                       s->seq_lens[t], j, s->num_heads, s->num_heads / s->num_kv_heads,
                       s->head_dim, s->block_size, s->block_size * s->kv_size, s->scale, scores);
 }
@@ -186,7 +198,7 @@ int64_t llama_decode(const decode_step *d) {
         .num_heads = num_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
         .q_size = q_size, .kv_size = kv_size, .num_slots = num_blocks * block_size,
         .block_size = block_size, .table_stride = table_stride, .eps = eps, .scale = scale,
-        .positions = positions, .slot_mapping = slot_mapping, .block_tables = block_tables,
+        .kv_bf16 = d->kv_bf16, .positions = positions, .slot_mapping = slot_mapping, .block_tables = block_tables,
         .seq_lens = seq_lens, .cos_table = cos_table, .sin_table = sin_table};
     int64_t bad = 0;
     for (int64_t t = 0; t < M; t++)

@@ -3,7 +3,8 @@
  * prefill token of a step in one call, keys and values read in place from the paged KV
  * cache (no gathered copy), GQA without repeating K/V.
  *
- *   kv_cache  [2, num_blocks, block_size, num_kv_heads, head_dim]   (0 = K, 1 = V)
+ *   kv_cache  [2, num_blocks, block_size, num_kv_heads, head_dim]   (0 = K, 1 = V), float32,
+ *              or bf16 with kv_bf16 (widened to float32 as read: half the bytes to read)
  *   q, out    [num_rows, num_heads, head_dim]   query head h uses KV head h / group
  *   block_tables [num_reqs, table_stride] int32
  *   row_to_req [num_rows] int32: the block table row of each query row
@@ -38,15 +39,15 @@
 #define PARTS_PER_GROUP 2048
 
 void attn_compute_part(float *restrict part, const float *restrict q,
-                       const float *restrict k_cache, const float *restrict v_cache,
+                       const void *restrict k_cache, const void *restrict v_cache, int kv_bf16,
                        const int32_t *restrict table, int64_t seq_len, int64_t j,
                        int64_t num_heads, int64_t group, int64_t head_dim, int64_t block_size,
                        int64_t block_stride, float scale, float *restrict scores) {
     const int64_t P = attn_part_len(block_size), begin = j * P;
     const int64_t end = begin + P < seq_len ? begin + P : seq_len;
     float *max = part + num_heads * head_dim, *sum = max + num_heads;
-    attend_request(part, max, sum, q, k_cache, v_cache, table, begin, end, num_heads, group,
-                   head_dim, block_size, block_stride, scale, scores);
+    attend_request(part, max, sum, q, k_cache, v_cache, kv_bf16, table, begin, end, num_heads,
+                   group, head_dim, block_size, block_stride, scale, scores);
 }
 
 void attn_combine_parts(float *restrict o, const float *restrict parts, int64_t num_parts,
@@ -89,7 +90,7 @@ static int row_parts(int64_t *starts, const int32_t *row_to_req, const int32_t *
 /* Returns 0, -1 when out of memory, -2 for a row_to_req or seq_len out of range (nothing
  * computed). */
 int paged_attention_f32(float *restrict out, const float *restrict q,
-                        const float *restrict kv_cache, int64_t num_blocks,
+                        const void *restrict kv_cache, int kv_bf16, int64_t num_blocks,
                         const int32_t *restrict block_tables, int64_t table_stride,
                         int64_t num_reqs, const int32_t *restrict row_to_req,
                         const int32_t *restrict seq_lens, int64_t num_rows, int64_t num_heads,
@@ -98,7 +99,9 @@ int paged_attention_f32(float *restrict out, const float *restrict q,
     const int64_t group = num_heads / num_kv_heads, q_size = num_heads * head_dim;
     const int64_t block_stride = block_size * num_kv_heads * head_dim;
     const int64_t stride = attn_part_floats(num_heads, head_dim);
-    const float *k_cache = kv_cache, *v_cache = kv_cache + num_blocks * block_stride;
+    const void *k_cache = kv_cache;
+    const void *v_cache = (const char *)kv_cache
+                          + (size_t)(num_blocks * block_stride) * (kv_bf16 ? 2 : 4);
     int64_t *starts = malloc(sizeof(int64_t) * (size_t)(num_rows + 1));
     if (starts == NULL) return -1;
     if (row_parts(starts, row_to_req, seq_lens, num_rows, num_reqs, table_stride, block_size)) {
@@ -133,7 +136,7 @@ int paged_attention_f32(float *restrict out, const float *restrict q,
                 if (scores == NULL) continue;
                 const int64_t r = row_of_task(starts, r0, r1, first + k);
                 attn_compute_part(parts + k * stride, q + r * q_size, k_cache, v_cache,
-                                  block_tables + (int64_t)row_to_req[r] * table_stride,
+                                  kv_bf16, block_tables + (int64_t)row_to_req[r] * table_stride,
                                   seq_lens[r], first + k - starts[r], num_heads, group,
                                   head_dim, block_size, block_stride, scale, scores);
             } /* implicit barrier: the group's parts complete */
@@ -161,9 +164,10 @@ int paged_decode_attention_f32(float *restrict out, const float *restrict q,
     int32_t *rows = malloc(sizeof(int32_t) * (size_t)(num_reqs > 0 ? num_reqs : 1));
     if (rows == NULL) return -1;
     for (int64_t n = 0; n < num_reqs; n++) rows[n] = (int32_t)n;
-    const int rc = paged_attention_f32(out, q, kv_cache, num_blocks, block_tables, table_stride,
-                                       num_reqs, rows, seq_lens, num_reqs, num_heads,
-                                       num_kv_heads, head_dim, block_size, scale, num_threads);
+    const int rc = paged_attention_f32(out, q, kv_cache, 0, num_blocks, block_tables,
+                                       table_stride, num_reqs, rows, seq_lens, num_reqs,
+                                       num_heads, num_kv_heads, head_dim, block_size, scale,
+                                       num_threads);
     free(rows);
     return rc;
 }

@@ -46,4 +46,21 @@ static inline float recip_f32(float d) {
     return y;
 }
 
+/* A bf16 value (the high half of a float32) widened to float32: exact. */
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* float32 to bf16, rounded to nearest even as torch's .to(torch.bfloat16) does for every
+ * finite value and quiet NaN, so a K/V row the C kernels write has the bits torch's write
+ * gives it. (No branch for signalling NaNs: this is in the GEMM's vector loops too.) */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
 #endif /* AIOENGINE_VEC_MATH_H */

@@ -14,11 +14,12 @@ from aioengine import LLM, AsyncEngine, SamplingParams
 from tests.engine.conftest import assert_blocks_released
 from tests.engine.test_invariance import CONFIGS, GREEDY
 
-# name -> (engine settings, the projections' storage they must give)
-STORAGES = {"bfloat16": (dict(dtype="bfloat16"), "bfloat16"),
-            "int8": (dict(dtype="float32", quantization="int8"), "int8"),
-            "w8a8": (dict(dtype="float32", quantization="w8a8"), "w8a8"),
-            "bf16-kv-cache": (dict(dtype="float32", kv_cache_dtype="bfloat16"), "float32")}
+# name -> (engine settings, the projections' storage they must give, the KV cache's bytes
+# per element: bf16 weights take a bf16 cache by default)
+STORAGES = {"bfloat16": (dict(dtype="bfloat16"), "bfloat16", 2),
+            "int8": (dict(dtype="float32", quantization="int8"), "int8", 4),
+            "w8a8": (dict(dtype="float32", quantization="w8a8"), "w8a8", 4),
+            "bf16-kv-cache": (dict(dtype="float32", kv_cache_dtype="bfloat16"), "float32", 2)}
 
 
 def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -34,11 +35,11 @@ def storage(request) -> str:
 
 @pytest.fixture(scope="module")
 def reference(storage: str, tiny_llama_dir: Path, tiny_prompts: list[list[int]]) -> list[list[int]]:
-    settings, weights = STORAGES[storage]
+    settings, weights, kv_bytes = STORAGES[storage]
     llm = LLM(str(tiny_llama_dir), max_model_len=512, **settings)
     storages = {lin.storage for lin in llm.core.loaded.model.linears()}
     assert storages == {weights}
-    assert llm.core.runner.kv_caches[0].dtype.itemsize == (2 if "kv" in storage else 4)
+    assert llm.core.runner.kv_caches[0].dtype.itemsize == kv_bytes
     return _tokens(llm, tiny_prompts)
 
 

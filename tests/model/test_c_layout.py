@@ -54,7 +54,7 @@ def _layout_lib(src: Path, out: Path) -> ctypes.CDLL:
 @pytest.mark.parametrize("edit", [
     ("int32_t lora_bf16;", "int64_t lora_bf16;"),  # a field retyped
     ("    const float *cos_table, *sin_table;", "    const float *sin_table, *cos_table;"),
-    ("    float *kv_cache;\n", "    float *kv_cache;\n    const float *extra;\n"),  # added
+    ("    void *kv_cache;\n", "    void *kv_cache;\n    const float *extra;\n"),  # added
 ])
 def test_a_header_the_mirror_does_not_follow_is_caught(tmp_path: Path,
                                                        edit: tuple[str, str]) -> None:

@@ -100,20 +100,27 @@ def test_rotary_embedding_declines_what_it_does_not_handle() -> None:
     assert not cpu_kernels.rotary_embedding(x, positions, cos[:, :3], sin[:, :3])
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens,num_kv_heads,head_dim", [(1, 3, 64), (300, 2, 16)])
-def test_reshape_and_cache_matches_index_copy(num_tokens, num_kv_heads, head_dim) -> None:
+def test_reshape_and_cache_matches_index_copy(num_tokens, num_kv_heads, head_dim,
+                                              kv_dtype) -> None:
     """K and V as views into a fused qkv output (token stride wider than a row), written to
-    scattered slots; 300 tokens take the threaded path."""
+    scattered slots; 300 tokens take the threaded path. A bf16 cache gets torch's rounding
+    bit for bit (values spanning many exponents, ties included)."""
     gen = torch.Generator().manual_seed(num_tokens)
     num_blocks, block_size, row = 40, 8, num_kv_heads * head_dim
-    qkv = torch.randn(num_tokens, 4 * row, generator=gen)
+    qkv = torch.randn(num_tokens, 4 * row, generator=gen) * 10.0 ** torch.randint(
+        -30, 30, (num_tokens, 4 * row), generator=gen)
+    qkv[0, 2 * row] = 1.0 + 2.0 ** -8  # a tie: to even (1.0)
+    qkv[0, 2 * row + 1] = 1.0 + 3 * 2.0 ** -8  # a tie: to even (1 + 2^-6)
     k = qkv[:, 2 * row:3 * row].view(num_tokens, num_kv_heads, head_dim)
     v = qkv[:, 3 * row:].view(num_tokens, num_kv_heads, head_dim)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim,
+                           generator=gen).to(kv_dtype)
     expected = kv_cache.clone()
-    expected[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-    expected[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+    expected[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(kv_dtype))
+    expected[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(kv_dtype))
     assert cpu_kernels.reshape_and_cache(k, v, kv_cache, slots)
     assert torch.equal(kv_cache, expected)
 

@@ -41,12 +41,14 @@ def model(request, tiny_model_dirs):
     return loaded
 
 
-def _prefilled(model, seq_lens: list[int], seed: int = 0, vocab: int = 49152):
-    """KV caches holding random prompts of seq_lens - 1 tokens (layer-by-layer prefill) on
-    shuffled blocks, and the decode step's (input_ids, positions, meta)."""
+def _prefilled(model, seq_lens: list[int], seed: int = 0, vocab: int = 49152,
+               kv_dtype: torch.dtype = torch.float32):
+    """KV caches of `kv_dtype` holding random prompts of seq_lens - 1 tokens
+    (layer-by-layer prefill) on shuffled blocks, and the decode step's (input_ids,
+    positions, meta)."""
     rng = random.Random(seed)
     num_blocks = sum(-(-s // BLOCK_SIZE) for s in seq_lens) + 4
-    caches = make_kv_caches(model.arch, num_blocks, BLOCK_SIZE, torch.float32, CPU)
+    caches = make_kv_caches(model.arch, num_blocks, BLOCK_SIZE, kv_dtype, CPU)
     free = list(range(num_blocks))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(-(-s // BLOCK_SIZE))] for s in seq_lens]
@@ -90,6 +92,23 @@ def test_fused_decode_matches_the_layer_path(model, seq_lens: list[int], fused_c
     torch.testing.assert_close(ours, ref, atol=tol, rtol=tol)
     for a, b in zip(ours_caches, ref_caches):
         torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("seq_lens", [[9], [30, 2, 13]])
+def test_fused_decode_reads_and_writes_a_bf16_kv_cache(model, seq_lens: list[int],
+                                                       fused_calls) -> None:
+    """With a bf16 KV cache the fused call writes K/V rounded as torch rounds them and
+    attends over them widened, as the layer path's C attention does: the same hidden
+    states and caches up to one bf16 step where a K/V element sits on a rounding edge."""
+    case = _prefilled(model, seq_lens, kv_dtype=torch.bfloat16)
+    ours, ours_caches = _decode(model, True, *case)
+    assert fused_calls == [len(seq_lens)]
+    ref, ref_caches = _decode(model, False, *case)
+    tol = max(model.test_tolerance, 2e-2)
+    torch.testing.assert_close(ours, ref, atol=tol, rtol=tol)
+    for a, b in zip(ours_caches, ref_caches):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
 
 
 def test_fused_decode_rejects_a_slot_outside_the_cache(model) -> None:

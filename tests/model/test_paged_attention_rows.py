@@ -19,8 +19,10 @@ def built() -> None:
 
 
 def _cache(seq_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int,
-           seed: int = 0) -> tuple[torch.Tensor, list[list[int]]]:
-    """A random KV cache and scattered block tables holding seq_lens positions each."""
+           seed: int = 0, dtype: torch.dtype = torch.float32,
+           ) -> tuple[torch.Tensor, list[list[int]]]:
+    """A random KV cache of `dtype` and scattered block tables holding seq_lens positions
+    each."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
     perm = torch.randperm(num_blocks, generator=gen).tolist()
@@ -30,7 +32,7 @@ def _cache(seq_lens: list[int], num_kv_heads: int, head_dim: int, block_size: in
         tables.append(perm[:n])
         perm = perm[n:]
     kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    return kv, tables
+    return kv.to(dtype), tables
 
 
 def _rows(q_all: list[torch.Tensor], kv: torch.Tensor, tables: list[list[int]],
@@ -49,17 +51,21 @@ def _rows(q_all: list[torch.Tensor], kv: torch.Tensor, tables: list[list[int]],
     return out
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("query_lens,seq_lens,heads,kv_heads,head_dim,block_size", [
     ([1, 1, 7, 300], [5, 700, 7, 300], 9, 3, 64, 16),   # decodes, a fresh prompt, a long one
     ([3, 40], [600, 41], 8, 2, 128, 8),                 # a chunk after 597 cached positions
     ([5], [1030], 4, 4, 32, 1),                         # one slot per block, many parts
 ])
 def test_rows_match_the_torch_backend(query_lens, seq_lens, heads, kv_heads, head_dim,
-                                      block_size) -> None:
-    kv, tables = _cache(seq_lens, kv_heads, head_dim, block_size)
+                                      block_size, kv_dtype) -> None:
+    """A bf16 cache: the kernel widens each element exactly, so the reference is the torch
+    backend over the same cache in float32."""
+    cache, tables = _cache(seq_lens, kv_heads, head_dim, block_size, dtype=kv_dtype)
     gen = torch.Generator().manual_seed(1)
     q_all = [torch.randn(s, heads, head_dim, generator=gen) for s in seq_lens]
-    ours = _rows(q_all, kv, tables, query_lens, seq_lens, block_size)
+    ours = _rows(q_all, cache, tables, query_lens, seq_lens, block_size)
+    kv = cache.float()
     meta, _ = build_attention_metadata(query_lens, seq_lens, tables, block_size, CPU)
     ref = TorchAttentionBackend(use_cpu_kernel=False)
     expected = torch.empty_like(ours)
@@ -83,13 +89,14 @@ def _gather(kv: torch.Tensor, table: list[int], begin: int, end: int,
     return kv[0, blocks, pos % block_size], kv[1, blocks, pos % block_size]
 
 
-def test_a_token_has_the_same_bits_in_every_step_shape() -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_a_token_has_the_same_bits_in_every_step_shape(kv_dtype: torch.dtype) -> None:
     """Position 699 of a 700-position request: decoded alone, decoded beside others, the
     last token of a fresh 700-token prefill, of a chunk after 512 cached positions, and
     with one thread or two: one result, bit for bit."""
     seq_lens = [700, 90, 300]
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
-    kv, tables = _cache(seq_lens, kv_heads, head_dim, block_size, seed=5)
+    kv, tables = _cache(seq_lens, kv_heads, head_dim, block_size, seed=5, dtype=kv_dtype)
     gen = torch.Generator().manual_seed(6)
     q_all = [torch.randn(s, heads, head_dim, generator=gen) for s in seq_lens]
     alone = _rows(q_all[:1], kv, tables[:1], [1], [700], block_size)[-1]
