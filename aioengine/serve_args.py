@@ -45,6 +45,10 @@ SERVER_FLAGS: dict[str, FlagSpec] = {
         "--body-read-timeout", type=float, metavar="SECONDS",
         help="a request body not received within this time gets a 408 and the connection "
              "is closed (default: %(default)s)"),
+    "stream_write_timeout": flag(
+        "--stream-write-timeout", type=float, metavar="SECONDS",
+        help="a streaming client that accepts no chunk for this long (it stopped reading) "
+             "is disconnected and its requests aborted (default: %(default)s)"),
     "max_connections": flag(
         "--max-connections", type=int, metavar="N",
         help="beyond N open connections a new one gets a 503 with Retry-After and is "
@@ -113,7 +117,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="model name(s) in the API (default: MODEL)")
     add_dataclass_flags(parser, ServerConfig, _some(
         SERVER_FLAGS, "api_key", "metrics_without_api_key", "max_request_body_bytes",
-        "keepalive_timeout", "body_read_timeout", "max_connections", "max_queued_requests"))
+        "keepalive_timeout", "body_read_timeout", "stream_write_timeout", "max_connections",
+        "max_queued_requests"))
     parser.set_defaults(api_key=envs.AIOENGINE_API_KEY)  # read when the parser is built
     add_engine_args(parser)
     lora = parser.add_argument_group("LoRA adapters")
@@ -181,7 +186,7 @@ def _check_server_args(parser: argparse.ArgumentParser, args: argparse.Namespace
         parser.error("--max-queued-requests must be >= 1")
     if args.max_connections < 0:
         parser.error("--max-connections must be >= 0")
-    for name in ("keepalive_timeout", "body_read_timeout"):
+    for name in ("keepalive_timeout", "body_read_timeout", "stream_write_timeout"):
         if not getattr(args, name) > 0:  # NaN too
             parser.error(f"--{name.replace('_', '-')} must be > 0")
 

@@ -35,7 +35,8 @@ from aioengine.server.protocol import (ApiError, error_body, get_bool, get_int, 
                                        get_str, parse_json_object)
 from aioengine.server.serving_chat import ChatHandler, render_messages
 from aioengine.server.serving_completions import CompletionsHandler
-from aioengine.server.serving_engine import ServingContext, json_response, not_found_body
+from aioengine.server.serving_engine import (STREAM_WRITE_TIMEOUT, ServingContext, json_response,
+                                             not_found_body)
 from aioengine.server.serving_models import ServingModels
 from aioengine.server.serving_responses import ResponsesHandler
 from aioengine.server.server_config import ServerConfig
@@ -141,6 +142,7 @@ class OpenAIServer:
     def build_app(self) -> web.Application:
         auth = auth_middleware(self.config.api_key, self.config.metrics_without_api_key)
         app = web.Application(middlewares=[error_middleware, auth])
+        app[STREAM_WRITE_TIMEOUT] = self.config.stream_write_timeout
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.metrics)

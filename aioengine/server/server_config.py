@@ -17,6 +17,9 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 DEFAULT_KEEPALIVE_TIMEOUT = 20.0
 # 8 MiB (the body limit) in 60 s is ~140 KB/s: any real client, not a slow-loris.
 DEFAULT_BODY_READ_TIMEOUT = 60.0
+# A streaming client that accepts no chunk for this long (its socket buffer full: it stopped
+# reading but did not disconnect) is dropped and its requests aborted.
+DEFAULT_STREAM_WRITE_TIMEOUT = 60.0
 # 8x the default --max-num-seqs: room for the running, the queued and idle keep-alive
 # connections, far below the usual 1024 open files per process.
 DEFAULT_MAX_CONNECTIONS = 512
@@ -36,6 +39,7 @@ class ServerConfig:
     # connections a new one gets a 503 and is closed (0: no cap).
     keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT
     body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT
+    stream_write_timeout: float = DEFAULT_STREAM_WRITE_TIMEOUT
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     # Seconds to wait for open connections after in-flight requests were aborted.
     shutdown_timeout: float = 5.0

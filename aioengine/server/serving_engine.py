@@ -4,6 +4,7 @@ prompt with their outputs merged, usage, and SSE framing."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Iterator
@@ -22,8 +23,11 @@ from aioengine.outputs import CompletionOutput, RequestOutput
 from aioengine.sampling_params import SamplingParams
 from aioengine.server.offload import PromptWork, encode_text
 from aioengine.server.protocol import ApiError, error_body, structured_outputs_field
+from aioengine.server.server_config import DEFAULT_STREAM_WRITE_TIMEOUT
 from aioengine.server.serving_models import ServingModels
 from aioengine.server.tools import ToolServingConfig
+
+logger = logging.getLogger("aioengine.server")
 from aioengine.structured import GrammarCompileError
 
 # (prompt index, output) of every engine request of one API call, as they come.
@@ -302,27 +306,52 @@ class ApiCall:
             return sse.response
         except Exception as e:  # noqa: BLE001 - sent as the stream's last event
             error = e
-        return await sse.finish(error)
+        try:
+            return await sse.finish(error)
+        except ConnectionError:  # the client left (or stalled) at the very end
+            return sse.response
+
+
+# The app's --stream-write-timeout (OpenAIServer.build_app sets it).
+STREAM_WRITE_TIMEOUT = web.AppKey("stream_write_timeout", float)
 
 
 class SSEStream:
-    """A Server-Sent Events response: one `data:` line per chunk, written at once."""
+    """A Server-Sent Events response: one `data:` line per chunk, written at once.
+
+    A write waits while the client's socket buffer is full; one that waits past the app's
+    STREAM_WRITE_TIMEOUT (the client stopped reading but kept the connection) aborts the
+    connection and raises ConnectionResetError, as a client that left does, so the caller
+    aborts its requests instead of holding them and their queued outputs forever."""
 
     def __init__(self, request: web.Request) -> None:
         self.request = request
         self.response = web.StreamResponse(headers=SSE_HEADERS)
+        self.write_timeout = request.config_dict.get(STREAM_WRITE_TIMEOUT,
+                                                     DEFAULT_STREAM_WRITE_TIMEOUT)
 
     async def start(self) -> None:
         await self.response.prepare(self.request)
 
     async def send(self, payload: dict[str, Any], event: str | None = None) -> None:
         head = b"event: " + event.encode() + b"\n" if event else b""
-        await self.response.write(head + b"data: " + orjson.dumps(payload) + b"\n\n")
+        await self.write(head + b"data: " + orjson.dumps(payload) + b"\n\n")
+
+    async def write(self, data: bytes) -> None:
+        try:
+            await asyncio.wait_for(self.response.write(data), self.write_timeout)
+        except TimeoutError:
+            if self.request.transport is not None:
+                self.request.transport.abort()
+            logger.info("stream to %s dropped: no data accepted for %g s",
+                        self.request.remote, self.write_timeout)
+            raise ConnectionResetError("the client accepted no data for "
+                                       f"{self.write_timeout:g} s") from None
 
     async def finish(self, error: BaseException | None = None) -> web.StreamResponse:
         """Ends the stream: the error as a last event if there was one, then [DONE]."""
         if error is not None:
             await self.send(failure_body(error)[1])
-        await self.response.write(b"data: [DONE]\n\n")
+        await self.write(b"data: [DONE]\n\n")
         await self.response.write_eof()
         return self.response

@@ -276,7 +276,10 @@ class ResponsesHandler:
             return sse.response
         except Exception as e:  # noqa: BLE001 - sent as the stream's last event
             self._finish(run, usage, stored)
-            await send(run.fail(e))
+            try:
+                await send(run.fail(e))
+            except ConnectionError:
+                return sse.response
         await sse.response.write_eof()
         return sse.response
 

@@ -17,7 +17,7 @@ import pytest
 from server_process import API_KEY, MODEL, ServerProcess, serving
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-TIMEOUT_S = 2  # --keepalive-timeout and --body-read-timeout
+TIMEOUT_S = 2  # --keepalive-timeout, --body-read-timeout and --stream-write-timeout
 MAX_CONNECTIONS = 8
 PIRATE = Path(__file__).resolve().parents[2] / "lora" / "examples" / "pirate"
 
@@ -26,6 +26,7 @@ PIRATE = Path(__file__).resolve().parents[2] / "lora" / "examples" / "pirate"
 def server() -> Iterator[ServerProcess]:
     yield from serving("--api-key", API_KEY, "--keepalive-timeout", str(TIMEOUT_S),
                        "--body-read-timeout", str(TIMEOUT_S),
+                       "--stream-write-timeout", str(TIMEOUT_S),
                        "--max-connections", str(MAX_CONNECTIONS), "--enable-lora",
                        "--allow-runtime-lora-updating",
                        env={"AIOENGINE_FAULT_INJECTION": "1"})
@@ -120,6 +121,39 @@ def test_idle_and_half_sent_connections_are_closed(server: ServerProcess) -> Non
     assert b"--body-read-timeout" in answer
     for sock in (idle, half_head, half_body):
         sock.close()
+
+
+def test_a_stream_whose_client_stops_reading_is_dropped(server: ServerProcess) -> None:
+    """A client that asks for a long stream of big chunks (8 samples with top_logprobs 20:
+    ~10 MB, more than the kernel's socket buffers grow to) through a 4 KiB receive buffer
+    and stops reading, connection kept: once the server's writes have
+    waited --stream-write-timeout it drops the connection (no [DONE] ever comes) and logs
+    why in one line, instead of holding the handler and its queued chunks forever."""
+    logged = len(server.log)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    sock.settimeout(10)
+    sock.connect((host, int(port)))
+    body = orjson.dumps({"model": MODEL, "stream": True, "max_tokens": 700, "n": 8,
+                         "ignore_eos": True, "logprobs": True, "top_logprobs": 20,
+                         "messages": [{"role": "user", "content": "Tell a long story."}]})
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/json\r\nAuthorization: Bearer " + API_KEY.encode()
+                 + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    deadline = time.monotonic() + 120
+    while "dropped: no data accepted" not in "".join(server.log[logged:]):
+        assert time.monotonic() < deadline, "".join(server.log[logged:])
+        time.sleep(0.5)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    sock.close()
+    assert data.startswith(b"HTTP/1.1 200"), data[:200]
+    assert b"chat.completion.chunk" in data and b"[DONE]" not in data
 
 
 def test_connections_beyond_the_cap_get_a_503(server: ServerProcess) -> None:
