@@ -21,6 +21,10 @@ MODES: dict[str, tuple[dict, bool]] = {
     "prefix_cached": ({"enable_prefix_caching": True}, False),
     "chunked": ({"enable_prefix_caching": False, "max_num_batched_tokens": 16,
                  "long_prefill_token_threshold": 16}, False),
+    # 6-token chunks: computed as decode rows (ScheduledRequest.as_decode_rows), in the
+    # fused CPU executor where it applies.
+    "chunked_rows": ({"enable_prefix_caching": False, "max_num_batched_tokens": 16,
+                      "long_prefill_token_threshold": 6}, False),
     "ngram": ({"enable_prefix_caching": False,
                "speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
                                       "prompt_lookup_max": 4, "prompt_lookup_min": 2}}, True),

@@ -374,15 +374,16 @@ class ModelRunner:
 def _step_layout(scheduled: list[ScheduledRequest],
                  ) -> tuple[list[int], list[int], list[list[int]], list[int]]:
     """The attention's query_lens, seq_lens and block tables, one entry per attention
-    sequence (an item with drafts is one decode row per position, each seeing the
-    positions before it), and where each item's tokens start in the step ([items + 1])."""
+    sequence (an item with drafts, or a small chunk, is one decode row per position, each
+    seeing the positions before it: ScheduledRequest.as_decode_rows), and where each item's
+    tokens start in the step ([items + 1])."""
     query_lens: list[int] = []
     seq_lens: list[int] = []
     tables: list[list[int]] = []
     starts = [0]
     for s in scheduled:
         n, context = s.num_new_tokens, s.num_computed_tokens
-        if s.spec_token_ids:
+        if s.as_decode_rows:
             query_lens.extend([1] * n)
             seq_lens.extend(range(context + 1, context + n + 1))
             tables.extend([s.block_ids] * n)

@@ -2,7 +2,7 @@
 every weight storage (issue 29: bf16 greedy output used to change with prefix caching,
 "Name three colors." giving two answers). The shipped prompts, "Name three colors." first,
 each alone with prefix caching off as the reference, against batched, prefix-cached,
-16-token-chunked and n-gram-speculative runs. scripts/greedy_invariance.py runs the same
+16-token-chunked, 6-token-chunked (decode rows) and n-gram-speculative runs. scripts/greedy_invariance.py runs the same
 over 100+ prompts."""
 from __future__ import annotations
 

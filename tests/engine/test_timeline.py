@@ -5,6 +5,7 @@ import asyncio
 from pathlib import Path
 
 from aioengine import AsyncEngine, SamplingParams
+from aioengine.core.scheduler_output import DECODE_ROWS_CHUNK
 from aioengine.engine.timeline import PHASES
 
 
@@ -12,7 +13,7 @@ async def test_timeline_records_every_step_with_its_phases(tiny_llama_dir: Path,
                                                            tiny_prompts: list[list[int]]) -> None:
     # No prefix caching: every prompt token is then computed by exactly one step.
     engine = await AsyncEngine.create(str(tiny_llama_dir), max_model_len=256,
-                                      max_num_batched_tokens=32, enable_prefix_caching=False)
+                                      max_num_batched_tokens=64, enable_prefix_caching=False)
     try:
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -34,9 +35,11 @@ async def test_timeline_records_every_step_with_its_phases(tiny_llama_dir: Path,
         assert summary["all"]["steps"] == len(records)
         assert set(summary["all"]) >= {f"{p}_ms" for p in PHASES} | {"overlap"}
         assert 0.0 <= summary["all"]["overlap"] <= 1.0
-        # The step profile names the executor: prefill chunks run layerwise, the small
-        # decode steps at the end (8 requests or fewer) in the fused C call.
-        assert all(r.executor == "layerwise" for r in records if r.kind != "decode")
+        # The step profile names the executor: a step with a prompt chunk longer than
+        # DECODE_ROWS_CHUNK runs layerwise, the small decode steps at the end (8 requests
+        # or fewer) in the fused C call.
+        assert all(r.executor == "layerwise" for r in records
+                   if r.num_tokens > DECODE_ROWS_CHUNK * r.num_reqs)
         assert records[-1].num_reqs <= 8 and records[-1].executor == "fused_cpu_decode"
         assert 0.0 < summary["decode"]["fused_share"] <= 1.0
         assert summary["prefill"]["fused_share"] == 0.0
