@@ -16,7 +16,6 @@ which removes the per-layer Python work that otherwise costs a fifth of the step
 """
 from __future__ import annotations
 
-import ctypes
 
 import torch
 from torch import Tensor
@@ -47,6 +46,7 @@ def weight_in_features(weight: Tensor) -> int:
         return weight.shape[-1] // Q4_1_BLOCK_BYTES * Q4_1_BLOCK
     return weight.shape[-1]
 
+
 # The K/V cache element types the C attention reads (bf16 widened to float32 as read).
 KV_CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -64,8 +64,9 @@ def paged_decode_attention(out: Tensor, q: Tensor, kv_cache: Tensor, block_table
     """out[n] = softmax(q[n] K_n^T * scale) V_n over request n's first seq_lens[n] positions:
     paged_attention with one row per request.
 
-    out/q [N, Hq, D] float32, kv_cache [2, blocks, block_size, Hkv, D] float32, block_tables
-    [N, >= blocks needed] int32, seq_lens [N] int32 (each >= 1), all contiguous on the CPU.
+    out/q [N, Hq, D] float32, kv_cache [2, blocks, block_size, Hkv, D] of KV_CACHE_DTYPES,
+    block_tables [N, >= blocks needed] int32, seq_lens [N] int32 (each >= 1), all contiguous
+    on the CPU.
     Returns False, leaving `out` untouched, when the kernel does not apply or is not built.
     """
     if not (block_tables.dtype == torch.int32 and block_tables.dim() == 2
@@ -84,19 +85,6 @@ def _row_range(n: int) -> Tensor:
     if rows is None:
         rows = _ROW_RANGES[n] = torch.arange(n, dtype=torch.int32)
     return rows
-
-
-def _paged_attention_fn(lib):
-    """The kernel with its ctypes signature, declared on first use.
-
-    Declared here rather than in cpu_build._build, which this change does not own."""
-    fn = lib.paged_attention_f32
-    if fn.restype is not ctypes.c_int or not fn.argtypes:
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, i64, ptr, i64, i64, ptr, ptr, i64, i64,
-                       i64, i64, i64, ctypes.c_float, ctypes.c_int]
-        fn.restype = ctypes.c_int
-    return fn
 
 
 def paged_attention(out: Tensor, q: Tensor, kv_cache: Tensor, block_tables: Tensor,
@@ -134,7 +122,7 @@ def paged_attention(out: Tensor, q: Tensor, kv_cache: Tensor, block_tables: Tens
         return False
     _, num_heads, head_dim = q.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
-    rc = _paged_attention_fn(lib)(
+    rc = lib.paged_attention_f32(
         out.data_ptr(), q.data_ptr(), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16),
         num_blocks, block_tables.data_ptr(),
         block_tables.shape[1], block_tables.shape[0], row_to_req.data_ptr(),

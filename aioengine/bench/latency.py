@@ -217,7 +217,8 @@ def run_latency(config: LatencyConfig) -> dict[str, Any]:
     if ours is not None:
         weight_bytes = ours.weight_bytes
     else:  # only the peer ran: load our model just to count its weights
-        from aioengine.config import EngineArgs, parse_dtype
+        from aioengine.config import EngineArgs
+        from aioengine.dtypes import parse_dtype
 
         args = EngineArgs.from_kwargs(model=config.model, **config.engine_kwargs)
         device = args.resolve_device()

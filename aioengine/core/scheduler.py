@@ -168,6 +168,7 @@ class Scheduler:
             return False
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        """PrefillChunker's count; "alone" when no other request runs or waits."""
         alone = len(self.running) + len(self.waiting) <= 1
         return self._chunker.num_new_tokens(request, num_computed, budget, alone)
 

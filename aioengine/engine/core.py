@@ -18,8 +18,8 @@ import torch
 
 from aioengine import envs
 from aioengine import cpu_info
-from aioengine.config import (ConfigError, EngineArgs, SchedulerConfig, auto_dtype,
-                              auto_kv_cache_dtype, parse_dtype)
+from aioengine.config import ConfigError, EngineArgs, SchedulerConfig
+from aioengine.dtypes import auto_dtype, auto_kv_cache_dtype, parse_dtype
 from aioengine.core.async_scheduler import AsyncScheduler
 from aioengine.core.kv_cache_manager import KVCacheManager
 from aioengine.core.scheduler import Scheduler

@@ -26,9 +26,9 @@ from aioengine.server.protocol import ApiError, error_body, structured_outputs_f
 from aioengine.server.server_config import DEFAULT_STREAM_WRITE_TIMEOUT
 from aioengine.server.serving_models import ServingModels
 from aioengine.server.tools import ToolServingConfig
+from aioengine.structured import GrammarCompileError
 
 logger = logging.getLogger("aioengine.server")
-from aioengine.structured import GrammarCompileError
 
 # (prompt index, output) of every engine request of one API call, as they come.
 Outputs = AsyncGenerator[tuple[int, RequestOutput], None]

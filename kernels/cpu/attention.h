@@ -28,6 +28,19 @@ static inline __attribute__((always_inline)) float kv_at(const void *restrict ca
     return kv_bf16 ? bf16_to_f32(((const uint16_t *)cache)[i]) : ((const float *)cache)[i];
 }
 
+/* n floats into a K/V cache from element `at` on, in its element type: copied, or rounded
+ * to bf16 (f32_to_bf16: torch's rounding). The one writer of K/V rows, for cache.c's
+ * reshape_and_cache and llama_decode.c's fused step alike. */
+static inline void kv_store_row(void *restrict cache, int64_t at, const float *restrict src,
+                                int64_t n, int kv_bf16) {
+    if (kv_bf16) {
+        uint16_t *dst = (uint16_t *)cache + at;
+        for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy((float *)cache + at, src, sizeof(float) * (size_t)n);
+    }
+}
+
 /* One request's query against its positions [begin, end) (begin a multiple of block_size:
  * the whole context, or one thread's part of it). Leaves, per query head h, the
  * unnormalised o[h] = sum_p e^(s_hp - m_h) v_p with m_h = max_p s_hp in max[h] and

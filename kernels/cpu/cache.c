@@ -13,32 +13,36 @@
  * written and the return value is how many were (0 when all went in).
  */
 #include <stdint.h>
-#include <string.h>
 
+#include "attention.h"
 #include "parallel.h"
-#include "vec_math.h"
+
+/* Both element types: kv_store_row per token and cache. */
+static int64_t reshape_and_cache(const float *restrict key, const float *restrict value,
+                                 int64_t key_stride, int64_t value_stride,
+                                 void *restrict kv_cache, int kv_bf16, int64_t num_slots,
+                                 const int64_t *restrict slot_mapping, int64_t num_tokens,
+                                 int64_t row_size, int num_threads) {
+    int64_t bad = 0;
+    for (int64_t t = 0; t < num_tokens; t++)
+        bad += slot_mapping[t] < 0 || slot_mapping[t] >= num_slots;
+    if (bad) return bad;
+    const int64_t v_start = num_slots * row_size;
+    PARALLEL_FOR(t, num_tokens, 256,
+                 kv_store_row(kv_cache, slot_mapping[t] * row_size, key + t * key_stride,
+                              row_size, kv_bf16);
+                 kv_store_row(kv_cache, v_start + slot_mapping[t] * row_size,
+                              value + t * value_stride, row_size, kv_bf16));
+    return 0;
+}
 
 int64_t reshape_and_cache_f32(const float *restrict key, const float *restrict value,
                               int64_t key_stride, int64_t value_stride,
                               float *restrict kv_cache, int64_t num_slots,
                               const int64_t *restrict slot_mapping, int64_t num_tokens,
                               int64_t row_size, int num_threads) {
-    int64_t bad = 0;
-    for (int64_t t = 0; t < num_tokens; t++)
-        bad += slot_mapping[t] < 0 || slot_mapping[t] >= num_slots;
-    if (bad) return bad;
-    float *k_cache = kv_cache, *v_cache = kv_cache + num_slots * row_size;
-    const size_t row_bytes = sizeof(float) * (size_t)row_size;
-    PARALLEL_FOR(t, num_tokens, 256,
-                 memcpy(k_cache + slot_mapping[t] * row_size, key + t * key_stride, row_bytes);
-                 memcpy(v_cache + slot_mapping[t] * row_size, value + t * value_stride,
-                        row_bytes));
-    return 0;
-}
-
-/* One row of n floats rounded into bf16. */
-static void row_to_bf16(uint16_t *restrict dst, const float *restrict src, int64_t n) {
-    for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+    return reshape_and_cache(key, value, key_stride, value_stride, kv_cache, 0, num_slots,
+                             slot_mapping, num_tokens, row_size, num_threads);
 }
 
 int64_t reshape_and_cache_bf16(const float *restrict key, const float *restrict value,
@@ -46,15 +50,6 @@ int64_t reshape_and_cache_bf16(const float *restrict key, const float *restrict 
                                uint16_t *restrict kv_cache, int64_t num_slots,
                                const int64_t *restrict slot_mapping, int64_t num_tokens,
                                int64_t row_size, int num_threads) {
-    int64_t bad = 0;
-    for (int64_t t = 0; t < num_tokens; t++)
-        bad += slot_mapping[t] < 0 || slot_mapping[t] >= num_slots;
-    if (bad) return bad;
-    uint16_t *k_cache = kv_cache, *v_cache = kv_cache + num_slots * row_size;
-    PARALLEL_FOR(t, num_tokens, 256,
-                 row_to_bf16(k_cache + slot_mapping[t] * row_size, key + t * key_stride,
-                             row_size);
-                 row_to_bf16(v_cache + slot_mapping[t] * row_size, value + t * value_stride,
-                             row_size));
-    return 0;
+    return reshape_and_cache(key, value, key_stride, value_stride, kv_cache, 1, num_slots,
+                             slot_mapping, num_tokens, row_size, num_threads);
 }

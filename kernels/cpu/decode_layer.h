@@ -51,7 +51,7 @@ _Static_assert(sizeof(lora_layer) == LORA_LAYER_POINTERS * sizeof(void *),
  *
  * x [num_tokens, hidden]: the embeddings in, the final-normed hidden states out.
  * positions, slot_mapping [num_tokens] int64; block_tables [num_tokens, table_stride] and
- * seq_lens [num_tokens] int32 (as for paged_decode_attention_f32); cos/sin tables
+ * seq_lens [num_tokens] int32 (as for paged_attention_f32, one row per token); cos/sin tables
  * [max_positions, head_dim / 2]; weight_fmt the projections' GEMV_* format (gemv.h); K/V
  * are written to the caches rounded to bf16 (as torch rounds) and read back widened where
  * kv_bf16 is set.

@@ -126,18 +126,9 @@ static void write_kv(float *restrict qkv_row, const decode_layer *layer,
     const int64_t half = s->head_dim / 2;
     rotate_token(k, s->num_kv_heads, s->head_dim, s->cos_table + s->positions[t] * half,
                  s->sin_table + s->positions[t] * half);
-    const int64_t at = s->slot_mapping[t] * s->kv_size, v_at = s->num_slots * s->kv_size + at;
-    if (s->kv_bf16) {
-        uint16_t *cache = layer->kv_cache;
-        for (int64_t i = 0; i < s->kv_size; i++) {
-            cache[at + i] = f32_to_bf16(k[i]);
-            cache[v_at + i] = f32_to_bf16(v[i]);
-        }
-    } else {
-        float *cache = layer->kv_cache;
-        memcpy(cache + at, k, sizeof(float) * (size_t)s->kv_size);
-        memcpy(cache + v_at, v, sizeof(float) * (size_t)s->kv_size);
-    }
+    const int64_t at = s->slot_mapping[t] * s->kv_size;
+    kv_store_row(layer->kv_cache, at, k, s->kv_size, s->kv_bf16);
+    kv_store_row(layer->kv_cache, s->num_slots * s->kv_size + at, v, s->kv_size, s->kv_bf16);
 }
 
 /* Part j of token t's attention (attention.h's fixed-position parts) into `part`: the very

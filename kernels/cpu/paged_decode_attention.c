@@ -152,22 +152,3 @@ int paged_attention_f32(float *restrict out, const float *restrict q,
     free(starts);
     return failed ? -1 : 0;
 }
-
-/* One decode row per request (row n uses block table row n): paged_attention_f32. Kept for
- * callers of the one-row-per-request form. */
-int paged_decode_attention_f32(float *restrict out, const float *restrict q,
-                               const float *restrict kv_cache, int64_t num_blocks,
-                               const int32_t *restrict block_tables, int64_t table_stride,
-                               const int32_t *restrict seq_lens, int64_t num_reqs,
-                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                               int64_t block_size, float scale, int num_threads) {
-    int32_t *rows = malloc(sizeof(int32_t) * (size_t)(num_reqs > 0 ? num_reqs : 1));
-    if (rows == NULL) return -1;
-    for (int64_t n = 0; n < num_reqs; n++) rows[n] = (int32_t)n;
-    const int rc = paged_attention_f32(out, q, kv_cache, 0, num_blocks, block_tables,
-                                       table_stride, num_reqs, rows, seq_lens, num_reqs,
-                                       num_heads, num_kv_heads, head_dim, block_size, scale,
-                                       num_threads);
-    free(rows);
-    return rc;
-}

@@ -52,7 +52,7 @@ def test_models_health_version(server: ServerProcess, client: openai.OpenAI) -> 
     from aioengine import cpu_info
     expected = "bfloat16" if cpu_info.has_bf16_compute() else "float32"
     assert version["dtype"] == expected == models[0].model_extra["dtype"]
-    # The KV cache follows bf16 weights (config.auto_kv_cache_dtype).
+    # The KV cache follows bf16 weights (dtypes.auto_kv_cache_dtype).
     assert version["activations"] == "float32" and version["kv_cache_dtype"] == expected
     assert version["cpu"]["flags"] == cpu_info.relevant_flags()
     assert version["cpu"]["kernels"] == __import__("aioengine.kernels.cpu",

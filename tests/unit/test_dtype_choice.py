@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from aioengine import cpu_info
-from aioengine.config import ConfigError, EngineArgs, auto_dtype, parse_dtype
+from aioengine.config import ConfigError, EngineArgs
+from aioengine.dtypes import auto_dtype, parse_dtype
 from aioengine.kernels import cpu as cpu_kernels
 
 CPU = torch.device("cpu")
