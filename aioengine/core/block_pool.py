@@ -129,6 +129,12 @@ class KVCacheBlock:
     next_free_block: KVCacheBlock | None = field(default=None, repr=False)
 
 
+# The table entry of a block that fell out of a sliding window (kv_cache_manager.py): block
+# id 0 for the kernels (they read it masked out; every block's contents are finite), owned
+# by no pool, never freed.
+NULL_BLOCK = KVCacheBlock(block_id=0)
+
+
 class FreeKVCacheBlockQueue:
     """Doubly linked list of free blocks threaded through the blocks themselves.
 

@@ -10,11 +10,18 @@ physical block. With C = num_computed_tokens and N new tokens scheduled this ste
 
 Blocks wholly before C // B are only read, so they may be shared freely (prefix hits,
 forks). Every block at or after C // B receives writes this step and must be private.
+
+With a sliding window W on every layer, a query at position p >= C reads keys p-W+1 .. p
+only, so the blocks wholly before C-W+1 are never read again: they go back to the pool
+(cached, if full, for other requests' prefix hits) and their table entries become
+NULL_BLOCK, which keeps the table's indexing by position (vLLM's SlidingWindowManager).
+A request then holds about (W + N) / B blocks, whatever its length.
 """
 from __future__ import annotations
 
-from aioengine.core.block_pool import (DEFAULT_PREFIX_CACHING_HASH_ALGO, BlockPool,
-                                       KVCacheBlock, get_block_hasher)
+from aioengine.core.block_pool import (DEFAULT_PREFIX_CACHING_HASH_ALGO, NULL_BLOCK,
+                                       BlockPool, KVCacheBlock, get_block_hasher)
+from aioengine.core.kv_integrity import check_kv_integrity
 from aioengine.request import Request
 
 
@@ -31,9 +38,19 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 hash_algo: str = DEFAULT_PREFIX_CACHING_HASH_ALGO) -> None:
+                 hash_algo: str = DEFAULT_PREFIX_CACHING_HASH_ALGO,
+                 sliding_window: int | None = None, max_step_tokens: int | None = None,
+                 ) -> None:
+        """`sliding_window`: every layer attends to the last W positions only, so blocks
+        that fall out of it are released; `max_step_tokens` (the most tokens one step
+        schedules for a request) then bounds the blocks a request holds
+        (num_blocks_needed)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and (sliding_window < 1 or not max_step_tokens):
+            raise ValueError("a sliding window needs window >= 1 and max_step_tokens")
+        self.sliding_window = sliding_window
+        self.max_step_tokens = max_step_tokens or 0
         self.block_size = block_size
         self.enable_caching = enable_caching
         # --prefix-caching-hash-algo; held here, not global, so engines in one process
@@ -45,6 +62,8 @@ class KVCacheManager:
         # How many leading blocks of each request have been passed to cache_full_block.
         self.num_cached_block: dict[str, int] = {}
         self._requests: dict[str, Request] = {}
+        # How many leading table entries of each request are NULL_BLOCK (out of window).
+        self._num_null: dict[str, int] = {}
         # Pending (src_block_id, dst_block_id) copies; must run, in order, before the forward
         # of the step that queued them (a later op may target an earlier op's source).
         self._copy_ops: list[tuple[int, int]] = []
@@ -92,13 +111,20 @@ class KVCacheManager:
         return self.peak_num_empty_slots / (self.peak_num_blocks * self.block_size)
 
     def num_blocks_needed(self, num_tokens: int) -> int:
-        return _cdiv(num_tokens, self.block_size)
+        """The most blocks a request of `num_tokens` tokens holds at once: all of them, or
+        with a sliding window those a step's queries can read plus the ones it writes."""
+        full = _cdiv(num_tokens, self.block_size)
+        if self.sliding_window is None:
+            return full
+        span = self.sliding_window - 1 + self.max_step_tokens
+        return min(full, _cdiv(span, self.block_size) + 1)
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         return self.req_to_blocks.get(request_id, [])
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table (empty if it holds no blocks)."""
+        """The request's block table (empty if it holds no blocks; 0 for the entries out
+        of the window)."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
     def take_copy_ops(self) -> list[tuple[int, int]]:
@@ -194,8 +220,12 @@ class KVCacheManager:
         # Touching a free cached hit pulls it out of the free queue: it cannot also be
         # handed out as a new block.
         num_free_hits = sum(1 for b in hits if b.ref_cnt == 0)
-        if len(cow) + num_append > self.block_pool.get_num_free_blocks() - num_free_hits:
+        out_of_window = self._out_of_window(rid, request.num_computed_tokens)
+        num_released = sum(1 for b in out_of_window if b.ref_cnt == 1)
+        if (len(cow) + num_append
+                > self.block_pool.get_num_free_blocks() + num_released - num_free_hits):
             return None
+        self._release(rid, out_of_window)
 
         if new_computed_blocks is not None and self.enable_caching:
             # Counted once per admission (a request that keeps waiting for blocks is
@@ -211,7 +241,33 @@ class KVCacheManager:
         blocks.extend(new_blocks[len(cow):])
         self._cache_full_blocks(request, blocks, total)
         self._num_slot_tokens[rid] = total
+        self._free_out_of_window(rid, request.num_computed_tokens + len(hits) * size)
         return new_blocks
+
+    def _out_of_window(self, rid: str, num_computed: int) -> list[KVCacheBlock]:
+        """The blocks no query at or after position `num_computed` reads (those wholly
+        before num_computed - W + 1) that the request still holds. Only its verified count
+        may be passed: a step in flight or scheduled ahead has its queries after it."""
+        blocks = self.req_to_blocks.get(rid)
+        if self.sliding_window is None or not blocks:
+            return []
+        end = min(max(0, num_computed - self.sliding_window + 1) // self.block_size,
+                  len(blocks))
+        return blocks[self._num_null.get(rid, 0):end]
+
+    def _release(self, rid: str, dropped: list[KVCacheBlock]) -> None:
+        """Frees `dropped` (the request's next out-of-window blocks), last first like
+        `free`, and puts NULL_BLOCK in their table entries."""
+        if not dropped:
+            return
+        start = self._num_null.get(rid, 0)
+        end = start + len(dropped)
+        self.req_to_blocks[rid][start:end] = [NULL_BLOCK] * len(dropped)
+        self._num_null[rid] = end
+        self.block_pool.free_blocks(reversed(dropped))
+
+    def _free_out_of_window(self, rid: str, num_computed: int) -> None:
+        self._release(rid, self._out_of_window(rid, num_computed))
 
     def _shared_written_indices(self, blocks: list[KVCacheBlock], num_computed: int,
                                 total: int) -> list[int]:
@@ -254,8 +310,10 @@ class KVCacheManager:
         if child.cache_salt != parent.cache_salt:
             raise ValueError("fork: parent and child must have the same cache_salt")
         blocks = self.req_to_blocks.get(parent.request_id, [])
-        self.block_pool.touch(blocks)
+        self.block_pool.touch(b for b in blocks if b is not NULL_BLOCK)
         self.req_to_blocks[cid] = list(blocks)
+        if parent.request_id in self._num_null:
+            self._num_null[cid] = self._num_null[parent.request_id]
         self._requests[cid] = child
         self._num_slot_tokens[cid] = n
         # Hashes of blocks inside the shared computed prefix are valid for the child too.
@@ -278,7 +336,9 @@ class KVCacheManager:
         self.num_cached_block.pop(rid, None)
         self._requests.pop(rid, None)
         self._num_slot_tokens.pop(rid, None)
-        self.block_pool.free_blocks(reversed(blocks), discard_cache=discard_cache)
+        self._num_null.pop(rid, None)
+        self.block_pool.free_blocks((b for b in reversed(blocks) if b is not NULL_BLOCK),
+                                    discard_cache=discard_cache)
         if self._copy_ops:
             # A copy into a block that is now free would only clobber its next owner.
             dead = {b.block_id for b in blocks if b.ref_cnt == 0}
@@ -317,41 +377,5 @@ class KVCacheManager:
     # ---------------------------------------------------------------- checks
 
     def check_integrity(self) -> None:
-        """Pool invariants, plus: every table entry is a live pool block held once per
-        table, and each block's ref_cnt equals the number of tables holding it."""
-        pool = self.block_pool
-        pool.check_integrity()
-        refs = [0] * pool.num_blocks
-        assert self._num_slot_tokens.keys() == self.req_to_blocks.keys(), (
-            "slot token counts and block tables cover different requests")
-        for rid, blocks in self.req_to_blocks.items():
-            ids = [b.block_id for b in blocks]
-            assert len(set(ids)) == len(ids), f"request {rid} holds a block twice: {ids}"
-            assert self._num_slot_tokens[rid] <= len(blocks) * self.block_size, (
-                f"request {rid}: {self._num_slot_tokens[rid]} tokens in {len(blocks)} blocks")
-            for block in blocks:
-                assert pool.owns(block), f"request {rid} holds foreign block {block.block_id}"
-                assert block.ref_cnt >= 1, (
-                    f"request {rid} holds block {block.block_id} with ref_cnt {block.ref_cnt}")
-                refs[block.block_id] += 1
-            self._check_cached_prefix(rid, blocks)
-        for block in pool.blocks:
-            assert block.ref_cnt == refs[block.block_id], (
-                f"block {block.block_id} has ref_cnt {block.ref_cnt} but "
-                f"{refs[block.block_id]} request(s) hold it")
-        for src, dst in self._copy_ops:
-            assert pool.blocks[dst].ref_cnt >= 1, f"pending copy {src}->{dst} into a free block"
-
-    def _check_cached_prefix(self, rid: str, blocks: list[KVCacheBlock]) -> None:
-        num_cached = self.num_cached_block.get(rid, 0)
-        assert num_cached <= len(blocks), (
-            f"request {rid}: {num_cached} cached blocks but only {len(blocks)} held")
-        if not num_cached:
-            return
-        request = self._requests[rid]
-        assert len(request.block_hashes) >= num_cached, (
-            f"request {rid}: {num_cached} cached blocks but {len(request.block_hashes)} hashes")
-        for i in range(num_cached):
-            h = blocks[i].block_hash
-            assert h is None or h == request.block_hashes[i], (
-                f"request {rid}: block {blocks[i].block_id} at index {i} carries a foreign hash")
+        """Pool and table invariants (kv_integrity.py); AssertionError on a violation."""
+        check_kv_integrity(self)

@@ -22,6 +22,7 @@ from aioengine.config import ConfigError, EngineArgs, SchedulerConfig
 from aioengine.dtypes import auto_dtype, auto_kv_cache_dtype, parse_dtype
 from aioengine.core.async_scheduler import AsyncScheduler
 from aioengine.core.kv_cache_manager import KVCacheManager
+from aioengine.model.layer_spec import uniform_window
 from aioengine.core.scheduler import Scheduler
 from aioengine.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from aioengine.core.spec_stats import SpecDecodingStats
@@ -94,7 +95,9 @@ class EngineCore(RequestAdmission):
         spec = self.speculative_config
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size,
                                                enable_caching=args.enable_prefix_caching,
-                                               hash_algo=args.prefix_caching_hash_algo)
+                                               hash_algo=args.prefix_caching_hash_algo,
+                                               sliding_window=self._kv_sliding_window(),
+                                               max_step_tokens=args.max_num_batched_tokens)
         proposer = make_proposer(spec, self.loaded, num_blocks, args.block_size, self.dtype,
                                  self.device)
         self.eos_token_ids = get_eos_token_ids(self.tokenizer, self.loaded.hf_config)
@@ -186,6 +189,14 @@ class EngineCore(RequestAdmission):
             raise ConfigError(f"kv_cache_memory {memory} bytes holds no block ({per_block} bytes "
                               f"per block of {self.args.block_size} tokens)")
         return num_blocks
+
+    def _kv_sliding_window(self) -> int | None:
+        """The window past which the KV manager releases blocks: when every layer has one,
+        and no EAGLE head reads the target's block tables with full attention."""
+        spec = self.speculative_config
+        if spec is not None and spec.method != "ngram":
+            return None
+        return uniform_window(self.loaded.model.layer_specs)
 
     # ---- requests (validation and adapters: RequestAdmission) -----------------------
 

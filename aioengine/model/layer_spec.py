@@ -82,3 +82,12 @@ def unsupported(specs: tuple[LayerSpec, ...], supported: frozenset[str]) -> froz
     for spec in specs:
         used |= spec.features()
     return frozenset(used - supported)
+
+
+def uniform_window(specs: tuple[LayerSpec, ...]) -> int | None:
+    """The window past which no layer reads a position (the largest one), when every layer
+    has one; None when some layer attends to everything (then every block stays needed)."""
+    windows = [spec.sliding_window for spec in specs]
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(w for w in windows if w is not None)

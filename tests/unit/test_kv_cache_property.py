@@ -9,7 +9,7 @@ import itertools
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aioengine.core.kv_cache_manager import KVCacheManager
+from aioengine.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
 from aioengine.request import Request
 
 from test_kv_cache_manager import make_request, snapshot  # tests/unit is on sys.path
@@ -43,7 +43,9 @@ class KVSim:
         for req in live:
             table = self.mgr.get_block_ids(req.request_id)
             assert len(table) * self.bs >= req.num_computed_tokens
-            for p in range(req.num_computed_tokens):
+            # With a sliding window, the next query (at num_computed) reads only the last W.
+            first = max(0, req.num_computed_tokens - (self.mgr.sliding_window or 10**9) + 1)
+            for p in range(first, req.num_computed_tokens):
                 assert self.slots.get((table[p // self.bs], p % self.bs)) == self.content(req, p), (
                     f"{req.request_id} reads foreign KV at position {p}")
             for i, h in enumerate(req.block_hashes):
@@ -109,7 +111,18 @@ class RandomWorkload:
             self.live.remove(req)
             self.waiting.append(req)
             return
+        self.check_window_bound(req, num_new + num_spec)
         self.run_forward(req, num_new, num_spec)
+
+    def check_window_bound(self, req: Request, num_new: int) -> None:
+        """With a window W, a request holds the blocks its next queries can read and the
+        ones it writes: at most cdiv(W - 1 + num_new, B) + 1, whatever its length."""
+        window, bs = self.mgr.sliding_window, self.mgr.block_size
+        if window is None:
+            return
+        held = [b for b in self.mgr.get_blocks(req.request_id) if b is not NULL_BLOCK]
+        assert len(held) <= -(-(window - 1 + num_new) // bs) + 1, (
+            f"{req.request_id} holds {len(held)} blocks with window {window}")
 
     def fork(self, parent: Request) -> None:
         child = make_request(f"r{next(self.ids)}", parent.all_token_ids, parent.cache_salt)
@@ -138,7 +151,9 @@ def test_random_workloads_keep_integrity_and_kv_contents(data: st.DataObject) ->
     block_size = data.draw(st.sampled_from([1, 2, 4]), label="block_size")
     num_blocks = data.draw(st.integers(1, 12), label="num_blocks")
     caching = data.draw(st.booleans(), label="enable_caching")
-    mgr = KVCacheManager(num_blocks, block_size, enable_caching=caching)
+    window = data.draw(st.sampled_from([None, None, 1, 2, 3, 5]), label="sliding_window")
+    mgr = KVCacheManager(num_blocks, block_size, enable_caching=caching,
+                         sliding_window=window, max_step_tokens=64)
     work = RandomWorkload(data, mgr)
     for _ in range(data.draw(st.integers(1, 40), label="num_ops")):
         work.one_op()

@@ -1,0 +1,77 @@
+"""KV blocks held by one long sequence with a sliding window against full attention.
+
+Builds two tiny random Mistral models that differ only in `sliding_window` (W, or None for
+full attention), runs one prompt of --prompt-len tokens plus --new-tokens through each
+engine and prints the most blocks held at once (the KV manager's peak), with what that
+would be in bytes for Mistral-7B's KV shape (32 layers x 8 KV heads x 128, bf16).
+
+    .venv/bin/python scripts/sliding_window_kv.py --prompt-len 8192 --window 4096
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
+from aioengine import LLM, SamplingParams
+from aioengine.model.default import bundled_model_path
+
+MISTRAL_7B_KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # K and V, layers, heads, dim, bf16
+
+
+def bundled_tokenizer():
+    gguf = Path(bundled_model_path())
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def make_model(path: Path, window: int | None, max_len: int, tokenizer) -> Path:
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=max_len, sliding_window=window,
+                        tie_word_embeddings=False)
+    MistralForCausalLM(cfg).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def peak_blocks(path: Path, prompt: list[int], args: argparse.Namespace) -> tuple[int, int]:
+    llm = LLM(str(path), dtype="float32", max_model_len=args.max_len,
+              block_size=args.block_size, max_num_batched_tokens=args.chunk)
+    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+    out = llm.generate([prompt], params)[0]
+    return llm.core.kv_cache_manager.peak_num_blocks, len(out.outputs[0].token_ids)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt-len", type=int, default=8192)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--window", type=int, default=4096)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens")
+    args = parser.parse_args()
+    args.max_len = args.prompt_len + args.new_tokens + 1
+    rng = random.Random(0)
+    prompt = [rng.randrange(100, 40000) for _ in range(args.prompt_len)]
+    rows, tokenizer = [], bundled_tokenizer()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, window in (("full attention", None), (f"window {args.window}", args.window)):
+            path = make_model(Path(tmp) / name.replace(" ", "_"), window, args.max_len, tokenizer)
+            blocks, generated = peak_blocks(path, prompt, args)
+            rows.append((name, blocks, generated))
+    full = rows[0][1]
+    print(f"{args.prompt_len}-token prompt + {args.new_tokens} new, blocks of "
+          f"{args.block_size}, prefill chunks of {args.chunk}")
+    for name, blocks, generated in rows:
+        gib = blocks * args.block_size * MISTRAL_7B_KV_BYTES_PER_TOKEN / 2**30
+        print(f"{name:>16}: peak {blocks:5d} blocks ({blocks / full:.2f}x full), "
+              f"{gib:.2f} GiB at Mistral-7B's KV shape, {generated} tokens generated")
+
+
+if __name__ == "__main__":
+    main()
