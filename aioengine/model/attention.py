@@ -186,7 +186,10 @@ class TorchAttentionBackend(AttentionBackend):
     Torch path (the reference, and the fallback where the kernel does not apply: other
     dtypes, the kernel not built), correct but not
     bit-deterministic across step shapes. Decodes: one batched SDPA over all of them, keys
-    gathered block-wise and padded to the longest decode, padding masked. GQA is handled by
+    gathered block-wise and padded to the longest decode, padding masked; with a window
+    narrower than a context, each decode gathers only the blocks of its window (and a
+    prefill chunk only from the block holding its first query's oldest key), so the cost
+    is bounded by the window and released blocks (NULL_BLOCK entries) are never read. GQA is handled by
     folding the query heads of a KV group into SDPA's query-length axis, so K/V are never
     repeated. Prefill chunks: one SDPA per request, causal mask shifted by the context
     length.
@@ -275,19 +278,11 @@ class TorchAttentionBackend(AttentionBackend):
         nd, num_heads, head_dim = q.shape
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
         group = num_heads // num_kv_heads
-        num_blocks = -(-meta.max_decode_seq_len // block_size)
-        mask_key = ("decode_mask", sliding_window)
-        mask = meta.backend_cache.get(mask_key)
-        if mask is None:  # [nd, 1, 1, L]: True where the key is inside the sequence (window)
-            pos = torch.arange(num_blocks * block_size, device=q.device)
-            seq_lens = meta.seq_lens[:nd, None]
-            mask = pos[None, :] < seq_lens
-            if sliding_window is not None and meta.max_decode_seq_len > sliding_window:
-                # the query sits at seq_len - 1
-                mask &= pos[None, :] > seq_lens - 1 - sliding_window
-            mask = mask.view(nd, 1, 1, -1)
-            meta.backend_cache[mask_key] = mask
-        tables = meta.block_tables[:nd, :num_blocks]
+        key = ("decode_keys", sliding_window)
+        plan = meta.backend_cache.get(key)
+        if plan is None:
+            plan = meta.backend_cache[key] = _decode_plan(meta, nd, block_size, sliding_window)
+        tables, mask = plan
         # [nd, nb, bs, Hkv, D] -> [nd, Hkv, L, D]
         keys = kv_cache[0][tables].view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
         values = kv_cache[1][tables].view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
@@ -312,14 +307,19 @@ class TorchAttentionBackend(AttentionBackend):
             return o.squeeze(0).transpose(0, 1)
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         num_blocks = -(-seq_len // block_size)
-        table = meta.block_tables[i, :num_blocks]
-        kh = kv_cache[0][table].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-        vh = kv_cache[1][table].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-        kh, vh = kh.to(q.dtype), vh.to(q.dtype)
+        # With a window, the first query (at context_len) reads nothing before
+        # context_len - W + 1: the blocks wholly before it are skipped (maybe released).
+        first = 0 if sliding_window is None else max(
+            0, (context_len - sliding_window + 1) // block_size)
+        table = meta.block_tables[i, first:num_blocks]
+        start = first * block_size
+        kh = kv_cache[0][table].view(-1, num_kv_heads, head_dim)[:seq_len - start]
+        vh = kv_cache[1][table].view(-1, num_kv_heads, head_dim)[:seq_len - start]
+        kh, vh = kh.transpose(0, 1).to(q.dtype), vh.transpose(0, 1).to(q.dtype)
         # Query j sits at position context_len + j and sees keys 0 .. context_len + j (the
         # last sliding_window of them).
         q_pos = torch.arange(context_len, seq_len, device=q.device)[:, None]
-        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        k_pos = torch.arange(start, seq_len, device=q.device)[None, :]
         mask = k_pos <= q_pos
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
@@ -368,6 +368,32 @@ def _kernel_plan(meta: AttentionMetadata, reqs: _KernelRequests,
         rows = torch.from_numpy(picked)
     return (rows, torch.from_numpy(row_to_req.astype(np.int32)),
             torch.from_numpy(row_seq_lens.astype(np.int32)))
+
+
+def _decode_plan(meta: AttentionMetadata, nd: int, block_size: int,
+                 sliding_window: int | None) -> tuple[Tensor, Tensor]:
+    """(tables [nd, nb], mask [nd, 1, 1, nb * block_size]) of a step's decodes: the blocks
+    each reads and which of their keys it sees. Full attention: the first blocks up to the
+    longest decode, keys inside the sequence. With a window narrower than some decode's
+    context: per decode the cdiv(W, bs) + 1 blocks from the one holding position
+    seq_len - W (the oldest key the query at seq_len - 1 sees), so the cost is bounded by
+    the window, not the length (the blocks before it may have been released)."""
+    device = meta.block_tables.device
+    seq_lens = meta.seq_lens[:nd, None].long()
+    if sliding_window is None or meta.max_decode_seq_len <= sliding_window:
+        num_blocks = -(-meta.max_decode_seq_len // block_size)
+        pos = torch.arange(num_blocks * block_size, device=device)[None, :]
+        return meta.block_tables[:nd, :num_blocks], (pos < seq_lens).view(nd, 1, 1, -1)
+    num_blocks = -(-sliding_window // block_size) + 1
+    first = (seq_lens - sliding_window).clamp_(min=0) // block_size  # [nd, 1]
+    index = first + torch.arange(num_blocks, device=device)[None, :]
+    # Past the table's width only padding would be read: clamp, the mask hides it.
+    index = index.clamp_(max=meta.block_tables.shape[1] - 1)
+    tables = meta.block_tables[:nd].gather(1, index)
+    pos = (first * block_size
+           + torch.arange(num_blocks * block_size, device=device)[None, :])
+    mask = (pos < seq_lens) & (pos >= seq_lens - sliding_window)
+    return tables, mask.view(nd, 1, 1, -1)
 
 
 def copy_blocks(kv_caches: list[Tensor], src: list[int], dst: list[int]) -> None:

@@ -28,11 +28,11 @@ def mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    """Prompts inside, at and several windows past the window; two share 40 tokens."""
+    """Prompts inside, at and several windows past the window; three share 40 tokens."""
     rng = random.Random(1)
     out = [[rng.randrange(100, 40000) for _ in range(n)] for n in (3, 8, 21, 70)]
     shared = [rng.randrange(100, 40000) for _ in range(40)]
-    return out + [shared + [rng.randrange(100, 40000) for _ in range(k)] for k in (5, 11)]
+    return out + [shared + [rng.randrange(100, 40000) for _ in range(k)] for k in (5, 11, 29)]
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +55,8 @@ def reference(mistral_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
 CONFIGS = {
     "block_4": dict(block_size=4),
     "chunks_of_5": dict(block_size=4, max_num_batched_tokens=5),
+    # Chunks of 16 (more than DECODE_ROWS_CHUNK): prefill attention past the window.
+    "chunks_of_16": dict(block_size=4, max_num_batched_tokens=64),
     "no_prefix_caching": dict(block_size=2, enable_prefix_caching=False),
     # 12 blocks of 4 tokens: 48 slots for six requests of up to 94 tokens each.
     "preemption": dict(block_size=4, max_num_batched_tokens=8, num_kv_blocks=12),
@@ -88,9 +90,23 @@ def test_blocks_held_stay_bounded_by_the_window(mistral_dir: Path, prompts: list
     out = llm.generate([prompts[3]], GREEDY)[0]
     assert out.outputs[0].token_ids == reference[3]
     assert kv.peak_num_blocks <= 4
-    first, second = llm.generate(prompts[-2:-1], GREEDY)[0], llm.generate(prompts[-1:], GREEDY)[0]
+    first, second = llm.generate(prompts[4:5], GREEDY)[0], llm.generate(prompts[5:6], GREEDY)[0]
     assert second.num_cached_tokens == 40
-    assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == reference[-2:]
+    assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == reference[4:6]
+    assert_blocks_released(llm.core)
+
+
+def test_long_chunks_after_a_prefix_hit_past_the_window(mistral_dir: Path,
+                                                        prompts: list[list[int]],
+                                                        reference: list[list[int]]) -> None:
+    """A 40-token prefix hit, then 29 tokens in chunks of 16: prefill attention starts
+    several windows into the sequence, over blocks the window still holds."""
+    llm = LLM(str(mistral_dir), dtype="float32", max_model_len=256, block_size=4,
+              max_num_batched_tokens=64)
+    llm.generate(prompts[4:5], GREEDY)
+    out = llm.generate(prompts[6:7], GREEDY)[0]
+    assert out.num_cached_tokens == 40
+    assert out.outputs[0].token_ids == reference[6]
     assert_blocks_released(llm.core)
 
 

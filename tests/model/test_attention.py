@@ -72,8 +72,9 @@ def test_metadata_rejects_bad_input(query_lens, seq_lens, tables, match) -> None
         build_attention_metadata(query_lens, seq_lens, tables, 4, CPU)
 
 
-def _reference(q, kv_cache, meta, scale, block_size):
-    """Naive attention: for each query token, softmax over its request's keys 0..position."""
+def _reference(q, kv_cache, meta, scale, block_size, window=None):
+    """Naive attention: for each query token, softmax over its request's keys 0..position
+    (the last `window` of them)."""
     out = torch.empty_like(q)
     num_heads, num_kv_heads = q.shape[1], kv_cache.shape[-2]
     group = num_heads // num_kv_heads
@@ -81,13 +82,14 @@ def _reference(q, kv_cache, meta, scale, block_size):
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         seq_len = meta.seq_lens_cpu[i]
         slots = [int(meta.block_tables[i, p // block_size]) * block_size + p % block_size
-                 for p in range(seq_len)]
+                 for p in range(seq_len)]  # out-of-window entries read, then not weighed
         keys = kv_cache[0].flatten(0, 1)[slots]  # [S, Hkv, D]
         values = kv_cache[1].flatten(0, 1)[slots]
         for t in range(start, end):
             pos = seq_len - (end - start) + (t - start)
+            lo = 0 if window is None else max(0, pos + 1 - window)
             for h in range(num_heads):
-                kh, vh = keys[:pos + 1, h // group], values[:pos + 1, h // group]
+                kh, vh = keys[lo:pos + 1, h // group], values[lo:pos + 1, h // group]
                 weights = torch.softmax((kh @ q[t, h]) * scale, dim=0)
                 out[t, h] = weights @ vh
     return out
@@ -123,6 +125,36 @@ def test_backend_matches_naive_reference(num_heads: int, num_kv_heads: int,
     # ...and attention over the whole cache (old context + new tokens) is exact.
     torch.testing.assert_close(out, _reference(q, kv_cache, meta, 0.3, block_size),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [3, 5, 8])
+def test_windowed_attention_reads_only_the_window(window: int) -> None:
+    """Decodes and chunks after cached context, several windows long, whose table entries
+    before the window point at block 0 (released blocks: NULL_BLOCK), here filled with
+    huge values: the torch path (where a window is narrower than a context) reads only
+    the window's blocks and equals the naive windowed reference."""
+    gen = torch.Generator().manual_seed(1)
+    head_dim, block_size, num_blocks, heads, kv_heads = 8, 4, 60, 4, 2
+    query_lens, seq_lens = [1, 1, 1, 9, 12, 3], [4, 21, 30, 26, 12, 17]
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables, used = [], 0
+    for q_len, s in zip(query_lens, seq_lens):
+        n = -(-s // block_size)
+        # what the KV manager released: blocks wholly before (context - window + 1)
+        released = max(0, s - q_len - window + 1) // block_size
+        tables.append([0] * released + perm[used:used + n - released])
+        used += n - released
+    meta, _ = build_attention_metadata(query_lens, seq_lens, tables, block_size, CPU)
+    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    kv_cache[:, 0] = 1e4
+    num_tokens = sum(query_lens)
+    q = torch.randn(num_tokens, heads, head_dim, generator=gen)
+    k = torch.randn(num_tokens, kv_heads, head_dim, generator=gen)
+    v = torch.randn(num_tokens, kv_heads, head_dim, generator=gen)
+    out = TorchAttentionBackend().forward(q, k, v, kv_cache, meta, scale=0.3,
+                                          sliding_window=window)
+    expected = _reference(q, kv_cache, meta, 0.3, block_size, window)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_copy_blocks_copies_every_layer_and_nothing_else() -> None:
