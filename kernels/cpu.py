@@ -89,9 +89,10 @@ def _row_range(n: int) -> Tensor:
 
 def paged_attention(out: Tensor, q: Tensor, kv_cache: Tensor, block_tables: Tensor,
                     row_to_req: Tensor, seq_lens: Tensor, scale: float,
-                    num_threads: int | None = None) -> bool:
+                    num_threads: int | None = None, sliding_window: int | None = None) -> bool:
     """out[r] = softmax(q[r] K^T * scale) V over positions 0 .. seq_lens[r] - 1 of request
-    row_to_req[r]: decode rows and prefill rows (row j of a chunk after context_len cached
+    row_to_req[r] (the last `sliding_window` of them: table entries before those are never
+    read): decode rows and prefill rows (row j of a chunk after context_len cached
     positions: seq_len context_len + j + 1) in one call, K/V read in place from the cache.
 
     Every row is split at fixed absolute positions and its parts combined in order
@@ -126,7 +127,8 @@ def paged_attention(out: Tensor, q: Tensor, kv_cache: Tensor, block_tables: Tens
         out.data_ptr(), q.data_ptr(), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16),
         num_blocks, block_tables.data_ptr(),
         block_tables.shape[1], block_tables.shape[0], row_to_req.data_ptr(),
-        seq_lens.data_ptr(), num_rows, num_heads, num_kv_heads, head_dim, block_size, scale,
+        seq_lens.data_ptr(), num_rows, num_heads, num_kv_heads, head_dim, block_size,
+        sliding_window or 0, scale,
         torch.get_num_threads() if num_threads is None else num_threads)
     if rc == -2:
         raise ValueError("paged_attention: a row_to_req outside the block tables or a seq_len "

@@ -172,7 +172,7 @@ def _build(name: str) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn = lib.paged_attention_f32
     fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64,
-                   i64, i64, ctypes.c_float, ctypes.c_int]
+                   i64, i64, i64, ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
     fn = lib.rotary_embedding_f32
     fn.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]

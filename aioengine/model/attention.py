@@ -180,8 +180,8 @@ class TorchAttentionBackend(AttentionBackend):
     paged_attention), one row per token with its own seq_len, K/V read in place. The kernel
     splits each token's context at fixed absolute positions, so a token's attention has the
     same bits whether it is decoded, prefilled fresh, prefilled after a cached prefix or in
-    another chunk (issue 29). A request with a sliding window narrower than its context
-    takes the torch path.
+    another chunk (issue 29); with a sliding window each row starts at its window's oldest
+    position (still split at the same absolute positions).
 
     Torch path (the reference, and the fallback where the kernel does not apply: other
     dtypes, the kernel not built), correct but not
@@ -206,11 +206,9 @@ class TorchAttentionBackend(AttentionBackend):
         num_tokens = meta.num_actual_tokens
         # Write first: a request may read blocks another request wrote in this very step.
         write_to_kv_cache(k[:num_tokens], v[:num_tokens], kv_cache, meta.slot_mapping)
-        kernel_reqs = self._kernel_requests(q, kv_cache, meta, sliding_window)
-        out = None
-        if kernel_reqs is not None:
-            out = self._kernel_rows(q, kv_cache, meta, scale, kernel_reqs)
-            if out is not None and kernel_reqs.every:
+        if self._kernel_applies(q, kv_cache):
+            out = self._kernel_rows(q, kv_cache, meta, scale, sliding_window)
+            if out is not None:
                 return out
         if kv_cache.dtype != q.dtype:
             # A cache in lower precision (kv_cache_dtype): the torch path attends to the
@@ -218,59 +216,41 @@ class TorchAttentionBackend(AttentionBackend):
             # would (the C kernel reads them back from the cache).
             k, v = k.to(kv_cache.dtype).to(q.dtype), v.to(kv_cache.dtype).to(q.dtype)
         nd = meta.num_decodes
-        if nd == meta.num_reqs and out is None:  # a decode-only step: no second output
+        if nd == meta.num_reqs:  # a decode-only step
             return self._decode(q, kv_cache, meta, scale, sliding_window)
-        done = kernel_reqs if out is not None else _NONE
-        if out is None:
-            out = torch.empty_like(q)
-        if nd and not done.decodes:
+        out = torch.empty_like(q)
+        if nd:
             out[:nd] = self._decode(q[:nd], kv_cache, meta, scale, sliding_window)
         for i in range(nd, meta.num_reqs):
-            if i in done.prefills:
-                continue
             start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
             out[start:end] = self._prefill(i, q[start:end], k[start:end], v[start:end],
                                            kv_cache, meta, scale, sliding_window)
         return out
 
-    def _kernel_requests(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
-                         sliding_window: int | None) -> _KernelRequests | None:
-        """The requests the C kernel attends for (it sees whole contexts: with a window
-        only where the window covers the context); None when it takes none of them."""
-        if not (self.use_cpu_kernel and q.dtype == torch.float32
-                and kv_cache.dtype in cpu_kernels.KV_CACHE_DTYPES and q.device.type == "cpu"):
-            return None
-        if sliding_window is None or meta.max_seq_len <= sliding_window:
-            return _ALL
-        nd = meta.num_decodes
-        decodes = nd > 0 and meta.max_decode_seq_len <= sliding_window
-        prefills = frozenset(i for i in range(nd, meta.num_reqs)
-                             if meta.seq_lens_cpu[i] <= sliding_window)
-        return _KernelRequests(decodes, prefills) if decodes or prefills else None
+    def _kernel_applies(self, q: Tensor, kv_cache: Tensor) -> bool:
+        """Whether the C kernel attends for the step (every request, a window included:
+        it starts each row at its window's oldest position): dtypes and device."""
+        return (self.use_cpu_kernel and q.dtype == torch.float32
+                and kv_cache.dtype in cpu_kernels.KV_CACHE_DTYPES and q.device.type == "cpu")
 
     def _kernel_rows(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
-                     reqs: _KernelRequests) -> Tensor | None:
-        """The kernel's output for the rows of `reqs` (the others' rows left unset), in one
-        call; None, computing nothing, when the kernel does not apply."""
-        key = ("kernel_rows", reqs)
-        plan = meta.backend_cache.get(key)
+                     sliding_window: int | None) -> Tensor | None:
+        """The kernel's output for every token of the step, in one call; None, computing
+        nothing, when the kernel is not built."""
+        plan = meta.backend_cache.get("kernel_rows")
         if plan is None:
-            plan = meta.backend_cache[key] = _kernel_plan(meta, reqs)
-        rows, row_to_req, row_seq_lens = plan
+            plan = meta.backend_cache["kernel_rows"] = _kernel_plan(meta)
+        row_to_req, row_seq_lens = plan
         num_tokens = meta.num_actual_tokens
-        q_rows = q[:num_tokens] if rows is None else q[rows]
-        q_rows = q_rows.contiguous()
+        q_rows = q[:num_tokens].contiguous()
         o = torch.empty_like(q_rows)
         if not cpu_kernels.paged_attention(o, q_rows, kv_cache, meta.block_tables, row_to_req,
-                                           row_seq_lens, scale):
+                                           row_seq_lens, scale, sliding_window=sliding_window):
             return None
-        if rows is None and q.shape[0] == num_tokens:
+        if q.shape[0] == num_tokens:
             return o
         out = torch.empty_like(q)
-        if rows is None:
-            out[:num_tokens] = o
-        else:
-            out[rows] = o
+        out[:num_tokens] = o
         return out
 
     def _decode(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
@@ -328,29 +308,13 @@ class TorchAttentionBackend(AttentionBackend):
         return o.squeeze(0).transpose(0, 1)
 
 
-@dataclass(frozen=True)
-class _KernelRequests:
-    """The requests of a step the C kernel attends for: the decodes (all or none) and some
-    prefill requests by index."""
-
-    decodes: bool
-    prefills: frozenset[int]
-    every: bool = False  # every request of the step (no window narrower than a context)
-
-
-_ALL = _KernelRequests(True, frozenset(), every=True)
-_NONE = _KernelRequests(False, frozenset())
-
-
-def _kernel_plan(meta: AttentionMetadata, reqs: _KernelRequests,
-                 ) -> tuple[Tensor | None, Tensor, Tensor]:
-    """(rows, row_to_req, row_seq_lens) of the kernel's rows: rows None for every token of
-    the step, else their indices [R] int64; row_to_req and row_seq_lens [R] int32 (row j of
-    a request with context_len cached positions sees context_len + j + 1). Vectorised with
-    numpy, and a decode-only step without it (its rows are its requests)."""
+def _kernel_plan(meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+    """(row_to_req, row_seq_lens) [T] int32 of the kernel's rows, one per token of the step
+    (row j of a request with context_len cached positions sees context_len + j + 1).
+    Vectorised with numpy, and a decode-only step without it (its rows are its requests)."""
     nd, num_reqs = meta.num_decodes, meta.num_reqs
-    if reqs.every and nd == num_reqs:
-        return None, torch.arange(num_reqs, dtype=torch.int32), meta.seq_lens.cpu()
+    if nd == num_reqs:
+        return torch.arange(num_reqs, dtype=torch.int32), meta.seq_lens.cpu()
     qsl = np.asarray(meta.query_start_loc_cpu, dtype=np.int64)
     seq = np.asarray(meta.seq_lens_cpu, dtype=np.int64)
     query_lens = np.diff(qsl)
@@ -358,15 +322,7 @@ def _kernel_plan(meta: AttentionMetadata, reqs: _KernelRequests,
     # token t of request i sits at position seq_i - query_len_i + (t - qsl_i)
     row_seq_lens = (np.arange(meta.num_actual_tokens) + 1
                     + np.repeat(seq - query_lens - qsl[:-1], query_lens))
-    rows = None
-    if not reqs.every:
-        chosen = np.zeros(num_reqs, dtype=bool)
-        chosen[:nd] = reqs.decodes
-        chosen[list(reqs.prefills)] = True
-        picked = np.flatnonzero(chosen[row_to_req])
-        row_to_req, row_seq_lens = row_to_req[picked], row_seq_lens[picked]
-        rows = torch.from_numpy(picked)
-    return (rows, torch.from_numpy(row_to_req.astype(np.int32)),
+    return (torch.from_numpy(row_to_req.astype(np.int32)),
             torch.from_numpy(row_seq_lens.astype(np.int32)))
 
 

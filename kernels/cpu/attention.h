@@ -41,8 +41,9 @@ static inline void kv_store_row(void *restrict cache, int64_t at, const float *r
     }
 }
 
-/* One request's query against its positions [begin, end) (begin a multiple of block_size:
- * the whole context, or one thread's part of it). Leaves, per query head h, the
+/* One request's query against its positions [begin, end) (the whole context, one thread's
+ * part of it, or with a sliding window the part from the window's oldest position, which
+ * may start inside a block). Leaves, per query head h, the
  * unnormalised o[h] = sum_p e^(s_hp - m_h) v_p with m_h = max_p s_hp in max[h] and
  * sum[h] = sum_p e^(s_hp - m_h): a full softmax divides by the sum (attend_normalize), split
  * parts combine first (attend_combine). An empty range leaves o = 0, max = -inf, sum = 0.
@@ -57,11 +58,12 @@ static inline __attribute__((always_inline)) void attend_range(
     int64_t group, const int64_t head_dim, int64_t block_size, int64_t block_stride,
     float scale, float *restrict scores) {
     const int64_t slot_stride = (num_heads / group) * head_dim, len = end - begin;
-    for (int64_t start = begin; start < end; start += block_size) {
+    for (int64_t start = begin, stop; start < end; start = stop) {
+        const int64_t block_start = start - start % block_size;
         const int64_t kb = (int64_t)table[start / block_size] * block_stride;
-        const int64_t stop = start + block_size < end ? start + block_size : end;
+        stop = block_start + block_size < end ? block_start + block_size : end;
         for (int64_t p = start; p < stop; p++) {
-            const int64_t slot = kb + (p - start) * slot_stride;
+            const int64_t slot = kb + (p - block_start) * slot_stride;
             for (int64_t h = 0; h < num_heads; h++) {
                 const int64_t k = slot + (h / group) * head_dim;
                 const float *qh = q + h * head_dim;
@@ -87,11 +89,12 @@ static inline __attribute__((always_inline)) void attend_range(
         sum[h] = total;
         for (int64_t d = 0; d < head_dim; d++) o[h * head_dim + d] = 0.0f;
     }
-    for (int64_t start = begin; start < end; start += block_size) {
+    for (int64_t start = begin, stop; start < end; start = stop) {
+        const int64_t block_start = start - start % block_size;
         const int64_t vb = (int64_t)table[start / block_size] * block_stride;
-        const int64_t stop = start + block_size < end ? start + block_size : end;
+        stop = block_start + block_size < end ? block_start + block_size : end;
         for (int64_t p = start; p < stop; p++) {
-            const int64_t slot = vb + (p - start) * slot_stride;
+            const int64_t slot = vb + (p - block_start) * slot_stride;
             for (int64_t h = 0; h < num_heads; h++) {
                 const int64_t v = slot + (h / group) * head_dim;
                 const float w = scores[h * len + p - begin];
@@ -185,6 +188,17 @@ static inline int64_t attn_num_parts(int64_t seq_len, int64_t block_size) {
     return (seq_len + P - 1) / P;
 }
 
+/* The oldest position a token with seq_len positions sees under a sliding window (0: none),
+ * and its first part: with a window it attends to parts first .. attn_num_parts - 1, part j
+ * covering [max(j * P, lo), min((j + 1) * P, seq_len)): still fixed absolute positions. */
+static inline int64_t attn_window_start(int64_t seq_len, int64_t window) {
+    return window > 0 && seq_len > window ? seq_len - window : 0;
+}
+
+static inline int64_t attn_first_part(int64_t seq_len, int64_t window, int64_t block_size) {
+    return attn_window_start(seq_len, window) / attn_part_len(block_size);
+}
+
 /* Floats of one part buffer: [o: num_heads * head_dim | max: num_heads | sum: num_heads]. */
 static inline int64_t attn_part_floats(int64_t num_heads, int64_t head_dim) {
     return num_heads * (head_dim + 2);
@@ -200,6 +214,15 @@ void attn_compute_part(float *restrict part, const float *restrict q,
                        const int32_t *restrict table, int64_t seq_len, int64_t j,
                        int64_t num_heads, int64_t group, int64_t head_dim, int64_t block_size,
                        int64_t block_stride, float scale, float *restrict scores);
+
+/* attn_compute_part of a token under a sliding window (window 0: none): part j's positions
+ * from the window's oldest on (attn_window_start). */
+void attn_compute_window_part(float *restrict part, const float *restrict q,
+                              const void *restrict k_cache, const void *restrict v_cache,
+                              int kv_bf16, const int32_t *restrict table, int64_t seq_len,
+                              int64_t window, int64_t j, int64_t num_heads, int64_t group,
+                              int64_t head_dim, int64_t block_size, int64_t block_stride,
+                              float scale, float *restrict scores);
 
 /* A token's attention o [num_heads * head_dim] from its num_parts consecutive part buffers
  * (attend_combine, in order). Defined once, like attn_compute_part. */

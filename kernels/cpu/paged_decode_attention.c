@@ -38,16 +38,28 @@
  * (3000 rows of a 3000-token prompt: 19k parts, 46 MB for SmolLM2's heads). */
 #define PARTS_PER_GROUP 2048
 
+void attn_compute_window_part(float *restrict part, const float *restrict q,
+                              const void *restrict k_cache, const void *restrict v_cache,
+                              int kv_bf16, const int32_t *restrict table, int64_t seq_len,
+                              int64_t window, int64_t j, int64_t num_heads, int64_t group,
+                              int64_t head_dim, int64_t block_size, int64_t block_stride,
+                              float scale, float *restrict scores) {
+    const int64_t P = attn_part_len(block_size), lo = attn_window_start(seq_len, window);
+    const int64_t begin = j * P > lo ? j * P : lo;
+    const int64_t end = j * P + P < seq_len ? j * P + P : seq_len;
+    float *max = part + num_heads * head_dim, *sum = max + num_heads;
+    attend_request(part, max, sum, q, k_cache, v_cache, kv_bf16, table, begin, end, num_heads,
+                   group, head_dim, block_size, block_stride, scale, scores);
+}
+
 void attn_compute_part(float *restrict part, const float *restrict q,
                        const void *restrict k_cache, const void *restrict v_cache, int kv_bf16,
                        const int32_t *restrict table, int64_t seq_len, int64_t j,
                        int64_t num_heads, int64_t group, int64_t head_dim, int64_t block_size,
                        int64_t block_stride, float scale, float *restrict scores) {
-    const int64_t P = attn_part_len(block_size), begin = j * P;
-    const int64_t end = begin + P < seq_len ? begin + P : seq_len;
-    float *max = part + num_heads * head_dim, *sum = max + num_heads;
-    attend_request(part, max, sum, q, k_cache, v_cache, kv_bf16, table, begin, end, num_heads,
-                   group, head_dim, block_size, block_stride, scale, scores);
+    attn_compute_window_part(part, q, k_cache, v_cache, kv_bf16, table, seq_len, 0, j,
+                             num_heads, group, head_dim, block_size, block_stride, scale,
+                             scores);
 }
 
 void attn_combine_parts(float *restrict o, const float *restrict parts, int64_t num_parts,
@@ -76,26 +88,28 @@ static int64_t group_end(const int64_t *starts, int64_t r0, int64_t num_rows) {
 /* starts[num_rows + 1]: the first part of each row; -2 for a row the tables cannot hold. */
 static int row_parts(int64_t *starts, const int32_t *row_to_req, const int32_t *seq_lens,
                      int64_t num_rows, int64_t num_reqs, int64_t table_stride,
-                     int64_t block_size) {
+                     int64_t block_size, int64_t window) {
     starts[0] = 0;
     for (int64_t r = 0; r < num_rows; r++) {
         if (row_to_req[r] < 0 || row_to_req[r] >= num_reqs || seq_lens[r] < 1 ||
             seq_lens[r] > table_stride * block_size)
             return -2;
-        starts[r + 1] = starts[r] + attn_num_parts(seq_lens[r], block_size);
+        starts[r + 1] = starts[r] + attn_num_parts(seq_lens[r], block_size)
+                        - attn_first_part(seq_lens[r], window, block_size);
     }
     return 0;
 }
 
-/* Returns 0, -1 when out of memory, -2 for a row_to_req or seq_len out of range (nothing
- * computed). */
+/* window > 0: each row sees only its last `window` positions (a sliding window; the
+ * table entries before them are never read). Returns 0, -1 when out of memory, -2 for a
+ * row_to_req or seq_len out of range (nothing computed). */
 int paged_attention_f32(float *restrict out, const float *restrict q,
                         const void *restrict kv_cache, int kv_bf16, int64_t num_blocks,
                         const int32_t *restrict block_tables, int64_t table_stride,
                         int64_t num_reqs, const int32_t *restrict row_to_req,
                         const int32_t *restrict seq_lens, int64_t num_rows, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                        float scale, int num_threads) {
+                        int64_t window, float scale, int num_threads) {
     const int64_t group = num_heads / num_kv_heads, q_size = num_heads * head_dim;
     const int64_t block_stride = block_size * num_kv_heads * head_dim;
     const int64_t stride = attn_part_floats(num_heads, head_dim);
@@ -104,7 +118,8 @@ int paged_attention_f32(float *restrict out, const float *restrict q,
                           + (size_t)(num_blocks * block_stride) * (kv_bf16 ? 2 : 4);
     int64_t *starts = malloc(sizeof(int64_t) * (size_t)(num_rows + 1));
     if (starts == NULL) return -1;
-    if (row_parts(starts, row_to_req, seq_lens, num_rows, num_reqs, table_stride, block_size)) {
+    if (row_parts(starts, row_to_req, seq_lens, num_rows, num_reqs, table_stride, block_size,
+                  window)) {
         free(starts);
         return -2;
     }
@@ -135,10 +150,13 @@ int paged_attention_f32(float *restrict out, const float *restrict q,
             for (int64_t k = 0; k < n; k++) {
                 if (scores == NULL) continue;
                 const int64_t r = row_of_task(starts, r0, r1, first + k);
-                attn_compute_part(parts + k * stride, q + r * q_size, k_cache, v_cache,
-                                  kv_bf16, block_tables + (int64_t)row_to_req[r] * table_stride,
-                                  seq_lens[r], first + k - starts[r], num_heads, group,
-                                  head_dim, block_size, block_stride, scale, scores);
+                const int64_t j = attn_first_part(seq_lens[r], window, block_size)
+                                  + first + k - starts[r];
+                attn_compute_window_part(parts + k * stride, q + r * q_size, k_cache, v_cache,
+                                         kv_bf16,
+                                         block_tables + (int64_t)row_to_req[r] * table_stride,
+                                         seq_lens[r], window, j, num_heads, group, head_dim,
+                                         block_size, block_stride, scale, scores);
             } /* implicit barrier: the group's parts complete */
 #pragma omp for schedule(static)
             for (int64_t r = r0; r < r1; r++)

@@ -36,7 +36,8 @@ def _cache(seq_lens: list[int], num_kv_heads: int, head_dim: int, block_size: in
 
 
 def _rows(q_all: list[torch.Tensor], kv: torch.Tensor, tables: list[list[int]],
-          query_lens: list[int], seq_lens: list[int], block_size: int) -> torch.Tensor:
+          query_lens: list[int], seq_lens: list[int], block_size: int,
+          window: int | None = None) -> torch.Tensor:
     """The kernel's output for a step of `query_lens` tokens per request (each request's
     last query_lens[i] of its seq_lens[i] positions), q_all[i] holding every position's q."""
     meta, _ = build_attention_metadata(query_lens, seq_lens, tables, block_size, CPU)
@@ -47,10 +48,12 @@ def _rows(q_all: list[torch.Tensor], kv: torch.Tensor, tables: list[list[int]],
                               for n, s in zip(query_lens, seq_lens)])
     out = torch.full_like(q, float("nan"))
     assert cpu_kernels.paged_attention(out, q, kv, meta.block_tables, row_to_req,
-                                       row_seq_lens, SCALE)
+                                       row_seq_lens, SCALE, sliding_window=window)
     return out
 
 
+# Windows: none, one inside a block, one that starts mid-block and spans a part boundary.
+@pytest.mark.parametrize("window", [None, 5, 301])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("query_lens,seq_lens,heads,kv_heads,head_dim,block_size", [
     ([1, 1, 7, 300], [5, 700, 7, 300], 9, 3, 64, 16),   # decodes, a fresh prompt, a long one
@@ -58,13 +61,20 @@ def _rows(q_all: list[torch.Tensor], kv: torch.Tensor, tables: list[list[int]],
     ([5], [1030], 4, 4, 32, 1),                         # one slot per block, many parts
 ])
 def test_rows_match_the_torch_backend(query_lens, seq_lens, heads, kv_heads, head_dim,
-                                      block_size, kv_dtype) -> None:
+                                      block_size, kv_dtype, window) -> None:
     """A bf16 cache: the kernel widens each element exactly, so the reference is the torch
-    backend over the same cache in float32."""
+    backend over the same cache in float32. With a window, the table entries before every
+    row's window point at a block of huge values (released blocks): never read."""
     cache, tables = _cache(seq_lens, kv_heads, head_dim, block_size, dtype=kv_dtype)
+    if window is not None:
+        poison = cache.shape[1] - 1  # _cache leaves its last 3 blocks unused
+        cache[:, poison] = 1e4
+        for table, n, s in zip(tables, query_lens, seq_lens):
+            released = max(0, s - n - window + 1) // block_size
+            table[:released] = [poison] * released
     gen = torch.Generator().manual_seed(1)
     q_all = [torch.randn(s, heads, head_dim, generator=gen) for s in seq_lens]
-    ours = _rows(q_all, cache, tables, query_lens, seq_lens, block_size)
+    ours = _rows(q_all, cache, tables, query_lens, seq_lens, block_size, window)
     kv = cache.float()
     meta, _ = build_attention_metadata(query_lens, seq_lens, tables, block_size, CPU)
     ref = TorchAttentionBackend(use_cpu_kernel=False)
@@ -73,12 +83,12 @@ def test_rows_match_the_torch_backend(query_lens, seq_lens, heads, kv_heads, hea
     nd = meta.num_decodes
     q = torch.cat([qa[s - n:s] for qa, n, s in zip(q_all, query_lens, seq_lens)])
     if nd:
-        expected[:nd] = ref._decode(q[:nd], kv, meta, SCALE)
+        expected[:nd] = ref._decode(q[:nd], kv, meta, SCALE, window)
     for i in range(nd, meta.num_reqs):
         # The K/V of the chunk are already in the cache: pass them as the chunk's own.
         s, e = qsl[i], qsl[i + 1]
         k_new, v_new = _gather(kv, tables[i], seq_lens[i] - (e - s), seq_lens[i], block_size)
-        expected[s:e] = ref._prefill(i, q[s:e], k_new, v_new, kv, meta, SCALE)
+        expected[s:e] = ref._prefill(i, q[s:e], k_new, v_new, kv, meta, SCALE, window)
     torch.testing.assert_close(ours, expected, atol=2e-6, rtol=1e-5)
 
 
@@ -89,20 +99,23 @@ def _gather(kv: torch.Tensor, table: list[int], begin: int, end: int,
     return kv[0, blocks, pos % block_size], kv[1, blocks, pos % block_size]
 
 
+@pytest.mark.parametrize("window", [None, 301])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_a_token_has_the_same_bits_in_every_step_shape(kv_dtype: torch.dtype) -> None:
+def test_a_token_has_the_same_bits_in_every_step_shape(kv_dtype: torch.dtype,
+                                                       window: int | None) -> None:
     """Position 699 of a 700-position request: decoded alone, decoded beside others, the
     last token of a fresh 700-token prefill, of a chunk after 512 cached positions, and
-    with one thread or two: one result, bit for bit."""
+    with one thread or two: one result, bit for bit (with a sliding window too)."""
     seq_lens = [700, 90, 300]
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     kv, tables = _cache(seq_lens, kv_heads, head_dim, block_size, seed=5, dtype=kv_dtype)
     gen = torch.Generator().manual_seed(6)
     q_all = [torch.randn(s, heads, head_dim, generator=gen) for s in seq_lens]
-    alone = _rows(q_all[:1], kv, tables[:1], [1], [700], block_size)[-1]
+    alone = _rows(q_all[:1], kv, tables[:1], [1], [700], block_size, window)[-1]
     shapes = [([1, 1, 1], seq_lens), ([700], [700]), ([188], [700]), ([1, 30, 300], seq_lens)]
     for query_lens, lens in shapes:
-        got = _rows(q_all[:len(lens)], kv, tables[:len(lens)], query_lens, lens, block_size)
+        got = _rows(q_all[:len(lens)], kv, tables[:len(lens)], query_lens, lens, block_size,
+                    window)
         assert torch.equal(got[query_lens[0] - 1], alone), query_lens
     meta, _ = build_attention_metadata([1], [700], tables[:1], block_size, CPU)
     for threads in (1, 2):
@@ -110,7 +123,7 @@ def test_a_token_has_the_same_bits_in_every_step_shape(kv_dtype: torch.dtype) ->
         assert cpu_kernels.paged_attention(out, q_all[0][699:700].contiguous(), kv,
                                            meta.block_tables, torch.zeros(1, dtype=torch.int32),
                                            torch.tensor([700], dtype=torch.int32), SCALE,
-                                           num_threads=threads)
+                                           num_threads=threads, sliding_window=window)
         assert torch.equal(out[0], alone), threads
 
 
