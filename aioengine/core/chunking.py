@@ -32,10 +32,12 @@ from aioengine.request import Request
 ALONE_FACTOR = 4
 
 
-def attention_chunk_cap(num_computed: int, budget: int) -> int:
+def attention_chunk_cap(num_computed: int, budget: int, window: int | None = None) -> int:
     """The largest chunk c >= 1 starting at position `num_computed` whose (query, key)
-    pairs, c * (num_computed + c), stay within `budget` (1 when even one exceeds it)."""
-    p = num_computed
+    pairs, c * (num_computed + c), stay within `budget` (1 when even one exceeds it). With
+    a sliding window on every layer a query sees at most `window` keys: the context counts
+    up to the window only."""
+    p = num_computed if window is None else min(num_computed, window)
     c = (math.isqrt(p * p + 4 * budget) - p) // 2
     while c > 1 and c * (p + c) > budget:  # isqrt rounds down; this only guards it
         c -= 1
@@ -46,8 +48,11 @@ class PrefillChunker:
     """The number of new tokens of a request in a step, under the step's token budget,
     the chunk cap and the attention budget of a long prompt."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, sliding_window: int | None = None) -> None:
+        """`sliding_window`: every layer's (the KV manager's), bounding each token's
+        attention."""
         self.chunked = config.enable_chunked_prefill
+        self.sliding_window = sliding_window
         self.chunk_cap = config.prefill_chunk_cap
         self.attention_budget = config.prefill_attention_budget
 
@@ -63,7 +68,7 @@ class PrefillChunker:
         cap = self.chunk_cap or num_new
         if self.attention_budget and self._is_long_prefill(request, num_computed):
             pairs = self.attention_budget * (ALONE_FACTOR if alone else 1)
-            cap = min(cap, attention_chunk_cap(num_computed, pairs))
+            cap = min(cap, attention_chunk_cap(num_computed, pairs, self.sliding_window))
         return min(num_new, budget, cap)
 
     def _is_long_prefill(self, request: Request, num_computed: int) -> bool:

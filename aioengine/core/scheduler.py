@@ -50,7 +50,7 @@ class Scheduler:
         self.num_steps = 0
         self.num_steps_ahead = 0  # of them, scheduled ahead (schedule_ahead)
         # Fair prefill: how many tokens a request computes in a step (core/chunking.py).
-        self._chunker = PrefillChunker(config)
+        self._chunker = PrefillChunker(config, kv_cache_manager.sliding_window)
         # Verified drafts, counted here; SpecDecodeFeature reports them.
         self.spec_stats = spec_stats or SpecDecodingStats(config.num_speculative_tokens)
 

@@ -308,6 +308,9 @@ def test_the_attention_cap_is_the_largest_chunk_within_the_budget() -> None:
             assert (c + 1) * (p + c + 1) > budget
     assert attention_chunk_cap(0, 16384) == 128
     assert attention_chunk_cap(8000, 16384) == 2
+    # A sliding window bounds every token's keys: past it the chunk stops shrinking.
+    assert attention_chunk_cap(8000, 16384, window=4096) == attention_chunk_cap(4096, 16384) == 3
+    assert attention_chunk_cap(3000, 16384, window=4096) == attention_chunk_cap(3000, 16384)
 
 
 def test_a_long_prompts_chunks_shrink_as_its_context_grows() -> None:
