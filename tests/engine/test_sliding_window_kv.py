@@ -61,6 +61,11 @@ CONFIGS = {
     # 12 blocks of 4 tokens: 48 slots for six requests of up to 94 tokens each.
     "preemption": dict(block_size=4, max_num_batched_tokens=8, num_kv_blocks=12),
     "schedule_ahead": dict(block_size=4, async_scheduling=True),
+    # Drafts verified as rows past the window; their lookahead slots never trimmed early.
+    "ngram": dict(block_size=4, speculative_config={"method": "ngram",
+                                                    "num_speculative_tokens": 3,
+                                                    "prompt_lookup_min": 1,
+                                                    "prompt_lookup_max": 2}),
 }
 
 
@@ -76,6 +81,9 @@ def test_windowed_kv_matches_transformers(name: str, mistral_dir: Path,
     assert_blocks_released(llm.core)
     if name == "preemption":
         assert llm.core.scheduler.num_preemptions > 0
+    if name == "ngram":
+        stats = llm.core.scheduler.spec_stats
+        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
 
 
 def test_blocks_held_stay_bounded_by_the_window(mistral_dir: Path, prompts: list[list[int]],
