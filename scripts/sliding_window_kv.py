@@ -44,7 +44,7 @@ def peak_blocks(path: Path, prompt: list[int], args: argparse.Namespace) -> tupl
               block_size=args.block_size, max_num_batched_tokens=args.chunk)
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     out = llm.generate([prompt], params)[0]
-    return llm.core.kv_cache_manager.peak_num_blocks, len(out.outputs[0].token_ids)
+    return int(llm.stats()["kv_peak_blocks"]), len(out.outputs[0].token_ids)
 
 
 def main() -> None:
