@@ -1,9 +1,12 @@
 """KV blocks held by one long sequence with a sliding window against full attention.
 
-Builds two tiny random Mistral models that differ only in `sliding_window` (W, or None for
-full attention), runs one prompt of --prompt-len tokens plus --new-tokens through each
-engine and prints the most blocks held at once (the KV manager's peak), with what that
-would be in bytes for Mistral-7B's KV shape (32 layers x 8 KV heads x 128, bf16).
+Builds tiny random models of 4 layers that differ only in their attention: a Mistral with
+full attention, the same with `sliding_window` W on every layer, and a Qwen2 whose first
+layer attends to everything and the other three to a window (`max_window_layers`, as
+Gemma's and Qwen2's mixed models do: KV cache groups). Runs one prompt of --prompt-len
+tokens plus --new-tokens through each engine and prints the peak of blocks held summed over
+layers (`kv_peak_layer_blocks`), with what that would be in bytes at Mistral-7B's KV shape
+per layer (8 KV heads x 128, bf16).
 
     .venv/bin/python scripts/sliding_window_kv.py --prompt-len 8192 --window 4096
 """
@@ -15,12 +18,14 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+from transformers import (AutoTokenizer, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
 
 from aioengine import LLM, SamplingParams
 from aioengine.model.default import bundled_model_path
 
-MISTRAL_7B_KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # K and V, layers, heads, dim, bf16
+NUM_LAYERS = 4
+LAYER_KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 2  # K and V, Mistral-7B's KV heads x dim, bf16
 
 
 def bundled_tokenizer():
@@ -28,13 +33,19 @@ def bundled_tokenizer():
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
-def make_model(path: Path, window: int | None, max_len: int, tokenizer) -> Path:
+def make_model(path: Path, kind: str, window: int, max_len: int, tokenizer) -> Path:
+    """kind: "full", "window" (every layer) or "mixed" (layer 0 full, the rest windowed)."""
     torch.manual_seed(0)
-    cfg = MistralConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        max_position_embeddings=max_len, sliding_window=window,
-                        tie_word_embeddings=False)
-    MistralForCausalLM(cfg).save_pretrained(path)
+    shape = dict(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=max_len, tie_word_embeddings=False)
+    if kind == "mixed":
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=True,
+                                             sliding_window=window, max_window_layers=1))
+    else:
+        model = MistralForCausalLM(MistralConfig(
+            **shape, sliding_window=window if kind == "window" else None))
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
@@ -44,7 +55,7 @@ def peak_blocks(path: Path, prompt: list[int], args: argparse.Namespace) -> tupl
               block_size=args.block_size, max_num_batched_tokens=args.chunk)
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     out = llm.generate([prompt], params)[0]
-    return int(llm.stats()["kv_peak_blocks"]), len(out.outputs[0].token_ids)
+    return int(llm.stats()["kv_peak_layer_blocks"]), len(out.outputs[0].token_ids)
 
 
 def main() -> None:
@@ -59,19 +70,20 @@ def main() -> None:
     rng = random.Random(0)
     prompt = [rng.randrange(100, 40000) for _ in range(args.prompt_len)]
     rows, tokenizer = [], bundled_tokenizer()
+    kinds = (("full attention", "full"), (f"window {args.window}", "window"),
+             ("1 full + 3 window", "mixed"))
     with tempfile.TemporaryDirectory() as tmp:
-        for name, window in (("full attention", None), (f"window {args.window}", args.window)):
-            path = make_model(Path(tmp) / name.replace(" ", "_"), window, args.max_len, tokenizer)
+        for name, kind in kinds:
+            path = make_model(Path(tmp) / kind, kind, args.window, args.max_len, tokenizer)
             blocks, generated = peak_blocks(path, prompt, args)
             rows.append((name, blocks, generated))
     full = rows[0][1]
     print(f"{args.prompt_len}-token prompt + {args.new_tokens} new, blocks of "
-          f"{args.block_size}, prefill chunks of {args.chunk}")
+          f"{args.block_size}, prefill chunks of {args.chunk}, {NUM_LAYERS} layers")
     for name, blocks, generated in rows:
-        gib = blocks * args.block_size * MISTRAL_7B_KV_BYTES_PER_TOKEN / 2**30
-        print(f"{name:>16}: peak {blocks:5d} blocks ({blocks / full:.2f}x full), "
-              f"{gib:.2f} GiB at Mistral-7B's KV shape, {generated} tokens generated")
-
+        gib = blocks * args.block_size * LAYER_KV_BYTES_PER_TOKEN / 2**30
+        print(f"{name:>18}: peak {blocks:5d} layer-blocks ({blocks / full:.2f}x full), "
+              f"{gib:.3f} GiB at Mistral-7B's per-layer KV shape, {generated} tokens")
 
 if __name__ == "__main__":
     main()

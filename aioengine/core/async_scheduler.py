@@ -45,6 +45,7 @@ class AsyncScheduler(Scheduler):
             num_computed_tokens=item.num_computed_tokens + item.num_new_tokens,
             token_ids=[PLACEHOLDER_TOKEN_ID],
             block_ids=self.kv_cache_manager.get_block_ids(item.request.request_id),
+            group_block_ids=self.kv_cache_manager.get_group_block_ids(item.request.request_id),
             num_samples=1) for item in ahead]
         self.kv_cache_manager.observe_peak_usage()
         self.num_steps += 1

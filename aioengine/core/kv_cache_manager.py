@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from aioengine.core.block_pool import (DEFAULT_PREFIX_CACHING_HASH_ALGO, NULL_BLOCK,
                                        BlockPool, KVCacheBlock, get_block_hasher)
+from aioengine.core import kv_window
 from aioengine.core.kv_integrity import check_kv_integrity
+from aioengine.core.kv_usage import count_empty_slots
 from aioengine.request import Request
 
 
@@ -127,6 +129,10 @@ class KVCacheManager:
         of the window)."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
+    def get_group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The tables of other KV cache groups: none (kv_cache_groups.py has them)."""
+        return ()
+
     def take_copy_ops(self) -> list[tuple[int, int]]:
         """Pending copy-on-write copies (src, dst), in the order they must be applied."""
         ops, self._copy_ops = self._copy_ops, []
@@ -146,6 +152,10 @@ class KVCacheManager:
             return [], 0
         max_hit_blocks = max(request.num_tokens - 1, 0) // self.block_size
         self._ensure_block_hashes(request, max_hit_blocks)
+        if self.sliding_window is not None:
+            valid = self.window_hit_lengths(request, max_hit_blocks)
+            n = max(i for i, ok in enumerate(valid) if ok)
+            return self.window_hit(request, n) or [], n * self.block_size
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
@@ -153,6 +163,22 @@ class KVCacheManager:
                 break  # the chain is broken: no later block can be a valid hit
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def window_hit_lengths(self, request: Request, max_blocks: int) -> list[bool]:
+        """With a sliding window, for n = 0 .. max_blocks: whether a hit of n blocks has
+        every block it needs cached (kv_window.py)."""
+        assert self.sliding_window is not None, "window_hit_lengths needs a sliding window"
+        self._ensure_block_hashes(request, max_blocks)
+        return kv_window.window_hit_lengths(self.block_pool, request.block_hashes,
+                                            self.block_size, self.sliding_window, max_blocks)
+
+    def window_hit(self, request: Request, num_hit_blocks: int) -> list[KVCacheBlock] | None:
+        """With a sliding window, the hit of `request`'s first num_hit_blocks blocks, with
+        NULL_BLOCK for those out of the window; None when a needed one is not cached."""
+        assert self.sliding_window is not None, "window_hit needs a sliding window"
+        self._ensure_block_hashes(request, num_hit_blocks)
+        return kv_window.window_hit(self.block_pool, request.block_hashes, self.block_size,
+                                    self.sliding_window, num_hit_blocks)
 
     def reset_prefix_cache(self) -> bool:
         """Drops every cached hash; False (nothing done) while any block is in use."""
@@ -181,7 +207,7 @@ class KVCacheManager:
         if num_full <= start:
             return
         self._ensure_block_hashes(request, num_full)
-        for i in range(start, num_full):
+        for i in range(max(start, self._num_null.get(rid, 0)), num_full):
             self.block_pool.cache_full_block(blocks[i], request.block_hashes[i])
         self.num_cached_block[rid] = num_full
 
@@ -202,6 +228,45 @@ class KVCacheManager:
         in table order, then appended blocks), or None, with nothing changed, if the pool
         is short. Hits must directly follow the request's existing full blocks.
         """
+        plan = self._plan(request, num_new_tokens, new_computed_blocks, num_computed_tokens)
+        if plan is None:
+            return None
+        hits, num_computed, total, num_append, cow, out_of_window = plan
+        rid, size = request.request_id, self.block_size
+        self._release(rid, out_of_window)
+
+        if new_computed_blocks is not None and self.enable_caching:
+            # Counted once per admission (a request that keeps waiting for blocks is
+            # looked up again every step, but queried the cache once).
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(hits) * size
+        self._requests[rid] = request
+        blocks = self.req_to_blocks.setdefault(rid, [])
+        num_null = sum(1 for b in hits if b is NULL_BLOCK)  # leading: a window_hit
+        if num_null:
+            self._num_null[rid] = num_null
+        self.block_pool.touch(hits[num_null:])
+        blocks.extend(hits)
+        new_blocks = self.block_pool.get_new_blocks(len(cow) + num_append)
+        self._copy_on_write(blocks, cow, new_blocks[:len(cow)], num_computed)
+        blocks.extend(new_blocks[len(cow):])
+        self._cache_full_blocks(request, blocks, total)
+        self._num_slot_tokens[rid] = total
+        self._free_out_of_window(rid, request.num_computed_tokens + len(hits) * size)
+        return new_blocks
+
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     new_computed_blocks: list[KVCacheBlock] | None = None,
+                     num_computed_tokens: int | None = None) -> bool:
+        """Whether allocate_slots with these arguments would succeed (nothing changed)."""
+        return self._plan(request, num_new_tokens, new_computed_blocks,
+                          num_computed_tokens) is not None
+
+    def _plan(self, request: Request, num_new_tokens: int,
+              new_computed_blocks: list[KVCacheBlock] | None,
+              num_computed_tokens: int | None) -> tuple | None:
+        """allocate_slots' arithmetic, changing nothing: (hits, num_computed, total,
+        num_append, cow indices, out-of-window blocks), or None if the pool is short."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         hits = new_computed_blocks or []
@@ -219,30 +284,13 @@ class KVCacheManager:
         cow = self._shared_written_indices(blocks, num_computed, total)
         # Touching a free cached hit pulls it out of the free queue: it cannot also be
         # handed out as a new block.
-        num_free_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        num_free_hits = sum(1 for b in hits if b.ref_cnt == 0 and b is not NULL_BLOCK)
         out_of_window = self._out_of_window(rid, request.num_computed_tokens)
         num_released = sum(1 for b in out_of_window if b.ref_cnt == 1)
         if (len(cow) + num_append
                 > self.block_pool.get_num_free_blocks() + num_released - num_free_hits):
             return None
-        self._release(rid, out_of_window)
-
-        if new_computed_blocks is not None and self.enable_caching:
-            # Counted once per admission (a request that keeps waiting for blocks is
-            # looked up again every step, but queried the cache once).
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += len(hits) * size
-        self._requests[rid] = request
-        blocks = self.req_to_blocks.setdefault(rid, [])
-        self.block_pool.touch(hits)
-        blocks.extend(hits)
-        new_blocks = self.block_pool.get_new_blocks(len(cow) + num_append)
-        self._copy_on_write(blocks, cow, new_blocks[:len(cow)], num_computed)
-        blocks.extend(new_blocks[len(cow):])
-        self._cache_full_blocks(request, blocks, total)
-        self._num_slot_tokens[rid] = total
-        self._free_out_of_window(rid, request.num_computed_tokens + len(hits) * size)
-        return new_blocks
+        return hits, num_computed, total, num_append, cow, out_of_window
 
     def _out_of_window(self, rid: str, num_computed: int) -> list[KVCacheBlock]:
         """The blocks no query at or after position `num_computed` reads (those wholly
@@ -349,25 +397,13 @@ class KVCacheManager:
     def observe_peak_usage(self) -> None:
         """Called once per step, after scheduling (the only time blocks are taken): when
         more blocks are in use than at any step since the last reset, records how many of
-        their slots hold no token. Ties keep the first such step.
-
-        Only a request's blocks from index num_tokens // block_size on can have empty
-        slots (normally just its last, partial block), so this is O(requests holding
-        blocks). A partial block shared by forks is counted once; shared full blocks
-        (prefix hits, forks) never have empty slots and are counted once by the pool.
-        """
+        their slots hold no token (kv_usage.py). Ties keep the first such step."""
         num_used = self.num_used_blocks
         if num_used <= self.peak_num_blocks:
             return
-        size = self.block_size
-        filled: dict[int, int] = {}  # block_id -> tokens it holds, for blocks not full
-        for rid, blocks in self.req_to_blocks.items():
-            num_tokens = self._num_slot_tokens[rid]
-            for i in range(num_tokens // size, len(blocks)):
-                block_id = blocks[i].block_id
-                filled[block_id] = max(filled.get(block_id, 0), max(0, num_tokens - i * size))
         self.peak_num_blocks = num_used
-        self.peak_num_empty_slots = sum(size - n for n in filled.values())
+        self.peak_num_empty_slots = count_empty_slots(
+            self.req_to_blocks, self._num_slot_tokens, self.block_size)
 
     def reset_peak_usage(self) -> None:
         """Starts a new peak measurement (e.g. before a benchmark's timed run)."""

@@ -19,6 +19,7 @@ from typing import Iterable, Sequence
 
 from aioengine.config import SchedulerConfig
 from aioengine.core.chunking import PrefillChunker
+from aioengine.core.kv_cache_groups import GroupedKVCacheManager
 from aioengine.core.kv_cache_manager import KVCacheManager
 from aioengine.core.scheduler_output import (EngineCoreOutput, ModelRunnerOutput,
                                              ScheduledRequest, SchedulerOutput)
@@ -35,7 +36,8 @@ class Scheduler:
     hooks (aioengine.engine.features): which waiting requests may be admitted, which may
     be scheduled ahead, the tokens they force after a sampled one, the drafts kept."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+    def __init__(self, config: SchedulerConfig,
+                 kv_cache_manager: KVCacheManager | GroupedKVCacheManager,
                  features: Sequence[EngineFeature] = (),
                  spec_stats: SpecDecodingStats | None = None) -> None:
         self.config = config
@@ -248,6 +250,7 @@ class Scheduler:
                 num_computed_tokens=start,
                 token_ids=request.all_token_ids[start:end] + drafts,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                group_block_ids=self.kv_cache_manager.get_group_block_ids(request.request_id),
                 num_samples=(1 + len(request.pending_forks)) if end == request.num_tokens else 0,
                 want_prompt_logprobs=(request.sampling_params.prompt_logprobs is not None
                                       and start < request.num_prompt_tokens),

@@ -42,6 +42,9 @@ class ScheduledRequest:
     # token_ids. The runner computes each of the 1 + len() positions as its own row and
     # samples all of them (spec_decode's rejection sampler).
     spec_token_ids: list[int] = field(default_factory=list)
+    # The tables of KV cache groups 1 .. n-1 (kv_cache_groups.py), block_ids being group
+    # 0's: empty unless the model mixes full and sliding-window layers.
+    group_block_ids: tuple[list[int], ...] = ()
 
     @property
     def num_new_tokens(self) -> int:
@@ -104,7 +107,8 @@ class EngineCoreOutput:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]  # single-token (decode) requests first
     total_num_scheduled_tokens: int
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # (src, dst) block copies, or (src, dst, group) with KV cache groups.
+    blocks_to_copy: list[tuple[int, ...]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     # The step's grammar bitmask, attached by the structured-output feature's prepare_step
     # after scheduling when a sampled row is constrained; filled while the forward runs,

@@ -21,8 +21,7 @@ from aioengine import cpu_info
 from aioengine.config import ConfigError, EngineArgs, SchedulerConfig
 from aioengine.dtypes import auto_dtype, auto_kv_cache_dtype, parse_dtype
 from aioengine.core.async_scheduler import AsyncScheduler
-from aioengine.core.kv_cache_manager import KVCacheManager
-from aioengine.model.layer_spec import uniform_window
+from aioengine.engine.kv_setup import kv_cache_layout, make_kv_cache_manager, peak_layer_blocks
 from aioengine.core.scheduler import Scheduler
 from aioengine.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from aioengine.core.spec_stats import SpecDecodingStats
@@ -91,13 +90,13 @@ class EngineCore(RequestAdmission):
             raise ConfigError(
                 f"without chunked prefill max_num_batched_tokens ({args.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len})")
-        num_blocks = self._num_kv_blocks()
         spec = self.speculative_config
-        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size,
-                                               enable_caching=args.enable_prefix_caching,
-                                               hash_algo=args.prefix_caching_hash_algo,
-                                               sliding_window=self._kv_sliding_window(),
-                                               max_step_tokens=args.max_num_batched_tokens)
+        self.kv_layout = kv_cache_layout(
+            self.loaded.model.layer_specs, args, self.max_model_len, self._num_kv_blocks(),
+            windows_supported="sliding_window" in attn_backend.SUPPORTED_FEATURES,
+            eagle=spec is not None and spec.method != "ngram")
+        num_blocks = self.kv_layout.num_blocks[0]
+        self.kv_cache_manager = make_kv_cache_manager(self.kv_layout, args)
         proposer = make_proposer(spec, self.loaded, num_blocks, args.block_size, self.dtype,
                                  self.device)
         self.eos_token_ids = get_eos_token_ids(self.tokenizer, self.loaded.hf_config)
@@ -120,7 +119,8 @@ class EngineCore(RequestAdmission):
             self.features, spec_stats)
         self.runner = ModelRunner(self.loaded, num_blocks, args.block_size, self.device,
                                   self.kv_cache_dtype, seed=args.seed, proposer=proposer,
-                                  features=self.features)
+                                  features=self.features,
+                                  kv_groups=self.kv_layout.runner_groups())
         warm_start = time.perf_counter()
         warm_tokens = self.runner.warm_up(args.max_num_batched_tokens, self.max_model_len)
         logger.debug("warm-up step of %d tokens: %.2fs", warm_tokens,
@@ -189,14 +189,6 @@ class EngineCore(RequestAdmission):
             raise ConfigError(f"kv_cache_memory {memory} bytes holds no block ({per_block} bytes "
                               f"per block of {self.args.block_size} tokens)")
         return num_blocks
-
-    def _kv_sliding_window(self) -> int | None:
-        """The window past which the KV manager releases blocks: when every layer has one,
-        and no EAGLE head reads the target's block tables with full attention."""
-        spec = self.speculative_config
-        if spec is not None and spec.method != "ngram":
-            return None
-        return uniform_window(self.loaded.model.layer_specs)
 
     # ---- requests (validation and adapters: RequestAdmission) -----------------------
 
@@ -272,6 +264,8 @@ class EngineCore(RequestAdmission):
             "kv_peak_blocks": kv.peak_num_blocks,
             "kv_peak_empty_slots": kv.peak_num_empty_slots,
             "kv_waste_at_peak": kv.waste_at_peak,
+            # Summed over KV cache groups (each times its layers): what the peak held.
+            "kv_peak_layer_blocks": peak_layer_blocks(self.kv_layout, kv),
             **feature_stats(self.features),
         }
 

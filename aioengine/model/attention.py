@@ -42,6 +42,13 @@ class AttentionMetadata:
     # Per-step scratch a backend fills on the first layer and reuses on the others
     # (e.g. the decode mask); lives here so that no per-step state is global.
     backend_cache: dict[str, Any] = field(default_factory=dict)
+    # KV cache groups (core/kv_cache_groups.py): each layer's metadata, those of a group
+    # sharing its block tables and slot mapping; None: this one for every layer.
+    layer_metas: tuple[AttentionMetadata, ...] | None = None
+
+    def for_layer(self, layer_idx: int) -> AttentionMetadata:
+        """The metadata layer `layer_idx` attends with (its KV cache group's)."""
+        return self if self.layer_metas is None else self.layer_metas[layer_idx]
 
 
 def build_attention_metadata(query_lens: list[int], seq_lens: list[int],

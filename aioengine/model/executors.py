@@ -62,7 +62,8 @@ class LayerwiseExecutor:
                 for j, listed in enumerate(aux_layers):
                     if listed == i:
                         aux[:, j * h:(j + 1) * h] = stream
-            x, residual = layer(x, residual, rope, kv_cache, meta, model.attn_backend)
+            x, residual = layer(x, residual, rope, kv_cache, meta.for_layer(i),
+                                model.attn_backend)
         eps = model.arch.rms_norm_eps
         if residual is None:  # no layers
             return model.ops.rms_norm(x, model.norm, eps)
@@ -104,6 +105,7 @@ class FusedCpuDecodeExecutor:
                 and 0 < num_tokens <= self.max_tokens()
                 and meta.num_decodes == meta.num_reqs == meta.num_actual_tokens == num_tokens
                 and (self.max_seq_len is None or meta.max_seq_len <= self.max_seq_len)
+                and meta.layer_metas is None  # one block table for every layer
                 and type(backend) is TorchAttentionBackend and backend.use_cpu_kernel
                 and x.device.type == "cpu" and x.dtype == torch.float32)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -380,9 +380,10 @@ def _layer_weight_table(arch: ModelArchConfig) -> dict[str, tuple[str, tuple[int
     }
 
 
-def make_kv_caches(arch: ModelArchConfig, num_blocks: int, block_size: int,
+def make_kv_caches(arch: ModelArchConfig, num_blocks: int | Sequence[int], block_size: int,
                    dtype: torch.dtype, device: torch.device) -> list[Tensor]:
-    """One `[2, num_blocks, block_size, num_kv_heads, head_dim]` tensor per layer.
+    """One `[2, num_blocks, block_size, num_kv_heads, head_dim]` tensor per layer
+    (`num_blocks` per layer where KV cache groups give layers different pools).
 
     All zeros, but not written here where that is free: padded decode reads touch slots no
     request wrote, and although their attention weight is 0, a NaN left in uninitialised
@@ -393,10 +394,15 @@ def make_kv_caches(arch: ModelArchConfig, num_blocks: int, block_size: int,
     page becomes resident only once a request writes K/V into it (issue 27: zeroing 4.3 GB
     took 12 s). Anything else (a GPU, a small cache, another OS) is zeroed here.
     """
-    shape = (2, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
-    zero_pages = hugepages.maps_fresh(math.prod(shape) * dtype.itemsize, device)
-    caches = [hugepages.empty(shape, dtype, device) for _ in range(arch.num_hidden_layers)]
-    return caches if zero_pages else [cache.zero_() for cache in caches]
+    counts = ([num_blocks] * arch.num_hidden_layers if isinstance(num_blocks, int)
+              else list(num_blocks))
+    caches = []
+    for n in counts:
+        shape = (2, n, block_size, arch.num_key_value_heads, arch.head_dim)
+        cache = hugepages.empty(shape, dtype, device)
+        zero_pages = hugepages.maps_fresh(math.prod(shape) * dtype.itemsize, device)
+        caches.append(cache if zero_pages else cache.zero_())
+    return caches
 
 
 def kv_cache_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:

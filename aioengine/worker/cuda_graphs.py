@@ -99,7 +99,8 @@ class CUDAGraphRunner:
         n = meta.num_reqs
         return (meta.num_decodes == n == meta.num_actual_tokens and n <= self.sizes[-1]
                 and meta.block_tables.shape[1] <= self.block_tables.shape[1]
-                and not self.model.aux_hidden_state_layers)
+                and not self.model.aux_hidden_state_layers
+                and meta.layer_metas is None)  # captured with one block table
 
     def _load_padding(self, n: int) -> None:
         self.input_ids[n:].zero_()

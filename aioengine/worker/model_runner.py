@@ -21,7 +21,7 @@ sampling, the proposer (if any) drafts the next step's tokens.
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -41,6 +41,7 @@ from aioengine.worker.async_output import AsyncModelRunnerOutput, HostCopier
 from aioengine.worker.runner_outputs import (PlainSample, plain_tensors, read_plain,
                                              to_position_logprobs)
 from aioengine.worker.cuda_graphs import CUDAGraphRunner
+from aioengine.worker.step_layout import LayerKVGroups, step_layout
 
 
 
@@ -48,7 +49,10 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
                  device: torch.device, kv_cache_dtype: torch.dtype, seed: int = 0,
                  proposer: Proposer | None = None, features: Sequence[EngineFeature] = (),
-                 async_output: bool | None = None) -> None:
+                 async_output: bool | None = None,
+                 kv_groups: Sequence[tuple[tuple[int, ...], int]] = ()) -> None:
+        """`kv_groups`: with KV cache groups (core/kv_cache_groups.py), each group's layers
+        and number of blocks, group 0 first (`num_blocks` is then group 0's)."""
         self.model = loaded.model
         # The engine's features, around each forward (begin_execute / end_execute): LoRA
         # puts the step's adapters in slots and sets every token's slot.
@@ -58,9 +62,14 @@ class ModelRunner:
         self.arch = loaded.arch
         self.device = device
         self.block_size = block_size
-        self.num_blocks = num_blocks
         self.vocab_size = loaded.arch.vocab_size
-        self.kv_caches = make_kv_caches(loaded.arch, num_blocks, block_size, kv_cache_dtype,
+        # Each layer's KV cache group (None: one group, `num_blocks` blocks in every layer).
+        self.kv_groups = LayerKVGroups(kv_groups, loaded.arch.num_hidden_layers) \
+            if kv_groups else None
+        layer_blocks = self.kv_groups.layer_blocks if self.kv_groups else num_blocks
+        # The blocks every layer has (warm_up writes only those).
+        self.num_blocks = min(self.kv_groups.layer_blocks) if self.kv_groups else num_blocks
+        self.kv_caches = make_kv_caches(loaded.arch, layer_blocks, block_size, kv_cache_dtype,
                                         device)
         # Unseeded requests share this generator (engine seed); seeded ones have their own.
         self.sampler = Sampler(torch.Generator(device).manual_seed(seed))
@@ -108,14 +117,19 @@ class ModelRunner:
         start = time.perf_counter()
         self._plain = []
         scheduled = scheduler_output.scheduled
-        if scheduler_output.blocks_to_copy:
+        if self.kv_groups is not None:
+            self.kv_groups.copy_blocks(self.kv_caches, scheduler_output.blocks_to_copy)
+        elif scheduler_output.blocks_to_copy:
             src, dst = zip(*scheduler_output.blocks_to_copy)
             copy_blocks(self.kv_caches, list(src), list(dst))
         input_ids = self._input_ids(scheduler_output)
-        query_lens, seq_lens, block_tables, item_starts = _step_layout(scheduled)
+        query_lens, seq_lens, block_tables, item_starts = step_layout(scheduled)
         attn_metadata, positions = build_attention_metadata(
             query_lens=query_lens, seq_lens=seq_lens, block_tables=block_tables,
             block_size=self.block_size, device=self.device)
+        if self.kv_groups is not None:
+            attn_metadata.layer_metas = self.kv_groups.layer_metas(
+                scheduled, query_lens, seq_lens, attn_metadata, self.block_size, self.device)
         prepared = time.perf_counter()
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(attn_metadata):
             hidden = self.cuda_graphs.run(input_ids, positions, attn_metadata, before_layers)
@@ -370,26 +384,3 @@ class ModelRunner:
             ids, lps, ranks = compute_prompt_logprobs(self.model.compute_logits(rows), targets, k)
             output.prompt_logprobs[request.request_id] = to_position_logprobs(ids, lps, ranks)
 
-
-def _step_layout(scheduled: list[ScheduledRequest],
-                 ) -> tuple[list[int], list[int], list[list[int]], list[int]]:
-    """The attention's query_lens, seq_lens and block tables, one entry per attention
-    sequence (an item with drafts, or a small chunk, is one decode row per position, each
-    seeing the positions before it: ScheduledRequest.as_decode_rows), and where each item's
-    tokens start in the step ([items + 1])."""
-    query_lens: list[int] = []
-    seq_lens: list[int] = []
-    tables: list[list[int]] = []
-    starts = [0]
-    for s in scheduled:
-        n, context = s.num_new_tokens, s.num_computed_tokens
-        if s.as_decode_rows:
-            query_lens.extend([1] * n)
-            seq_lens.extend(range(context + 1, context + n + 1))
-            tables.extend([s.block_ids] * n)
-        else:
-            query_lens.append(n)
-            seq_lens.append(context + n)
-            tables.append(s.block_ids)
-        starts.append(starts[-1] + n)
-    return query_lens, seq_lens, tables, starts
