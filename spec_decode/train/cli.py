@@ -41,6 +41,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="use only the first N held-out prompts")
     d.add_argument("--max-num-seqs", type=int, default=64,
                    help="the engine's batch while generating")
+    d.add_argument("--online", action="store_true",
+                   help="store token ids only; training recomputes the target's aux states "
+                        "and labels per batch (a few bytes a position instead of ~3.5 KB)")
+    d.add_argument("--corpus", action="store_true",
+                   help="train on the templated prompts plus those built from the text "
+                        "installed packages ship (spec_decode/train/corpus.py; the `train` "
+                        "extra) instead of the benchmark's prompts")
     t = p.add_argument_group("head and training")
     t.add_argument("--aux-layers", default=None,
                    help="comma-separated target layers the head reads (default: vLLM's "
@@ -114,6 +121,21 @@ def _aux_layers(text: str | None) -> tuple[int, ...] | None:
     return tuple(int(x) for x in text.split(","))
 
 
+def corpus_training_prompts(held_out: list[str], seed: int) -> list[str]:
+    """The templated prompts and the corpus' (sources interleaved), none of the benchmark's
+    and none over a held-out topic."""
+    from aioengine.spec_decode.train.corpus import corpus_prompts
+    from aioengine.spec_decode.train.prompts import (HELD_OUT_TOPICS, shipped_prompts,
+                                                     templated_prompts)
+
+    excluded = set(shipped_prompts()) | set(held_out)
+    sources = list(corpus_prompts(HELD_OUT_TOPICS, excluded, seed).values())
+    out = [p for p in templated_prompts() if p not in excluded]
+    for i in range(max(len(s) for s in sources)):
+        out += [s[i] for s in sources if i < len(s)]
+    return list(dict.fromkeys(out))
+
+
 def build_data(args: argparse.Namespace, data_dir: str) -> None:
     """The held-out and training shards in data_dir/heldout and data_dir/train."""
     from aioengine.engine.llm import LLM
@@ -133,6 +155,8 @@ def build_data(args: argparse.Namespace, data_dir: str) -> None:
         train_prompts, held_out = saved["train"], saved["heldout"]
     else:
         train_prompts, held_out = split_prompts(args.seed)
+        if args.corpus:
+            train_prompts = corpus_training_prompts(held_out, args.seed)
         own = write_self_prompts(llm, TOPICS, args.self_prompts_per_topic, args.seed)
         held = set(held_out)
         train_prompts += [q for q in own if q not in held]
@@ -151,7 +175,7 @@ def build_data(args: argparse.Namespace, data_dir: str) -> None:
                     done, total, gen_tps, rec_tps)
 
     base = dict(temperature=args.temperature, num_sampled=args.num_sampled,
-                max_tokens=args.max_tokens, seed=args.seed)
+                max_tokens=args.max_tokens, seed=args.seed, record=not args.online)
     meta = {"model": llm.model_path, "aux_layers": list(aux),
             "dtype": str(llm.dtype), "num_train_prompts": len(train_prompts),
             "num_heldout_prompts": len(held_out), **base}

@@ -8,9 +8,14 @@ where it stopped) holds S sequences of N tokens in all:
     input_ids    [N] int32    prompt + response tokens, sequences one after another
     seq_lens     [S] int32
     prompt_lens  [S] int32    the loss covers response tokens only
+    greedy       [S] int8     1 for a greedy response
     aux          [N, A * H]   bfloat16: the residual stream into each aux layer
     topk_ids     [N, K] int32 the target's K most likely next tokens at each position
     topk_probs   [N, K] fp16  and their probabilities (the soft labels)
+
+Online data (`DataConfig.record` False) stops after `greedy`: token ids only (a few bytes
+a position instead of ~3.5 KB), and the trainer recomputes the last three for each batch
+with `record_sequences` (as SpecForge and vLLM's speculators train online).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +46,7 @@ class DataConfig:
     top_k_labels: int = 8
     shard_prompts: int = 256
     seed: int = 0
+    record: bool = True  # False: token ids only (online training)
 
 
 def shard_path(out_dir: str, index: int) -> str:
@@ -87,6 +94,23 @@ def record_sequences(model: torch.nn.Module, sequences: list[list[int]],
             "topk_probs": torch.cat(probs_out)}
 
 
+def make_recorder(model_path: str, dtype: str, aux_layers: tuple[int, ...],
+                  top_k: int) -> Callable[[list[list[int]]], dict[str, Tensor]]:
+    """Online training's recorder: the target as the data was generated (its dtype), its
+    aux states and top-k labels for a batch of whole sequences (record_sequences)."""
+    from aioengine.dtypes import parse_dtype
+    from aioengine.model.loader import load_model
+
+    cpu = torch.device("cpu")
+    model = load_model(model_path, parse_dtype(dtype.removeprefix("torch."), cpu), cpu).model
+
+    def record(sequences: list[list[int]]) -> dict[str, Tensor]:
+        return record_sequences(model, sequences, aux_layers, top_k,
+                                max_batch_tokens=sum(len(s) for s in sequences))
+
+    return record
+
+
 def write_self_prompts(llm, topics: tuple[str, ...], per_topic: int, seed: int) -> list[str]:
     """Requests the target writes itself (sampled at temperature 1), cleaned, deduplicated."""
     from aioengine.sampling_params import SamplingParams
@@ -126,19 +150,22 @@ def generate_data(llm, prompts: list[str], aux_layers: tuple[int, ...], cfg: Dat
         params = [greedy] * len(chunk) + ([sampled] * len(chunk) if cfg.num_sampled else [])
         asks = [chat(p) for p in chunk] * (2 if cfg.num_sampled else 1)
         outs = llm.generate(asks, params)
-        sequences, prompt_lens = [], []
-        for out in outs:
+        sequences, prompt_lens, greedy_flags = [], [], []
+        for j, out in enumerate(outs):
             for c in out.outputs:
                 if c.token_ids:
                     sequences.append(list(out.prompt_token_ids) + list(c.token_ids))
                     prompt_lens.append(len(out.prompt_token_ids))
+                    greedy_flags.append(int(j < len(chunk)))
         t1 = time.perf_counter()
-        rec = record_sequences(model, sequences, aux_layers, cfg.top_k_labels)
+        rec = (record_sequences(model, sequences, aux_layers, cfg.top_k_labels)
+               if cfg.record else {})
         t2 = time.perf_counter()
         tensors = {"input_ids": torch.tensor([t for s in sequences for t in s],
                                              dtype=torch.int32),
                    "seq_lens": torch.tensor([len(s) for s in sequences], dtype=torch.int32),
-                   "prompt_lens": torch.tensor(prompt_lens, dtype=torch.int32), **rec}
+                   "prompt_lens": torch.tensor(prompt_lens, dtype=torch.int32),
+                   "greedy": torch.tensor(greedy_flags, dtype=torch.int8), **rec}
         save_file(tensors, path + ".tmp")
         os.replace(path + ".tmp", path)  # a shard is there whole or not at all
         generated = sum(len(s) - p for s, p in zip(sequences, prompt_lens))
@@ -148,7 +175,7 @@ def generate_data(llm, prompts: list[str], aux_layers: tuple[int, ...], cfg: Dat
         stats["record_s"] += t2 - t1
         if progress is not None:
             progress(index + 1, num_shards, generated / (t1 - t0),
-                     sum(len(s) for s in sequences) / (t2 - t1))
+                     sum(len(s) for s in sequences) / max(t2 - t1, 1e-9))
     return stats
 
 

@@ -1,8 +1,12 @@
-"""The recorded shards in memory, the draft vocabulary, and padded training batches."""
+"""The shards in memory, the draft vocabulary, and padded training batches.
+
+Recorded shards carry the target's aux states and top-k labels; online ones (token ids
+only) get them per batch from a `Recorder` (data.record_sequences over the batch)."""
 from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -12,13 +16,16 @@ from torch import Tensor
 # (recorded in one batched prefill, a near-tie can flip between batch shapes).
 GREEDY_MATCH = 0.97
 
+# Online data: whole sequences -> {"aux", "topk_ids", "topk_probs"}, rows in sequence order.
+Recorder = Callable[[list[list[int]]], dict[str, Tensor]]
+
 
 @dataclass
 class Dataset:
     input_ids: Tensor  # [N] int64
-    aux: Tensor  # [N, A * H] bf16
-    topk_ids: Tensor  # [N, K] int64
-    topk_probs: Tensor  # [N, K] fp16
+    aux: Tensor | None  # [N, A * H] bf16; None: online (token ids only)
+    topk_ids: Tensor | None  # [N, K] int64
+    topk_probs: Tensor | None  # [N, K] fp16
     starts: list[int]
     lens: list[int]
     prompt_lens: list[int]
@@ -39,6 +46,9 @@ class Dataset:
         starts = [0]
         for n in lens[:-1]:
             starts.append(starts[-1] + n)
+        if "aux" not in parts[0]:  # online: greedy as generated
+            greedy = [bool(x) for p in parts for x in p["greedy"]]
+            return cls(ids, None, None, None, starts, lens, prompt_lens, greedy)
         topk_ids = torch.cat([p["topk_ids"] for p in parts]).long()
         greedy = []
         for s, n, p in zip(starts, lens, prompt_lens):
@@ -49,6 +59,13 @@ class Dataset:
         return cls(ids, torch.cat([p["aux"] for p in parts]), topk_ids,
                    torch.cat([p["topk_probs"] for p in parts]), starts, lens, prompt_lens,
                    greedy)
+
+    @property
+    def online(self) -> bool:
+        return self.aux is None
+
+    def sequence(self, i: int) -> list[int]:
+        return self.input_ids[self.starts[i]:self.starts[i] + self.lens[i]].tolist()
 
     @property
     def num_seqs(self) -> int:
@@ -82,7 +99,8 @@ def draft_vocabulary(data: Dataset, vocab_size: int, size: int) -> Tensor | None
     if size <= 0 or size >= vocab_size:
         return None
     counts = torch.bincount(data.response_tokens(), minlength=vocab_size).double()
-    counts += 1e-3 * torch.bincount(data.topk_ids[:, 0], minlength=vocab_size).double()
+    if data.topk_ids is not None:
+        counts += 1e-3 * torch.bincount(data.topk_ids[:, 0], minlength=vocab_size).double()
     return counts.topk(size).indices.sort().values
 
 
@@ -136,20 +154,32 @@ def make_batches(data: Dataset, batch_tokens: int, seed: int, epoch: int,
     return groups
 
 
-def pad(data: Dataset, idx: list[int]) -> Batch:
-    """The padded batch of sequences `idx`."""
+def pad(data: Dataset, idx: list[int], recorder: Recorder | None = None) -> Batch:
+    """The padded batch of sequences `idx`; online data takes its aux states and labels
+    from `recorder`."""
+    if data.online:
+        if recorder is None:
+            raise ValueError("online data (token ids only) needs a recorder")
+        rec = recorder([data.sequence(i) for i in idx])
+        aux_all, ids_all, probs_all = rec["aux"], rec["topk_ids"].long(), rec["topk_probs"]
+        offsets = [0]
+        for i in idx:
+            offsets.append(offsets[-1] + data.lens[i])
+    else:
+        aux_all, ids_all, probs_all = data.aux, data.topk_ids, data.topk_probs
+        offsets = [data.starts[i] for i in idx]
     t = max(data.lens[i] for i in idx)
-    b, width, k = len(idx), data.aux.shape[1], data.topk_ids.shape[1]
+    b, width, k = len(idx), aux_all.shape[1], ids_all.shape[1]
     ids = torch.zeros(b, t, dtype=torch.long)
-    aux = torch.zeros(b, t, width, dtype=data.aux.dtype)
+    aux = torch.zeros(b, t, width, dtype=aux_all.dtype)
     tk = torch.zeros(b, t, k, dtype=torch.long)
-    tp = torch.zeros(b, t, k, dtype=data.topk_probs.dtype)
+    tp = torch.zeros(b, t, k, dtype=probs_all.dtype)
     for row, i in enumerate(idx):
-        s, n = data.starts[i], data.lens[i]
+        s, n, o = data.starts[i], data.lens[i], offsets[row]
         ids[row, :n] = data.input_ids[s:s + n]
-        aux[row, :n] = data.aux[s:s + n]
-        tk[row, :n] = data.topk_ids[s:s + n]
-        tp[row, :n] = data.topk_probs[s:s + n]
+        aux[row, :n] = aux_all[o:o + n]
+        tk[row, :n] = ids_all[o:o + n]
+        tp[row, :n] = probs_all[o:o + n]
     return Batch(ids, aux, tk, tp, torch.tensor([data.lens[i] for i in idx]),
                  torch.tensor([data.prompt_lens[i] for i in idx]),
                  torch.tensor([data.greedy[i] for i in idx]))

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from aioengine.spec_decode.train.data import make_recorder
 from aioengine.spec_decode.train.dataset import (Batch, Dataset, draft_vocabulary, make_batches,
                                                  pad)
 from aioengine.spec_decode.train.head import TrainableEagle3, export_head
@@ -143,6 +144,10 @@ def train(cfg: TrainConfig) -> dict:
     arch, embed, lm_head, target_path = load_target_tables(cfg.model or meta.get("model"))
     train_set = Dataset.load(os.path.join(cfg.data_dir, "train"))
     held_set = Dataset.load(os.path.join(cfg.data_dir, "heldout"))
+    recorder = None
+    if train_set.online or held_set.online:  # aux states and labels recomputed per batch
+        recorder = make_recorder(target_path, meta["dtype"], aux_layers,
+                                 meta.get("top_k_labels", 8))
     draft_ids = draft_vocabulary(train_set, arch.vocab_size, cfg.draft_vocab_size)
     t2d = torch.full((arch.vocab_size,), -1, dtype=torch.long)
     if draft_ids is None:
@@ -161,7 +166,7 @@ def train(cfg: TrainConfig) -> dict:
     if os.path.exists(os.path.join(ckpt, "state.json")):
         state = _load_checkpoint(ckpt, model, opt)
         logger.info("resumed at step %d of %d", state["step"], total_steps)
-    held_batches = [pad(held_set, g) for g in make_batches(held_set, cfg.batch_tokens,
+    held_batches = [pad(held_set, g, recorder) for g in make_batches(held_set, cfg.batch_tokens,
                                                             cfg.seed, 0, shuffle=False)]
     coverage = train_set.coverage(draft_ids)
     logger.info("data: %d train sequences (%d tokens), %d held-out; draft vocabulary %d "
@@ -178,7 +183,7 @@ def train(cfg: TrainConfig) -> dict:
         for group in batches[index:]:
             if step >= total_steps:
                 break
-            batch = pad(train_set, group)
+            batch = pad(train_set, group, recorder)
             for param_group in opt.param_groups:
                 param_group["lr"] = _lr(cfg, step, total_steps)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_model_dir
 
@@ -82,3 +83,38 @@ def test_training_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     assert 0 < first["steps"] < second["steps"]
     steps = [h["step"] for h in second["history"] if "loss" in h]
     assert steps == sorted(set(steps))  # no step trained twice
+
+
+def test_online_data_records_what_the_recorded_data_holds(tmp_path: Path) -> None:
+    """Token-only shards (--online) hold the same sequences as recorded ones, and the
+    recorder gives the batches the aux states and labels the recorded shards hold; the
+    online run trains (its held-out loss falls)."""
+    from aioengine.spec_decode.train.data import make_recorder
+    from aioengine.spec_decode.train.dataset import Dataset, pad
+
+    target = _predictable_target(tmp_path / "target")
+    common = ["--model", str(target), "--dtype", "float32", "--max-prompts", "24",
+              "--max-heldout-prompts", "6", "--max-tokens", "24",
+              "--self-prompts-per-topic", "0", "--draft-vocab-size", "1024",
+              "--ttt-steps", "2", "--batch-tokens", "1024", "--eval-every", "10"]
+    assert main([*common, "-o", str(tmp_path / "rec"), "--stage", "data"]) == 0
+    assert main([*common, "-o", str(tmp_path / "onl"), "--online", "--epochs", "4",
+                 "--lr", "3e-3", "--warmup-steps", "2"]) == 0
+    recorded = Dataset.load(str(tmp_path / "rec" / "data" / "train"))
+    online = Dataset.load(str(tmp_path / "onl" / "data" / "train"))
+    assert online.online and not recorded.online
+    assert torch.equal(online.input_ids, recorded.input_ids)
+    assert online.lens == recorded.lens
+    # Online: as generated (one greedy, one sampled each); recorded: responses the target's
+    # top-1 matches, which includes every greedy one.
+    assert sum(online.greedy) == len(online.lens) // 2
+    assert all(r for o, r in zip(online.greedy, recorded.greedy) if o)
+    meta = json.loads((tmp_path / "onl" / "data" / "meta.json").read_text())
+    recorder = make_recorder(str(target), meta["dtype"], tuple(meta["aux_layers"]), 8)
+    idx = [0, 3, 5]
+    a, b = pad(online, idx, recorder), pad(recorded, idx)
+    assert torch.allclose(a.aux.float(), b.aux.float(), atol=2e-2)
+    assert (a.topk_ids[..., 0] == b.topk_ids[..., 0]).float().mean() > 0.99
+    trained = json.loads((tmp_path / "onl" / "training.json").read_text())
+    losses = [h["heldout_loss"] for h in trained["history"] if "heldout_loss" in h]
+    assert trained["steps"] > 0 and losses[-1] < losses[0]

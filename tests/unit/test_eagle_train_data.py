@@ -7,8 +7,10 @@ import torch
 
 from aioengine.cli import main as cli_main
 from aioengine.spec_decode.train.dataset import Dataset, draft_vocabulary, make_batches, pad
+from aioengine.spec_decode.train.cli import corpus_training_prompts
+from aioengine.spec_decode.train.corpus import corpus_prompts
 from aioengine.spec_decode.train.prompts import (HELD_OUT_TOPICS, clean_self_prompt,
-                                                 split_prompts)
+                                                 shipped_prompts, split_prompts)
 
 
 def test_held_out_prompts_never_reach_training() -> None:
@@ -18,6 +20,43 @@ def test_held_out_prompts_never_reach_training() -> None:
     assert not any(topic in p for p in train for topic in HELD_OUT_TOPICS)
     assert split_prompts(seed=0) == (train, held)  # seeded
     assert split_prompts(seed=1)[0] != train and split_prompts(seed=1)[1] == held
+
+
+def test_corpus_prompts_are_many_varied_and_never_the_benchmarks() -> None:
+    train, held = split_prompts(seed=0)
+    corpus = corpus_training_prompts(held, seed=0)
+    shipped = set(shipped_prompts())
+    assert len(corpus) >= 10_000 and len(set(corpus)) == len(corpus)
+    assert not (set(corpus) & (shipped | set(held)))
+    assert not any(t.lower() in p.lower() for p in corpus for t in HELD_OUT_TOPICS)
+    sources = corpus_prompts(HELD_OUT_TOPICS, shipped, seed=0)
+    assert all(len(v) > 200 for v in sources.values()), {k: len(v) for k, v in sources.items()}
+    # Input-grounded prompts quote real text (a passage of Python's documentation).
+    assert any("Python documentation" in p and len(p) > 300 for p in sources["python_docs"])
+    assert corpus_training_prompts(held, seed=0) == corpus  # seeded
+
+
+def test_online_batches_take_aux_and_labels_from_the_recorder() -> None:
+    seqs, prompt_lens = [[4, 5, 6], [7, 8]], [1, 1]
+    ids = torch.tensor([t for s in seqs for t in s])
+    data = Dataset(ids, None, None, None, [0, 3], [3, 2], prompt_lens, [True, False])
+    seen = []
+
+    def recorder(batch: list[list[int]]) -> dict[str, torch.Tensor]:
+        seen.append(batch)
+        flat = torch.tensor([t for s in batch for t in s], dtype=torch.float32)
+        return {"aux": flat[:, None].repeat(1, 4).to(torch.bfloat16),
+                "topk_ids": (flat[:, None] + 1).long(), "topk_probs": torch.ones(len(flat), 1)}
+
+    assert data.online
+    with pytest.raises(ValueError, match="recorder"):
+        pad(data, [0, 1])
+    batch = pad(data, [1, 0], recorder)
+    assert seen == [[[7, 8], [4, 5, 6]]]
+    assert batch.input_ids.tolist() == [[7, 8, 0], [4, 5, 6]]
+    assert batch.aux[:, :, 0].tolist() == [[7, 8, 0], [4, 5, 6]]
+    assert batch.topk_ids[:, :, 0].tolist() == [[8, 9, 0], [5, 6, 7]]
+    assert batch.greedy.tolist() == [False, True]
 
 
 def test_clean_self_prompt() -> None:
