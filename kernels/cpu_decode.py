@@ -144,7 +144,8 @@ def llama_decode(x: Tensor, layer_table: DecodeLayerTable, final_norm: Tensor, *
                  slot_mapping: Tensor, block_tables: Tensor, seq_lens: Tensor,
                  num_blocks: int, block_size: int, weight_format: int = 0,
                  aux: Tensor | None = None, aux_layers: Tensor | None = None,
-                 lora: LoRADecodeArgs | None = None) -> bool:
+                 lora: LoRADecodeArgs | None = None,
+                 eagle: EagleDecodeArgs | None = None) -> bool:
     """Runs every decoder layer and the final norm for a decode step of T single-token rows
     (one per request, or several of one request: each row's K/V are written before any row
     attends), in place: x [T, H] goes in as the embeddings and comes out as the final-normed
@@ -157,6 +158,8 @@ def llama_decode(x: Tensor, layer_table: DecodeLayerTable, final_norm: Tensor, *
     None: aux[:, j*H:(j+1)*H] receives the residual stream into layer aux_layers[j] (the
     embeddings for 0), before its input norm. `lora`: the step's adapter slots (each
     token's update added to every projection, as `lora_apply` computes it), or None.
+    `eagle`: the table is an EAGLE-3 draft layer's (x the embeddings; see EagleDecodeArgs),
+    without aux or lora.
     Raises IndexError, writing nothing, for a slot outside the caches; ValueError for a
     layer index out of range. Returns False, changing nothing, when the kernel does not
     apply or is not built.
@@ -173,7 +176,8 @@ def llama_decode(x: Tensor, layer_table: DecodeLayerTable, final_norm: Tensor, *
             and seq_lens.is_contiguous() and cos.shape[-1] * 2 == head_dim):
         return False
     step = layer_table.step
-    if not (_set_aux(step, aux, aux_layers, t, x.shape[1]) and _set_lora(step, lora, t)):
+    if not (_set_aux(step, aux, aux_layers, t, x.shape[1]) and _set_lora(step, lora, t)
+            and _set_eagle(step, eagle, x, aux is None and lora is None)):
         return False
     lib = load()
     if lib is None:
@@ -192,6 +196,36 @@ def llama_decode(x: Tensor, layer_table: DecodeLayerTable, final_norm: Tensor, *
                          f"{num_blocks * block_size} slots")
     if rc < 0:
         raise MemoryError("llama_decode: out of memory for its buffers")
+    return True
+
+
+@dataclass
+class EagleDecodeArgs:
+    """An EAGLE-3 draft layer's extra inputs (decode_layer.h's eagle_* fields): `hidden`
+    [T, H] float32, the hidden states the head reads, overwritten with the final residual
+    stream (the next draft's hidden state); `hidden_norm` [H] float32; whether the
+    residual stream starts from the normed hidden states."""
+
+    hidden: Tensor
+    hidden_norm: Tensor
+    norm_before_residual: bool = False
+
+
+def _set_eagle(step: DecodeStep, eagle: EagleDecodeArgs | None, x: Tensor,
+               plain: bool) -> bool:
+    """The draft layer's inputs into `step`; False where they do not fit (not one layer,
+    not float32 rows like x, or with aux / lora)."""
+    if eagle is None:
+        step.eagle_hidden = step.eagle_hidden_norm = None
+        step.eagle_norm_before_residual = 0
+        return True
+    if not (plain and step.num_layers == 1 and eagle.hidden.shape == x.shape
+            and eagle.hidden_norm.shape == x.shape[1:]
+            and _f32_rows(eagle.hidden, eagle.hidden_norm)):
+        return False
+    step.eagle_hidden, step.eagle_hidden_norm = (eagle.hidden.data_ptr(),
+                                                 eagle.hidden_norm.data_ptr())
+    step.eagle_norm_before_residual = int(eagle.norm_before_residual)
     return True
 
 

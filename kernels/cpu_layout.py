@@ -56,7 +56,9 @@ class DecodeStep(ctypes.Structure):
         ("block_tables", _ptr), ("table_stride", _i64), ("seq_lens", _ptr),
         ("num_blocks", _i64), ("block_size", _i64),
         ("aux", _ptr), ("aux_layers", _ptr), ("num_aux", _i64),
-        ("lora", _ptr), ("token_slots", _ptr), ("lora_rank", _i64), ("lora_bf16", _i32)]
+        ("lora", _ptr), ("token_slots", _ptr), ("lora_rank", _i64), ("lora_bf16", _i32),
+        ("eagle_hidden", _ptr), ("eagle_hidden_norm", _ptr),
+        ("eagle_norm_before_residual", _i32)]
 
 
 # The mirrored structs by their C names (layout.c's table).

@@ -41,6 +41,7 @@ from aioengine.model import hugepages, layers
 from aioengine.model.arch import ModelArchConfig
 from aioengine.model.attention import AttentionMetadata, TorchAttentionBackend
 from aioengine.model.layer_spec import layer_specs
+from aioengine.spec_decode.eagle_fused import FusedEagleStep
 from aioengine.model.layers import Linear, _param, lm_head_logits
 from aioengine.model.llama import (LlamaDecoderLayer, _has_param, _layer_weight_table,
                                    copy_param_rows)
@@ -105,6 +106,9 @@ class EagleHead(nn.Module):
         self.draft_to_target: Tensor | None = None
         self.rotary = RotaryEmbedding(arch, dtype, device)
         self.attn_backend = TorchAttentionBackend()
+        # The fused C step (eagle_fused.py), set by load_eagle_head once the weights are in
+        # their final storage; None: the torch path only.
+        self.fused: FusedEagleStep | None = None
 
     def linears(self) -> list[Linear]:
         lins = [self.fc, *self.layer.projections(), self.lm_head]
@@ -140,6 +144,10 @@ class EagleHead(nn.Module):
                 hidden = self.fc(hidden)
             else:
                 hidden = hidden.clone()  # the residual: fused_add_rms_norm writes into it
+            fused = None if self.fused is None else self.fused.run(
+                emb, hidden, positions, kv_cache, attn_metadata)
+            if fused is not None:
+                return fused
             normed = self.ops.rms_norm(hidden, self.hidden_norm, self.eps)
             residual = normed if self.norm_before_residual else hidden
             attn_in = torch.cat((self.ops.rms_norm(emb, self.layer.input_layernorm, self.eps),
@@ -223,6 +231,7 @@ def load_eagle_head(path: str, method: str, target_arch: ModelArchConfig,
         if storage != str(compute).removeprefix("torch."):
             lin.convert(storage)
         lin.pack()
+    head.fused = FusedEagleStep(head)
     return head.eval()
 
 

@@ -93,6 +93,15 @@ typedef struct {
     const int32_t *token_slots;
     int64_t lora_rank;
     int32_t lora_bf16;
+    /* An EAGLE-3 draft layer (spec_decode/eagle.py), or NULL (then no aux, no lora): x holds
+     * the tokens' embeddings and eagle_hidden [num_tokens, hidden] the hidden states the
+     * head reads. Layer 0's input is [rms(x) * input_norm | rms(eagle_hidden) *
+     * eagle_hidden_norm], 2 hidden wide (its qkv weight [.., 2 hidden]); its residual stream
+     * starts as eagle_hidden, or as its normed half with eagle_norm_before_residual. The
+     * final residual stream (the next draft's hidden state) is written into eagle_hidden. */
+    float *eagle_hidden;
+    const float *eagle_hidden_norm;
+    int32_t eagle_norm_before_residual;
 } decode_step;
 
 /* Runs the step (llama_decode.c). Returns 0; the number of slots outside the cache, having

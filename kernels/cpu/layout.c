@@ -55,6 +55,8 @@ static const layout_field decode_step_fields[] = {
     FIELD(decode_step, aux_layers),   FIELD(decode_step, num_aux),
     FIELD(decode_step, lora),         FIELD(decode_step, token_slots),
     FIELD(decode_step, lora_rank),    FIELD(decode_step, lora_bf16),
+    FIELD(decode_step, eagle_hidden), FIELD(decode_step, eagle_hidden_norm),
+    FIELD(decode_step, eagle_norm_before_residual),
 };
 
 #define STRUCT(type) {#type, (int64_t)sizeof(type), type##_fields, \

@@ -162,6 +162,17 @@ static int64_t *part_tasks(const int32_t *seq_lens, int64_t M, int64_t block_siz
     return tasks;
 }
 
+/* An EAGLE-3 draft layer's input row (decode_layer.h): h [2 hidden] = [rms(emb) *
+ * input_norm | rms(hidden) * eagle_hidden_norm], and the residual stream's start r. */
+static void eagle_input_row(float *restrict h, float *restrict r, const float *restrict emb,
+                            const float *restrict hid, const float *restrict input_norm,
+                            const decode_step *d, float eps) {
+    const int64_t n = d->hidden;
+    rms_norm_row(h, emb, input_norm, n, eps);
+    rms_norm_row(h + n, hid, d->eagle_hidden_norm, n, eps);
+    memcpy(r, d->eagle_norm_before_residual ? h + n : hid, sizeof(float) * (size_t)n);
+}
+
 /* The step of `d` (decode_layer.h: its fields' meaning and the return value). */
 int64_t llama_decode(const decode_step *d) {
     float *restrict x = d->x;
@@ -185,6 +196,9 @@ int64_t llama_decode(const decode_step *d) {
     const int lora_bf16 = d->lora_bf16, weight_fmt = d->weight_fmt, num_threads = d->num_threads;
     const int64_t M = num_tokens, q_size = num_heads * head_dim;
     const int64_t kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
+    float *restrict eagle_hidden = d->eagle_hidden;
+    /* Layer 0's qkv input: 2 hidden wide for an EAGLE-3 draft layer. */
+    const int64_t qkv_in0 = eagle_hidden != NULL ? 2 * hidden : hidden;
     const attention_step step = {
         .num_heads = num_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
         .q_size = q_size, .kv_size = kv_size, .num_slots = num_blocks * block_size,
@@ -210,6 +224,7 @@ int64_t llama_decode(const decode_step *d) {
     float *qkv = shared, *gate_up = qkv + M * qkv_size, *attn = gate_up + M * 2 * intermediate;
     int64_t wide = hidden > intermediate ? hidden : intermediate;
     wide = wide > q_size ? wide : q_size;
+    wide = wide > qkv_in0 ? wide : qkv_in0;
     const int fmt = weight_fmt;
     /* Claim counters of every projection of the step: [num_layers, 4, num_threads]. */
     gemv_claim *claims = calloc((size_t)(num_layers * 4 * num_threads), sizeof(gemv_claim));
@@ -249,9 +264,13 @@ int64_t llama_decode(const decode_step *d) {
             const decode_layer *layer = layers + l;
             gemv_claim *c = claims + l * 4 * num_threads;
             if (ok) {
+                const int64_t qkv_in = l == 0 ? qkv_in0 : hidden;
                 for (int64_t t = 0; t < M; t++) {
-                    float *ht = h + t * hidden, *rt = residual + t * hidden;
-                    if (l == 0) {
+                    float *ht = h + t * qkv_in, *rt = residual + t * hidden;
+                    if (l == 0 && eagle_hidden != NULL) {
+                        eagle_input_row(ht, rt, x + t * hidden, eagle_hidden + t * hidden,
+                                        layer->input_norm, d, eps);
+                    } else if (l == 0) {
                         memcpy(rt, x + t * hidden, sizeof(float) * (size_t)hidden);
                         rms_norm_row(ht, rt, layer->input_norm, hidden, eps);
                     } else {
@@ -271,8 +290,8 @@ int64_t llama_decode(const decode_step *d) {
                                 memcpy(aux + (t * num_aux + j) * hidden, residual + t * hidden,
                                        sizeof(float) * (size_t)hidden);
                 const gemv_weight w = proj(layer->qkv, layer->qkv_scales, fmt);
-                gemv_shared(qkv, gemv_prepare_x(xbuf, h, M, hidden, fmt), &w, layer->qkv_bias, M,
-                            qkv_size, hidden, tid, nt, c);
+                gemv_shared(qkv, gemv_prepare_x(xbuf, h, M, qkv_in, fmt), &w, layer->qkv_bias, M,
+                            qkv_size, qkv_in, tid, nt, c);
             }
 #pragma omp barrier
             /* Every token's K/V into the cache before any token attends: the tokens of one
@@ -363,6 +382,9 @@ int64_t llama_decode(const decode_step *d) {
                                  token_slots[t], hidden_slices, 1, R, hidden, lora_bf16);
                 fused_add_rms_norm_row(x + t * hidden, residual + t * hidden, final_norm, hidden,
                                        eps);
+                if (eagle_hidden != NULL)  /* the next draft step's hidden state */
+                    memcpy(eagle_hidden + t * hidden, residual + t * hidden,
+                           sizeof(float) * (size_t)hidden);
             }
         free(residual);
     }

@@ -1,0 +1,86 @@
+"""An EAGLE-3 head's layer through the fused C decode kernel (kernels/cpu/llama_decode.c,
+its `eagle_*` inputs): the two input norms, the layer and the final norm in one call per
+draft step, where the torch path makes ~20 (issue 32).
+
+Every row is laid out as a decode row (its own position, seq_len = position + 1, its
+request's block table): the kernel writes every row's K/V before any row attends, so a
+catch-up chunk is the same causal attention as the torch path's prefill. The projections
+run the same packed GEMM and attention the same fixed-position parts as the torch path,
+so the two give the same bits (tests/model/test_eagle_fused.py). Fail closed: anything
+else (EAGLE-1, another device or dtype, q/k norms, unpacked weights beyond a few rows, no
+kernel library) returns None and the caller runs the torch path.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from aioengine.kernels import cpu_decode
+from aioengine.model.attention import AttentionMetadata, TorchAttentionBackend
+from aioengine.model.executors import FUSED_DECODE_MAX_TOKENS
+
+if TYPE_CHECKING:
+    from aioengine.spec_decode.eagle import EagleHead
+
+
+class FusedEagleStep:
+    def __init__(self, head: EagleHead) -> None:
+        self.head = head
+        layer = head.layer
+        backend = head.attn_backend
+        self.enabled = (head.method == "eagle3" and head.device.type == "cpu"
+                        and head.dtype == torch.float32 and layer.input_layernorm is not None
+                        and head.hidden_norm is not None and head.norm is not None
+                        and layer.q_norm is None and layer.spec.sliding_window is None
+                        and type(backend) is TorchAttentionBackend and backend.use_cpu_kernel)
+        self.packed = bool(getattr(layer.qkv_proj, "is_packed", False))
+        self._table: tuple[int, cpu_decode.DecodeLayerTable | None] | None = None
+
+    def _layer_table(self, kv_cache: Tensor) -> cpu_decode.DecodeLayerTable | None:
+        if self._table is None or self._table[0] != kv_cache.data_ptr():
+            layer = self.head.layer
+            qkv, o, gate_up, down = layer.projections()
+            table = cpu_decode.decode_layer_table([{
+                "input_norm": layer.input_layernorm, "qkv": qkv.weight,
+                "qkv_scales": qkv.scales, "qkv_bias": qkv.bias, "q_norm": None,
+                "k_norm": None, "o": o.weight, "o_scales": o.scales,
+                "post_norm": layer.post_attention_layernorm, "gate_up": gate_up.weight,
+                "gate_up_scales": gate_up.scales, "down": down.weight,
+                "down_scales": down.scales, "kv_cache": kv_cache}])
+            self._table = (kv_cache.data_ptr(), table)
+        return self._table[1]
+
+    def run(self, emb: Tensor, hidden: Tensor, positions: Tensor, kv_cache: Tensor,
+            meta: AttentionMetadata) -> tuple[Tensor, Tensor] | None:
+        """emb [T, H] (the tokens' embeddings), hidden [T, H] (fc applied): the head's
+        (logits_hidden, next_hidden), writing the rows' K/V; None, having done nothing,
+        where the kernel does not apply."""
+        t = emb.shape[0]
+        if not (self.enabled and t > 0 and (self.packed or t <= FUSED_DECODE_MAX_TOKENS)
+                and emb.dtype == hidden.dtype == torch.float32 and kv_cache.dim() == 5):
+            return None
+        table = self._layer_table(kv_cache)
+        if table is None:
+            return None
+        head, layer = self.head, self.head.layer
+        starts = meta.query_start_loc_cpu
+        query_lens = torch.tensor([b - a for a, b in zip(starts, starts[1:])])
+        tables = meta.block_tables.repeat_interleave(query_lens, dim=0).contiguous()
+        seq_lens = (positions + 1).to(torch.int32)
+        x = emb.contiguous().clone()
+        next_hidden = hidden.contiguous().clone()
+        _, num_blocks, block_size, _, _ = kv_cache.shape
+        arch = head.arch
+        ran = cpu_decode.llama_decode(
+            x, table, head.norm, num_heads=arch.num_attention_heads,
+            num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
+            intermediate_size=arch.intermediate_size, eps=head.eps, scale=layer.scale,
+            positions=positions.contiguous(), cos=head.rotary.cos, sin=head.rotary.sin,
+            slot_mapping=meta.slot_mapping, block_tables=tables, seq_lens=seq_lens,
+            num_blocks=num_blocks, block_size=block_size,
+            weight_format=layer.qkv_proj.gemv_format,
+            eagle=cpu_decode.EagleDecodeArgs(next_hidden, head.hidden_norm,
+                                             head.norm_before_residual))
+        return (x, next_hidden) if ran else None
