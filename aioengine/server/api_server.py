@@ -265,17 +265,23 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family, backlog=1024)
 
 
-async def build_server_app(engine: AsyncEngine, served_model_names: list[str],
-                           config: ServerConfig) -> web.Application:
-    """The application `serve` runs (and each Ray Serve replica, aioengine/ray_serve/):
-    loads the `--lora-modules` adapters first (LoRAModuleError: none is served), unless
-    they are loaded on demand."""
+async def build_serving_context(engine: AsyncEngine, served_model_names: list[str],
+                                config: ServerConfig) -> ServingContext:
+    """How the engine is served (`serve` and `run-batch`): loads the `--lora-modules`
+    adapters first (LoRAModuleError: none is served), unless they are loaded on demand."""
     tools = ToolServingConfig(config.enable_auto_tool_choice, config.tool_call_parser)
     on_demand = config.lora_modules if config.load_lora_modules_on_demand else ()
     ctx = ServingContext(engine, ServingModels(engine, served_model_names, on_demand), tools,
                          config.chat_template, config.max_queued_requests)
     if not on_demand:
         await ctx.models.init_static_loras(list(config.lora_modules))
+    return ctx
+
+
+async def build_server_app(engine: AsyncEngine, served_model_names: list[str],
+                           config: ServerConfig) -> web.Application:
+    """The application `serve` runs (and each Ray Serve replica, aioengine/ray_serve/)."""
+    ctx = await build_serving_context(engine, served_model_names, config)
     if config.allow_runtime_lora_updating:
         logger.warning("LoRA dynamic loading & unloading is enabled in the API server "
                        "(POST /v1/load_lora_adapter, /v1/unload_lora_adapter). This should "
