@@ -31,7 +31,8 @@ SERVER_FLAGS: dict[str, FlagSpec] = {
     "host": flag("--host", help="bind address (default: loopback)"),
     "port": flag("--port", type=int, help="0 picks a free port"),
     "api_key": flag("--api-key", help="require `Authorization: Bearer KEY` on every route "
-                                      "but /health (default: $AIOENGINE_API_KEY)"),
+                                      "but /health and the chat page at / (which asks for "
+                                      "the key; default: $AIOENGINE_API_KEY)"),
     "metrics_without_api_key": flag(
         "--metrics-without-api-key", action="store_true",
         help="with --api-key: let /metrics answer without the key (a Prometheus scraper)"),
