@@ -85,6 +85,7 @@ async def _serve(args: argparse.Namespace) -> int:
 async def _run_batch(args: argparse.Namespace) -> int:
     from aioengine import AsyncEngine
     from aioengine.config import ConfigError
+    from aioengine.errors import EngineDeadError
     from aioengine.model.default import ModelNotFoundError
     from aioengine.model.loader import ModelLoadError
     from aioengine.server.api_server import build_serving_context
@@ -109,6 +110,10 @@ async def _run_batch(args: argparse.Namespace) -> int:
             summary = await run_batch_file(ctx, args.input_file, args.output_file,
                                            args.max_concurrent_requests,
                                            progress=not args.no_progress)
+        except EngineDeadError as e:
+            print(f"error: the engine stopped: {e}; the lines it did not finish have no "
+                  "record, run the same command again to resume", file=sys.stderr)
+            return 1
         finally:
             ctx.work.shutdown()
     print(summary.line(), file=sys.stderr)

@@ -11,7 +11,8 @@ interrupted run keeps what finished): `{"id", "custom_id", "response": {"status_
 status and the OpenAI error body as `response.body` and `error` null (as OpenAI's Batch
 API reports them); a line that never became a request (not JSON, no custom_id, an
 unknown url, `stream: true`) gets status 400, the same kind of body, and `error` set to
-`{"code", "message"}`. One bad line never stops the others.
+`{"code", "message"}`. One bad line never stops the others; an engine that dies stops the
+run (EngineDeadError) without a record for the lines it took down.
 
 Resume: custom_ids already in the output file are skipped and the file is appended to (a
 line cut short by a kill is dropped first). Lines run concurrently, at most
@@ -30,6 +31,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
+from aioengine.errors import EngineDeadError
 from aioengine.server.protocol import ApiError, get_stream
 from aioengine.server.serving_chat import ChatHandler
 from aioengine.server.serving_completions import CompletionsHandler
@@ -203,6 +205,7 @@ class BatchRunner:
                           for url, make in BATCH_ENDPOINTS.items()}
         self.slots = asyncio.Semaphore(max_concurrent)
         self.summary = BatchSummary()
+        self.engine_dead: EngineDeadError | None = None
 
     def write(self, rec: dict[str, Any], number: int) -> None:
         self.out.write(orjson.dumps(rec) + b"\n")
@@ -226,21 +229,26 @@ class BatchRunner:
                 raise LineError(f"line {line.number}: stream is not supported in a batch",
                                 "stream")
             status, body = await endpoint(line.body, line.size)
-            rec = record(line.custom_id, status, body)
         except LineError as e:
-            rec = line_error_record(line.custom_id, e)
+            self.write(line_error_record(line.custom_id, e), line.number)
+            return
         except Exception as e:  # noqa: BLE001 - one request's failure, recorded
             status, body = failure_body(e)
-            if status >= 500:
+            if status >= 500 and self.ctx.engine.is_running:
                 logger.exception("line %d (%s) failed", line.number, line.custom_id)
-            rec = record(line.custom_id, status, body)
-        self.write(rec, line.number)
+        if status >= 500 and not self.ctx.engine.is_running:
+            # The engine died under it: no record, so a resumed run does this line again.
+            self.engine_dead = EngineDeadError(f"the engine stopped at line {line.number}")
+            return
+        self.write(record(line.custom_id, status, body), line.number)
 
     async def run(self, lines: Iterator[tuple[int, bytes]], done: set[str]) -> BatchSummary:
         start = time.perf_counter()
         seen: set[str] = set()
         tasks: set[asyncio.Task] = set()
         for number, raw in lines:
+            if self.engine_dead is not None:
+                break
             self.summary.total += 1
             try:
                 line = parse_line(raw, number, self.endpoints)
@@ -267,6 +275,8 @@ class BatchRunner:
         if tasks:
             await asyncio.gather(*tasks)
         self.summary.elapsed_s = time.perf_counter() - start
+        if self.engine_dead is not None:
+            raise self.engine_dead
         return self.summary
 
     def _finished(self, tasks: set[asyncio.Task]) -> Callable[[asyncio.Task], None]:
