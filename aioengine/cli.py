@@ -1,4 +1,5 @@
 """The `aioengine` command line: `aioengine serve [MODEL]` (the OpenAI-compatible server),
+`aioengine run-batch -i requests.jsonl -o results.jsonl` (an OpenAI Batch file),
 `aioengine generate "prompt" [--chat]`, `aioengine bench MODE ...` (benchmarks: offline,
 serve, profile, latency, spec, structured, ...) and `aioengine train-eagle` (an EAGLE-3
 draft head for a model). The engine flags are aioengine.config's `add_engine_args`."""
@@ -12,7 +13,8 @@ import sys
 
 from aioengine import envs
 from aioengine.config import add_engine_args, engine_kwargs
-from aioengine.serve_args import (add_serve_args, check_serve_args, lora_engine_kwargs,
+from aioengine.serve_args import (add_run_batch_args, add_serve_args, check_run_batch_args,
+                                  check_serve_args, lora_engine_kwargs, run_batch_server_config,
                                   server_config_from_args, serve_model, served_names)
 
 
@@ -80,6 +82,44 @@ async def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _run_batch(args: argparse.Namespace) -> int:
+    from aioengine import AsyncEngine
+    from aioengine.config import ConfigError
+    from aioengine.errors import EngineDeadError
+    from aioengine.model.default import ModelNotFoundError
+    from aioengine.model.loader import ModelLoadError
+    from aioengine.server.api_server import build_serving_context
+    from aioengine.server.batch import run_batch_file
+    from aioengine.server.serving_models import LoRAModuleError
+
+    try:
+        names = list(served_names(args))
+        engine = await AsyncEngine.create(serve_model(args), served_model_name=names[0],
+                                          **engine_kwargs(args), **lora_engine_kwargs(args))
+    except (ConfigError, ModelLoadError, ModelNotFoundError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    _started()
+    async with engine:
+        try:
+            ctx = await build_serving_context(engine, names, run_batch_server_config(args))
+        except LoRAModuleError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        try:
+            summary = await run_batch_file(ctx, args.input_file, args.output_file,
+                                           args.max_concurrent_requests,
+                                           progress=not args.no_progress)
+        except EngineDeadError as e:
+            print(f"error: the engine stopped: {e}; the lines it did not finish have no "
+                  "record, run the same command again to resume", file=sys.stderr)
+            return 1
+        finally:
+            ctx.work.shutdown()
+    print(summary.line(), file=sys.stderr)
+    return 0
+
+
 def _started() -> None:
     """The engine is up: the garbage collector back on (aioengine/__main__.py turns it off
     for the start-up), everything alive now frozen out of its collections."""
@@ -112,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         check_serve_args(subparsers["serve"], args)
+    if args.command == "run-batch":
+        check_run_batch_args(subparsers["run-batch"], args)
     logging.basicConfig(level=envs.AIOENGINE_LOG_LEVEL, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "generate":
@@ -120,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         return _serve_on_ray(args)
     if args.command == "serve":
         return asyncio.run(_serve(args))
+    if args.command == "run-batch":
+        return asyncio.run(_run_batch(args))
     return 1
 
 
@@ -128,6 +172,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     parser = argparse.ArgumentParser(prog="aioengine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
+    add_run_batch_args(sub.add_parser(
+        "run-batch", help="run an OpenAI Batch file (chat, completions) through the engine"))
     gen = sub.add_parser("generate", help="stream one completion to stdout")
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")

@@ -31,7 +31,8 @@ SERVER_FLAGS: dict[str, FlagSpec] = {
     "host": flag("--host", help="bind address (default: loopback)"),
     "port": flag("--port", type=int, help="0 picks a free port"),
     "api_key": flag("--api-key", help="require `Authorization: Bearer KEY` on every route "
-                                      "but /health (default: $AIOENGINE_API_KEY)"),
+                                      "but /health and the chat page at / (which asks for "
+                                      "the key; default: $AIOENGINE_API_KEY)"),
     "metrics_without_api_key": flag(
         "--metrics-without-api-key", action="store_true",
         help="with --api-key: let /metrics answer without the key (a Prometheus scraper)"),
@@ -131,6 +132,55 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_dataclass_flags(parser.add_argument_group("tool calling and chat"), ServerConfig,
                         TOOL_FLAGS)
     add_ray_args(parser)
+
+
+def add_run_batch_args(parser: argparse.ArgumentParser) -> None:
+    """Every argument of `aioengine run-batch`: the files, then serve's model, engine,
+    LoRA and chat flags (no HTTP server, so none of its own)."""
+    parser.add_argument("-i", "--input-file", required=True, metavar="FILE",
+                        help="OpenAI Batch input: one JSON request a line (custom_id, "
+                             "method, url, body)")
+    parser.add_argument("-o", "--output-file", required=True, metavar="FILE",
+                        help="Batch output, one result a line as each finishes; custom_ids "
+                             "already in it are skipped (resume) and it is appended to")
+    parser.add_argument("--max-concurrent-requests", type=int, default=256, metavar="N",
+                        help="lines in flight at once (default: %(default)s)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("model_positional", nargs="?", metavar="MODEL", default=None,
+                        help="HF directory or .gguf file (default: bundled "
+                             "SmolLM2-135M-Instruct)")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="model name(s) the bodies' `model` may use (default: MODEL)")
+    add_engine_args(parser)
+    lora = parser.add_argument_group("LoRA adapters")
+    add_dataclass_flags(lora, EngineArgs, _some(LORA_ENGINE_FLAGS, "enable_lora"))
+    add_dataclass_flags(lora, ServerConfig, _some(LORA_SERVER_FLAGS, "lora_modules"))
+    add_dataclass_flags(lora, EngineArgs, _some(LORA_ENGINE_FLAGS, "max_loras",
+                                                "max_lora_rank", "max_cpu_loras"))
+    add_dataclass_flags(parser.add_argument_group("tool calling and chat"), ServerConfig,
+                        _some(TOOL_FLAGS, "enable_auto_tool_choice", "tool_call_parser",
+                              "chat_template"))
+    # What _check_lora_args and _check_tool_args read of serve's flags.
+    parser.set_defaults(allow_runtime_lora_updating=False, max_stored_responses=0)
+
+
+def check_run_batch_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What argparse cannot check of parsed `run-batch` arguments."""
+    if args.max_concurrent_requests < 1:
+        parser.error("--max-concurrent-requests must be >= 1")
+    if not os.path.isfile(args.input_file):
+        parser.error(f"--input-file {args.input_file}: no such file")
+    _check_lora_args(parser, args)
+    _check_tool_args(parser, args)
+
+
+def run_batch_server_config(args: argparse.Namespace) -> ServerConfig:
+    """The ServerConfig run-batch serves its lines with (LoRA modules, tools, template)."""
+    values = {**flag_values(args, _some(LORA_SERVER_FLAGS, "lora_modules")),
+              **flag_values(args, _some(TOOL_FLAGS, "enable_auto_tool_choice",
+                                        "tool_call_parser", "chat_template"))}
+    values["lora_modules"] = tuple(values["lora_modules"] or ())
+    return ServerConfig(**values)
 
 
 def lora_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server (aiohttp) in front of one AsyncEngine.
 
     client ──HTTP──> middleware (errors -> OpenAI error bodies, bearer auth on every route
-                        │                but /health)
+                        │                but /health and the chat page's files at /)
                         └─> route handler ─> engine.generate(...) per prompt ─> JSON or SSE
 
 Tokenizing, rendering and detokenizing of a large body run off the event loop (offload.py);
@@ -29,6 +29,7 @@ from aioengine import envs
 from aioengine.engine.async_engine import AsyncEngine
 from aioengine.errors import EngineDeadError, InvalidRequestError, NotFoundError
 from aioengine.metrics import CONTENT_TYPE
+from aioengine.server.chat_page import PAGE_PATHS, add_chat_page
 from aioengine.server.connections import CappedSockSite, client_error_log
 from aioengine.server.offload import BODY_BYTES, decode_ids, encode_text
 from aioengine.server.protocol import (ApiError, error_body, get_bool, get_int, get_int_list,
@@ -88,10 +89,13 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 def auth_middleware(api_key: str | None, metrics_without_api_key: bool = False) -> Callable:
-    """With a key, every route but /health (and /metrics if told) needs `Authorization:
-    Bearer KEY`: /tokenize, /version and /debug/faults too, and an unknown route is a 401
-    rather than a 404, so nothing about the server is told without the key."""
-    open_paths = {"/health", "/metrics"} if metrics_without_api_key else {"/health"}
+    """With a key, every route but /health, the chat page's static files (it asks for the
+    key itself) and /metrics if told needs `Authorization: Bearer KEY`: /tokenize, /version
+    and /debug/faults too, and an unknown route is a 401 rather than a 404, so nothing
+    about the server is told without the key."""
+    open_paths = {"/health", *PAGE_PATHS}
+    if metrics_without_api_key:
+        open_paths.add("/metrics")
 
     @web.middleware
     async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -143,6 +147,7 @@ class OpenAIServer:
         auth = auth_middleware(self.config.api_key, self.config.metrics_without_api_key)
         app = web.Application(middlewares=[error_middleware, auth])
         app[STREAM_WRITE_TIMEOUT] = self.config.stream_write_timeout
+        add_chat_page(app)
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.metrics)
@@ -265,17 +270,23 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family, backlog=1024)
 
 
-async def build_server_app(engine: AsyncEngine, served_model_names: list[str],
-                           config: ServerConfig) -> web.Application:
-    """The application `serve` runs (and each Ray Serve replica, aioengine/ray_serve/):
-    loads the `--lora-modules` adapters first (LoRAModuleError: none is served), unless
-    they are loaded on demand."""
+async def build_serving_context(engine: AsyncEngine, served_model_names: list[str],
+                                config: ServerConfig) -> ServingContext:
+    """How the engine is served (`serve` and `run-batch`): loads the `--lora-modules`
+    adapters first (LoRAModuleError: none is served), unless they are loaded on demand."""
     tools = ToolServingConfig(config.enable_auto_tool_choice, config.tool_call_parser)
     on_demand = config.lora_modules if config.load_lora_modules_on_demand else ()
     ctx = ServingContext(engine, ServingModels(engine, served_model_names, on_demand), tools,
                          config.chat_template, config.max_queued_requests)
     if not on_demand:
         await ctx.models.init_static_loras(list(config.lora_modules))
+    return ctx
+
+
+async def build_server_app(engine: AsyncEngine, served_model_names: list[str],
+                           config: ServerConfig) -> web.Application:
+    """The application `serve` runs (and each Ray Serve replica, aioengine/ray_serve/)."""
+    ctx = await build_serving_context(engine, served_model_names, config)
     if config.allow_runtime_lora_updating:
         logger.warning("LoRA dynamic loading & unloading is enabled in the API server "
                        "(POST /v1/load_lora_adapter, /v1/unload_lora_adapter). This should "

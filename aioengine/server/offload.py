@@ -88,7 +88,11 @@ class PromptWork:
     async def run(self, request: web.Request, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)`: inline for a small body, else on a thread (a cancelled request's
         call is dropped if it has not started; one that has runs to its end)."""
-        if body_bytes(request) < self.inline_below:
+        return await self.run_sized(body_bytes(request), fn, *args)
+
+    async def run_sized(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+        """`run` for a body of `size` bytes (run-batch: one line of its file)."""
+        if size < self.inline_below:
             return fn(*args)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(fn, *args))

@@ -17,11 +17,11 @@ from aiohttp import web
 from aioengine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from aioengine.sampling_params import SamplingParams
 from aioengine.server.chat_prompt import render_chat_text
-from aioengine.server.offload import encode_text
+from aioengine.server.offload import body_bytes, encode_text
 from aioengine.server.protocol import (ApiError, chat_sampling_params, get_bool, get_priority,
                                        get_stream, structured_outputs_field)
-from aioengine.server.serving_engine import (ApiCall, SSEStream, ServingContext, check_failed,
-                                             merged_outputs, random_id)
+from aioengine.server.serving_engine import (ApiCall, PreparedCall, SSEStream, ServingContext,
+                                             check_failed, merged_outputs, random_id)
 from aioengine.server.tool_parsers import (ContentDelta, ToolCallArgsDelta, ToolCallStart,
                                            ToolCallStream, ToolEvent)
 from aioengine.server.tools import ToolPlan, chat_tool_plan, new_tool_call_id
@@ -103,22 +103,25 @@ class ChatHandler:
         self.ctx = ctx
 
     async def __call__(self, request: web.Request, body: dict) -> web.StreamResponse:
+        return await (await self.create(body, body_bytes(request))).respond(request)
+
+    async def create(self, body: dict, body_size: int = 0) -> PreparedCall:
+        """The call of a parsed body of `body_size` bytes, validated and prepared (the
+        HTTP route and run-batch both come here)."""
         ctx = self.ctx
         model, lora_request = ctx.resolve_model(body)
         stream = get_stream(body)
         params = chat_sampling_params(body)
         priority = get_priority(body)
-        plan, prompt_ids = await ctx.work.run(request, chat_prompt, ctx, body)
+        plan, prompt_ids = await ctx.work.run_sized(body_size, chat_prompt, ctx, body)
         apply_tool_plan(plan, params, structured_outputs_field(body))
         prepared = await ctx.prepare([prompt_ids], params, lora_request, body,
                                      prompt_param="messages",
                                      grammar_param="tools" if plan else None)
         call = _ChatCall(random_id("chatcmpl"), model, params.n, params.logprobs, len(prompt_ids),
                          plan)
-        outputs = merged_outputs(ctx.engine, prepared, call.id, priority)
-        if stream.stream:
-            return await call.stream(request, outputs, stream.include_usage)
-        return await call.collect(outputs)
+        return PreparedCall(call, merged_outputs(ctx.engine, prepared, call.id, priority),
+                            stream)
 
 
 class _ChatCall(ApiCall):

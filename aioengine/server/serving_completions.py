@@ -7,10 +7,11 @@ from typing import Any
 from aiohttp import web
 
 from aioengine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from aioengine.server.offload import body_bytes
 from aioengine.server.protocol import (completion_sampling_params, get_priority,
                                        get_stream, parse_completion_prompts)
-from aioengine.server.serving_engine import (ApiCall, ServingContext, check_failed,
-                                             merged_outputs, random_id)
+from aioengine.server.serving_engine import (ApiCall, PreparedCall, ServingContext,
+                                             check_failed, merged_outputs, random_id)
 
 
 @dataclass
@@ -71,19 +72,22 @@ class CompletionsHandler:
         self.ctx = ctx
 
     async def __call__(self, request: web.Request, body: dict) -> web.StreamResponse:
+        return await (await self.create(body, body_bytes(request))).respond(request)
+
+    async def create(self, body: dict, body_size: int = 0) -> PreparedCall:
+        """The call of a parsed body of `body_size` bytes, validated and prepared (the
+        HTTP route and run-batch both come here)."""
         ctx = self.ctx
         model, lora_request = ctx.resolve_model(body)
         stream = get_stream(body)
         params, echo = completion_sampling_params(body)
         priority = get_priority(body)
-        prompts, prompt_ids = await ctx.work.run(request, completion_prompts, ctx, body)
+        prompts, prompt_ids = await ctx.work.run_sized(body_size, completion_prompts, ctx, body)
         prepared = await ctx.prepare(prompt_ids, params, lora_request, body)
         call = _Call(ctx, random_id("cmpl"), model, params.n, echo, params.logprobs,
                      [ctx.prompt_text(p, need_text=echo) for p in prompts], prompt_ids)
-        outputs = merged_outputs(ctx.engine, prepared, call.id, priority)
-        if stream.stream:
-            return await call.stream(request, outputs, stream.include_usage)
-        return await call.collect(outputs)
+        return PreparedCall(call, merged_outputs(ctx.engine, prepared, call.id, priority),
+                            stream)
 
 
 class _Call(ApiCall):

@@ -22,7 +22,7 @@ from aioengine.lora.request import LoRARequest
 from aioengine.outputs import CompletionOutput, RequestOutput
 from aioengine.sampling_params import SamplingParams
 from aioengine.server.offload import PromptWork, encode_text
-from aioengine.server.protocol import ApiError, error_body, structured_outputs_field
+from aioengine.server.protocol import ApiError, StreamSpec, error_body, structured_outputs_field
 from aioengine.server.server_config import DEFAULT_STREAM_WRITE_TIMEOUT
 from aioengine.server.serving_models import ServingModels
 from aioengine.server.tools import ToolServingConfig
@@ -191,7 +191,10 @@ def check_failed(finish_reason: str | None, error: str | None) -> None:
 
 
 def failure_body(e: BaseException) -> tuple[int, dict]:
-    """Status and error body for a failure after the request was accepted."""
+    """Status and error body for a failure after the request was accepted (or, for
+    run-batch, of any failure of one request)."""
+    if isinstance(e, ApiError):
+        return e.status, e.body()
     if isinstance(e, EngineDeadError):
         return 503, error_body(503, f"the engine is not running: {e}",
                                "service_unavailable_error")
@@ -260,6 +263,11 @@ class ApiCall:
     async def collect(self, outputs: Outputs) -> web.Response:
         """Waits for every sample, then answers with the whole response (or the engine's
         failure as an error response)."""
+        status, body = await self.collect_body(outputs)
+        return json_response(body, status)
+
+    async def collect_body(self, outputs: Outputs) -> tuple[int, dict[str, Any]]:
+        """`collect`'s status and body (run-batch writes them into its results file)."""
         try:
             async with aclosing(outputs):
                 async for i, out in outputs:
@@ -267,9 +275,8 @@ class ApiCall:
                     for c in out.outputs:
                         self.collect_output(i, out, c)
         except Exception as e:  # noqa: BLE001 - the engine's failure, not the caller's
-            status, body = failure_body(e)
-            return json_response(body, status)
-        return json_response(self.body(self.final_choices()))
+            return failure_body(e)
+        return 200, self.body(self.final_choices())
 
     async def stream_start(self, sse: SSEStream) -> None:
         """Chunks sent before any output (chat sends each choice's role)."""
@@ -310,6 +317,21 @@ class ApiCall:
             return await sse.finish(error)
         except ConnectionError:  # the client left (or stalled) at the very end
             return sse.response
+
+
+@dataclass
+class PreparedCall:
+    """An API call validated and prepared (nothing runs until `outputs` is iterated):
+    answered over HTTP by `respond`, or collected into a body by run-batch."""
+
+    call: ApiCall
+    outputs: Outputs
+    stream: StreamSpec
+
+    async def respond(self, request: web.Request) -> web.StreamResponse:
+        if self.stream.stream:
+            return await self.call.stream(request, self.outputs, self.stream.include_usage)
+        return await self.call.collect(self.outputs)
 
 
 # The app's --stream-write-timeout (OpenAIServer.build_app sets it).
