@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from aioengine.model.moe_config import MOE_ARCHITECTURES, MOE_MODEL_TYPES, MoeSpec, moe_from_hf_config
+from aioengine.model.moe_config import (MOE_ARCHITECTURES, MOE_MODEL_TYPES, MoeSpec,
+                                        moe_from_hf_config)
 
 # Architecture name (config.architectures[0]) -> the features that architecture implies.
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (

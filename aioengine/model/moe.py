@@ -1,7 +1,7 @@
 """The sparse MLP of a mixture-of-experts layer (Mixtral, Qwen3-MoE, Qwen2-MoE).
 
-    router      gate Linear [E, H], kept in the activations' dtype (routing decisions are
-                not quantized); softmax over all E logits in float32, top-k, renormalised
+    router      gate Linear [E, H], kept in the activations' dtype (`RouterLinear`: routing
+                decisions are not quantized), packed like the rest; softmax over all E logits in float32, top-k, renormalised
                 when the family says so (`route`)
     experts     E SwiGLU MLPs, each a pair of `layers.Linear`s (gate_up [2I, H], down
                 [H, I]) in the model's storage format: float32, bf16 or int8 weight-only
@@ -36,6 +36,15 @@ def route(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+class RouterLinear(Linear):
+    """A Linear that keeps its loaded dtype whatever the model's storage (the router and
+    the shared expert's gate: a few rows, whose rounding would move routing decisions)."""
+
+    @torch.no_grad()
+    def convert(self, storage: str) -> None:
+        return None
 
 
 class ExpertMLP(nn.Module):
@@ -90,14 +99,14 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         kw = {"dtype": dtype, "device": device}
         self.spec, self.ops = spec, ops
-        self.gate = Linear(hidden_size, spec.num_experts, False, **kw)
+        self.gate = RouterLinear(hidden_size, spec.num_experts, False, **kw)
         self.experts = nn.ModuleList(ExpertMLP(hidden_size, spec.intermediate_size, **kw)
                                      for _ in range(spec.num_experts))
         self.shared_expert: ExpertMLP | None = None
         self.shared_expert_gate: Linear | None = None
         if spec.shared_intermediate_size:
             self.shared_expert = ExpertMLP(hidden_size, spec.shared_intermediate_size, **kw)
-            self.shared_expert_gate = Linear(hidden_size, 1, False, **kw)
+            self.shared_expert_gate = RouterLinear(hidden_size, 1, False, **kw)
 
     def forward(self, x: Tensor) -> Tensor:
         """x [T, H] (the post-attention norm's output) -> the MLP output [T, H]."""
@@ -109,10 +118,12 @@ class SparseMoeBlock(nn.Module):
         return out
 
     def stored_linears(self) -> list[Linear]:
-        """The projections held in the model's storage format (every expert's and the
-        shared expert's); the router and the shared expert's gate stay as loaded."""
+        """Every Linear of the block, for conversion to the model's storage and packing:
+        the experts' (and the shared expert's) projections convert, the router and the
+        shared expert's gate (`RouterLinear`) keep their dtype and are only packed."""
         mlps = [*self.experts] + ([self.shared_expert] if self.shared_expert else [])
-        return [lin for mlp in mlps for lin in (mlp.gate_up_proj, mlp.down_proj)]
+        gates = [self.gate] + ([self.shared_expert_gate] if self.shared_expert_gate else [])
+        return gates + [lin for mlp in mlps for lin in (mlp.gate_up_proj, mlp.down_proj)]
 
 
 def moe_weight_table(spec: MoeSpec | None) -> dict[str, tuple[str, tuple[int, int] | None]]:
