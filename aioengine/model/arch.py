@@ -9,12 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from aioengine.model.moe_config import (MOE_ARCHITECTURES, MOE_MODEL_TYPES, MoeSpec,
+                                        moe_from_hf_config)
+
 # Architecture name (config.architectures[0]) -> the features that architecture implies.
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    *MOE_ARCHITECTURES)
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", **MOE_MODEL_TYPES,
 }
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
@@ -53,6 +57,13 @@ class ModelArchConfig:
     eos_token_ids: list[int]
     sliding_window: int | None = None
     sliding_window_layers: tuple[int, ...] | None = None
+    # Mixture of experts (moe_config.py): the sparse MLP of the layers `moe_layers` lists.
+    moe: MoeSpec | None = None
+    moe_layers: tuple[int, ...] = ()
+
+    def layer_moe(self, layer_idx: int) -> MoeSpec | None:
+        """The sparse MLP of layer `layer_idx` (None: a dense MLP)."""
+        return self.moe if layer_idx in self.moe_layers else None
 
     @property
     def max_model_len(self) -> int:
@@ -83,6 +94,7 @@ class ModelArchConfig:
         num_heads = int(cfg.num_attention_heads)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         theta, scaling = _rope(cfg)
+        moe, moe_layers = moe_from_hf_config(cfg, arch)
         return cls(
             architecture=arch,
             vocab_size=int(cfg.vocab_size),
@@ -99,12 +111,15 @@ class ModelArchConfig:
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases (its config has no switch for it).
             attention_bias=(arch == "Qwen2ForCausalLM"
-                            or bool(getattr(cfg, "attention_bias", False))),
-            qk_norm=arch == "Qwen3ForCausalLM",
+                            or bool(getattr(cfg, "attention_bias", False))
+                            or (arch == "Qwen2MoeForCausalLM"
+                                and bool(getattr(cfg, "qkv_bias", True)))),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             bos_token_id=getattr(cfg, "bos_token_id", None),
             eos_token_ids=_token_ids(getattr(cfg, "eos_token_id", None)),
             sliding_window=_sliding_window(cfg, arch),
             sliding_window_layers=_sliding_window_layers(cfg),
+            moe=moe, moe_layers=moe_layers,
         )
 
 
@@ -154,7 +169,7 @@ def _rope(cfg: Any) -> tuple[float, dict[str, Any] | None]:
 
 def _sliding_window(cfg: Any, arch: str) -> int | None:
     window = getattr(cfg, "sliding_window", None)
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not getattr(
+    if arch.startswith("Qwen") and not getattr(
             cfg, "use_sliding_window", False):
         return None  # Qwen configs carry a window size even when it is switched off
     return int(window) if window else None

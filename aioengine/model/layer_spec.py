@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from aioengine.model.arch import ModelArchConfig
+from aioengine.model.moe_config import MoeSpec
 
 SHAPE_FIELDS = frozenset({"layer_idx", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
                           "intermediate_size", "rms_norm_eps"})
@@ -37,6 +38,8 @@ class LayerSpec:
     # Attend to the last `sliding_window` positions only, the query's own included
     # (Mistral, Qwen2 with use_sliding_window; transformers' kv_idx > q_idx - window).
     sliding_window: int | None = None
+    # A sparse MLP (mixture of experts, moe_config.py) in place of the dense one.
+    moe: MoeSpec | None = None
 
     @property
     def q_size(self) -> int:
@@ -65,8 +68,12 @@ def layer_specs(arch: ModelArchConfig) -> tuple[LayerSpec, ...]:
                   head_dim=arch.head_dim, intermediate_size=arch.intermediate_size,
                   rms_norm_eps=arch.rms_norm_eps, qk_norm=arch.qk_norm,
                   attention_bias=arch.attention_bias,
-                  sliding_window=arch.layer_sliding_window(i))
+                  sliding_window=arch.layer_sliding_window(i), moe=arch.layer_moe(i))
         for i in range(arch.num_hidden_layers))
+
+
+# The options of the MLP side of a layer: no attention backend has a say in them.
+MLP_FEATURES = frozenset({"moe"})
 
 
 def smallest_window(specs: tuple[LayerSpec, ...]) -> int | None:

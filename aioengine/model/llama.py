@@ -29,9 +29,11 @@ from aioengine.model import hugepages
 from aioengine.model.arch import ModelArchConfig, UnsupportedModelError
 from aioengine.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from aioengine.model.executors import FusedCpuDecodeExecutor, LayerwiseExecutor
-from aioengine.model.layer_spec import LayerSpec, layer_specs, smallest_window, unsupported
+from aioengine.model.layer_spec import (MLP_FEATURES, LayerSpec, layer_specs, smallest_window,
+                                        unsupported)
 from aioengine.model.layers import (Linear, LinearFactory, ProjectionSpec, _param, embed,
                                     lm_head_logits)
+from aioengine.model.moe import SparseMoeBlock, moe_weight_table
 from aioengine.model.ops import TorchOps, select_ops
 from aioengine.model.rotary import RopeStep, RotaryEmbedding, rope_inv_freq
 
@@ -62,8 +64,11 @@ class LlamaDecoderLayer(nn.Module):
         self.k_norm = _param(d, **kw) if spec.qk_norm else None
         self.o_proj = Linear(self.q_size, h, False, **kw)
         self.post_attention_layernorm = _param(h, **kw)
-        self.gate_up_proj = Linear(h, 2 * spec.intermediate_size, False, **kw)
-        self.down_proj = Linear(spec.intermediate_size, h, False, **kw)
+        # A sparse MLP (moe.py) replaces the dense one where the spec has one.
+        self.mlp = None if spec.moe is None else SparseMoeBlock(spec.moe, h, ops, dtype, device)
+        dense = self.mlp is None
+        self.gate_up_proj = Linear(h, 2 * spec.intermediate_size, False, **kw) if dense else None
+        self.down_proj = Linear(spec.intermediate_size, h, False, **kw) if dense else None
         slices = {"qkv_proj": (self.q_size, self.kv_size, self.kv_size), "o_proj": (h,),
                   "gate_up_proj": (spec.intermediate_size,) * 2, "down_proj": (h,)}
         bases = self.projections()
@@ -72,9 +77,16 @@ class LlamaDecoderLayer(nn.Module):
             linear_factory(ProjectionSpec(spec.layer_idx, name, slices[name]), base)
             for name, base in zip(slices, bases))
 
-    def projections(self) -> tuple[Linear, Linear, Linear, Linear]:
-        """The base projections (qkv, o, gate_up, down)."""
+    def projections(self) -> tuple[Linear, ...]:
+        """The base projections (qkv, o, and the dense MLP's gate_up, down)."""
+        if self.gate_up_proj is None or self.down_proj is None:
+            return self.qkv_proj, self.o_proj
         return self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj
+
+    def stored_linears(self) -> list[Linear]:
+        """Every Linear held in the model's storage format: the projections and, in a
+        sparse layer, its experts'."""
+        return [*self.projections(), *(self.mlp.stored_linears() if self.mlp else ())]
 
     def forward(self, x: Tensor, residual: Tensor | None, rope: RopeStep, kv_cache: Tensor,
                 meta: AttentionMetadata, attn: AttentionBackend) -> tuple[Tensor, Tensor]:
@@ -93,7 +105,7 @@ class LlamaDecoderLayer(nn.Module):
                       meta: AttentionMetadata, attn: AttentionBackend) -> tuple[Tensor, Tensor]:
         """The layer from its attention on: h is the attention's input (normed), residual
         the stream it is added to. Returns (MLP output, residual stream), not yet added."""
-        qkv_proj, o_proj, gate_up_proj, down_proj = self._run
+        qkv_proj, o_proj = self._run[:2]
         t = h.shape[0]
         qkv = qkv_proj(h)
         # q and k heads side by side, [T, Hq + Hkv, D], so RoPE runs once for both.
@@ -109,6 +121,9 @@ class LlamaDecoderLayer(nn.Module):
         o = o_proj(o.view(t, self.q_size))
         h, residual = self.ops.fused_add_rms_norm(o, residual, self.post_attention_layernorm,
                                                   self.eps)
+        if self.mlp is not None:
+            return self.mlp(h), residual
+        gate_up_proj, down_proj = self._run[2:]
         return down_proj(self.ops.silu_and_mul(gate_up_proj(h))), residual
 
 
@@ -157,7 +172,8 @@ class LlamaForCausalLM(nn.Module):
         """Refuses (UnsupportedModelError) a backend that lacks a feature of the layers; one
         without sliding windows is taken with max_model_len capped at the smallest window
         (full attention is sliding-window attention up to the window's length)."""
-        missing = unsupported(self.layer_specs, backend.SUPPORTED_FEATURES | {"sliding_window"})
+        missing = unsupported(self.layer_specs,
+                              backend.SUPPORTED_FEATURES | {"sliding_window"} | MLP_FEATURES)
         if missing:
             raise UnsupportedModelError(
                 f"{self.arch.architecture}: the {type(backend).__name__} does not implement "
@@ -220,7 +236,7 @@ class LlamaForCausalLM(nn.Module):
 
     def linears(self) -> list[Linear]:
         """Every projection and the embedding / LM head, each once."""
-        out = [p for layer in self.layers for p in layer.projections()]
+        out = [p for layer in self.layers for p in layer.stored_linears()]
         out.append(self.embed_tokens)
         if self.lm_head is not self.embed_tokens:
             out.append(self.lm_head)
@@ -362,7 +378,7 @@ def _has_param(module: nn.Module, dotted: str) -> bool:
 def _layer_weight_table(arch: ModelArchConfig) -> dict[str, tuple[str, tuple[int, int] | None]]:
     """HF name inside a layer -> (our parameter, row range for fused ones)."""
     q, kv, inter = arch.q_size, arch.kv_size, arch.intermediate_size
-    return {
+    return moe_weight_table(arch.moe) | {
         "input_layernorm.weight": ("input_layernorm", None),
         "post_attention_layernorm.weight": ("post_attention_layernorm", None),
         "self_attn.q_proj.weight": ("qkv_proj.weight", (0, q)),

@@ -13,10 +13,12 @@ from aioengine.kernels.triton.layernorm import (fused_add_rms_norm, fused_add_rm
                                                 rms_norm, rms_norm_ref)
 from aioengine.kernels.triton.lora import (lora_expand, lora_expand_ref, lora_shrink,
                                            lora_shrink_ref, lora_token_groups)
+from aioengine.kernels.triton.moe import fused_moe, fused_moe_ref, moe_align
 from aioengine.kernels.triton.rotary import rotary_embedding, rotary_embedding_ref
 
 __all__ = [
-    "fused_add_rms_norm", "fused_add_rms_norm_ref", "lora_expand", "lora_expand_ref",
+    "fused_add_rms_norm", "fused_add_rms_norm_ref", "fused_moe", "fused_moe_ref", "moe_align",
+    "lora_expand", "lora_expand_ref",
     "lora_shrink", "lora_shrink_ref", "lora_token_groups", "reshape_and_cache",
     "reshape_and_cache_ref", "rms_norm", "rms_norm_ref", "rotary_embedding",
     "rotary_embedding_ref", "silu_and_mul", "silu_and_mul_ref", "split_kv_segments",
