@@ -101,11 +101,14 @@ class ModelArchConfig:
     def from_hf_config(cls, cfg: Any) -> ModelArchConfig:
         """Normalizes a transformers `PretrainedConfig` (4.x or 5.x)."""
         arch = _architecture(cfg)
-        _check_unsupported_features(cfg)
+        try:  # every unsupported feature named with the architecture that asked for it
+            _check_unsupported_features(cfg)
+            theta, scaling = _rope(rope_params(cfg, "full_attention"), cfg)
+            extra = family_fields(cfg, arch, _rope)
+        except UnsupportedModelError as e:
+            raise UnsupportedModelError(f"{arch}: {e}") from e
         num_heads = int(cfg.num_attention_heads)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-        theta, scaling = _rope(rope_params(cfg, "full_attention"), cfg)
-        extra = family_fields(cfg, arch, _rope)
         fields: dict[str, Any] = dict(
             architecture=arch,
             vocab_size=int(cfg.vocab_size),
