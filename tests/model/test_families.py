@@ -102,6 +102,11 @@ ENGINE_CONFIGS = {
     "chunked_prefix_cached": dict(block_size=4, max_num_batched_tokens=5),
     # 14 blocks of 4 tokens for five requests of up to 45 tokens: preemption.
     "preemption": dict(block_size=4, max_num_batched_tokens=8, num_kv_blocks=14),
+    # n-gram drafts verified as rows of the target's forward.
+    "ngram": dict(block_size=4, speculative_config={"method": "ngram",
+                                                    "num_speculative_tokens": 3,
+                                                    "prompt_lookup_min": 1,
+                                                    "prompt_lookup_max": 2}),
 }
 
 
