@@ -53,6 +53,9 @@ def rope_params(cfg: Any, layer_type: str) -> dict[str, Any]:
         return params
     out = dict(getattr(cfg, "rope_scaling", None) or {})
     out["rope_theta"] = getattr(cfg, "rope_theta", 10000.0)
+    if getattr(cfg, "original_max_position_embeddings", None) is not None:
+        # Phi-3 (4.x) keeps it beside rope_scaling, not in it.
+        out.setdefault("original_max_position_embeddings", cfg.original_max_position_embeddings)
     return out
 
 

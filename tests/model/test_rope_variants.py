@@ -119,3 +119,20 @@ def test_longrope_long_factors_match_transformers_past_the_original_context(phi3
         ref = ref[seq.num_prompt - 1:]
         torch.testing.assert_close(torch.stack(seq.sampled_logits), ref, atol=1e-4, rtol=1e-5)
         assert seq.output_ids == ref.argmax(-1).tolist()
+
+
+def test_transformers_4_phi3_config_reads_original_context_beside_rope_scaling() -> None:
+    """transformers 4.x Phi-3 configs keep original_max_position_embeddings at the top level,
+    `type` (not `rope_type`) in rope_scaling, and no rope_parameters."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(
+        architectures=["Phi3ForCausalLM"], model_type="phi3", vocab_size=100, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=512,
+        original_max_position_embeddings=64, hidden_act="silu", rope_theta=10000.0,
+        rope_scaling={"type": "longrope", "short_factor": SHORT, "long_factor": LONG})
+    arch = ModelArchConfig.from_hf_config(cfg)
+    new = ModelArchConfig.from_hf_config(_config(*VARIANTS["longrope_long"]))
+    assert arch.rope_scaling == new.rope_scaling
+    assert torch.equal(rope_inv_freq(arch), rope_inv_freq(new))
