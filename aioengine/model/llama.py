@@ -223,6 +223,12 @@ class LlamaForCausalLM(nn.Module):
         return self.arch.max_model_len
 
     @property
+    def cuda_graph_safe(self) -> bool:
+        """Whether a decode step's forward can be captured in a CUDA graph: not where a
+        layer's soft-capped attention loops over the requests on the host (Gemma 2)."""
+        return all(spec.attn_logit_softcapping is None for spec in self.layer_specs)
+
+    @property
     def use_fused_decode(self) -> bool:
         return self.fused_decode.enabled
 

@@ -134,3 +134,19 @@ def test_engine_greedy_equals_transformers(family, config: str) -> None:
     assert [o.outputs[0].token_ids for o in again] == reference[2:]
     assert all(o.num_cached_tokens >= 24 for o in again)
     assert_blocks_released(llm.core)
+
+
+def test_soft_capped_attention_is_never_captured_in_a_cuda_graph(tiny_model_dirs) -> None:
+    """Fail closed: Gemma 2's soft-capped attention loops over the step's requests on the
+    host, so a CUDA graph would replay the captured step's loop: its decode steps run eagerly."""
+    from aioengine.model.llama import make_kv_caches
+    from aioengine.model.attention import build_attention_metadata
+    from aioengine.worker.cuda_graphs import CUDAGraphRunner
+
+    for name, safe in (("gemma2", False), ("gemma3", True)):
+        model = load_model(str(tiny_model_dirs[name]), torch.float32, CPU).model
+        assert model.cuda_graph_safe is safe
+        caches = make_kv_caches(model.arch, 8, 4, torch.float32, CPU)
+        runner = CUDAGraphRunner(model, caches, [1, 2], 32, 4, CPU, capture=False)
+        meta, _ = build_attention_metadata([1], [3], [[1]], block_size=4, device=CPU)
+        assert runner.can_run(meta) is safe
