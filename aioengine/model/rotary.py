@@ -1,6 +1,7 @@
-"""Rotary position embedding (neox style) for the Llama family: inverse frequencies with
-the configured scaling (rope_variants.py), a cos/sin table indexed by position, and the per-step rotation every layer
-applies to its q and k heads (the device ops' kernel in place, torch ops otherwise)."""
+"""Rotary position embedding (neox style): inverse frequencies with the configured scaling
+(rope_variants.py), a cos/sin table indexed by position (scaled by yarn's / longrope's
+attention factor), and the per-step rotation every layer applies to its q and k heads (the
+device ops' kernel in place, torch ops otherwise)."""
 from __future__ import annotations
 
 import torch
