@@ -110,8 +110,9 @@ ENGINE_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("config", list(ENGINE_CONFIGS))
-def test_engine_greedy_equals_transformers(family, config: str) -> None:
+@pytest.fixture(scope="module")
+def engine_case(family):
+    """(name, path, prompts, transformers' greedy tokens from full forwards) per family."""
     name, path, hf = family
     rng = random.Random(2)
     shared = _tokens(24, rng)
@@ -123,6 +124,12 @@ def test_engine_greedy_equals_transformers(family, config: str) -> None:
             for _ in range(NEW_TOKENS):
                 ids.append(int(hf(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
             reference.append(ids[len(prompt):])
+    return name, path, prompts, reference
+
+
+@pytest.mark.parametrize("config", list(ENGINE_CONFIGS))
+def test_engine_greedy_equals_transformers(engine_case, config: str) -> None:
+    name, path, prompts, reference = engine_case
     llm = LLM(str(path), dtype="float32", max_model_len=128, **ENGINE_CONFIGS[config])
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate(prompts, greedy)
