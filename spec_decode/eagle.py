@@ -195,6 +195,14 @@ def load_eagle_head(path: str, method: str, target_arch: ModelArchConfig,
     if method not in EAGLE_METHODS:
         raise SpeculativeConfigError(f"speculative_config.method must be one of "
                                      f"{list(EAGLE_METHODS)} for a draft head, got {method!r}")
+    from aioengine.model.registry import EAGLE_TARGET_ARCHITECTURES
+
+    if target_arch.architecture not in EAGLE_TARGET_ARCHITECTURES:
+        # A head is built as the target's layer: another family's options would leak in.
+        raise SpeculativeConfigError(
+            f"speculative_config.method {method!r}: EAGLE heads are supported for "
+            f"{', '.join(sorted(EAGLE_TARGET_ARCHITECTURES))} targets, not "
+            f"{target_arch.architecture} (use method 'ngram')")
     cfg = _read_config(path)
     tensors = {_canonical_name(n, method): t for n, t in _read_weights(path).items()}
     eagle3 = method == "eagle3"

@@ -17,6 +17,9 @@ from typing import Any
 import torch
 
 TINY_ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+# The families past Llama (aioengine/model/families.py) and a RoPE variant, kept apart from
+# TINY_ARCHS: tests that need the fused decode executor or GGUF export use TINY_ARCHS.
+FAMILY_ARCHS = ("gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3", "llama_yarn")
 
 # Small enough to build in well under a second, big enough to exercise GQA (4 heads over
 # 2 KV heads), several RoPE frequencies and more than one layer.
@@ -40,6 +43,36 @@ _ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False, rope_theta=1000000.0)),
     # head_dim 32 != hidden / heads: the checkpoint must say it, and we must read it.
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32, rope_theta=1000000.0)),
+    # Soft caps small enough to bite on these logits; a scale other than head_dim's; local
+    # layers with a window of 16 every other layer.
+    "gemma2": ("Gemma2Config", dict(
+        num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=24, sliding_window=16,
+        attn_logit_softcapping=5.0, final_logit_softcapping=8.0, tie_word_embeddings=True,
+        attn_implementation="eager")),
+    # Local layers with their own plain RoPE, global ones with linear scaling.
+    "gemma3": ("Gemma3TextConfig", dict(
+        num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=24, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 1000000.0}})),
+    # LongRoPE within the original context (the short factors; test_rope_variants has the
+    # long ones); fused qkv_proj / gate_up_proj in the checkpoint.
+    "phi3": ("Phi3Config", dict(
+        tie_word_embeddings=False, original_max_position_embeddings=512, rope_parameters=dict(
+            rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=512,
+            short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+            long_factor=[1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]))),
+    "olmo2": ("Olmo2Config", dict(tie_word_embeddings=False)),
+    "granite": ("GraniteConfig", dict(
+        tie_word_embeddings=True, embedding_multiplier=3.0, residual_multiplier=0.5,
+        attention_multiplier=0.1, logits_scaling=4.0)),
+    "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0],
+                                      tie_word_embeddings=True)),
+    "llama_yarn": ("LlamaConfig", dict(
+        tie_word_embeddings=False, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=4.0,
+            original_max_position_embeddings=128))),
 }
 
 
@@ -64,7 +97,7 @@ def make_tiny_config(arch: str, **overrides: Any):
     import transformers
 
     if arch not in _ARCHS:
-        raise ValueError(f"unknown tiny arch {arch!r}; choose from {TINY_ARCHS}")
+        raise ValueError(f"unknown tiny arch {arch!r}; choose from {TINY_ARCHS + FAMILY_ARCHS}")
     cls_name, extra = _ARCHS[arch]
     kwargs = {**_COMMON, **extra, **overrides}
     return getattr(transformers, cls_name)(**kwargs)

@@ -9,8 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from aioengine.model.families import (FAMILY_ARCHITECTURES, FAMILY_MODEL_TYPES,
+                                      UnsupportedModelError, family_fields, rope_params)
 from aioengine.model.moe_config import (MOE_ARCHITECTURES, MOE_MODEL_TYPES, MoeSpec,
                                         moe_from_hf_config)
+from aioengine.model.rope_variants import (SUPPORTED_ROPE_TYPES, UnsupportedRopeError,
+                                           normalize_rope_scaling)
 
 # Architecture name (config.architectures[0]) -> the features that architecture implies.
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
@@ -20,13 +24,13 @@ _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", **MOE_MODEL_TYPES,
 }
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
-_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
-                     "original_max_position_embeddings")
+# The families past the Llama family (model/families.py: what each config says).
+SUPPORTED_ARCHITECTURES += FAMILY_ARCHITECTURES
+_MODEL_TYPE_TO_ARCH.update(FAMILY_MODEL_TYPES)
 
 
-class UnsupportedModelError(ValueError):
-    """The model's architecture or one of its features is not implemented here."""
+__all__ = ["SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "ModelArchConfig",
+           "UnsupportedModelError"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,23 @@ class ModelArchConfig:
     # Mixture of experts (moe_config.py): the sparse MLP of the layers `moe_layers` lists.
     moe: MoeSpec | None = None
     moe_layers: tuple[int, ...] = ()
+    # ---- the families past Llama (model/families.py); defaults: the Llama family ----
+    hidden_act: str = "silu"  # the MLP's gate activation (Gemma: gelu_pytorch_tanh)
+    embedding_multiplier: float = 1.0  # embeddings scaled (Gemma: sqrt(hidden); Granite)
+    residual_multiplier: float = 1.0  # attention / MLP outputs scaled before the add (Granite)
+    attention_multiplier: float | None = None  # the attention scale (None: head_dim ** -0.5)
+    logits_scaling: float = 1.0  # logits divided by it (Granite)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2)
+    attn_logit_softcapping: float | None = None  # the same on attention scores (Gemma 2)
+    # "pre": norms before attention / MLP (Llama); "sandwich": and after them too (Gemma);
+    # "post": only after them, on the outputs (OLMo 2).
+    norm_style: str = "pre"
+    norm_weight_offset: float = 0.0  # added to every RMSNorm weight at load (Gemma: 1 + w)
+    qk_norm_whole: bool = False  # q/k RMSNorm over the whole projection (OLMo 2)
+    # The sliding-window layers' own RoPE (Gemma 3's rope_local_base_freq), None: the model's.
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = None
+    no_rope_layers: tuple[int, ...] = ()  # layers that apply no RoPE (SmolLM3)
 
     def layer_moe(self, layer_idx: int) -> MoeSpec | None:
         """The sparse MLP of layer `layer_idx` (None: a dense MLP)."""
@@ -90,12 +111,16 @@ class ModelArchConfig:
     def from_hf_config(cls, cfg: Any) -> ModelArchConfig:
         """Normalizes a transformers `PretrainedConfig` (4.x or 5.x)."""
         arch = _architecture(cfg)
-        _check_unsupported_features(cfg)
+        try:  # every unsupported feature named with the architecture that asked for it
+            _check_unsupported_features(cfg)
+            theta, scaling = _rope(rope_params(cfg, "full_attention"), cfg)
+            extra = family_fields(cfg, arch, _rope)
+        except UnsupportedModelError as e:
+            raise UnsupportedModelError(f"{arch}: {e}") from e
         num_heads = int(cfg.num_attention_heads)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-        theta, scaling = _rope(cfg)
         moe, moe_layers = moe_from_hf_config(cfg, arch)
-        return cls(
+        fields: dict[str, Any] = dict(
             architecture=arch,
             vocab_size=int(cfg.vocab_size),
             hidden_size=int(cfg.hidden_size),
@@ -121,6 +146,7 @@ class ModelArchConfig:
             sliding_window_layers=_sliding_window_layers(cfg),
             moe=moe, moe_layers=moe_layers,
         )
+        return cls(**(fields | extra))
 
 
 def _architecture(cfg: Any) -> str:
@@ -136,35 +162,19 @@ def _architecture(cfg: Any) -> str:
 
 
 def _check_unsupported_features(cfg: Any) -> None:
-    act = getattr(cfg, "hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
     if getattr(cfg, "mlp_bias", False):
         raise UnsupportedModelError("mlp_bias=True is not supported")
 
 
-def _rope(cfg: Any) -> tuple[float, dict[str, Any] | None]:
-    """Returns (rope_theta, rope_scaling or None for plain RoPE)."""
-    params = getattr(cfg, "rope_parameters", None)
-    if params:  # transformers 5.x: theta and scaling in one dict
-        params = dict(params)
-        theta = params.pop("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-    else:  # transformers 4.x
-        theta = getattr(cfg, "rope_theta", 10000.0)
-        params = dict(getattr(cfg, "rope_scaling", None) or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"unsupported rope scaling type {rope_type!r}; "
-            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    if rope_type == "default":
-        return float(theta), None
-    missing = [k for k in _LLAMA3_ROPE_KEYS if k not in params]
-    if missing:
-        raise UnsupportedModelError(f"llama3 rope scaling is missing {missing}")
-    scaling: dict[str, Any] = {"rope_type": "llama3"}
-    scaling.update({k: float(params[k]) for k in _LLAMA3_ROPE_KEYS})
-    return float(theta), scaling
+def _rope(params: dict[str, Any], cfg: Any) -> tuple[float, dict[str, Any] | None]:
+    """Returns (rope_theta, rope_scaling or None for plain RoPE) from one set of rope
+    parameters (rope_variants.normalize_rope_scaling says which types exist)."""
+    params = dict(params)
+    theta = params.pop("rope_theta", None) or getattr(cfg, "rope_theta", None) or 10000.0
+    try:
+        return float(theta), normalize_rope_scaling(params)
+    except UnsupportedRopeError as e:
+        raise UnsupportedModelError(str(e)) from e
 
 
 def _sliding_window(cfg: Any, arch: str) -> int | None:

@@ -22,7 +22,6 @@ from torch import Tensor
 from aioengine.kernels import cpu_decode
 from aioengine.model.attention import AttentionMetadata, TorchAttentionBackend
 from aioengine.model.layer_spec import smallest_window, unsupported
-from aioengine.model.rotary import RopeStep
 
 if TYPE_CHECKING:
     from aioengine.model.llama import LlamaForCausalLM
@@ -53,9 +52,9 @@ class LayerwiseExecutor:
         residual stream into each of model.aux_hidden_state_layers) when given."""
         model = self.model
         aux_layers, h = model.aux_hidden_state_layers, model.arch.hidden_size
-        rope = RopeStep(model.rotary, positions, model.ops)
+        ropes = model.layer_ropes(positions)
         residual: Tensor | None = None
-        for i, (layer, kv_cache) in enumerate(zip(model.layers, kv_caches)):
+        for i, (layer, kv_cache, rope) in enumerate(zip(model.layers, kv_caches, ropes)):
             if aux is not None and i in aux_layers:
                 # What the layer's input norm sees: x + residual (vLLM's hidden + residual).
                 stream = x if residual is None else x + residual

@@ -287,6 +287,8 @@ def _arch_from_json(text: str) -> ModelArchConfig:
     fields = json.loads(text)
     if fields.get("sliding_window_layers") is not None:
         fields["sliding_window_layers"] = tuple(fields["sliding_window_layers"])
+    if "no_rope_layers" in fields:
+        fields["no_rope_layers"] = tuple(fields["no_rope_layers"])
     return ModelArchConfig(**fields)
 
 

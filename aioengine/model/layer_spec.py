@@ -40,6 +40,15 @@ class LayerSpec:
     sliding_window: int | None = None
     # A sparse MLP (mixture of experts, moe_config.py) in place of the dense one.
     moe: MoeSpec | None = None
+    # The families past Llama (model/families.py):
+    hidden_act: str = "silu"  # "gelu_pytorch_tanh": GeGLU (Gemma)
+    attn_scale: float | None = None  # the attention scale (None: head_dim ** -0.5)
+    attn_logit_softcapping: float | None = None  # scores = cap * tanh(scores / cap) (Gemma 2)
+    norm_style: str = "pre"  # "sandwich": also norms on the outputs (Gemma); "post": only those
+    qk_norm_whole: bool = False  # q/k RMSNorm over the whole projection, before RoPE (OLMo 2)
+    residual_multiplier: float = 1.0  # attention / MLP outputs scaled before the add (Granite)
+    local_rope: bool = False  # RoPE from the model's local table (Gemma 3's local layers)
+    use_rope: bool = True  # False: no RoPE in this layer (SmolLM3)
 
     @property
     def q_size(self) -> int:
@@ -51,7 +60,7 @@ class LayerSpec:
 
     @property
     def scale(self) -> float:
-        return self.head_dim ** -0.5
+        return self.head_dim ** -0.5 if self.attn_scale is None else self.attn_scale
 
     def features(self) -> frozenset[str]:
         """The options this layer uses: every non-shape field whose value is not its
@@ -68,12 +77,29 @@ def layer_specs(arch: ModelArchConfig) -> tuple[LayerSpec, ...]:
                   head_dim=arch.head_dim, intermediate_size=arch.intermediate_size,
                   rms_norm_eps=arch.rms_norm_eps, qk_norm=arch.qk_norm,
                   attention_bias=arch.attention_bias,
-                  sliding_window=arch.layer_sliding_window(i), moe=arch.layer_moe(i))
+                  sliding_window=arch.layer_sliding_window(i), moe=arch.layer_moe(i),
+                  **_family_options(arch, i))
         for i in range(arch.num_hidden_layers))
 
 
 # The options of the MLP side of a layer: no attention backend has a say in them.
 MLP_FEATURES = frozenset({"moe"})
+
+# Options the layer code implements around its attention backend's call (any backend).
+LAYER_CODE_FEATURES = frozenset({"hidden_act", "attn_scale", "attn_logit_softcapping",
+                                 "norm_style", "qk_norm_whole", "residual_multiplier",
+                                 "local_rope", "use_rope"})
+
+
+def _family_options(arch: ModelArchConfig, i: int) -> dict[str, object]:
+    """Layer i's options from the families' ModelArchConfig fields."""
+    windowed = arch.layer_sliding_window(i) is not None
+    return dict(hidden_act=arch.hidden_act, attn_scale=arch.attention_multiplier,
+                attn_logit_softcapping=arch.attn_logit_softcapping,
+                norm_style=arch.norm_style, qk_norm_whole=arch.qk_norm_whole,
+                residual_multiplier=arch.residual_multiplier,
+                local_rope=windowed and arch.local_rope_theta is not None,
+                use_rope=i not in arch.no_rope_layers)
 
 
 def smallest_window(specs: tuple[LayerSpec, ...]) -> int | None:

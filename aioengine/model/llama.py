@@ -29,13 +29,15 @@ from aioengine.model import hugepages
 from aioengine.model.arch import ModelArchConfig, UnsupportedModelError
 from aioengine.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from aioengine.model.executors import FusedCpuDecodeExecutor, LayerwiseExecutor
-from aioengine.model.layer_spec import (MLP_FEATURES, LayerSpec, layer_specs, smallest_window,
-                                        unsupported)
+from aioengine.model.layer_spec import (LAYER_CODE_FEATURES, MLP_FEATURES, LayerSpec,
+                                        layer_specs, smallest_window, unsupported)
 from aioengine.model.layers import (Linear, LinearFactory, ProjectionSpec, _param, embed,
                                     lm_head_logits)
 from aioengine.model.moe import SparseMoeBlock, moe_weight_table
 from aioengine.model.ops import TorchOps, select_ops
 from aioengine.model.rotary import RopeStep, RotaryEmbedding, rope_inv_freq
+from aioengine.model.softcap_attention import softcap_attention
+from aioengine.model.families import split_fused_checkpoint
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -57,13 +59,20 @@ class LlamaDecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
         self.q_size, self.kv_size = spec.q_size, spec.kv_size
         self.eps, self.scale = spec.rms_norm_eps, spec.scale
-        self.input_layernorm = _param(h, **kw) if input_layernorm else None
+        pre, post = spec.norm_style != "post", spec.norm_style != "pre"
+        self.input_layernorm = _param(h, **kw) if input_layernorm and pre else None
         self.qkv_proj = Linear(qkv_input_size or h, self.q_size + 2 * self.kv_size,
                                spec.attention_bias, **kw)
-        self.q_norm = _param(d, **kw) if spec.qk_norm else None
-        self.k_norm = _param(d, **kw) if spec.qk_norm else None
+        # Per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2).
+        q_norm, k_norm = (self.q_size, self.kv_size) if spec.qk_norm_whole else (d, d)
+        qk_norm = spec.qk_norm or spec.qk_norm_whole
+        self.q_norm = _param(q_norm, **kw) if qk_norm else None
+        self.k_norm = _param(k_norm, **kw) if qk_norm else None
         self.o_proj = Linear(self.q_size, h, False, **kw)
-        self.post_attention_layernorm = _param(h, **kw)
+        self.post_attention_layernorm = _param(h, **kw) if pre else None  # before the MLP
+        # Norms of the attention and MLP outputs, before each residual add (Gemma, OLMo 2).
+        self.attn_out_norm = _param(h, **kw) if post else None
+        self.mlp_out_norm = _param(h, **kw) if post else None
         # A sparse MLP (moe.py) replaces the dense one where the spec has one.
         self.mlp = None if spec.moe is None else SparseMoeBlock(spec.moe, h, ops, dtype, device)
         dense = self.mlp is None
@@ -94,6 +103,9 @@ class LlamaDecoderLayer(nn.Module):
         residual None), not yet added to the residual stream. Returns this layer's MLP
         output and the residual stream, the pair the next layer takes (vLLM's layout: each
         residual add is fused into the RMSNorm that follows it)."""
+        if self.input_layernorm is None:  # no input norm: attention reads the stream
+            residual = x if residual is None else x + residual
+            return self.attention_mlp(residual, residual, rope, kv_cache, meta, attn)
         if residual is None:
             h, residual = self.ops.rms_norm(x, self.input_layernorm, self.eps), x
         else:
@@ -101,30 +113,63 @@ class LlamaDecoderLayer(nn.Module):
                                                       self.eps)
         return self.attention_mlp(h, residual, rope, kv_cache, meta, attn)
 
-    def attention_mlp(self, h: Tensor, residual: Tensor, rope: RopeStep, kv_cache: Tensor,
-                      meta: AttentionMetadata, attn: AttentionBackend) -> tuple[Tensor, Tensor]:
+    def attention_mlp(self, h: Tensor, residual: Tensor, rope: RopeStep | None,
+                      kv_cache: Tensor, meta: AttentionMetadata,
+                      attn: AttentionBackend) -> tuple[Tensor, Tensor]:
         """The layer from its attention on: h is the attention's input (normed), residual
-        the stream it is added to. Returns (MLP output, residual stream), not yet added."""
+        the stream it is added to. Returns (MLP output, residual stream), not yet added.
+        rope None: the layer applies no RoPE (SmolLM3's NoPE layers)."""
         qkv_proj, o_proj = self._run[:2]
-        t = h.shape[0]
+        spec, t = self.spec, h.shape[0]
         qkv = qkv_proj(h)
         # q and k heads side by side, [T, Hq + Hkv, D], so RoPE runs once for both.
         qk_size = self.q_size + self.kv_size
-        qk = qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        if spec.qk_norm_whole:  # OLMo 2: RMSNorm over all of q and all of k
+            qk = torch.cat((F.rms_norm(qkv[:, :self.q_size], (self.q_size,), self.q_norm,
+                                       self.eps),
+                            F.rms_norm(qkv[:, self.q_size:qk_size], (self.kv_size,),
+                                       self.k_norm, self.eps)), dim=1)
+            qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        else:
+            qk = qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
+        if self.q_norm is not None and not spec.qk_norm_whole:  # Qwen3: per-head q/k norm
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((F.rms_norm(q, (self.head_dim,), self.q_norm, self.eps),
                             F.rms_norm(k, (self.head_dim,), self.k_norm, self.eps)), dim=1)
-        q, k = rope(qk).split([self.num_heads, self.num_kv_heads], dim=1)
-        o = attn.forward(q, k, v, kv_cache, meta, self.scale, self.spec.sliding_window)
-        o = o_proj(o.view(t, self.q_size))
-        h, residual = self.ops.fused_add_rms_norm(o, residual, self.post_attention_layernorm,
-                                                  self.eps)
+        if rope is not None:
+            qk = rope(qk)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        if spec.attn_logit_softcapping is not None:
+            o = softcap_attention(q, k, v, kv_cache, meta, self.scale, spec.sliding_window,
+                                  spec.attn_logit_softcapping)
+        else:
+            o = attn.forward(q, k, v, kv_cache, meta, self.scale, spec.sliding_window)
+        o = self._output(o_proj(o.view(t, self.q_size)), self.attn_out_norm)
+        if self.post_attention_layernorm is None:
+            h = residual = o + residual
+        else:
+            h, residual = self.ops.fused_add_rms_norm(o, residual,
+                                                      self.post_attention_layernorm, self.eps)
         if self.mlp is not None:
-            return self.mlp(h), residual
+            return self._output(self.mlp(h), self.mlp_out_norm), residual
         gate_up_proj, down_proj = self._run[2:]
-        return down_proj(self.ops.silu_and_mul(gate_up_proj(h))), residual
+        return self._output(down_proj(self._act(gate_up_proj(h))), self.mlp_out_norm), residual
+
+    def _act(self, gate_up: Tensor) -> Tensor:
+        if self.spec.hidden_act == "silu":
+            return self.ops.silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)  # gelu_pytorch_tanh (GeGLU, Gemma)
+        return F.gelu(gate, approximate="tanh") * up
+
+    def _output(self, x: Tensor, norm: Tensor | None) -> Tensor:
+        """An attention or MLP output as it is added to the residual stream: normed
+        (Gemma, OLMo 2), scaled (Granite's residual_multiplier)."""
+        if norm is not None:
+            x = self.ops.rms_norm(x, norm, self.eps)
+        if self.spec.residual_multiplier != 1.0:
+            x = x * self.spec.residual_multiplier
+        return x
 
 
 class LlamaForCausalLM(nn.Module):
@@ -150,6 +195,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (self.embed_tokens if arch.tie_word_embeddings
                         else Linear(arch.hidden_size, arch.vocab_size, False, **kw))
         self.rotary = RotaryEmbedding(arch, dtype, device)
+        # The local layers' own RoPE table (Gemma 3), None where every layer uses `rotary`.
+        self.rotary_local = (RotaryEmbedding(arch, dtype, device, local=True)
+                             if arch.local_rope_theta is not None else None)
         self._layer_weights = _layer_weight_table(arch)
         # Multi-LoRA: the step's adapter slots for the fused decode kernel (the source that
         # made linear_factory's wrappers). None: no adapters, at no cost.
@@ -172,8 +220,8 @@ class LlamaForCausalLM(nn.Module):
         """Refuses (UnsupportedModelError) a backend that lacks a feature of the layers; one
         without sliding windows is taken with max_model_len capped at the smallest window
         (full attention is sliding-window attention up to the window's length)."""
-        missing = unsupported(self.layer_specs,
-                              backend.SUPPORTED_FEATURES | {"sliding_window"} | MLP_FEATURES)
+        missing = unsupported(self.layer_specs, backend.SUPPORTED_FEATURES | {"sliding_window"}
+                              | MLP_FEATURES | LAYER_CODE_FEATURES)
         if missing:
             raise UnsupportedModelError(
                 f"{self.arch.architecture}: the {type(backend).__name__} does not implement "
@@ -187,6 +235,12 @@ class LlamaForCausalLM(nn.Module):
         if window is not None and "sliding_window" not in self.attn_backend.SUPPORTED_FEATURES:
             return min(self.arch.max_model_len, window)
         return self.arch.max_model_len
+
+    @property
+    def cuda_graph_safe(self) -> bool:
+        """Whether a decode step's forward can be captured in a CUDA graph: not where a
+        layer's soft-capped attention loops over the requests on the host (Gemma 2)."""
+        return all(spec.attn_logit_softcapping is None for spec in self.layer_specs)
 
     @property
     def use_fused_decode(self) -> bool:
@@ -209,6 +263,8 @@ class LlamaForCausalLM(nn.Module):
         before its input norm (the embeddings for i = 0; Hugging Face's
         output_hidden_states[i]). Raises ValueError for an index outside [0, num_layers)."""
         x = embed(input_ids, self.embed_tokens, self.dtype)
+        if self.arch.embedding_multiplier != 1.0:  # Gemma: sqrt(hidden); Granite
+            x = x * self.arch.embedding_multiplier
         aux_layers = self.aux_hidden_state_layers
         aux: Tensor | None = None
         aux_index: Tensor | None = None
@@ -231,8 +287,25 @@ class LlamaForCausalLM(nn.Module):
         return hidden if aux is None else (hidden, aux)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden [N, H] -> logits [N, V] in float32."""
-        return lm_head_logits(hidden, self.lm_head)
+        """hidden [N, H] -> logits [N, V] in float32 (divided by Granite's logits_scaling,
+        soft-capped by Gemma 2's final_logit_softcapping)."""
+        logits = lm_head_logits(hidden, self.lm_head)
+        arch = self.arch
+        if arch.logits_scaling != 1.0:
+            logits = logits / arch.logits_scaling
+        if arch.final_logit_softcapping is not None:
+            cap = arch.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def layer_ropes(self, positions: Tensor) -> list[RopeStep | None]:
+        """Each layer's RoPE for one step: the model's, the local layers' own (Gemma 3), or
+        None for a layer without RoPE (SmolLM3)."""
+        main = RopeStep(self.rotary, positions, self.ops)
+        local = (RopeStep(self.rotary_local, positions, self.ops)
+                 if self.rotary_local is not None else main)
+        return [None if not spec.use_rope else local if spec.local_rope else main
+                for spec in self.layer_specs]
 
     def linears(self) -> list[Linear]:
         """Every projection and the embedding / LM head, each once."""
@@ -313,13 +386,18 @@ class LlamaForCausalLM(nn.Module):
         """Copies each HF-named tensor into its parameter (or its rows of a fused one);
         returns how many tensors went into each parameter."""
         parts_loaded: dict[str, int] = {}
-        for hf_name, tensor in weights:
-            target = self._locate(hf_name)
-            if target is None:
-                continue
-            name, rows = target
-            copy_param_rows(self.get_parameter(name), rows, tensor, hf_name)
-            parts_loaded[name] = parts_loaded.get(name, 0) + 1
+        arch = self.arch
+        for fused_name, fused in weights:
+            for hf_name, tensor in split_fused_checkpoint(  # Phi-3's fused tensors
+                    fused_name, fused, arch.q_size, arch.kv_size, arch.intermediate_size):
+                target = self._locate(hf_name)
+                if target is None:
+                    continue
+                name, rows = target
+                if arch.norm_weight_offset and name.endswith("norm"):  # Gemma: 1 + w
+                    tensor = tensor.float() + arch.norm_weight_offset
+                copy_param_rows(self.get_parameter(name), rows, tensor, hf_name)
+                parts_loaded[name] = parts_loaded.get(name, 0) + 1
         return parts_loaded
 
     def _check_loaded(self, parts_loaded: dict[str, int], names: list[str], what: str) -> None:
@@ -378,9 +456,14 @@ def _has_param(module: nn.Module, dotted: str) -> bool:
 def _layer_weight_table(arch: ModelArchConfig) -> dict[str, tuple[str, tuple[int, int] | None]]:
     """HF name inside a layer -> (our parameter, row range for fused ones)."""
     q, kv, inter = arch.q_size, arch.kv_size, arch.intermediate_size
-    return moe_weight_table(arch.moe) | {
+    if arch.norm_style != "pre":  # Gemma, OLMo 2: the HF names of the output norms
+        norms = {"post_attention_layernorm.weight": ("attn_out_norm", None),
+                 "pre_feedforward_layernorm.weight": ("post_attention_layernorm", None),
+                 "post_feedforward_layernorm.weight": ("mlp_out_norm", None)}
+    else:
+        norms = {"post_attention_layernorm.weight": ("post_attention_layernorm", None)}
+    return moe_weight_table(arch.moe) | norms | {
         "input_layernorm.weight": ("input_layernorm", None),
-        "post_attention_layernorm.weight": ("post_attention_layernorm", None),
         "self_attn.q_proj.weight": ("qkv_proj.weight", (0, q)),
         "self_attn.k_proj.weight": ("qkv_proj.weight", (q, q + kv)),
         "self_attn.v_proj.weight": ("qkv_proj.weight", (q + kv, q + 2 * kv)),

@@ -1,52 +1,53 @@
-"""Rotary position embedding (neox style) for the Llama family: inverse frequencies with
-llama3 scaling, a cos/sin table indexed by position, and the per-step rotation every layer
-applies to its q and k heads (the device ops' kernel in place, torch ops otherwise)."""
+"""Rotary position embedding (neox style): inverse frequencies with the configured scaling
+(rope_variants.py), a cos/sin table indexed by position (scaled by yarn's / longrope's
+attention factor), and the per-step rotation every layer applies to its q and k heads (the
+device ops' kernel in place, torch ops otherwise)."""
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import Tensor, nn
 
 from aioengine.model.arch import ModelArchConfig
 from aioengine.model.ops import TorchOps
+from aioengine.model.rope_variants import RopeFrequencies, rope_frequencies
 
 
-def rope_inv_freq(arch: ModelArchConfig) -> Tensor:
-    """Inverse frequencies [head_dim // 2] (float32), with llama3 scaling when configured."""
-    dim = arch.head_dim
-    exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    inv_freq = 1.0 / (arch.rope_theta ** exponent)
-    scaling = arch.rope_scaling
-    if scaling is None:
-        return inv_freq
-    # llama3: long wavelengths are slowed down by `factor`, short ones kept, and the band
-    # in between interpolated smoothly.
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(medium, smoothed, scaled)
+def rope_inv_freq(arch: ModelArchConfig, local: bool = False) -> Tensor:
+    """Inverse frequencies [head_dim // 2] (float32) with the configured scaling
+    (rope_variants.py); `local`: those of the sliding-window layers' own RoPE (Gemma 3)."""
+    return _frequencies(arch, local).inv_freq
+
+
+def _frequencies(arch: ModelArchConfig, local: bool) -> RopeFrequencies:
+    if local and arch.local_rope_theta is not None:
+        return rope_frequencies(arch.local_rope_theta, arch.head_dim, arch.local_rope_scaling,
+                                arch.max_position_embeddings)
+    return rope_frequencies(arch.rope_theta, arch.head_dim, arch.rope_scaling,
+                            arch.max_position_embeddings)
 
 
 class RotaryEmbedding(nn.Module):
     """Neox-style RoPE (rotate halves) from a cos/sin table indexed by position."""
 
-    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
+                 local: bool = False) -> None:
         super().__init__()
         self.max_positions = arch.max_position_embeddings
         self.dtype = dtype
-        self.set_inv_freq(rope_inv_freq(arch), device)
+        freqs = _frequencies(arch, local)
+        # yarn / longrope: cos and sin scaled (transformers' attention_scaling).
+        self.attention_scaling = freqs.attention_scaling
+        self.set_inv_freq(freqs.inv_freq, device)
 
     def set_inv_freq(self, inv_freq: Tensor, device: torch.device) -> None:
         # Built in float32 like the reference implementation, stored in the model dtype.
         pos = torch.arange(self.max_positions, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq.float())
-        self.cos = freqs.cos().to(device=device, dtype=self.dtype)  # [P, D/2]
-        self.sin = freqs.sin().to(device=device, dtype=self.dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        self.cos = cos.to(device=device, dtype=self.dtype)  # [P, D/2]
+        self.sin = sin.to(device=device, dtype=self.dtype)
 
     def lookup(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos/sin [T, 1, D/2] for broadcasting over heads."""

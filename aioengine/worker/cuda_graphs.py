@@ -6,7 +6,8 @@ decode step of n requests is padded up to the next captured size and replayed: i
 positions, slots, seq lens and block tables are copied into the buffers, and the rows past
 n are padding (slot -1: no K/V written; seq len 1 over block 0: a harmless read). Larger
 steps, prefill chunks, and anything the graphs cannot hold (the torch attention backend,
-which reads host-side lists; LoRA; EAGLE's auxiliary hidden states) run eagerly.
+which reads host-side lists; LoRA; EAGLE's auxiliary hidden states; layers whose soft-capped
+attention loops over requests on the host, `cuda_graph_safe`) run eagerly.
 
 Off CUDA (tests), `capture=False` runs the same padded step eagerly from the same buffers:
 everything but the graph itself is exercised on the CPU.
@@ -81,7 +82,7 @@ class CUDAGraphRunner:
     def capture(self) -> None:
         """Captures every size, largest first (later graphs share its memory pool). The
         padding rows write nowhere (slot -1), so capturing touches no KV block."""
-        if not self.capture_enabled:
+        if not self.capture_enabled or not self.model.cuda_graph_safe:
             return
         self._load_padding(0)
         for size in reversed(self.sizes):
@@ -99,7 +100,7 @@ class CUDAGraphRunner:
         n = meta.num_reqs
         return (meta.num_decodes == n == meta.num_actual_tokens and n <= self.sizes[-1]
                 and meta.block_tables.shape[1] <= self.block_tables.shape[1]
-                and not self.model.aux_hidden_state_layers
+                and not self.model.aux_hidden_state_layers and self.model.cuda_graph_safe
                 and meta.layer_metas is None)  # captured with one block table
 
     def _load_padding(self, n: int) -> None:

@@ -29,7 +29,8 @@ ADAPTERS = {  # name -> make_peft_adapter arguments
 }
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral", "gemma2",
+                                                "gemma3", "olmo2", "granite", "smollm3"])
 def setup(request, tmp_path_factory):
     arch = request.param
     root = tmp_path_factory.mktemp(f"lora_{arch}")
@@ -103,8 +104,12 @@ def test_mixed_batch_matches_peft(setup, kernels, monkeypatch):
             ref = _reference_logits(refs, name, prompt + [nxt[i]])[-1]
             torch.testing.assert_close(out[i], ref, atol=2e-4, rtol=1e-4)
             assert int(out[i].argmax()) == int(ref.argmax())
-    # The fused step ran in the C kernel with the adapters (no silent layer-path fallback).
-    assert len(fused_calls) == 1 and fused_calls[0] is not None
+    # The fused step ran in the C kernel with the adapters (no silent layer-path fallback),
+    # unless the model's layers use options it does not list (Gemma, OLMo 2, ...: declined).
+    if model.fused_decode.declined:
+        assert fused_calls == []
+    else:
+        assert len(fused_calls) == 1 and fused_calls[0] is not None
 
 
 def test_bf16_slots_same_on_every_path(setup, monkeypatch):

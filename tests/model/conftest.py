@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tiny_models import TINY_ARCHS, make_tiny_model_dir
+from tiny_models import FAMILY_ARCHS, TINY_ARCHS, make_tiny_model_dir
 
 from aioengine.kernels import cpu as cpu_kernels
 from aioengine.kernels import cpu_decode
@@ -15,7 +15,7 @@ def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory, bundled_tokenizer)
     """arch -> directory with config.json, model.safetensors and the bundled tokenizer."""
     root = tmp_path_factory.mktemp("tiny_models")
     return {arch: make_tiny_model_dir(arch, root / arch, tokenizer=bundled_tokenizer)
-            for arch in TINY_ARCHS}
+            for arch in TINY_ARCHS + FAMILY_ARCHS}
 
 
 @pytest.fixture

@@ -69,16 +69,20 @@ def test_unsupported_architecture_names_the_supported_ones() -> None:
 
 
 @pytest.mark.parametrize("rope", [
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-    {"rope_type": "linear", "factor": 2.0},
+    # transformers knows these; rope_variants.py does not.
+    {"rope_type": "proportional", "factor": 2.0},
+    {"rope_type": "mrope", "mrope_section": [2, 2, 4]},
 ])
 def test_unsupported_rope_scaling(rope) -> None:
-    with pytest.raises(UnsupportedModelError, match="rope scaling type"):
-        ModelArchConfig.from_hf_config(make_tiny_config("llama", rope_scaling=rope))
+    with pytest.raises(UnsupportedModelError,
+                       match="LlamaForCausalLM: unsupported rope scaling type"):
+        cfg = make_tiny_config("llama")
+        cfg.rope_parameters = {"rope_theta": 10000.0, **rope}
+        ModelArchConfig.from_hf_config(cfg)
 
 
 def test_unsupported_features() -> None:
-    with pytest.raises(UnsupportedModelError, match="hidden_act"):
+    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM: unsupported hidden_act"):
         ModelArchConfig.from_hf_config(make_tiny_config("llama", hidden_act="gelu"))
     with pytest.raises(UnsupportedModelError, match="mlp_bias"):
         ModelArchConfig.from_hf_config(make_tiny_config("llama", mlp_bias=True))

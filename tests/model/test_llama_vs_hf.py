@@ -1,4 +1,5 @@
-"""Our paged model vs transformers on tiny random-weight checkpoints of every supported arch."""
+"""Our paged model vs transformers on tiny random-weight checkpoints of every supported arch
+(TINY_ARCHS: the Llama family; FAMILY_ARCHS: Gemma 2/3, Phi-3, OLMo 2, Granite, SmolLM3, YaRN)."""
 from __future__ import annotations
 
 import random
@@ -6,7 +7,7 @@ import random
 import pytest
 import torch
 from paged_driver import PagedDriver, Seq
-from tiny_models import TINY_ARCHS
+from tiny_models import FAMILY_ARCHS, TINY_ARCHS
 
 from aioengine.model.attention import build_attention_metadata
 from aioengine.model.llama import make_kv_caches
@@ -17,7 +18,7 @@ CPU = torch.device("cpu")
 ATOL, RTOL = 1e-4, 1e-5
 
 
-@pytest.fixture(scope="module", params=TINY_ARCHS)
+@pytest.fixture(scope="module", params=TINY_ARCHS + FAMILY_ARCHS)
 def models(request, tiny_model_dirs):
     """(ours, transformers') for one arch, both loaded from the same directory."""
     from transformers import AutoModelForCausalLM
@@ -114,7 +115,7 @@ def test_reads_blocks_written_in_the_same_step(models) -> None:
 # the real model is measured by `aioengine bench accuracy` (docs/benchmarks.md).
 
 
-@pytest.fixture(scope="module", params=TINY_ARCHS)
+@pytest.fixture(scope="module", params=TINY_ARCHS + FAMILY_ARCHS)
 def reduced_models(request, tiny_model_dirs):
     """({storage: ours}, transformers fp32, transformers bf16) for one arch."""
     from transformers import AutoModelForCausalLM

@@ -1,0 +1,85 @@
+"""What each supported architecture can do, derived from the code that does it: the README's
+table of architectures is generated from here (scripts/gen_arch_table.py; a test checks that
+README.md holds the generated table).
+
+    storages       every projection storage (layers.WEIGHT_STORAGES) and, for architectures
+                   the GGUF reader maps (gguf_loader.GGUF_ARCHITECTURES), a GGUF file's own
+                   Q4_1 blocks
+    fused decode   whether the fused C decode executor runs the architecture's layers, with
+                   its transformers default config: no layer option outside the executor's
+                   SUPPORTED_FEATURES
+    LoRA           architectures whose projections LoRA wraps as PEFT names them (q/k/v/o,
+                   gate/up/down) and that tests/lora/test_lora_vs_peft.py checks; Phi-3's
+                   fused qkv_proj / gate_up_proj adapters are not read
+    speculative    n-gram drafts for every architecture (verification is the target's own
+                   forward); EAGLE heads only for the Llama family (a head is built as the
+                   target's layer: the other families' options would leak into it)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aioengine.model.arch import SUPPORTED_ARCHITECTURES, ModelArchConfig
+from aioengine.model.families import FAMILY_MODEL_TYPES
+from aioengine.model.gguf_loader import GGUF_ARCHITECTURES
+from aioengine.model.layers import WEIGHT_STORAGES
+
+LLAMA_FAMILY: dict[str, str] = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+}
+EAGLE_TARGET_ARCHITECTURES: frozenset[str] = frozenset(LLAMA_FAMILY.values())
+LORA_ARCHITECTURES: frozenset[str] = frozenset(SUPPORTED_ARCHITECTURES) - {"Phi3ForCausalLM"}
+
+
+@dataclass(frozen=True)
+class ArchitectureSupport:
+    architecture: str
+    model_type: str
+    storages: tuple[str, ...]
+    fused_cpu_decode: bool
+    lora: bool
+    speculative: tuple[str, ...]
+
+
+def _model_types() -> dict[str, str]:
+    return LLAMA_FAMILY | FAMILY_MODEL_TYPES
+
+
+def fused_decode_supported(model_type: str) -> bool:
+    """Whether the fused executor runs every layer of this model type's default config."""
+    from transformers import AutoConfig
+
+    from aioengine.model.executors import FusedCpuDecodeExecutor
+    from aioengine.model.layer_spec import layer_specs, unsupported
+
+    arch = ModelArchConfig.from_hf_config(AutoConfig.for_model(model_type))
+    return not unsupported(layer_specs(arch), FusedCpuDecodeExecutor.SUPPORTED_FEATURES)
+
+
+def architecture_support() -> list[ArchitectureSupport]:
+    """One row per SUPPORTED_ARCHITECTURES entry, in its order."""
+    gguf = {hf_arch for _, hf_arch in GGUF_ARCHITECTURES.values()}
+    by_arch = {arch: mt for mt, arch in _model_types().items()}
+    rows = []
+    for arch in SUPPORTED_ARCHITECTURES:
+        model_type = by_arch[arch]
+        storages = WEIGHT_STORAGES + (("gguf",) if arch in gguf else ())
+        rows.append(ArchitectureSupport(
+            architecture=arch, model_type=model_type, storages=storages,
+            fused_cpu_decode=fused_decode_supported(model_type),
+            lora=arch in LORA_ARCHITECTURES,
+            speculative=("ngram", "eagle", "eagle3") if arch in EAGLE_TARGET_ARCHITECTURES
+            else ("ngram",)))
+    return rows
+
+
+def markdown_table() -> str:
+    """The README's table of supported architectures."""
+    lines = ["| architecture | `model_type` | storages | fused CPU decode | LoRA | "
+             "speculative decoding |", "| --- | --- | --- | --- | --- | --- |"]
+    for row in architecture_support():
+        lines.append(f"| `{row.architecture}` | `{row.model_type}` | "
+                     f"{', '.join(row.storages)} | {'yes' if row.fused_cpu_decode else 'no'} | "
+                     f"{'yes' if row.lora else 'no'} | {', '.join(row.speculative)} |")
+    return "\n".join(lines) + "\n"
