@@ -15,7 +15,7 @@ from aioengine.config import (EngineArgs, FlagSpec, add_dataclass_flags, add_eng
                               flag_values)
 from aioengine.ray_serve.options import add_ray_args
 from aioengine.server.server_config import ServerConfig
-from aioengine.server.tool_parsers import TOOL_PARSERS
+from aioengine.tool_parsers import TOOL_PARSERS
 
 
 def lora_modules_arg(text: str) -> list:
@@ -167,7 +167,7 @@ def serve_model(args: argparse.Namespace) -> str | None:
 
 def _check_tool_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """--enable-auto-tool-choice needs a parser; --chat-template is read now."""
-    from aioengine.server.chat_prompt import load_chat_template
+    from aioengine.chat_prompt import load_chat_template
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice requires --tool-call-parser")
