@@ -15,6 +15,7 @@ from aioengine.config import (EngineArgs, FlagSpec, add_dataclass_flags, add_eng
                               flag_values)
 from aioengine.ray_serve.options import add_ray_args
 from aioengine.server.server_config import ServerConfig
+from aioengine.pooling_params import POOLING_TYPES
 from aioengine.tool_parsers import TOOL_PARSERS
 
 
@@ -93,6 +94,10 @@ TOOL_FLAGS: dict[str, FlagSpec] = {
         "--tool-call-parser", choices=sorted(TOOL_PARSERS),
         help="the model's tool-call format, read back into tool_calls and used for "
              "constrained calls (default for forced calls: hermes)"),
+    "pooling": flag("--pooling", choices=POOLING_TYPES,
+                    help="how /v1/embeddings, /pooling, /score and /rerank pool the final "
+                    "hidden states: last token, mean, or first token (default: %(default)s; "
+                    "a request's pooling_type overrides it)"),
     "chat_template": flag("--chat-template", metavar="FILE_OR_STRING",
                           help="a Jinja chat template (a file, or the template itself) "
                                "instead of the model's"),
