@@ -31,6 +31,26 @@ the available functions:
 _TOOLS_RE = re.compile(r"\btools\b")
 
 
+def tool_dict(name: str, description: str | None, parameters: dict) -> dict:
+    """A function tool as Chat Completions writes it (what chat templates expect)."""
+    function: dict[str, Any] = {"name": name}
+    if description:
+        function["description"] = description
+    function["parameters"] = parameters
+    return {"type": "function", "function": function}
+
+
+def normalize_tool(tool: Any) -> dict:
+    """An OpenAI tool dict (nested `function`, or flat as the Responses API writes it) as
+    the server renders it (tool_dict: name, description if any, parameters defaulting to
+    an empty object schema). ChatTemplateError for one without a name."""
+    function = tool.get("function", tool) if isinstance(tool, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ChatTemplateError("each tool must be a function tool with a name")
+    parameters = function.get("parameters") or {"type": "object", "properties": {}}
+    return tool_dict(function["name"], function.get("description"), parameters)
+
+
 def load_chat_template(value: str) -> str:
     """`--chat-template`: a file's contents, or the value itself when it is a template."""
     if os.path.isfile(value):

@@ -6,7 +6,7 @@ from typing import Callable, Sequence
 
 from tqdm.auto import tqdm
 
-from aioengine.chat_prompt import render_chat_prompt
+from aioengine.chat_prompt import normalize_tool, render_chat_prompt
 from aioengine.config import EngineArgs
 from aioengine.engine.async_engine import PromptType, render_prompt
 from aioengine.engine.client import EngineClient, PreparedRequest
@@ -104,17 +104,19 @@ class LLM(EngineClient):
         model's template or `chat_template`, `tools` as OpenAI tool dicts, offered in
         `tool_parser`'s call format to a template that does not take tools), then
         generated. Raises InvalidRequestError for malformed messages or a failing template."""
-        conversations = ([messages] if messages and isinstance(messages[0], dict)
-                         else list(messages))
+        if not messages:
+            raise InvalidRequestError("messages must be a non-empty list", "messages")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         parser = get_tool_parser(tool_parser)
         prompts: list[PromptType] = []
-        for conversation in conversations:
-            try:
+        try:
+            tool_dicts = [normalize_tool(t) for t in tools or []]
+            for conversation in conversations:
                 prompts.append(render_chat_prompt(
-                    self.tokenizer, conversation, list(tools or []), parser, chat_template,
+                    self.tokenizer, conversation, tool_dicts, parser, chat_template,
                     add_generation_prompt, chat_template_kwargs))
-            except ChatTemplateError as e:
-                raise InvalidRequestError(str(e), "messages") from None
+        except ChatTemplateError as e:
+            raise InvalidRequestError(str(e), "messages") from None
         return self.generate(prompts, sampling_params, lora_request, use_tqdm=use_tqdm)
 
     # ---- pooling (embeddings, scores) ----------------------------------------------------
