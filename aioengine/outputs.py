@@ -4,6 +4,10 @@ from __future__ import annotations
 import asyncio
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 # One position's logprobs: token id -> (logprob, rank). Always holds the chosen token;
 # plus the top-k alternatives when asked for.
@@ -49,6 +53,31 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PoolingOutput:
+    """The pooled vector of one prompt (vLLM's name): float32 [hidden_size]."""
+
+    data: torch.Tensor
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data.tolist()
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The one output of a pooling request (AsyncEngine.encode, LLM.embed): `outputs` is
+    None when it failed (`error` says why) or was aborted (`finish_reason` "abort")."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput | None
+    finished: bool = True
+    num_cached_tokens: int = 0
+    finish_reason: str = "stop"
+    error: str | None = None
 
 
 def merge_completion(a: CompletionOutput, b: CompletionOutput) -> CompletionOutput:

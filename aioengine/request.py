@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from aioengine.pooling_params import PoolingParams, PoolingState
 from aioengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -90,9 +91,27 @@ class Request:
     # Draft tokens proposed after the last step (speculative decoding), verified in the
     # next one; never part of all_token_ids (nor of any block hash) until accepted.
     spec_token_ids: list[int] = field(default_factory=list)
+    # A pooling (prefill-only) request: no token is sampled; it ends once its prompt is
+    # computed, with the pooled vector of its final hidden states (pooling_params.py).
+    pooling_params: PoolingParams | None = None
+    pooling_state: PoolingState | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if self.pooling_params is not None:
+            self.pooling_state = PoolingState(self.pooling_params)
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
+
+    @property
+    def reads_cached_prefix(self) -> bool:
+        """Whether the prefix cache may skip prompt positions: not when every position's
+        output is wanted (prompt_logprobs, mean/cls pooling)."""
+        if self.pooling_params is not None:
+            return self.pooling_params.reads_cached_prefix
+        return self.sampling_params.prompt_logprobs is None
 
     @property
     def lora_id(self) -> int:

@@ -15,7 +15,8 @@ from aioengine.config import (EngineArgs, FlagSpec, add_dataclass_flags, add_eng
                               flag_values)
 from aioengine.ray_serve.options import add_ray_args
 from aioengine.server.server_config import ServerConfig
-from aioengine.server.tool_parsers import TOOL_PARSERS
+from aioengine.pooling_params import POOLING_TYPES
+from aioengine.tool_parsers import TOOL_PARSERS
 
 
 def lora_modules_arg(text: str) -> list:
@@ -94,6 +95,10 @@ TOOL_FLAGS: dict[str, FlagSpec] = {
         "--tool-call-parser", choices=sorted(TOOL_PARSERS),
         help="the model's tool-call format, read back into tool_calls and used for "
              "constrained calls (default for forced calls: hermes)"),
+    "pooling": flag("--pooling", choices=POOLING_TYPES,
+                    help="how /v1/embeddings, /pooling, /score and /rerank pool the final "
+                    "hidden states: last token, mean, or first token (default: %(default)s; "
+                    "a request's pooling_type overrides it)"),
     "chat_template": flag("--chat-template", metavar="FILE_OR_STRING",
                           help="a Jinja chat template (a file, or the template itself) "
                                "instead of the model's"),
@@ -217,7 +222,7 @@ def serve_model(args: argparse.Namespace) -> str | None:
 
 def _check_tool_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """--enable-auto-tool-choice needs a parser; --chat-template is read now."""
-    from aioengine.server.chat_prompt import load_chat_template
+    from aioengine.chat_prompt import load_chat_template
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice requires --tool-call-parser")

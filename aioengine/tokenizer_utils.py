@@ -63,9 +63,11 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
 
 def render_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
                          add_generation_prompt: bool = True, tools: list[dict] | None = None,
-                         chat_template: str | None = None) -> str:
+                         chat_template: str | None = None,
+                         chat_template_kwargs: dict | None = None) -> str:
     """The prompt text the chat template (the model's, or `chat_template`) makes of
-    `messages`; `tools` (Chat Completions' tool objects) go to templates that take them."""
+    `messages`; `tools` (Chat Completions' tool objects) go to templates that take them;
+    `chat_template_kwargs`: extra variables for the template (e.g. enable_thinking)."""
     if not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise ChatTemplateError(
             "this model's tokenizer has no chat template; send a plain prompt instead")
@@ -73,7 +75,7 @@ def render_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict
     try:
         text = tokenizer.apply_chat_template(
             normalized, tools=tools, chat_template=chat_template, tokenize=False,
-            add_generation_prompt=add_generation_prompt)
+            add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
     except Exception as e:  # jinja2 errors, raise_exception() in the template, ...
         raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
     if not isinstance(text, str):

@@ -18,7 +18,7 @@ import time
 from aioengine import AsyncEngine, SamplingParams
 from aioengine.cpu_info import cpu_flags, cpu_model
 from aioengine.sampling_params import StructuredOutputs
-from aioengine.server.chat_prompt import render_chat_prompt
+from aioengine.chat_prompt import render_chat_prompt
 from aioengine.server.tools import ToolServingConfig, chat_tool_plan
 
 
@@ -68,7 +68,8 @@ def case_request(engine: AsyncEngine, choice: object) -> tuple[list[int], Sampli
                            "parallel_tool_calls": False}, config)
     assert plan is not None
     messages = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
-    ids = render_chat_prompt(engine.tokenizer, messages, plan.tools, plan.parser)
+    ids = render_chat_prompt(engine.tokenizer, messages, [t.chat_dict() for t in plan.tools],
+                             plan.parser)
     constraint = plan.constraint(None, None) if choice is not None else None
     return ids, SamplingParams(temperature=0, max_tokens=64, ignore_eos=choice is None,
                                structured_outputs=constraint)

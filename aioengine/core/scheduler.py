@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from aioengine.config import SchedulerConfig
 from aioengine.core.chunking import PrefillChunker
@@ -25,7 +25,11 @@ from aioengine.core.scheduler_output import (EngineCoreOutput, ModelRunnerOutput
                                              ScheduledRequest, SchedulerOutput)
 from aioengine.core.spec_stats import SpecDecodingStats
 from aioengine.engine.features import AdmissionFailed, EngineFeature
+from aioengine.pooling_params import PoolingState
 from aioengine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Scheduler:
@@ -198,9 +202,10 @@ class Scheduler:
         return True
 
     def _admit(self, request: Request, budget: int) -> int | None:
-        # prompt_logprobs needs every prompt position computed: no prefix-cache lookup.
+        # prompt_logprobs and mean/cls pooling need every prompt position computed: no
+        # prefix-cache lookup (their blocks are still cached for others).
         computed_blocks, num_hit = None, 0
-        if request.sampling_params.prompt_logprobs is None:
+        if request.reads_cached_prefix:
             computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
         num_new = self._num_new_tokens(request, num_hit, budget)
         if num_new == 0:
@@ -226,6 +231,8 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        if request.pooling_params is not None:  # its chunks are computed again
+            request.pooling_state = PoolingState(request.pooling_params)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue_waiting(request)
@@ -251,7 +258,8 @@ class Scheduler:
                 token_ids=request.all_token_ids[start:end] + drafts,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                 group_block_ids=self.kv_cache_manager.get_group_block_ids(request.request_id),
-                num_samples=(1 + len(request.pending_forks)) if end == request.num_tokens else 0,
+                num_samples=((1 + len(request.pending_forks))
+                             if end == request.num_tokens and not request.is_pooling else 0),
                 want_prompt_logprobs=(request.sampling_params.prompt_logprobs is not None
                                       and start < request.num_prompt_tokens),
                 spec_token_ids=drafts,
@@ -308,6 +316,11 @@ class Scheduler:
             request.num_computed_tokens += item.num_new_tokens - num_drafts
             request.spec_token_ids = []
             rid = request.request_id
+            if request.pooling_state is not None:
+                pooled = self._pool(request, runner_output.pooler_output.get(rid))
+                if pooled is not None:
+                    outputs.append(EngineCoreOutput(request, [], pooled=pooled))
+                continue
             prompt_lps = runner_output.prompt_logprobs.get(rid)
             tokens = runner_output.sampled_token_ids.get(rid)
             if not tokens:
@@ -333,6 +346,17 @@ class Scheduler:
                 del self.requests[out.request.request_id]
                 self.kv_cache_manager.free(out.request)
         return outputs
+
+    def _pool(self, request: Request, share: torch.Tensor | None) -> torch.Tensor | None:
+        """Folds a pooling request's chunk into its vector; once its prompt is computed,
+        ends it (FINISHED_STOPPED: update_from_output frees its blocks) and returns the
+        pooled vector."""
+        assert request.pooling_state is not None
+        request.pooling_state.add(share)
+        if request.num_computed_tokens < request.num_prompt_tokens:
+            return None
+        request.status = RequestStatus.FINISHED_STOPPED
+        return request.pooling_state.finish(request.num_prompt_tokens)
 
     def _append_run(self, request: Request, tokens: list[int], logprobs: list | None,
                     prompt_lps: list | None, drafts: list[int] | None) -> EngineCoreOutput:

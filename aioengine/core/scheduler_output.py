@@ -10,6 +10,8 @@ from aioengine.outputs import PositionLogprobs
 from aioengine.request import Request
 
 if TYPE_CHECKING:
+    import torch
+
     from aioengine.structured.bitmask import GrammarBitmask
 
 # The input id of a token scheduled ahead (async scheduling): the runner replaces it with
@@ -87,6 +89,9 @@ class ModelRunnerOutput:
     # Speculative decoding: request_id -> drafts proposed for the step after this one,
     # assuming every token in sampled_token_ids is kept (else update_from_output drops them).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Pooling requests: request_id -> this chunk's share of the pooled vector (float32,
+    # pooling_params.chunk_share; absent when the chunk holds nothing the pooling reads).
+    pooler_output: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -97,6 +102,8 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     new_logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs] | None = None
+    # A pooling request that finished: its pooled vector (float32, [hidden_size]).
+    pooled: torch.Tensor | None = None
 
     @property
     def finished(self) -> bool:

@@ -14,6 +14,7 @@ from aioengine.errors import InvalidRequestError
 from aioengine.lora.adapter import LoRANotFoundError
 from aioengine.lora.manager import LoRAManager
 from aioengine.lora.request import LoRARequest
+from aioengine.pooling_params import PoolingParams
 from aioengine.request import Request
 from aioengine.sampling_params import SamplingParams
 
@@ -81,6 +82,32 @@ class RequestAdmission:
             params.max_tokens = self.default_max_tokens(len(prompt_token_ids), params.n)
         self.validate_prompt(prompt_token_ids, params)
         return PreparedRequest(list(prompt_token_ids), params, prompt_text, lora)
+
+    def prepare_pooling(self, prompt_token_ids: list[int], params: PoolingParams,
+                        lora_request: LoRARequest | None = None,
+                        prompt_text: str | None = None) -> PreparedRequest:
+        """Admits a pooling (prefill-only) request: the prompt may fill the whole context
+        (nothing is generated), and its blocks must fit the cache. Raises
+        InvalidRequestError, LoRANotFoundError."""
+        lora = self.resolve_lora(lora_request)
+        num_prompt = len(prompt_token_ids)
+        if not prompt_token_ids:
+            raise InvalidRequestError("the input is empty", "input")
+        self.check_token_ids(prompt_token_ids, "input")
+        if num_prompt > self.max_model_len:
+            raise InvalidRequestError(
+                f"the input has {num_prompt} tokens but the model's context length is "
+                f"{self.max_model_len}", "input")
+        needed = self.kv_cache_manager.num_blocks_needed(num_prompt)
+        if needed > self.kv_cache_manager.num_blocks:
+            raise InvalidRequestError(
+                f"the input needs {needed} KV blocks but the cache has only "
+                f"{self.kv_cache_manager.num_blocks}", "input")
+        # Never sampled: one greedy token's worth, so that nothing reads an unset field.
+        placeholder = SamplingParams(max_tokens=1, temperature=0.0)
+        placeholder.all_stop_token_ids = set()
+        return PreparedRequest(list(prompt_token_ids), placeholder, prompt_text, lora,
+                               pooling_params=params)
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises InvalidRequestError for anything that could never run; resolves

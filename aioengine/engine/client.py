@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aioengine.lora.request import LoRARequest
+from aioengine.pooling_params import PoolingParams
 from aioengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -32,6 +33,9 @@ class PreparedRequest:
     sampling_params: SamplingParams
     prompt_text: str | None = None
     lora_request: LoRARequest | None = None
+    # A pooling request (prefill only, AsyncEngine.encode / LLM.embed): how its hidden
+    # states are pooled; `sampling_params` is then a placeholder nothing samples with.
+    pooling_params: PoolingParams | None = None
 
 
 class EngineClient:

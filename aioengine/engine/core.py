@@ -219,7 +219,7 @@ class EngineCore(RequestAdmission):
                 prompt_token_ids=list(prompt_token_ids), sampling_params=sample_params,
                 arrival_time=arrival, priority=priority, parent_id=request_id, sample_index=i,
                 structured=self.structured.admit(sample_params, lora),
-                lora_request=lora,
+                lora_request=lora, pooling_params=prepared.pooling_params,
                 # The adapter's load is part of every block hash: KV computed under one
                 # adapter (or an earlier load of the same name) is never reused by another.
                 cache_salt=None if lora is None else ("lora", lora.lora_int_id)))

@@ -12,15 +12,18 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from aioengine.core.scheduler_output import EngineCoreOutput
 from aioengine.detokenizer import IncrementalDetokenizer
 from aioengine.metrics import EngineMetrics
-from aioengine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from aioengine.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput,
+                               PositionLogprobs, RequestOutput)
 from aioengine.request import Request, RequestStatus
 
 Sink = Callable[[RequestOutput], None]
+PoolingSink = Callable[[PoolingRequestOutput], None]
 # (sample, status to end it with, stop string or error message)
 FinishOrder = tuple[Request, RequestStatus, "str | None"]
 
@@ -57,6 +60,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.states: dict[str, RequestState] = {}
+        # Pooling requests in flight: request_id -> (prompt ids, sink).
+        self.pooling: dict[str, tuple[list[int], PoolingSink]] = {}
         self._decode_one = lru_cache(maxsize=65536)(
             lambda tok: tokenizer.decode([tok], skip_special_tokens=False))
 
@@ -70,6 +75,22 @@ class OutputProcessor:
             prompt_logprobs=[None] if first.sampling_params.prompt_logprobs is not None else None,
             arrival_time=first.arrival_time)
 
+    def add_pooling_request(self, request_id: str, prompt_token_ids: list[int],
+                            sink: PoolingSink) -> None:
+        self.pooling[request_id] = (prompt_token_ids, sink)
+
+    def _deliver_pooled(self, request: Request, data: torch.Tensor | None,
+                        finish_reason: str = "stop", error: str | None = None) -> None:
+        entry = self.pooling.pop(request.request_id, None)
+        if entry is None:
+            return
+        prompt_token_ids, sink = entry
+        sink(PoolingRequestOutput(
+            request.request_id, prompt_token_ids,
+            None if data is None else PoolingOutput(data.cpu()),
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            finish_reason=finish_reason, error=error))
+
     def process_outputs(self, outputs: list[EngineCoreOutput],
                         failed: list[Request] = ()) -> list[FinishOrder]:
         """Delivers one update per request that advanced. Returns the samples that end
@@ -78,6 +99,9 @@ class OutputProcessor:
         to_finish: list[FinishOrder] = []
         updates: dict[str, list[CompletionOutput]] = {}
         for out in outputs:
+            if out.pooled is not None:
+                self._deliver_pooled(out.request, out.pooled)
+                continue
             state = self.states.get(out.request.parent_id or out.request.request_id)
             if state is None:
                 continue
@@ -98,6 +122,9 @@ class OutputProcessor:
             if completion is not None:
                 updates.setdefault(state.request_id, []).append(completion)
         for request in failed:
+            if request.request_id in self.pooling:
+                self._deliver_pooled(request, None, "error", request.error)
+                continue
             state = self.states.get(request.parent_id or request.request_id)
             if state is not None:
                 updates.setdefault(state.request_id, []).append(self._finish_sample(
@@ -108,6 +135,11 @@ class OutputProcessor:
 
     def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> None:
         """Ends every unfinished sample of a request with `reason` and delivers it."""
+        if request_id in self.pooling:
+            prompt_token_ids, sink = self.pooling.pop(request_id)
+            sink(PoolingRequestOutput(request_id, prompt_token_ids, None,
+                                      finish_reason=reason, error=error))
+            return
         state = self.states.get(request_id)
         if state is None:
             return

@@ -36,10 +36,12 @@ from aioengine.server.protocol import (ApiError, error_body, get_bool, get_int, 
                                        get_str, parse_json_object)
 from aioengine.server.serving_chat import ChatHandler, render_messages
 from aioengine.server.serving_completions import CompletionsHandler
+from aioengine.server.serving_embedding import EmbeddingsHandler
 from aioengine.server.serving_engine import (STREAM_WRITE_TIMEOUT, ServingContext, json_response,
                                              not_found_body)
 from aioengine.server.serving_models import ServingModels
 from aioengine.server.serving_responses import ResponsesHandler
+from aioengine.server.serving_score import ScoreHandler
 from aioengine.server.server_config import ServerConfig
 from aioengine.server.tools import ToolServingConfig, chat_tool_plan
 
@@ -142,6 +144,8 @@ class OpenAIServer:
         self.chat = ChatHandler(ctx)
         self.responses = ResponsesHandler(ctx, config.max_stored_responses,
                                           config.response_id_tag)
+        self.embeddings = EmbeddingsHandler(ctx)
+        self.scores = ScoreHandler(ctx)
 
     def build_app(self) -> web.Application:
         auth = auth_middleware(self.config.api_key, self.config.metrics_without_api_key)
@@ -157,6 +161,11 @@ class OpenAIServer:
         app.router.add_post("/v1/completions", self._json(self.completions))
         app.router.add_post("/v1/chat/completions", self._json(self.chat))
         app.router.add_post("/v1/responses", self._json(self.responses.create))
+        app.router.add_post("/v1/embeddings", self._json(self.embeddings.embeddings))
+        app.router.add_post("/pooling", self._json(self.embeddings.pooling))
+        for prefix in ("", "/v1"):  # vLLM serves both
+            app.router.add_post(prefix + "/score", self._json(self.scores.score))
+            app.router.add_post(prefix + "/rerank", self._json(self.scores.rerank))
         app.router.add_get("/v1/responses/{response_id}", self.responses.retrieve)
         app.router.add_post("/v1/responses/{response_id}/cancel", self.responses.cancel)
         if envs.AIOENGINE_FAULT_INJECTION:
@@ -277,7 +286,8 @@ async def build_serving_context(engine: AsyncEngine, served_model_names: list[st
     tools = ToolServingConfig(config.enable_auto_tool_choice, config.tool_call_parser)
     on_demand = config.lora_modules if config.load_lora_modules_on_demand else ()
     ctx = ServingContext(engine, ServingModels(engine, served_model_names, on_demand), tools,
-                         config.chat_template, config.max_queued_requests)
+                         config.chat_template, config.max_queued_requests,
+                         pooling=config.pooling)
     if not on_demand:
         await ctx.models.init_static_loras(list(config.lora_modules))
     return ctx

@@ -97,5 +97,11 @@ class PromptWork:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
 
+    async def run_off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on a thread, whatever its size (callers without an HTTP request,
+        such as a batch file's lines, cannot tell)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -17,7 +17,7 @@ from typing import Any
 from aioengine.outputs import CompletionOutput
 from aioengine.server.protocol import ApiError
 from aioengine.server.serving_engine import check_failed, failure_body
-from aioengine.server.tool_parsers import (ContentDelta, ToolCallArgsDelta, ToolCallStart,
+from aioengine.tool_parsers import (ContentDelta, ToolCallArgsDelta, ToolCallStart,
                                            ToolEvent)
 from aioengine.server.tools import ToolPlan
 

@@ -54,6 +54,9 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     chat_template: str | None = None
+    # The pooling of the embedding routes (pooling_params.POOLING_TYPES): `last` suits a
+    # decoder LLM; a request's pooling_type overrides it.
+    pooling: str = "last"
     max_stored_responses: int = 1024
     response_id_tag: str = ""  # in every response id (a Ray Serve replica's id)
     # Overload: beyond this many waiting requests new ones get 503 + Retry-After (SGLang's

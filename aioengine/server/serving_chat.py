@@ -16,13 +16,13 @@ from aiohttp import web
 
 from aioengine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from aioengine.sampling_params import SamplingParams
-from aioengine.server.chat_prompt import render_chat_text
+from aioengine.chat_prompt import render_chat_text
 from aioengine.server.offload import body_bytes, encode_text
 from aioengine.server.protocol import (ApiError, chat_sampling_params, get_bool, get_priority,
                                        get_stream, structured_outputs_field)
 from aioengine.server.serving_engine import (ApiCall, PreparedCall, SSEStream, ServingContext,
                                              check_failed, merged_outputs, random_id)
-from aioengine.server.tool_parsers import (ContentDelta, ToolCallArgsDelta, ToolCallStart,
+from aioengine.tool_parsers import (ContentDelta, ToolCallArgsDelta, ToolCallStart,
                                            ToolCallStream, ToolEvent)
 from aioengine.server.tools import ToolPlan, chat_tool_plan, new_tool_call_id
 from aioengine.tokenizer_utils import ChatTemplateError
@@ -62,7 +62,8 @@ def render_messages(ctx: ServingContext, messages: Any, plan: ToolPlan | None,
     `check`: and for a prompt that could never run, counted before it is listed)."""
     tokenizer = ctx.engine.tokenizer
     try:
-        text = render_chat_text(tokenizer, messages, plan.tools if plan else [],
+        text = render_chat_text(tokenizer, messages,
+                                [t.chat_dict() for t in plan.tools] if plan else [],
                                 plan.parser if plan else ctx.tools.parser,
                                 ctx.chat_template, add_generation_prompt)
     except ChatTemplateError as e:

@@ -60,6 +60,8 @@ class ServingContext:
     created: int = field(default_factory=lambda: int(time.time()))
     # Tokenizing, rendering and detokenizing of large bodies, off the event loop.
     work: PromptWork = field(default_factory=PromptWork)
+    # --pooling: the embedding routes' pooling unless a request names one.
+    pooling: str = "last"
 
     @property
     def served_model_names(self) -> list[str]:

@@ -29,13 +29,12 @@ import jsonschema
 
 from aioengine.sampling_params import StructuredOutputs
 from aioengine.server.protocol import ApiError, get_bool
-from aioengine.server.tool_parsers import ToolParser, get_tool_parser
+from aioengine.chat_prompt import tool_dict
+from aioengine.tool_parsers import DEFAULT_TOOL_PARSER, ToolParser, get_tool_parser
 
 # OpenAI: a-z, A-Z, 0-9, underscores and dashes (dots accepted too, as vLLM does), <= 64.
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
-# The call format used for forced calls and past calls when no parser is configured.
-DEFAULT_TOOL_PARSER = "hermes"
 
 ToolChoiceMode = Literal["none", "auto", "required", "function"]
 
@@ -48,11 +47,7 @@ class FunctionTool:
 
     def chat_dict(self) -> dict[str, Any]:
         """The tool as Chat Completions writes it (what chat templates expect)."""
-        function: dict[str, Any] = {"name": self.name}
-        if self.description:
-            function["description"] = self.description
-        function["parameters"] = self.parameters
-        return {"type": "function", "function": function}
+        return tool_dict(self.name, self.description, self.parameters)
 
 
 @dataclass(frozen=True)

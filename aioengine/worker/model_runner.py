@@ -30,6 +30,7 @@ from aioengine.engine.features import EngineFeature
 from aioengine.model.attention import build_attention_metadata, copy_blocks, to_device
 from aioengine.model.llama import make_kv_caches
 from aioengine.model.loader import LoadedModel
+from aioengine.pooling_params import chunk_share
 from aioengine.request import Request
 from aioengine.structured import GrammarBitmask
 from aioengine.sample import (Sampler, SamplingMetadata, SamplingRow, compute_probs,
@@ -146,6 +147,7 @@ class ModelRunner:
         output = ModelRunnerOutput(sampled_token_ids={}, executor=executor)
         self._sample(scheduled, hidden, item_starts, output, scheduler_output.grammar_bitmask)
         self._prompt_logprobs(scheduled, hidden, item_starts, output)
+        self._pool(scheduled, hidden, item_starts, output)
         sampled = time.perf_counter()
         propose = self.proposer is not None and scheduler_output.propose_drafts
         plain, self._plain = self._plain, []
@@ -384,3 +386,16 @@ class ModelRunner:
             ids, lps, ranks = compute_prompt_logprobs(self.model.compute_logits(rows), targets, k)
             output.prompt_logprobs[request.request_id] = to_position_logprobs(ids, lps, ranks)
 
+    @staticmethod
+    def _pool(scheduled: list[ScheduledRequest], hidden: torch.Tensor,
+              item_starts: list[int], output: ModelRunnerOutput) -> None:
+        """Pooling requests: their chunk's share of the pooled vector, from the final-normed
+        hidden states (no LM head, no sampling for them)."""
+        for i, item in enumerate(scheduled):
+            params = item.request.pooling_params
+            if params is None:
+                continue
+            share = chunk_share(params, hidden[item_starts[i]:item_starts[i + 1]],
+                                item.num_computed_tokens, item.request.num_prompt_tokens)
+            if share is not None:
+                output.pooler_output[item.request.request_id] = share

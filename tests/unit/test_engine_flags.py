@@ -46,7 +46,7 @@ SERVE_FLAG_NAMES = {
     "--ray-max-adapters-per-replica", "--ray-metrics-export-port",
     "--ray-health-check-period", "--ray-graceful-shutdown-timeout",
     "--metrics-without-api-key", "--keepalive-timeout", "--body-read-timeout",
-    "--max-connections", "--stream-write-timeout"}
+    "--max-connections", "--stream-write-timeout", "--pooling"}
 
 
 def _parsed(command: list[str]):

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aioengine.server.tool_parsers import (PROMPT_EXAMPLE, TOOL_PARSERS, ContentDelta,
+from aioengine.tool_parsers import (PROMPT_EXAMPLE, TOOL_PARSERS, ContentDelta,
                                            ExtractedToolCalls, ParsedToolCall,
                                            ToolCallArgsDelta, ToolCallStart, ToolEvent,
                                            ToolParser, get_tool_parser)

@@ -8,10 +8,10 @@ import pytest
 import xgrammar as xgr
 
 from aioengine.model.loader import load_tokenizer
-from aioengine.server.chat_prompt import (load_chat_template, render_chat_prompt,
+from aioengine.chat_prompt import (load_chat_template, render_chat_prompt,
                                           template_takes_tools)
 from aioengine.server.protocol import ApiError
-from aioengine.server.tool_parsers import get_tool_parser
+from aioengine.tool_parsers import get_tool_parser
 from aioengine.server.tools import (FunctionTool, ToolChoice, ToolPlan, ToolServingConfig,
                                     chat_tool_plan, parse_tool_choice, parse_tools)
 
@@ -159,7 +159,8 @@ def test_default_tool_prompt_and_past_calls(tokenizer) -> None:
                     {"id": "call_1", "type": "function",
                      "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
-    ids = render_chat_prompt(tokenizer, messages, parse_tools([WEATHER]), parser)
+    weather = [t.chat_dict() for t in parse_tools([WEATHER])]
+    ids = render_chat_prompt(tokenizer, messages, weather, parser)
     text = tokenizer.decode(ids)
     assert text.startswith("<|im_start|>system\nYou are a function calling AI model")
     assert '"name": "get_weather"' in text and "<tool_call>" in text
@@ -189,7 +190,8 @@ def test_a_template_that_takes_tools_gets_them(tokenizer, tmp_path) -> None:
     messages = [{"role": "user", "content": "hi"},
                 {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
                     "name": "get_weather", "arguments": '{"city": "Rome"}'}}]}]
-    text = tokenizer.decode(render_chat_prompt(tokenizer, messages, parse_tools([WEATHER]),
+    weather = [t.chat_dict() for t in parse_tools([WEATHER])]
+    text = tokenizer.decode(render_chat_prompt(tokenizer, messages, weather,
                                                get_tool_parser("hermes"), template))
     # The tools reached the template, and the arguments arrived as an object.
     # (transformers renders with trim_blocks: the newline after a block tag is dropped)

@@ -416,6 +416,9 @@ def _collect(events: list[ToolEvent]) -> ExtractedToolCalls:
     return ExtractedToolCalls(None if parsed and not text else text, parsed)
 
 
+# The call format used for forced calls and past calls when no parser is configured.
+DEFAULT_TOOL_PARSER = "hermes"
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Llama3JsonToolParser)}
 

@@ -1,4 +1,6 @@
-"""Chat messages (with tools) -> prompt token ids.
+"""Chat messages (with tools) -> prompt token ids, as the server's chat routes and
+LLM.chat render them (shared here: the engine never imports the server). Tools are given
+as OpenAI chat tool dicts (`{"type": "function", "function": {...}}`, FunctionTool.chat_dict).
 
 Past tool calls (assistant `tool_calls`) and tool results (`role: "tool"`) render in every
 template. A template that takes `tools` (it mentions them) gets the tools and the messages
@@ -14,8 +16,7 @@ import os
 import re
 from typing import Any
 
-from aioengine.server.tool_parsers import ToolParser
-from aioengine.server.tools import FunctionTool
+from aioengine.tool_parsers import ToolParser
 from aioengine.tokenizer_utils import ChatTemplateError, render_chat_template
 
 DEFAULT_TOOL_PROMPT = """\
@@ -28,6 +29,26 @@ the available functions:
 {call_format}"""
 
 _TOOLS_RE = re.compile(r"\btools\b")
+
+
+def tool_dict(name: str, description: str | None, parameters: dict) -> dict:
+    """A function tool as Chat Completions writes it (what chat templates expect)."""
+    function: dict[str, Any] = {"name": name}
+    if description:
+        function["description"] = description
+    function["parameters"] = parameters
+    return {"type": "function", "function": function}
+
+
+def normalize_tool(tool: Any) -> dict:
+    """An OpenAI tool dict (nested `function`, or flat as the Responses API writes it) as
+    the server renders it (tool_dict: name, description if any, parameters defaulting to
+    an empty object schema). ChatTemplateError for one without a name."""
+    function = tool.get("function", tool) if isinstance(tool, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ChatTemplateError("each tool must be a function tool with a name")
+    parameters = function.get("parameters") or {"type": "object", "properties": {}}
+    return tool_dict(function["name"], function.get("description"), parameters)
 
 
 def load_chat_template(value: str) -> str:
@@ -46,8 +67,8 @@ def template_takes_tools(template: str | dict | None) -> bool:
     return bool(template) and bool(_TOOLS_RE.search(template))  # type: ignore[arg-type]
 
 
-def default_tool_prompt(tools: list[FunctionTool], parser: ToolParser) -> str:
-    listed = "\n".join(json.dumps(t.chat_dict(), ensure_ascii=False) for t in tools)
+def default_tool_prompt(tools: list[dict], parser: ToolParser) -> str:
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     return DEFAULT_TOOL_PROMPT.format(tools=listed, call_format=parser.prompt_instructions())
 
 
@@ -133,9 +154,10 @@ def _with_system_block(messages: list[dict], block: str) -> list[dict]:
     return [{"role": "system", "content": block}, *messages]
 
 
-def render_chat_text(tokenizer: Any, messages: Any, tools: list[FunctionTool],
+def render_chat_text(tokenizer: Any, messages: Any, tools: list[dict],
                      parser: ToolParser, chat_template: str | None = None,
-                     add_generation_prompt: bool = True) -> str:
+                     add_generation_prompt: bool = True,
+                     chat_template_kwargs: dict | None = None) -> str:
     """The prompt text of `messages` with `tools` offered (empty: none); the template
     writes its own special tokens, so it is encoded without adding any. ChatTemplateError
     for malformed messages or a failing template."""
@@ -145,18 +167,19 @@ def render_chat_text(tokenizer: Any, messages: Any, tools: list[FunctionTool],
     if template_takes_tools(template):
         return render_chat_template(tokenizer, _for_tool_template(messages),
                                     add_generation_prompt,
-                                    [t.chat_dict() for t in tools] or None, chat_template)
+                                    tools or None, chat_template, chat_template_kwargs)
     messages = _for_plain_template(messages, parser)
     if tools:
         messages = _with_system_block(messages, default_tool_prompt(tools, parser))
     return render_chat_template(tokenizer, messages, add_generation_prompt, None,
-                                chat_template)
+                                chat_template, chat_template_kwargs)
 
 
-def render_chat_prompt(tokenizer: Any, messages: Any, tools: list[FunctionTool],
+def render_chat_prompt(tokenizer: Any, messages: Any, tools: list[dict],
                        parser: ToolParser, chat_template: str | None = None,
-                       add_generation_prompt: bool = True) -> list[int]:
+                       add_generation_prompt: bool = True,
+                       chat_template_kwargs: dict | None = None) -> list[int]:
     """Token ids of `messages` with `tools` offered (render_chat_text, encoded)."""
     text = render_chat_text(tokenizer, messages, tools, parser, chat_template,
-                            add_generation_prompt)
+                            add_generation_prompt, chat_template_kwargs)
     return list(tokenizer.encode(text, add_special_tokens=False))
