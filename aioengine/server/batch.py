@@ -35,6 +35,7 @@ from aioengine.errors import EngineDeadError
 from aioengine.server.protocol import ApiError, get_stream
 from aioengine.server.serving_chat import ChatHandler
 from aioengine.server.serving_completions import CompletionsHandler
+from aioengine.server.serving_embedding import EmbeddingsHandler
 from aioengine.server.serving_engine import ServingContext, failure_body, random_id
 
 logger = logging.getLogger("aioengine.batch")
@@ -59,12 +60,22 @@ def _generation(handler_type: Any) -> EndpointFactory:
     return factory
 
 
-# url -> the endpoint it runs; None: a url of the Batch API this server does not serve
-# (yet), answered per line with a clear error.
+def _embeddings(ctx: ServingContext) -> BatchEndpoint:
+    """/v1/embeddings through the route's own `create_embedding` (its 400s raise ApiError,
+    recorded by run_line as the route would answer them)."""
+    handler = EmbeddingsHandler(ctx)
+
+    async def endpoint(body: dict, size: int) -> tuple[int, dict[str, Any]]:
+        return 200, await handler.create_embedding(body)
+    return endpoint
+
+
+# url -> the endpoint it runs; None: a url of the Batch API this server does not serve,
+# answered per line with a clear error.
 BATCH_ENDPOINTS: dict[str, EndpointFactory | None] = {
     "/v1/chat/completions": _generation(ChatHandler),
     "/v1/completions": _generation(CompletionsHandler),
-    "/v1/embeddings": None,
+    "/v1/embeddings": _embeddings,
 }
 
 

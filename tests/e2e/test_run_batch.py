@@ -93,7 +93,8 @@ def mixed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Comp
         b'{"custom_id": "broken", "method": "POST", "url": ',  # not JSON
         b"",  # blank: ignored
         request_line("unknown-url", "/v1/images/generations", {"prompt": "x"}),
-        request_line("embed", "/v1/embeddings", {"input": "hello"}),
+        request_line("embed", "/v1/embeddings", {"input": ["hello", "world"]}),
+        request_line("bad-embed", "/v1/embeddings", {"input": []}),
         request_line("bad-body", "/v1/completions", {"prompt": "x", "max_tokens": -1}),
         request_line("bad-chat", "/v1/chat/completions", {"messages": "hi"}),
         request_line("streamed", "/v1/chat/completions",
@@ -122,10 +123,11 @@ def test_mixed_file_runs_every_good_line_as_the_server_answers_it(
         mixed_run: tuple, server: ServerProcess) -> None:
     proc, by_id, output = mixed_run
     assert proc.returncode == 0, proc.stderr
-    assert "run-batch: 6 ok, 9 failed, 0 skipped" in proc.stderr, proc.stderr
+    assert "run-batch: 7 ok, 9 failed, 0 skipped" in proc.stderr, proc.stderr
     assert "req/s" in proc.stderr or "it/s" in proc.stderr  # the progress bar
     bodies = ([(f"chat-{i}", "/v1/chat/completions", b) for i, b in enumerate(CHAT)]
-              + [(f"cmpl-{i}", "/v1/completions", b) for i, b in enumerate(COMPLETIONS)])
+              + [(f"cmpl-{i}", "/v1/completions", b) for i, b in enumerate(COMPLETIONS)]
+              + [("embed", "/v1/embeddings", {"input": ["hello", "world"]})])
     for custom_id, url, body in bodies:
         rec = by_id[custom_id]
         assert rec["response"]["status_code"] == 200, rec
@@ -141,14 +143,13 @@ def test_bad_lines_get_error_records_and_do_not_stop_the_others(
         mixed_run: tuple, server: ServerProcess) -> None:
     proc, by_id, output = mixed_run
     records = read_records(output)
-    assert len(records) == 15  # every non-blank line once (the duplicate id too)
+    assert len(records) == 16  # every non-blank line once (the duplicate id too)
     anonymous = [r for r in records if r["custom_id"] is None]
     assert [r["error"]["code"] for r in anonymous] == ["invalid_batch_line"] * 3
     assert "line 7 is not valid JSON" in anonymous[0]["error"]["message"]
     assert "must be a JSON object" in anonymous[1]["error"]["message"]
     assert "custom_id must be a non-empty string" in anonymous[2]["error"]["message"]
     for custom_id, code, words in [("unknown-url", "unsupported_url", "not a Batch API url"),
-                                   ("embed", "unsupported_url", "not supported"),
                                    ("streamed", "invalid_batch_line", "stream is not supported")]:
         rec = by_id[custom_id]
         assert rec["response"]["status_code"] == 400 and rec["error"]["code"] == code
@@ -157,7 +158,8 @@ def test_bad_lines_get_error_records_and_do_not_stop_the_others(
     # A body the route refuses: the route's own 400, word for word.
     for custom_id, url, body in [("bad-body", "/v1/completions",
                                   {"prompt": "x", "max_tokens": -1}),
-                                 ("bad-chat", "/v1/chat/completions", {"messages": "hi"})]:
+                                 ("bad-chat", "/v1/chat/completions", {"messages": "hi"}),
+                                 ("bad-embed", "/v1/embeddings", {"input": []})]:
         status, raw = server.request("POST", url, body)
         assert status == 400
         rec = by_id[custom_id]
