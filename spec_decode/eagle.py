@@ -43,8 +43,8 @@ from aioengine.model.attention import AttentionMetadata, TorchAttentionBackend
 from aioengine.model.layer_spec import layer_specs
 from aioengine.spec_decode.eagle_fused import FusedEagleStep
 from aioengine.model.layers import Linear, _param, lm_head_logits
-from aioengine.model.llama import (LlamaDecoderLayer, _has_param, _layer_weight_table,
-                                   copy_param_rows)
+from aioengine.model.decoder_layer import LlamaDecoderLayer
+from aioengine.model.llama import _has_param, _layer_weight_table, copy_param_rows
 from aioengine.model.loader import ModelLoadError, activation_dtype, safetensors_files
 from aioengine.model.ops import select_ops
 from aioengine.model.rotary import RopeStep, RotaryEmbedding

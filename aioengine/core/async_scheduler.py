@@ -64,7 +64,7 @@ class AsyncScheduler(Scheduler):
                 and params.presence_penalty == 0.0)
 
     def _ends_by_length(self, request: Request) -> bool:
-        """Whether the token being sampled for `request` will end it (_check_stop)."""
+        """Whether the token being sampled for `request` will end it (request_tokens.check_stop)."""
         return (request.num_output_tokens + 1 >= (request.sampling_params.max_tokens or 0)
                 or request.num_tokens + 1 >= self.config.max_model_len)
 

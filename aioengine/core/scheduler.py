@@ -21,6 +21,8 @@ from aioengine.config import SchedulerConfig
 from aioengine.core.chunking import PrefillChunker
 from aioengine.core.kv_cache_groups import GroupedKVCacheManager
 from aioengine.core.kv_cache_manager import KVCacheManager
+from aioengine.core.request_tokens import (check_stop, draws_own_noise, forced_tokens,
+                                           usable_drafts)
 from aioengine.core.scheduler_output import (EngineCoreOutput, ModelRunnerOutput,
                                              ScheduledRequest, SchedulerOutput)
 from aioengine.core.spec_stats import SpecDecodingStats
@@ -119,7 +121,7 @@ class Scheduler:
             num_spec = 0
             if speculate and request.num_tokens - request.num_computed_tokens == 1:
                 num_spec = min(len(request.spec_token_ids), budget - num_new)
-                if num_spec < len(request.spec_token_ids) and _draws_own_noise(request):
+                if num_spec < len(request.spec_token_ids) and draws_own_noise(request):
                     # Fewer drafts would change how its generator is drawn from, so its
                     # tokens would depend on the batch: it waits for a step with room.
                     i += 1
@@ -371,33 +373,17 @@ class Scheduler:
             kept += 1
             request.append_output_token_ids([token])
             new_token_ids.append(token)
-            extra = self._forced_tokens(request, token)
+            extra = forced_tokens(request, token, self.features, self.config)
             new_token_ids += extra
             if not request.is_finished:
-                self._check_stop(request)
+                check_stop(request, self.config.max_model_len)
             if request.is_finished or extra:
                 break
         if drafts and kept == len(tokens) and not request.is_finished and not extra:
-            request.spec_token_ids = self._usable_drafts(request, drafts)
+            request.spec_token_ids = usable_drafts(request, drafts, self.features, self.config)
         return EngineCoreOutput(request, new_token_ids,
                                 new_logprobs=logprobs[:kept] if logprobs else None,
                                 prompt_logprobs=prompt_lps)
-
-    def _usable_drafts(self, request: Request, drafts: list[int]) -> list[int]:
-        """The drafts that can matter next step: no more than the tokens the request may
-        still produce after the one the step samples anyway, and, under a grammar, the
-        prefix the matcher accepts."""
-        params = request.sampling_params
-        room = min((params.max_tokens or 0) - request.num_output_tokens,
-                   self.config.max_model_len - request.num_tokens) - 1
-        # Never more than a step can hold, so a seeded request always gets all its drafts
-        # in some step (schedule() trims none of them for it).
-        room = min(room, self.config.max_num_batched_tokens - 1)
-        drafts = drafts[:max(room, 0)]
-        for feature in self.features:
-            if drafts:
-                drafts = feature.usable_drafts(request, drafts)
-        return drafts
 
     def _fork(self, request: Request) -> list[Request]:
         """The first sample of an n > 1 request just finished its prompt: the others start
@@ -411,34 +397,3 @@ class Scheduler:
             self.requests[child.request_id] = child
             self.running.append(child)
         return forks
-
-    def _forced_tokens(self, request: Request, token: int) -> list[int]:
-        """The features' forced_tokens after `token` (a grammar's jump-forward), appended
-        to the request and returned: never past max_tokens / max_model_len, never after a
-        stop token."""
-        params = request.sampling_params
-        stops = (request.num_output_tokens >= params.min_tokens
-                 and token in params.all_stop_token_ids)
-        room = 0 if stops else min((params.max_tokens or 0) - request.num_output_tokens,
-                                   self.config.max_model_len - request.num_tokens)
-        extra: list[int] = []
-        for feature in self.features:
-            extra += feature.forced_tokens(request, token, room - len(extra))
-        request.append_output_token_ids(extra)
-        return extra
-
-    def _check_stop(self, request: Request) -> None:
-        params = request.sampling_params
-        token = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens and token in params.all_stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = token if token in params.stop_token_ids else None
-        elif (request.num_output_tokens >= (params.max_tokens or 0)
-              or request.num_tokens >= self.config.max_model_len):
-            request.status = RequestStatus.FINISHED_LENGTH
-
-
-def _draws_own_noise(request: Request) -> bool:
-    """A seeded sampled request: its tokens depend only on its seed and logits."""
-    params = request.sampling_params
-    return params.seed is not None and not params.greedy

@@ -1,0 +1,63 @@
+"""What the scheduler does with a request's new tokens once a step has sampled them: the
+features' forced tokens (a grammar's jump-forward), the stop checks, and which of the
+runner's drafts the next step may verify."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from aioengine.config import SchedulerConfig
+from aioengine.engine.features import EngineFeature
+from aioengine.request import Request, RequestStatus
+
+
+def usable_drafts(request: Request, drafts: list[int], features: Sequence[EngineFeature],
+                  config: SchedulerConfig) -> list[int]:
+    """The drafts that can matter next step: no more than the tokens the request may
+    still produce after the one the step samples anyway, and, under a grammar, the
+    prefix the matcher accepts."""
+    params = request.sampling_params
+    room = min((params.max_tokens or 0) - request.num_output_tokens,
+               config.max_model_len - request.num_tokens) - 1
+    # Never more than a step can hold, so a seeded request always gets all its drafts
+    # in some step (schedule() trims none of them for it).
+    room = min(room, config.max_num_batched_tokens - 1)
+    drafts = drafts[:max(room, 0)]
+    for feature in features:
+        if drafts:
+            drafts = feature.usable_drafts(request, drafts)
+    return drafts
+
+
+def forced_tokens(request: Request, token: int, features: Sequence[EngineFeature],
+                  config: SchedulerConfig) -> list[int]:
+    """The features' forced_tokens after `token` (a grammar's jump-forward), appended
+    to the request and returned: never past max_tokens / max_model_len, never after a
+    stop token."""
+    params = request.sampling_params
+    stops = (request.num_output_tokens >= params.min_tokens
+             and token in params.all_stop_token_ids)
+    room = 0 if stops else min((params.max_tokens or 0) - request.num_output_tokens,
+                               config.max_model_len - request.num_tokens)
+    extra: list[int] = []
+    for feature in features:
+        extra += feature.forced_tokens(request, token, room - len(extra))
+    request.append_output_token_ids(extra)
+    return extra
+
+
+def check_stop(request: Request, max_model_len: int) -> None:
+    """Ends the request (its status) on a stop token, max_tokens or the context's end."""
+    params = request.sampling_params
+    token = request.output_token_ids[-1]
+    if request.num_output_tokens >= params.min_tokens and token in params.all_stop_token_ids:
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = token if token in params.stop_token_ids else None
+    elif (request.num_output_tokens >= (params.max_tokens or 0)
+          or request.num_tokens >= max_model_len):
+        request.status = RequestStatus.FINISHED_LENGTH
+
+
+def draws_own_noise(request: Request) -> bool:
+    """A seeded sampled request: its tokens depend only on its seed and logits."""
+    params = request.sampling_params
+    return params.seed is not None and not params.greedy
