@@ -171,8 +171,11 @@ def build_data(args: argparse.Namespace, data_dir: str) -> None:
     start = time.perf_counter()
 
     def progress(done: int, total: int, gen_tps: float, rec_tps: float) -> None:
-        logger.info("data shard %d/%d: generated %.0f tok/s, recorded %.0f tok/s",
-                    done, total, gen_tps, rec_tps)
+        if args.online:  # nothing is recorded: training recomputes the aux states
+            logger.info("data shard %d/%d: generated %.0f tok/s", done, total, gen_tps)
+        else:
+            logger.info("data shard %d/%d: generated %.0f tok/s, recorded %.0f tok/s",
+                        done, total, gen_tps, rec_tps)
 
     base = dict(temperature=args.temperature, num_sampled=args.num_sampled,
                 max_tokens=args.max_tokens, seed=args.seed, record=not args.online)
