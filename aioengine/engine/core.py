@@ -33,6 +33,7 @@ from aioengine.kernels import cpu as cpu_kernels
 from aioengine.lora.manager import LoRAConfig, LoRAManager
 from aioengine.lora.request import LoRARequest
 from aioengine.model.loader import activation_dtype, load_model
+from aioengine.model.registry import check_lora_architecture
 from aioengine.model.triton_attention import TritonAttentionBackend, select_attention_backend
 from aioengine.request import Request, RequestStatus
 from aioengine.sampling_params import SamplingParams
@@ -77,6 +78,7 @@ class EngineCore(RequestAdmission):
                                  linear_factory=None if self.lora is None
                                  else self.lora.linear_factory, lora_source=self.lora)
         if self.lora is not None:
+            check_lora_architecture(self.loaded.arch.architecture)
             logger.info("LoRA: %d slots of rank %d (%.1f MiB), up to %d adapters in CPU memory",
                         args.max_loras, args.max_lora_rank, self.lora.slot_bytes() / 2**20,
                         self.lora.config.cpu_capacity)

@@ -20,6 +20,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from aioengine.model.arch import ModelArchConfig
+from aioengine.model.moe_config import MoeSpec
 
 logger = logging.getLogger(__name__)
 
@@ -284,11 +285,15 @@ def _arch_json(arch: ModelArchConfig) -> str:
 
 
 def _arch_from_json(text: str) -> ModelArchConfig:
+    """The cached ModelArchConfig, equal to the one it was written from: JSON lists back
+    to the tuples the fields hold, the MoE spec back to its dataclass."""
     fields = json.loads(text)
-    if fields.get("sliding_window_layers") is not None:
-        fields["sliding_window_layers"] = tuple(fields["sliding_window_layers"])
-    if "no_rope_layers" in fields:
-        fields["no_rope_layers"] = tuple(fields["no_rope_layers"])
+    for f in dataclasses.fields(ModelArchConfig):
+        value = fields.get(f.name)
+        if isinstance(value, list) and str(f.type).startswith("tuple"):
+            fields[f.name] = tuple(value)
+    if fields.get("moe") is not None:
+        fields["moe"] = MoeSpec(**fields["moe"])
     return ModelArchConfig(**fields)
 
 

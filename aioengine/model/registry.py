@@ -10,7 +10,8 @@ README.md holds the generated table).
                    SUPPORTED_FEATURES
     LoRA           architectures whose projections LoRA wraps as PEFT names them (q/k/v/o,
                    gate/up/down) and that tests/lora/test_lora_vs_peft.py checks; Phi-3's
-                   fused qkv_proj / gate_up_proj adapters are not read
+                   fused qkv_proj / gate_up_proj adapters are not read; nor are the MoE
+                   models' (their experts are not wrapped, and no test checks them)
     speculative    n-gram drafts for every architecture (verification is the target's own
                    forward); EAGLE heads only for the Llama family (a head is built as the
                    target's layer: the other families' options would leak into it)
@@ -23,13 +24,25 @@ from aioengine.model.arch import SUPPORTED_ARCHITECTURES, ModelArchConfig
 from aioengine.model.families import FAMILY_MODEL_TYPES
 from aioengine.model.gguf_loader import GGUF_ARCHITECTURES
 from aioengine.model.layers import WEIGHT_STORAGES
+from aioengine.model.moe_config import MOE_MODEL_TYPES
 
 LLAMA_FAMILY: dict[str, str] = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
 }
 EAGLE_TARGET_ARCHITECTURES: frozenset[str] = frozenset(LLAMA_FAMILY.values())
-LORA_ARCHITECTURES: frozenset[str] = frozenset(SUPPORTED_ARCHITECTURES) - {"Phi3ForCausalLM"}
+LORA_ARCHITECTURES: frozenset[str] = (frozenset(SUPPORTED_ARCHITECTURES) - {"Phi3ForCausalLM"}
+                                       - frozenset(MOE_MODEL_TYPES.values()))
+
+
+def check_lora_architecture(architecture: str) -> None:
+    """ConfigError (fail closed) for an architecture whose adapters LoRA would not apply
+    in full: Phi-3's fused checkpoint names, the MoE models' experts."""
+    if architecture not in LORA_ARCHITECTURES:
+        from aioengine.errors import ConfigError
+
+        raise ConfigError(f"{architecture}: LoRA adapters are not supported for this "
+                          "architecture (README.md lists what each one supports)")
 
 
 @dataclass(frozen=True)
@@ -43,7 +56,7 @@ class ArchitectureSupport:
 
 
 def _model_types() -> dict[str, str]:
-    return LLAMA_FAMILY | FAMILY_MODEL_TYPES
+    return LLAMA_FAMILY | FAMILY_MODEL_TYPES | MOE_MODEL_TYPES
 
 
 def fused_decode_supported(model_type: str) -> bool:

@@ -58,3 +58,12 @@ def test_moe_greedy_matches_transformers(name: str, moe_case, prompts, monkeypat
         assert all(o.num_cached_tokens == 24 for o in outs[4:])
     assert fused == []
     assert_blocks_released(llm.core)
+
+
+def test_lora_is_refused_for_moe_models(tmp_path: Path) -> None:
+    """Fail closed: LoRA would wrap the attention only, not the experts."""
+    from aioengine.errors import ConfigError
+
+    path = make_tiny_moe_dir("mixtral", tmp_path / "m", seed=3)
+    with pytest.raises(ConfigError, match="MixtralForCausalLM: LoRA adapters are not supported"):
+        LLM(str(path), dtype="float32", enable_lora=True, max_model_len=64)

@@ -67,8 +67,8 @@ def test_rotary_embedding_matches_the_engines_rope(dtype, device) -> None:
         architecture="LlamaForCausalLM", vocab_size=16, hidden_size=256, intermediate_size=64,
         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
         max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=32),
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=32),
         tie_word_embeddings=False, attention_bias=False, qk_norm=False, bos_token_id=None,
         eos_token_ids=[])
     rotary = RotaryEmbedding(arch, dtype, device)
