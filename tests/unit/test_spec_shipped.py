@@ -28,6 +28,19 @@ def test_eagle3_may_leave_out_model_and_k_ngram_may_not() -> None:
         SpeculativeConfig.parse({"method": "eagle3", "model": 3})
 
 
+def test_a_draft_head_stops_drafting_in_large_batches_unless_told_otherwise() -> None:
+    from aioengine.spec_decode.config import DEFAULT_HEAD_DISABLE_BY_BATCH_SIZE as DEFAULT
+
+    assert SpeculativeConfig.parse({"method": "eagle3"}).disable_by_batch_size == DEFAULT
+    assert SpeculativeConfig.parse({"method": "eagle"}).disable_by_batch_size == DEFAULT
+    given = {"method": "eagle3", "disable_by_batch_size": 3}
+    assert SpeculativeConfig.parse(given).disable_by_batch_size == 3
+    always = '{"method": "eagle3", "disable_by_batch_size": null}'
+    assert SpeculativeConfig.parse(always).disable_by_batch_size is None
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    assert SpeculativeConfig.parse(ngram).disable_by_batch_size is None
+
+
 def test_the_bundled_model_gets_the_shipped_head() -> None:
     spec = resolve_speculative_config(SpeculativeConfig.parse({"method": "eagle3"}),
                                       BUNDLED, SMOLLM2)
