@@ -16,6 +16,12 @@ weights read once per step, whatever the batch), experts without tokens are skip
 each result row, times its routing weight, is added back into its token's row. A token's
 k contributions are summed in expert order whatever else shares the step, so its output
 does not depend on the batch.
+
+Where the device ops have a fused MoE kernel (Triton on CUDA: `ops.fused_moe`), the block
+stacks its experts' weights once, on its first forward, into [E, 2I, H] and [E, H, I]
+tensors (each expert's Linear then holds a view of its slice: no second copy) and runs the
+kernel instead; experts in any other storage than plain dense weights in the activations'
+dtype (int8, packed) keep the grouped Linears.
 """
 from __future__ import annotations
 
@@ -91,6 +97,23 @@ def grouped_experts(x: Tensor, weights: Tensor, ids: Tensor, experts: nn.ModuleL
     return out
 
 
+@torch.no_grad()
+def stack_experts(experts: nn.ModuleList, dtype: torch.dtype) -> tuple[Tensor, ...]:
+    """(w13 [E, 2I, H], w2 [E, H, I]) with each expert's Linears re-pointed at views of
+    their slices; () when some expert's weights are not plain dense `dtype` matrices
+    without bias (int8, packed: those keep their own Linears)."""
+    lins = [(e.gate_up_proj, e.down_proj) for e in experts]
+    if any(lin.is_packed or lin.scales is not None or lin.bias is not None
+           or lin.weight.dtype != dtype for pair in lins for lin in pair):
+        return ()
+    w13 = torch.stack([gate_up.weight for gate_up, _ in lins])
+    w2 = torch.stack([down.weight for _, down in lins])
+    for i, (gate_up, down) in enumerate(lins):
+        gate_up.weight = nn.Parameter(w13[i], requires_grad=False)
+        down.weight = nn.Parameter(w2[i], requires_grad=False)
+    return w13, w2
+
+
 class SparseMoeBlock(nn.Module):
     """The MoE MLP of one layer: router, experts, optional shared expert (see module doc)."""
 
@@ -107,15 +130,31 @@ class SparseMoeBlock(nn.Module):
         if spec.shared_intermediate_size:
             self.shared_expert = ExpertMLP(hidden_size, spec.shared_intermediate_size, **kw)
             self.shared_expert_gate = RouterLinear(hidden_size, 1, False, **kw)
+        # The fused kernel's stacked weights (w13, w2); () once declined; None: not tried.
+        self._stacks: tuple[Tensor, ...] | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         """x [T, H] (the post-attention norm's output) -> the MLP output [T, H]."""
         weights, ids = route(self.gate(x), self.spec.top_k, self.spec.renormalize)
-        out = grouped_experts(x, weights, ids, self.experts, self.ops)
+        out = self._fused_experts(x, weights, ids)
+        if out is None:
+            out = grouped_experts(x, weights, ids, self.experts, self.ops)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             shared = self.shared_expert(x, self.ops)
             out.add_(shared.mul_(torch.sigmoid(self.shared_expert_gate(x))))
         return out
+
+    def _fused_experts(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor | None:
+        """The experts through the ops' fused kernel, or None (no kernel, or experts it
+        cannot read)."""
+        if not self.ops.has_fused_moe:
+            return None
+        if self._stacks is None:
+            self._stacks = stack_experts(self.experts, x.dtype)
+        if not self._stacks:
+            return None
+        w13, w2 = self._stacks
+        return self.ops.fused_moe(x, w13, w2, weights, ids)
 
     def stored_linears(self) -> list[Linear]:
         """Every Linear of the block, for conversion to the model's storage and packing:

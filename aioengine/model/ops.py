@@ -47,6 +47,16 @@ class TorchOps:
         then takes rotary.apply_rope with its step's cos/sin lookup)."""
         return False
 
+    # Whether fused_moe has a kernel (the MoE block stacks its experts' weights only then).
+    has_fused_moe = False
+
+    def fused_moe(self, x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor,
+                  ids: Tensor) -> Tensor | None:
+        """The grouped MoE MLP in one kernel over stacked expert weights (w13 [E, 2I, H],
+        w2 [E, H, I]), or None where these ops have none: the block then runs its experts'
+        Linears (model/moe.py, grouped_experts)."""
+        return None
+
 
 class CpuOps(TorchOps):
     """The C kernels where they apply (each returns None/False otherwise), else torch."""
@@ -96,6 +106,12 @@ class TritonOps(TorchOps):
     def rotary_inplace(self, x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> bool:
         self.kernels.rotary_embedding(positions, x, None, cos, sin)
         return True
+
+    has_fused_moe = True
+
+    def fused_moe(self, x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor,
+                  ids: Tensor) -> Tensor | None:
+        return self.kernels.fused_moe(x.contiguous(), w13, w2, weights, ids)
 
 
 DeviceOps = TorchOps  # the interface: every ops object is a TorchOps

@@ -67,3 +67,64 @@ def test_fused_moe_matches_the_cpu_blocks_grouped_experts(device: torch.device) 
         out = fused_moe(x.to(device), w13.to(device), w2.to(device), weights.to(device),
                         ids.to(device))
     assert_close(out, expected, torch.float32, fp32_tol=1e-4)
+
+
+def _seeded_block(ops, device: torch.device, seed: int = 9):
+    from aioengine.model.moe import SparseMoeBlock
+    from aioengine.model.moe_config import MoeSpec
+
+    spec = MoeSpec(6, 2, 40, renormalize=True, shared_intermediate_size=24)
+    block = SparseMoeBlock(spec, 48, ops, torch.float32, device)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_((torch.randn(p.shape, generator=gen) * 0.3).to(device))
+    return block
+
+
+def test_the_block_runs_the_kernel_under_triton_ops(device: torch.device,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """With Triton's ops the model's block stacks its experts once (their Linears then
+    hold views of the stacks: no second copy) and runs fused_moe: the same output as the
+    block on torch ops with the same weights, the shared expert included."""
+    from aioengine.model import ops as model_ops
+
+    calls = []
+    real = model_ops.TritonOps.fused_moe
+
+    def spy(self, *args):
+        calls.append(args[0].shape[0])
+        return real(self, *args)
+
+    monkeypatch.setattr(model_ops.TritonOps, "fused_moe", spy)
+    fused = _seeded_block(model_ops.TritonOps(), device)
+    reference = _seeded_block(model_ops.TorchOps(), device)
+    x = torch.randn(13, 48, generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.inference_mode():
+        expected = reference(x)
+        out = fused(x)
+        again = fused(x[:3])
+    assert calls == [13, 3]
+    assert_close(out, expected, torch.float32, fp32_tol=1e-4)
+    assert_close(again, expected[:3], torch.float32, fp32_tol=1e-4)
+    w13, w2 = fused._stacks
+    assert w13.shape == (6, 80, 48) and w2.shape == (6, 48, 40)
+    expert = fused.experts[4]
+    assert expert.gate_up_proj.weight.data_ptr() == w13[4].data_ptr()
+    assert expert.down_proj.weight.data_ptr() == w2[4].data_ptr()
+
+
+def test_experts_the_kernel_cannot_read_keep_their_linears(device: torch.device) -> None:
+    """int8 experts: no stacks, the grouped Linears, the torch block's output."""
+    from aioengine.model.ops import TorchOps, TritonOps
+
+    blocks = [_seeded_block(ops, device) for ops in (TritonOps(), TorchOps())]
+    for block in blocks:
+        for mlp in block.experts:
+            for lin in (mlp.gate_up_proj, mlp.down_proj):
+                lin.convert("int8")
+    x = torch.randn(5, 48, generator=torch.Generator().manual_seed(2)).to(device)
+    with torch.inference_mode():
+        out, expected = blocks[0](x), blocks[1](x)
+    assert blocks[0]._stacks == ()
+    assert_close(out, expected, torch.float32)
