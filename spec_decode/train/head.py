@@ -194,3 +194,27 @@ def export_head(model: TrainableEagle3, out_dir: str, dtype: torch.dtype = torch
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(head_config(model.arch, model.aux_layer_ids, model.draft_vocab_size,
                               n_predict, extra), f, indent=1)
+
+
+def load_exported_head(head_dir: str, arch: ModelArchConfig, embed: Tensor, lm_head: Tensor,
+                       ) -> tuple[TrainableEagle3, Tensor]:
+    """An exported head (export_head's files) as a TrainableEagle3 in eval mode, its
+    weights as stored (bf16) in float32, and t2d [V] (each target id's draft id, -1
+    outside the draft vocabulary): what the trainer's evaluate takes."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(head_dir, "config.json")) as f:
+        config = json.load(f)
+    tensors = load_file(os.path.join(head_dir, "model.safetensors"))
+    aux = tuple(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    d2t = tensors["d2t"].long()
+    draft_ids = torch.arange(len(d2t)) + d2t
+    model = TrainableEagle3(arch, aux, embed, lm_head, draft_ids)
+    with torch.no_grad():
+        for name, attr in _LINEARS.items():
+            getattr(model, attr).weight.copy_(tensors[f"{name}.weight"].float())
+        for name, attr in _NORMS.items():
+            getattr(model, attr).copy_(tensors[f"{name}.weight"].float())
+    t2d = torch.full((arch.vocab_size,), -1, dtype=torch.long)
+    t2d[draft_ids] = torch.arange(len(draft_ids))
+    return model.eval(), t2d
