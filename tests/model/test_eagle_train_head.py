@@ -76,3 +76,21 @@ def test_exported_head_matches_the_engine_head(tmp_path, reduced: bool) -> None:
                 assert torch.isinf(theirs).sum() == arch.vocab_size - len(draft_ids)
                 theirs = theirs[:, draft_ids]
             torch.testing.assert_close(theirs, ours, atol=1e-3, rtol=1e-4)
+
+
+def test_an_exported_head_reads_back_for_the_trainers_checks(tmp_path) -> None:
+    """load_exported_head (scripts/eagle_integration.py) gives back the exported weights
+    (float32 export: exactly), the aux layers and t2d of the draft vocabulary."""
+    from aioengine.spec_decode.train.head import load_exported_head
+
+    arch = ModelArchConfig.from_hf_config(make_tiny_config("llama", num_hidden_layers=4))
+    draft_ids = torch.tensor([3, 17, 40, 41, 900])
+    head, embed = _random_head(arch, (1, 3), draft_ids, seed=4)
+    export_head(head, str(tmp_path), dtype=torch.float32)
+    back, t2d = load_exported_head(str(tmp_path), arch, embed.weight, embed.weight)
+    assert back.aux_layer_ids == (1, 3) and not back.training
+    assert torch.equal(back.draft_ids, draft_ids)
+    for (name, p), (_, q) in zip(head.named_parameters(), back.named_parameters()):
+        assert torch.equal(p, q), name
+    assert t2d[draft_ids].tolist() == [0, 1, 2, 3, 4]
+    assert int((t2d >= 0).sum()) == 5
