@@ -52,6 +52,12 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Mixtral (llama.cpp's "llama" with an expert count): the router, and each expert
+# projection stacked over the experts [E, rows, cols], split into HF's per-expert names.
+_LAYER_NAMES_MOE = {"ffn_gate_inp.weight": "block_sparse_moe.gate.weight"}
+_EXPERT_NAMES = {"ffn_gate_exps.weight": "w1", "ffn_up_exps.weight": "w3",
+                 "ffn_down_exps.weight": "w2"}
+_MIXTRAL = ("MixtralConfig", "MixtralForCausalLM")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 ROPE_FREQS = "rope_freqs.weight"  # llama3 scaling, stored by llama.cpp as per-frequency factors
 
@@ -148,7 +154,12 @@ def gguf_hf_config_kwargs(reader: Any) -> tuple[str, dict[str, Any]]:
         kwargs["sliding_window"] = int(window)
         if arch != "llama":
             kwargs["use_sliding_window"] = True
-    if arch == "llama":
+    experts = field_value(reader, f"{arch}.expert_count")
+    if arch == "llama" and experts:  # Mixtral: a llama file with experts
+        cls_name, kwargs["architectures"] = _MIXTRAL[0], [_MIXTRAL[1]]
+        kwargs.update(num_local_experts=int(experts),
+                      num_experts_per_tok=int(get("expert_used_count")))
+    elif arch == "llama":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
     return cls_name, kwargs
 
@@ -178,9 +189,20 @@ def hf_name(gguf_name: str) -> str | None:
     if gguf_name == ROPE_FREQS:
         return None
     m = _BLOCK_RE.match(gguf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    names = _LAYER_NAMES | _LAYER_NAMES_MOE
+    if m is None or m.group(2) not in names:
         raise GGUFFormatError(f"unexpected GGUF tensor {gguf_name!r}")
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
+
+
+def _expert_names(gguf_name: str, num_experts: int) -> list[str] | None:
+    """The HF names of a stacked expert tensor's slices, in order; None for any other."""
+    m = _BLOCK_RE.match(gguf_name)
+    if m is None or m.group(2) not in _EXPERT_NAMES:
+        return None
+    w = _EXPERT_NAMES[m.group(2)]
+    return [f"model.layers.{m.group(1)}.block_sparse_moe.experts.{e}.{w}.weight"
+            for e in range(num_experts)]
 
 
 def dequantize_tensor(tensor: Any) -> np.ndarray:
@@ -197,8 +219,19 @@ def dequantize_tensor(tensor: Any) -> np.ndarray:
 def iter_gguf_weights(reader: Any, num_heads: int,
                       num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (HF name, float32 tensor) for every weight in the file."""
-    permute = gguf_architecture(reader) == "llama"
+    arch = gguf_architecture(reader)
+    permute = arch == "llama"
+    num_experts = int(field_value(reader, f"{arch}.expert_count", 0) or 0)
     for tensor in reader.tensors:
+        experts = _expert_names(tensor.name, num_experts)
+        if experts is not None:  # [E, rows, cols]: one HF tensor per expert
+            stacked = dequantize_tensor(tensor)
+            if stacked.ndim != 3 or stacked.shape[0] != num_experts:
+                raise GGUFFormatError(f"{tensor.name}: shape {stacked.shape} is not "
+                                      f"[{num_experts} experts, rows, cols]")
+            for name, data in zip(experts, stacked):
+                yield name, torch.from_numpy(data.copy())
+            continue
         name = hf_name(tensor.name)
         if name is None:
             continue
@@ -226,6 +259,9 @@ def iter_gguf_q4_1_blocks(reader: Any, num_heads: int,
 
     permute = gguf_architecture(reader) == "llama"
     for tensor in reader.tensors:
+        if _expert_names(tensor.name, 0) is not None:
+            raise GGUFFormatError(f"{tensor.name}: quantization 'gguf' does not cover a "
+                                  "mixture of experts' expert weights; load without it")
         name = hf_name(tensor.name)
         if name is None or not name.endswith(_PROJECTION_SUFFIXES):
             continue

@@ -81,3 +81,30 @@ def test_unsupported_gguf_architecture(tmp_path) -> None:
     match = "unsupported GGUF architecture 'phi2'.*llama, qwen2, qwen3"
     with pytest.raises(ModelLoadError, match=match):
         load_model(str(path), torch.float32, CPU)
+
+
+def test_mixtral_gguf_logits_match_transformers(tmp_path, tok_fields) -> None:
+    """A llama-arch GGUF with experts (as llama.cpp writes Mixtral): stacked expert tensors
+    split per expert, the router, permuted q/k; logits equal transformers' on the HF
+    directory it was written from. quantization 'gguf' (Q4_1 blocks kept) is refused."""
+    from gguf_writer import write_tiny_mixtral_gguf
+    from transformers import AutoModelForCausalLM
+
+    from moe_models import make_tiny_moe_dir
+
+    model_dir = make_tiny_moe_dir("mixtral", tmp_path / "hf", seed=5, vocab_size=VOCAB)
+    path = tmp_path / "mixtral.gguf"
+    write_tiny_mixtral_gguf(model_dir, path, tok_fields)
+    loaded = load_model(str(path), torch.float32, CPU)
+    assert loaded.arch.architecture == "MixtralForCausalLM" and loaded.arch.moe is not None
+    assert (loaded.arch.moe.num_experts, loaded.arch.moe.top_k) == (4, 2)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokens = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        ref = reference(torch.tensor([tokens]), use_cache=False).logits[0]
+    torch.testing.assert_close(_our_logits(loaded.model, tokens), ref, atol=1e-4, rtol=1e-5)
+    again = load_model(str(path), torch.float32, CPU)  # from the start-up cache
+    assert again.arch == loaded.arch
+    assert torch.equal(_our_logits(again.model, tokens), _our_logits(loaded.model, tokens))
+    with pytest.raises(ModelLoadError, match="does not cover a mixture of experts"):
+        load_model(str(path), torch.float32, CPU, "gguf")
