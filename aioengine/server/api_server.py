@@ -31,9 +31,10 @@ from aioengine.errors import EngineDeadError, InvalidRequestError, NotFoundError
 from aioengine.metrics import CONTENT_TYPE
 from aioengine.server.chat_page import PAGE_PATHS, add_chat_page
 from aioengine.server.connections import CappedSockSite, client_error_log
-from aioengine.server.offload import BODY_BYTES, decode_ids, encode_text
+from aioengine.server.offload import (BODY_BYTES, PARSE_OFF_LOOP_BYTES, PromptWork,
+                                      decode_ids, encode_text, parse_json_chunks)
 from aioengine.server.protocol import (ApiError, error_body, get_bool, get_int, get_int_list,
-                                       get_str, parse_json_object)
+                                       get_str, json_object, parse_json_object)
 from aioengine.server.serving_chat import ChatHandler, render_messages
 from aioengine.server.serving_completions import CompletionsHandler
 from aioengine.server.serving_embedding import EmbeddingsHandler
@@ -110,10 +111,12 @@ def auth_middleware(api_key: str | None, metrics_without_api_key: bool = False) 
     return check_api_key
 
 
-async def read_json(request: web.Request, limit: int, timeout: float | None = None) -> dict:
+async def read_json(request: web.Request, limit: int, timeout: float | None = None,
+                    work: PromptWork | None = None) -> dict:
     """The body as a JSON object; 413 past `limit` bytes (the excess is drained first), 408
     if it has not all come within `timeout` seconds (a slow-loris body). Its size is kept
-    for the handler (offload.body_bytes)."""
+    for the handler (offload.body_bytes). A body of PARSE_OFF_LOOP_BYTES or more is parsed
+    on one of `work`'s threads."""
     chunks: list[bytes] = []
     total = 0
     try:
@@ -131,7 +134,12 @@ async def read_json(request: web.Request, limit: int, timeout: float | None = No
     if total > limit:
         raise ApiError(413, f"the request body is larger than the limit of {limit} bytes",
                        code="request_too_large")
-    return parse_json_object(b"".join(chunks))
+    if work is None or total < PARSE_OFF_LOOP_BYTES:
+        return parse_json_object(b"".join(chunks))
+    try:
+        return json_object(await work.run_off_loop(parse_json_chunks, chunks))
+    except ValueError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
 
 
 class OpenAIServer:
@@ -183,7 +191,7 @@ class OpenAIServer:
     def _json(self, handler: JsonHandler) -> Handler:
         async def route(request: web.Request) -> web.StreamResponse:
             body = await read_json(request, self.config.max_request_body_bytes,
-                                   self.config.body_read_timeout)
+                                   self.config.body_read_timeout, self.ctx.work)
             return await handler(request, body)
         return route
 

@@ -7,7 +7,7 @@ send extras. A JSON `null` means "not given" for every optional field.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import orjson
 
@@ -52,6 +52,11 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    return json_object(body)
+
+
+def json_object(body: Any) -> dict[str, Any]:
+    """`body` if the parsed request body is a JSON object, else a 400."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -317,18 +322,28 @@ def chat_sampling_params(body: dict) -> SamplingParams:
     return build_sampling_params(body, max_tokens, logprobs)
 
 
-def parse_completion_prompts(body: dict) -> list[str | list[int]]:
+def _is_id_list(value: Any, check_length: Callable[[int], None] | None) -> bool:
+    """Whether `value` is a non-empty list of token ids; `check_length(len)` is called
+    before its ids are walked, so a list far over the context costs nothing to refuse."""
+    if not isinstance(value, list) or not value or not _is_int(value[0]):
+        return False
+    if check_length is not None:
+        check_length(len(value))
+    return all(_is_int(t) for t in value)
+
+
+def parse_completion_prompts(body: dict, check_length: Callable[[int], None] | None = None
+                             ) -> list[str | list[int]]:
     """`prompt` as a string, list of strings, list of token ids, or list of such lists."""
     prompt = body.get("prompt", _MISSING)
     if prompt is _MISSING or prompt is None:
         raise ApiError(400, "prompt is required", "prompt")
     if isinstance(prompt, str):
         prompts: list = [prompt]
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    elif _is_id_list(prompt, check_length):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(
-            isinstance(p, str) or (isinstance(p, list) and all(_is_int(t) for t in p))
-            for p in prompt):
+            isinstance(p, str) or p == [] or _is_id_list(p, check_length) for p in prompt):
         prompts = list(prompt)
     elif isinstance(prompt, list) and not prompt:
         raise ApiError(400, "prompt must not be empty", "prompt")

@@ -63,7 +63,8 @@ def completion_prompts(ctx: ServingContext,
                        body: dict) -> tuple[list[str | list[int]], list[list[int]]]:
     """The prompts as given and their token ids, each checked against the context (for a
     large body, off the loop: its ids are walked, its text tokenized)."""
-    prompts = parse_completion_prompts(body)
+    with ctx.prompt_errors("prompt"):
+        prompts = parse_completion_prompts(body, ctx.engine.check_prompt_length)
     return prompts, [ctx.encode(p) for p in prompts]
 
 
