@@ -1,5 +1,6 @@
 """`spec` mode: speculative-decoding configurations against no speculation, one request at a
-time, on the draft-head trainer's held-out chat prompts (never trained on).
+time, on the draft-head trainer's held-out chat prompts (never trained on) or, with `--prompts
+grounded`, the input-grounded ones (where n-gram lookup has something to copy).
 
 Every configuration is its own AsyncEngine, all loaded at once, and each prompt runs
 through all of them back to back (the order rotated per prompt), so machine drift over
@@ -57,8 +58,12 @@ def add_spec_parser(sub: Any) -> None:
                         "without K the head's n_predict)")
     p.add_argument("--draft-model", default=None,
                    help="the EAGLE head's directory (default: the one shipped for the model)")
+    p.add_argument("--prompts", choices=("held-out", "grounded"), default="held-out",
+                   help="the draft-head trainer's held-out chat prompts, or the input-grounded "
+                        "ones (bench data/grounded.jsonl: answers that copy the prompt, where "
+                        "n-gram lookup finds drafts)")
     p.add_argument("--num-prompts", type=int, default=None,
-                   help="the first N held-out prompts (default: all)")
+                   help="the first N prompts (default: all)")
     p.add_argument("--output-len", type=int, default=128, help="greedy tokens at most")
     p.add_argument("--warmup", type=int, default=1, help="untimed prompts per engine first")
     p.add_argument("--save-json", default=None, metavar="PATH",
@@ -164,7 +169,8 @@ def format_spec(report: dict[str, Any]) -> str:
     from aioengine.bench.report import cpu_line
 
     lines = [cpu_line(report["environment"]),
-             f"{report['num_prompts']} held-out chat prompts, greedy, <= "
+             f"{report['num_prompts']} {report.get('prompts', 'held-out')} chat prompts, "
+             f"greedy, <= "
              f"{report['output_len']} tokens, one request at a time",
              f"{'config':<12} {'k':>2} {'TPOT ms':>8} {'speedup':>8} {'TTFT ms':>8} "
              f"{'accept len':>10}  per-position acceptance  equal"]
@@ -184,19 +190,26 @@ def format_spec(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _prompt_texts(source: str) -> list[str]:
+    from aioengine.bench.datasets import GROUNDED_FILE, load_prompt_texts
+    from aioengine.spec_decode.train.prompts import split_prompts
+
+    return load_prompt_texts(GROUNDED_FILE) if source == "grounded" else split_prompts()[1]
+
+
 def spec_main(args: argparse.Namespace) -> int:
     from aioengine.bench.common import emit, run_config, set_threads
     from aioengine.bench.report import environment_info
     from aioengine.config import engine_kwargs
-    from aioengine.spec_decode.train.prompts import split_prompts
 
     set_threads(None)
     specs = {name: parse_spec(name, args.draft_model) for name in args.specs.split(",")}
-    prompts = split_prompts()[1][:args.num_prompts]
+    prompts = _prompt_texts(args.prompts)[:args.num_prompts]
     result = asyncio.run(run_spec(args.model, specs, prompts, args.output_len, args.warmup,
                                   engine_kwargs(args)))
     report = {"mode": "spec", "environment": environment_info(), "model": args.model,
-              "config": run_config(args), "num_prompts": len(prompts),
+              "config": run_config(args), "prompts": args.prompts,
+              "num_prompts": len(prompts),
               "output_len": args.output_len,
               "num_speculative_tokens": result["num_speculative_tokens"],
               "summary": summarize(result["runs"]),

@@ -12,6 +12,11 @@ one token a step. A long prompt alone in the engine gets ALONE_FACTOR times the 
 fewer, larger steps (each step costs ~15 ms besides its attention here), while the step
 a new request arrives during stays bounded.
 
+A long prompt also sits out the step after a new request arrives (requests waiting to
+be admitted): the newcomer's prefill gets that step to itself instead of sharing it with a
+chunk that attends to thousands of positions, so its time to first token is the step in
+flight plus its own. Never two steps running, so steady arrivals cannot starve it.
+
 Only a long prompt (more than the threshold left to compute when it was admitted) is
 capped by attention: a short turn appended to a long cached conversation is computed
 in one step, as it would be without the budget.
@@ -55,21 +60,40 @@ class PrefillChunker:
         self.sliding_window = sliding_window
         self.chunk_cap = config.prefill_chunk_cap
         self.attention_budget = config.prefill_attention_budget
+        self._newcomers = False
+        self._sat_out: set[str] = set()  # long prompts that sat out this step
+        self._sat_out_before: set[str] = set()  # ... and the step before
+
+    def begin_step(self, newcomers: bool) -> None:
+        """A new step; `newcomers`: requests wait to be admitted (and may be)."""
+        self._sat_out_before, self._sat_out = self._sat_out, set()
+        self._newcomers = newcomers
 
     def num_new_tokens(self, request: Request, num_computed: int, budget: int,
-                       alone: bool = False) -> int:
+                       alone: bool = False, running: bool = False) -> int:
         """All that `request` lacks from `num_computed` on, within `budget`, the chunk
         cap, and for a long prompt the attention budget (ALONE_FACTOR times it when
         `alone`: no other request running or waiting); 0 when chunked prefill is off and
-        the rest does not fit."""
+        the rest does not fit, or for a `running` long prompt sitting this step out."""
         num_new = request.num_tokens - num_computed
         if not self.chunked and num_new > budget:
+            return 0
+        if running and self._sits_out(request, num_computed):
             return 0
         cap = self.chunk_cap or num_new
         if self.attention_budget and self._is_long_prefill(request, num_computed):
             pairs = self.attention_budget * (ALONE_FACTOR if alone else 1)
             cap = min(cap, attention_chunk_cap(num_computed, pairs, self.sliding_window))
         return min(num_new, budget, cap)
+
+    def _sits_out(self, request: Request, num_computed: int) -> bool:
+        """Whether a long prompt leaves this step to the newcomers (not twice running)."""
+        if (not self._newcomers or not self.attention_budget
+                or request.request_id in self._sat_out_before
+                or not self._is_long_prefill(request, num_computed)):
+            return False
+        self._sat_out.add(request.request_id)
+        return True
 
     def _is_long_prefill(self, request: Request, num_computed: int) -> bool:
         """Whether `request` is prefilling a prompt that had more than the chunk cap left

@@ -108,11 +108,13 @@ class Scheduler:
         scheduled: list[tuple[Request, int, int]] = []  # (request, new tokens, of them drafts)
         preempted: list[Request] = []
         speculate = self._speculates(len(self.running))
+        self._chunker.begin_step(bool(self.waiting)
+                                 and len(self.running) < self.config.max_num_seqs)
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget, True)
             if num_new == 0:
                 i += 1
                 continue
@@ -175,10 +177,11 @@ class Scheduler:
             self.newly_failed.append(request)
             return False
 
-    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int,
+                        running: bool = False) -> int:
         """PrefillChunker's count; "alone" when no other request runs or waits."""
         alone = len(self.running) + len(self.waiting) <= 1
-        return self._chunker.num_new_tokens(request, num_computed, budget, alone)
+        return self._chunker.num_new_tokens(request, num_computed, budget, alone, running)
 
     def _lookahead(self, request: Request, end: int, speculate: bool) -> int:
         """Slots past a step ending at token `end` that a draft head writes its chain into

@@ -316,25 +316,42 @@ def test_the_attention_cap_is_the_largest_chunk_within_the_budget() -> None:
 def test_a_long_prompts_chunks_shrink_as_its_context_grows() -> None:
     """Attention budget 256 pairs with a 16-token cap: the chunk at position p is the
     largest c with c * (p + c) <= 256 while another request runs, 4 x 256 while the long
-    prompt is alone, never below one token; a short prompt that arrives is computed whole
-    in the room left, and decodes beside the long prompt's later chunks."""
+    prompt is alone, never below one token; a short prompt that arrives gets the next step
+    to itself (the long prompt sits it out), then decodes beside the long prompt's chunks."""
     s = make_scheduler(budget=64, chunk_cap=16, attention_budget=256, num_blocks=256)
     s.add_request(make_request("long", 300, max_tokens=1))
     sizes, expected = [], []
     while "long" in s.requests and not s.requests["long"].num_output_tokens:
         p = s.requests["long"].num_computed_tokens
-        if p == 48:
+        arrives = p == 48 and "short" not in s.requests
+        if arrives:
             s.add_request(make_request("short", 12, max_tokens=500, arrival=1.0,
                                        first_token=500))
         alone = len(s.requests) == 1
         tokens = scheduled_tokens(step(s))
-        sizes.append(tokens["long"])
-        expected.append(min(16, 300 - p, attention_chunk_cap(p, 1024 if alone else 256)))
-        assert tokens.get("short") == (None if p < 48 else 12 if p == 48 else 1)
+        sizes.append(tokens.get("long", 0))
+        expected.append(0 if arrives else
+                        min(16, 300 - p, attention_chunk_cap(p, 1024 if alone else 256)))
+        assert tokens.get("short") == (None if p < 48 else 12 if arrives else 1)
     assert sum(sizes) == 300
     assert sizes == expected
-    assert sizes[:3] == [16, 16, 16] and sizes[3] == attention_chunk_cap(48, 256) == 4
+    assert sizes[:4] == [16, 16, 16, 0] and sizes[4] == attention_chunk_cap(48, 256) == 4
     assert sizes[-1] == 1
+
+
+def test_a_long_prompt_never_sits_out_two_steps_running() -> None:
+    """A new short request in every step: the long prompt leaves every other step to the
+    newcomers and computes a chunk in the others, so steady arrivals cannot starve it."""
+    s = make_scheduler(budget=64, chunk_cap=16, attention_budget=256, num_blocks=256)
+    s.add_request(make_request("long", 100, max_tokens=1))
+    step(s)
+    sizes = []
+    for i in range(6):
+        s.add_request(make_request(f"short{i}", 4, max_tokens=1, arrival=1.0 + i))
+        tokens = scheduled_tokens(step(s))
+        assert tokens[f"short{i}"] == 4
+        sizes.append(tokens.get("long", 0))
+    assert sizes[0::2] == [0, 0, 0] and all(n > 0 for n in sizes[1::2])
 
 
 def test_a_short_turn_after_a_long_cached_prefix_is_not_chunked_by_attention() -> None:
