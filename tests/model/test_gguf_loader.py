@@ -7,6 +7,7 @@ from gguf_writer import tokenizer_fields, write_tiny_gguf
 from tiny_models import make_tiny_hf_model
 
 from aioengine.model.attention import build_attention_metadata
+from aioengine.model.gguf_arch import GGUF_ARCHITECTURES
 from aioengine.model.gguf_loader import FastGGUFReader, hf_name
 from aioengine.model.llama import make_kv_caches
 from aioengine.model.loader import ModelLoadError, load_model
@@ -65,7 +66,7 @@ def test_gguf_errors(tmp_path) -> None:
     with pytest.raises(ModelLoadError, match="not a readable GGUF"):
         load_model(str(bad), torch.float32, CPU)
     with pytest.raises(ValueError, match="unexpected GGUF tensor"):
-        hf_name("blk.0.ssm_conv1d.weight")
+        hf_name("blk.0.ssm_conv1d.weight", GGUF_ARCHITECTURES["llama"])
 
 
 def test_unsupported_gguf_architecture(tmp_path) -> None:
