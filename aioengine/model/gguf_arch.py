@@ -145,8 +145,9 @@ _SHARED_EXPERT = {"ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
                   "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
                   "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
                   "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight"}
-_PHI3 = {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight",
-         "ffn_down.weight": "mlp.down_proj.weight"}
+_PHI3 = {"attn_qkv.weight": "self_attn.qkv_proj.weight",
+         "attn_output.weight": "self_attn.o_proj.weight",
+         "ffn_up.weight": "mlp.gate_up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
 EXPERT_TENSORS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 SHARED_EXPERT_GATE = "ffn_gate_inp_shexp.weight"  # [hidden] in the file, HF's [1, hidden]
 

@@ -88,14 +88,14 @@ def test_mixtral_gguf_logits_match_transformers(tmp_path, tok_fields) -> None:
     """A llama-arch GGUF with experts (as llama.cpp writes Mixtral): stacked expert tensors
     split per expert, the router, permuted q/k; logits equal transformers' on the HF
     directory it was written from. quantization 'gguf' (Q4_1 blocks kept) is refused."""
-    from gguf_writer import write_tiny_mixtral_gguf
+    from gguf_family_writer import write_llama_cpp_gguf
     from transformers import AutoModelForCausalLM
 
     from moe_models import make_tiny_moe_dir
 
     model_dir = make_tiny_moe_dir("mixtral", tmp_path / "hf", seed=5, vocab_size=VOCAB)
     path = tmp_path / "mixtral.gguf"
-    write_tiny_mixtral_gguf(model_dir, path, tok_fields)
+    write_llama_cpp_gguf(model_dir, "llama", path, tok_fields)
     loaded = load_model(str(path), torch.float32, CPU)
     assert loaded.arch.architecture == "MixtralForCausalLM" and loaded.arch.moe is not None
     assert (loaded.arch.moe.num_experts, loaded.arch.moe.top_k) == (4, 2)
