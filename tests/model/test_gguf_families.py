@@ -99,11 +99,31 @@ def test_family_gguf_logits_match_transformers(tmp_path, monkeypatch, tok_fields
         ref = reference(torch.tensor([tokens]), use_cache=False).logits[0]
     ours = _our_logits(loaded.model, tokens)
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-5)
-    assert len(loaded.tokenizer) == VOCAB  # olmo2 / granite / smollm3: read past AutoTokenizer
     assert load_gguf_parts(str(path), with_q4_1_blocks=False).from_cache
     again = load_model(str(path), torch.float32, CPU)  # from the start-up cache
     assert again.arch == loaded.arch
     assert torch.equal(_our_logits(again.model, tokens), ours)
+
+
+def test_tokenizer_of_a_file_autotokenizer_cannot_configure(tmp_path, monkeypatch,
+                                                            tok_fields) -> None:
+    """transformers rebuilds no config for a granite file; its tokenizer still loads, and
+    tokenizes and templates as the same metadata in a llama file does."""
+    from gguf_writer import write_tiny_gguf
+
+    from aioengine.model.loader import load_tokenizer
+
+    monkeypatch.setenv("AIOENGINE_CACHE_DIR", str(tmp_path / "cache"))
+    granite, llama = tmp_path / "granite.gguf", tmp_path / "llama.gguf"
+    write_llama_cpp_gguf(_save("granite", tmp_path), "granite", granite, tok_fields)
+    write_tiny_gguf(make_tiny_hf_model("llama", vocab_size=VOCAB), "llama", llama, tok_fields)
+    ours, ref = load_tokenizer(str(granite)), load_tokenizer(str(llama))
+    assert len(ours) == len(ref) == VOCAB
+    for text in ("Hello world, the cat sat.", "<|im_start|>user\nhi<|im_end|>", "  two  spaces"):
+        assert ours(text).input_ids == ref(text).input_ids
+    chat = [{"role": "user", "content": "hi"}]
+    assert (ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            == ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
 
 
 def test_q4_1_blocks_refused_for_unchecked_architectures(tmp_path, monkeypatch,
