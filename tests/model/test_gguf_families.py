@@ -37,6 +37,10 @@ CASES: dict[str, tuple[Any, str, str, dict[str, Any]]] = {
                  dict(mlp_only_layers=[], norm_topk_prob=False)),
     # Norms stored 1 + w, soft-caps, every other layer local (window 16 < 40 tokens).
     "gemma2": (make_tiny_hf_model, "gemma2", "gemma2", dict(query_pre_attn_scalar=16)),
+    # 46 layers: llama.cpp's Gemma 2 27B, scaled by hidden / heads (16), not head_dim (32).
+    "gemma2-46-layers": (make_tiny_hf_model, "gemma2", "gemma2", dict(
+        num_hidden_layers=46, head_dim=32, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention"] * 23)),
     # llama.cpp's default pattern (5 local : 1 global), local RoPE base from freq_base_swa,
     # linear scaling on the global layer.
     "gemma3": (make_tiny_hf_model, "gemma3", "gemma3",
@@ -45,12 +49,17 @@ CASES: dict[str, tuple[Any, str, str, dict[str, Any]]] = {
     "gemma3-pattern": (make_tiny_hf_model, "gemma3", "gemma3", dict(query_pre_attn_scalar=16)),
     # Fused attn_qkv / ffn_up, LongRoPE factors from tensors.
     "phi3": (make_tiny_hf_model, "phi3", "phi3", {}),
+    # Plain RoPE (as Phi-3-mini-4k), a window of 16 (Phi-3-mini's 2047, as HF applies it).
+    "phi3-window": (make_tiny_hf_model, "phi3", "phi3", dict(
+        sliding_window=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     "olmo2": (make_tiny_hf_model, "olmo2", "olmo2", {}),
     # The four multipliers; q/k rows permuted (llama.cpp's NORM RoPE).
     "granite": (make_tiny_hf_model, "granite", "granite", {}),
     # Layer 3 without RoPE; q/k rows permuted.
     "smollm3": (make_tiny_hf_model, "smollm3", "smollm3", {}),
 }
+# 46 layers add up float32 rounding (~1.4e-4 here); a wrong attention scale is off by ~10.
+_ATOL = {"gemma2-46-layers": 5e-4}
 # What the GGUF's config must share with the HF one (floats differ by float32 rounding).
 _SAME = ("architecture", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
          "head_dim", "intermediate_size", "tie_word_embeddings", "attention_bias", "qk_norm",
@@ -98,7 +107,7 @@ def test_family_gguf_logits_match_transformers(tmp_path, monkeypatch, tok_fields
     with torch.inference_mode():
         ref = reference(torch.tensor([tokens]), use_cache=False).logits[0]
     ours = _our_logits(loaded.model, tokens)
-    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ours, ref, atol=_ATOL.get(case, 1e-4), rtol=1e-5)
     assert load_gguf_parts(str(path), with_q4_1_blocks=False).from_cache
     again = load_model(str(path), torch.float32, CPU)  # from the start-up cache
     assert again.arch == loaded.arch
@@ -124,6 +133,22 @@ def test_tokenizer_of_a_file_autotokenizer_cannot_configure(tmp_path, monkeypatc
     chat = [{"role": "user", "content": "hi"}]
     assert (ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
             == ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+
+
+def test_q_k_biases_are_unpermuted_like_the_weights() -> None:
+    """llama.cpp's LlamaModel.permute interleaves q/k bias rows as it does weight rows (no
+    tiny model here has q/k biases without an o_proj bias, which we do not load)."""
+    from gguf_writer import llama_cpp_permute
+
+    from aioengine.model.gguf_arch import GGUF_ARCHITECTURES
+    from aioengine.model.gguf_loader import _as_hf
+
+    bias = torch.randn(4 * 16, generator=torch.Generator().manual_seed(0)).numpy()
+    stored = llama_cpp_permute(bias, 4)
+    assert not (stored == bias).all()
+    back = _as_hf(GGUF_ARCHITECTURES["llama"], "blk.0.attn_q.bias",
+                  "model.layers.0.self_attn.q_proj.bias", stored, 4, 2)
+    assert (back == bias).all()
 
 
 def test_q4_1_blocks_refused_for_unchecked_architectures(tmp_path, monkeypatch,
