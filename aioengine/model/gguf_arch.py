@@ -250,7 +250,7 @@ def _phi3(meta: GGUFMetadata, common: dict[str, Any]) -> dict[str, Any]:
     original = meta.get("rope.scaling.original_context_length")
     if original is not None:
         kwargs["original_max_position_embeddings"] = int(original)
-    if long is None and short is None:
+    if long is None and short is None and meta.get("rope.scaling.type") != "longrope":
         return kwargs
     if long is None or short is None or original is None:
         raise GGUFFormatError("phi3 GGUF: LongRoPE needs rope_factors_long, rope_factors_short "

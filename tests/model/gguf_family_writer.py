@@ -19,7 +19,7 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-from gguf_writer import _add_tokenizer, llama_cpp_permute
+from gguf_writer import add_tokenizer, llama_cpp_permute
 
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight",
            "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
@@ -51,7 +51,7 @@ def write_llama_cpp_gguf(model_dir: Path, gguf_arch: str, path: Path, tok: dict)
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     state = {k: v.float() for k, v in load_file(str(Path(model_dir) / "model.safetensors")).items()}
     w = gguf.GGUFWriter(str(path), gguf_arch)
-    _add_tokenizer(w, tok, cfg["vocab_size"])
+    add_tokenizer(w, tok, cfg["vocab_size"])
     _common_metadata(w, cfg, gguf_arch)
     _FAMILY[gguf_arch](w, cfg, state)
     for name, data in _tensors(cfg, gguf_arch, state):

@@ -70,7 +70,7 @@ def tokenizer_fields(bundled_reader) -> dict:
                                          "tokenizer.ggml.merges", "tokenizer.chat_template")}
 
 
-def _add_tokenizer(w: gguf.GGUFWriter, tok: dict, vocab_size: int) -> None:
+def add_tokenizer(w: gguf.GGUFWriter, tok: dict, vocab_size: int) -> None:
     tokens = tok["tokenizer.ggml.tokens"][:vocab_size]
     vocab = set(tokens)
     # Keep the merges whose two parts and result all survive the cut.
@@ -92,7 +92,7 @@ def write_tiny_gguf(hf_model, gguf_arch: str, path: Path, tok: dict,
     round-tripped), for building the reference model."""
     cfg = hf_model.config
     w = gguf.GGUFWriter(str(path), gguf_arch)
-    _add_tokenizer(w, tok, cfg.vocab_size)
+    add_tokenizer(w, tok, cfg.vocab_size)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)

@@ -182,6 +182,9 @@ def _metadata_only(path: Path, arch: str, **keys: Any) -> FastGGUFReader:
 @pytest.mark.parametrize("arch,keys,match", [
     # Phi-4-mini's partial rotary (RoPE over 3/4 of each head): not implemented.
     ("phi3", {"rot": ("add_rope_dimension_count", 12)}, "RoPE over 12 of 16 head dimensions"),
+    # LongRoPE declared without its factor tensors.
+    ("phi3", {"t": ("add_rope_scaling_type", gguf.RopeScalingType.LONGROPE)},
+     "LongRoPE needs rope_factors_long"),
     # Only linear scaling is read for Gemma 3 (its global layers).
     ("gemma3", {"t": ("add_rope_scaling_type", gguf.RopeScalingType.YARN)},
      "unsupported rope scaling 'yarn' in a gemma3 GGUF; supported: none, linear"),
