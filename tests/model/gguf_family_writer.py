@@ -44,8 +44,11 @@ _EXPERT_HF = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "
               "w3": "up", "w2": "down"}
 
 
-def write_llama_cpp_gguf(model_dir: Path, gguf_arch: str, path: Path, tok: dict) -> None:
-    """`model_dir` (config.json, model.safetensors) as a float32 GGUF of `gguf_arch`."""
+def write_llama_cpp_gguf(model_dir: Path, gguf_arch: str, path: Path, tok: dict,
+                         qtype: str | None = None) -> None:
+    """`model_dir` (config.json, model.safetensors) as a GGUF of `gguf_arch`: float32, or
+    with `qtype` ("Q8_0") every tensor of 2+ dims whose rows split into its blocks (stacked
+    experts too), the rest float32, as llama.cpp falls back."""
     from safetensors.torch import load_file
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -55,11 +58,21 @@ def write_llama_cpp_gguf(model_dir: Path, gguf_arch: str, path: Path, tok: dict)
     _common_metadata(w, cfg, gguf_arch)
     _FAMILY[gguf_arch](w, cfg, state)
     for name, data in _tensors(cfg, gguf_arch, state):
-        w.add_tensor(name, np.ascontiguousarray(data.numpy()))
+        data = np.ascontiguousarray(data.numpy())
+        if qtype is not None and quantizable(data, qtype):
+            kind = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def quantizable(data: np.ndarray, qtype: str) -> bool:
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][0]
+    return data.ndim >= 2 and data.shape[-1] % block == 0
 
 
 def _rope(cfg: dict, layer_type: str = "full_attention") -> dict:

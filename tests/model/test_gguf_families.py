@@ -10,7 +10,7 @@ from typing import Any
 import gguf
 import pytest
 import torch
-from gguf_family_writer import write_llama_cpp_gguf
+from gguf_family_writer import quantizable, write_llama_cpp_gguf
 from gguf_writer import tokenizer_fields
 from moe_models import make_tiny_moe_hf_model
 from tiny_models import make_tiny_hf_model
@@ -35,6 +35,9 @@ CASES: dict[str, tuple[Any, str, str, dict[str, Any]]] = {
     # Top-3 of 5 not renormalised, the shared expert and its sigmoid gate, q/k/v biases.
     "qwen2moe": (make_tiny_moe_hf_model, "qwen2_moe", "qwen2moe",
                  dict(mlp_only_layers=[], norm_topk_prob=False)),
+    # Q8_0 blocks, stacked experts included (3-D tensors dequantized to [E, rows, cols]).
+    "qwen2moe-q8_0": (make_tiny_moe_hf_model, "qwen2_moe", "qwen2moe",
+                      dict(mlp_only_layers=[], norm_topk_prob=False, moe_intermediate_size=64)),
     # Norms stored 1 + w, soft-caps, every other layer local (window 16 < 40 tokens).
     "gemma2": (make_tiny_hf_model, "gemma2", "gemma2", dict(query_pre_attn_scalar=16)),
     # 46 layers: llama.cpp's Gemma 2 27B, scaled by hidden / heads (16), not head_dim (32).
@@ -74,9 +77,19 @@ def tok_fields(bundled_gguf_path: str) -> dict:
 
 
 def _save(case: str, root: Path) -> Path:
+    """The case's tiny model saved; a "-q8_0" case's weights round-tripped through Q8_0
+    first (where the writer will quantize them), so file and directory hold the same."""
     make, tiny, _, overrides = CASES[case]
     path = root / "hf"
-    make(tiny, seed=3, vocab_size=VOCAB, **overrides).save_pretrained(path)
+    model = make(tiny, seed=3, vocab_size=VOCAB, **overrides)
+    if case.endswith("-q8_0"):
+        q8 = gguf.GGMLQuantizationType.Q8_0
+        with torch.no_grad():
+            for p in model.parameters():
+                if quantizable(p.numpy(), "Q8_0"):
+                    data = gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), q8), q8)
+                    p.copy_(torch.from_numpy(data.reshape(p.shape)))
+    model.save_pretrained(path)
     return path
 
 
@@ -96,7 +109,11 @@ def test_family_gguf_logits_match_transformers(tmp_path, monkeypatch, tok_fields
     monkeypatch.setenv("AIOENGINE_CACHE_DIR", str(tmp_path / "cache"))
     model_dir = _save(case, tmp_path)
     path = tmp_path / f"{case}.gguf"
-    write_llama_cpp_gguf(model_dir, CASES[case][2], path, tok_fields)
+    write_llama_cpp_gguf(model_dir, CASES[case][2], path, tok_fields,
+                         "Q8_0" if case.endswith("-q8_0") else None)
+    if case.endswith("-q8_0"):
+        types = {t.name: t.tensor_type.name for t in FastGGUFReader(str(path)).tensors}
+        assert types["blk.0.ffn_down_exps.weight"] == types["blk.0.attn_q.weight"] == "Q8_0"
     loaded = load_model(str(path), torch.float32, CPU)
     reference = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager").eval()
