@@ -1,7 +1,10 @@
 """Reading llama.cpp GGUF files: config from metadata, weights dequantized to Hugging Face names.
 
-Only the `gguf` package is used (its reader and dequantizer), so any quantization it can
-dequantize loads; the model then runs in the requested float dtype.
+What each llama.cpp architecture's metadata and tensor names mean, and what its converter
+did to the weights, is `gguf_arch.py`'s table; this module reads a file through it (tensors,
+Q4_1 blocks, the start-up cache). Only the `gguf` package is used (its reader and
+dequantizer), so any quantization it can dequantize loads; the model then runs in the
+requested float dtype.
 """
 from __future__ import annotations
 
