@@ -194,15 +194,17 @@ def _qwen_moe(meta: GGUFMetadata, common: dict[str, Any], shared: bool) -> dict[
 
 def _layer_types(meta: GGUFMetadata, num_layers: int, period: int) -> list[str]:
     """Gemma's local / global layers: llama.cpp's default period (layer i is local when
-    i % period < period - 1), or the file's own sliding_window_pattern."""
+    i % period < period - 1), or the file's own sliding_window_pattern (a period, or a flag
+    per layer)."""
     pattern = meta.get("attention.sliding_window_pattern", period)
     if isinstance(pattern, list):
         if len(pattern) != num_layers:
             raise GGUFFormatError(f"{meta.arch}.attention.sliding_window_pattern has "
                                   f"{len(pattern)} flags for {num_layers} layers")
         local = [bool(p) for p in pattern]
-    else:
-        local = [i % int(pattern) < int(pattern) - 1 for i in range(num_layers)]
+    else:  # llama.cpp's set_swa_pattern: a period of 0 makes every layer local
+        period = int(pattern)
+        local = [period == 0 or i % period < period - 1 for i in range(num_layers)]
     return ["sliding_attention" if s else "full_attention" for s in local]
 
 
