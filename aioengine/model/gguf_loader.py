@@ -1,7 +1,10 @@
 """Reading llama.cpp GGUF files: config from metadata, weights dequantized to Hugging Face names.
 
-Only the `gguf` package is used (its reader and dequantizer), so any quantization it can
-dequantize loads; the model then runs in the requested float dtype.
+What each llama.cpp architecture's metadata and tensor names mean, and what its converter
+did to the weights, is `gguf_arch.py`'s table; this module reads a file through it (tensors,
+Q4_1 blocks, the start-up cache). Only the `gguf` package is used (its reader and
+dequantizer), so any quantization it can dequantize loads; the model then runs in the
+requested float dtype.
 """
 from __future__ import annotations
 
@@ -20,46 +23,25 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from aioengine.model.arch import ModelArchConfig
+from aioengine.model.gguf_arch import (EXPERT_TENSORS, GGUF_ARCHITECTURES, ROPE_FACTORS,
+                                       ROPE_FREQS, SHARED_EXPERT_GATE, GGUFArchitecture,
+                                       GGUFFormatError, field_value, file_architecture,
+                                       gguf_hf_config_kwargs)
 from aioengine.model.moe_config import MoeSpec
 
-logger = logging.getLogger(__name__)
+__all__ = ["FastGGUFReader", "GGUFFormatError", "gguf_hf_config", "iter_gguf_weights",
+           "iter_gguf_q4_1_blocks", "load_gguf_parts", "rope_freq_factors"]
 
-# GGUF general.architecture -> (transformers config class, HF architecture name).
-GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-}
+logger = logging.getLogger(__name__)
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-# Mixtral (llama.cpp's "llama" with an expert count): the router, and each expert
-# projection stacked over the experts [E, rows, cols], split into HF's per-expert names.
-_LAYER_NAMES_MOE = {"ffn_gate_inp.weight": "block_sparse_moe.gate.weight"}
-_EXPERT_NAMES = {"ffn_gate_exps.weight": "w1", "ffn_up_exps.weight": "w3",
-                 "ffn_down_exps.weight": "w2"}
-_MIXTRAL = ("MixtralConfig", "MixtralForCausalLM")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
-ROPE_FREQS = "rope_freqs.weight"  # llama3 scaling, stored by llama.cpp as per-frequency factors
+# Read into the config (Phi-3's LongRoPE factors) or applied to the model (llama3's).
+_NOT_WEIGHTS = (ROPE_FREQS, *ROPE_FACTORS)
 
 
 class FastGGUFReader(GGUFReader):
@@ -79,26 +61,6 @@ class FastGGUFReader(GGUFReader):
         self._plain_data = value.view(np.ndarray)
 
 
-class GGUFFormatError(ValueError):
-    """The GGUF file lacks something we need, or uses a feature we do not implement."""
-
-
-def field_value(reader: Any, key: str, default: Any = None) -> Any:
-    """A metadata value as a Python scalar, str or list (`default` when absent)."""
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
-
-
-def gguf_architecture(reader: Any) -> str:
-    arch = field_value(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise GGUFFormatError(
-            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
-    return arch
-
-
 def gguf_hf_config(reader: Any) -> Any:
     """Builds the transformers config the GGUF metadata describes."""
     return hf_config_from_kwargs(*gguf_hf_config_kwargs(reader))
@@ -112,65 +74,8 @@ def hf_config_from_kwargs(cls_name: str, kwargs: dict[str, Any]) -> Any:
     return getattr(transformers, cls_name)(**kwargs)
 
 
-def gguf_hf_config_kwargs(reader: Any) -> tuple[str, dict[str, Any]]:
-    """(transformers config class name, its keyword arguments) from the GGUF metadata:
-    plain JSON values, so the start-up cache can keep them."""
-    arch = gguf_architecture(reader)
-    cls_name, hf_arch = GGUF_ARCHITECTURES[arch]
-
-    def get(key: str, default: Any = None) -> Any:
-        value = field_value(reader, f"{arch}.{key}", default)
-        if value is None:
-            raise GGUFFormatError(f"GGUF metadata lacks {arch}.{key}")
-        return value
-
-    scaling = field_value(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        raise GGUFFormatError(f"unsupported GGUF rope scaling {scaling!r}; supported: none "
-                              f"(llama3 scaling via the rope_freqs tensor)")
-    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
-    names = {t.name for t in reader.tensors}
-    vocab = (field_value(reader, f"{arch}.vocab_size")
-             or len(field_value(reader, "tokenizer.ggml.tokens", [])))
-    kwargs: dict[str, Any] = dict(
-        architectures=[hf_arch],
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_hidden_layers=int(get("block_count")),
-        num_attention_heads=heads,
-        num_key_value_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("attention.key_length", hidden // heads)),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(get("context_length")),
-        tie_word_embeddings="output.weight" not in names,
-        bos_token_id=_plain(field_value(reader, "tokenizer.ggml.bos_token_id")),
-        eos_token_id=_plain(field_value(reader, "tokenizer.ggml.eos_token_id")),
-        pad_token_id=_plain(field_value(reader, "tokenizer.ggml.padding_token_id")),
-    )
-    window = field_value(reader, f"{arch}.attention.sliding_window")
-    if window:
-        kwargs["sliding_window"] = int(window)
-        if arch != "llama":
-            kwargs["use_sliding_window"] = True
-    experts = field_value(reader, f"{arch}.expert_count")
-    if arch == "llama" and experts:  # Mixtral: a llama file with experts
-        cls_name, kwargs["architectures"] = _MIXTRAL[0], [_MIXTRAL[1]]
-        kwargs.update(num_local_experts=int(experts),
-                      num_experts_per_tok=int(get("expert_used_count")))
-    elif arch == "llama":
-        kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
-    return cls_name, kwargs
-
-
-def _plain(value: Any) -> Any:
-    """A metadata scalar as a Python int (numpy integers are not JSON), or None."""
-    return None if value is None else int(value)
-
-
 def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undoes llama.cpp's q/k row order for llama models.
+    """Undoes llama.cpp's q/k row order (weights and biases) for its NORM-RoPE archs.
 
     llama.cpp stores each head's rows interleaved, (x0, x_{D/2}, x1, x_{D/2+1}, ...), for its
     GPT-J style RoPE; HF keeps the halves apart, (x0..x_{D/2-1}, x_{D/2}..x_{D-1}).
@@ -182,26 +87,32 @@ def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
             .reshape(rows, *w.shape[1:]))
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """GGUF tensor name -> Hugging Face name (None for tensors handled elsewhere)."""
+def hf_name(gguf_name: str, spec: GGUFArchitecture) -> str | None:
+    """GGUF tensor name -> Hugging Face name in a `spec` file (None for tensors read
+    elsewhere: RoPE factors)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    if gguf_name == ROPE_FREQS:
+    if gguf_name in _NOT_WEIGHTS:
         return None
     m = _BLOCK_RE.match(gguf_name)
-    names = _LAYER_NAMES | _LAYER_NAMES_MOE
-    if m is None or m.group(2) not in names:
-        raise GGUFFormatError(f"unexpected GGUF tensor {gguf_name!r}")
-    return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
+    if m is None or m.group(2) not in spec.layer_names:
+        raise GGUFFormatError(f"unexpected GGUF tensor {gguf_name!r} in a "
+                              f"{spec.gguf_name} file ({spec.hf_architecture})")
+    return f"model.layers.{m.group(1)}.{spec.layer_names[m.group(2)]}"
 
 
-def _expert_names(gguf_name: str, num_experts: int) -> list[str] | None:
+def _expert_names(gguf_name: str, spec: GGUFArchitecture,
+                  num_experts: int) -> list[str] | None:
     """The HF names of a stacked expert tensor's slices, in order; None for any other."""
     m = _BLOCK_RE.match(gguf_name)
-    if m is None or m.group(2) not in _EXPERT_NAMES:
+    if m is None or m.group(2) not in EXPERT_TENSORS:
         return None
-    w = _EXPERT_NAMES[m.group(2)]
-    return [f"model.layers.{m.group(1)}.block_sparse_moe.experts.{e}.{w}.weight"
+    if spec.experts is None:
+        raise GGUFFormatError(f"{gguf_name}: expert tensors in a {spec.gguf_name} file "
+                              "without an expert count")
+    names = spec.experts
+    proj = dict(zip(EXPERT_TENSORS, (names.gate, names.up, names.down)))[m.group(2)]
+    return [f"model.layers.{m.group(1)}.{names.prefix}.{e}.{proj}.weight"
             for e in range(num_experts)]
 
 
@@ -216,14 +127,30 @@ def dequantize_tensor(tensor: Any) -> np.ndarray:
     return data.reshape(shape)
 
 
+def _as_hf(spec: GGUFArchitecture, gguf_name: str, name: str, data: np.ndarray,
+           num_heads: int, num_kv_heads: int) -> np.ndarray:
+    """What the converter did to one tensor, undone: q/k rows back in HF order, the norm
+    shift taken off (HF's Gemma norms hold w, the file 1 + w), the shared expert's gate
+    back to its [1, hidden]."""
+    if spec.permuted_qk and ".self_attn.q_proj." in name:
+        data = _unpermute_rows(data, num_heads)
+    elif spec.permuted_qk and ".self_attn.k_proj." in name:
+        data = _unpermute_rows(data, num_kv_heads)
+    if spec.norm_shift and gguf_name.endswith("norm.weight"):
+        data = data - np.float32(spec.norm_shift)
+    if gguf_name.endswith(SHARED_EXPERT_GATE) and data.ndim == 1:
+        data = data.reshape(1, -1)
+    return data
+
+
 def iter_gguf_weights(reader: Any, num_heads: int,
                       num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (HF name, float32 tensor) for every weight in the file."""
-    arch = gguf_architecture(reader)
-    permute = arch == "llama"
-    num_experts = int(field_value(reader, f"{arch}.expert_count", 0) or 0)
+    """Yields (HF name, float32 tensor) for every weight in the file, as the HF checkpoint
+    it was converted from holds it."""
+    spec = file_architecture(reader)
+    num_experts = int(field_value(reader, f"{spec.gguf_name}.expert_count", 0) or 0)
     for tensor in reader.tensors:
-        experts = _expert_names(tensor.name, num_experts)
+        experts = _expert_names(tensor.name, spec, num_experts)
         if experts is not None:  # [E, rows, cols]: one HF tensor per expert
             stacked = dequantize_tensor(tensor)
             if stacked.ndim != 3 or stacked.shape[0] != num_experts:
@@ -232,14 +159,11 @@ def iter_gguf_weights(reader: Any, num_heads: int,
             for name, data in zip(experts, stacked):
                 yield name, torch.from_numpy(data.copy())
             continue
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, spec)
         if name is None:
             continue
-        data = dequantize_tensor(tensor)
-        if permute and name.endswith("q_proj.weight"):
-            data = _unpermute_rows(data, num_heads)
-        elif permute and name.endswith("k_proj.weight"):
-            data = _unpermute_rows(data, num_kv_heads)
+        data = _as_hf(spec, tensor.name, name, dequantize_tensor(tensor), num_heads,
+                      num_kv_heads)
         if not data.flags.writeable:  # F32 tensors are read-only views of the memory map
             data = data.copy()
         yield name, torch.from_numpy(data)
@@ -254,24 +178,30 @@ def iter_gguf_q4_1_blocks(reader: Any, num_heads: int,
                           num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (HF name, uint8 [rows, cols / 32 * 20]) for every projection, its Q4_1 blocks
     as stored (q/k rows put back in HF order: blocks run along a row, so rows move whole).
-    Raises GGUFFormatError for a projection in another format."""
+    Raises GGUFFormatError for a projection in another format, or an architecture whose
+    files this path is not checked on."""
     from gguf import GGMLQuantizationType
 
-    permute = gguf_architecture(reader) == "llama"
+    spec = file_architecture(reader)
+    if spec.experts is not None:
+        raise GGUFFormatError("quantization 'gguf' does not cover a mixture of experts' "
+                              "expert weights; load without it")
+    if not spec.q4_1_blocks:
+        checked = [a.gguf_name for a in GGUF_ARCHITECTURES.values() if a.q4_1_blocks]
+        raise GGUFFormatError(f"quantization 'gguf' (the file's own Q4_1 blocks) is "
+                              f"implemented for {', '.join(checked)} files, not "
+                              f"{spec.gguf_name}; load without it")
     for tensor in reader.tensors:
-        if _expert_names(tensor.name, 0) is not None:
-            raise GGUFFormatError(f"{tensor.name}: quantization 'gguf' does not cover a "
-                                  "mixture of experts' expert weights; load without it")
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, spec)
         if name is None or not name.endswith(_PROJECTION_SUFFIXES):
             continue
         if tensor.tensor_type != GGMLQuantizationType.Q4_1:
             raise GGUFFormatError(f"{tensor.name} is {tensor.tensor_type.name}: quantization "
                                   f"'gguf' reads Q4_1 projections only")
         data = np.asarray(tensor.data)
-        if permute and name.endswith("q_proj.weight"):
+        if spec.permuted_qk and name.endswith("q_proj.weight"):
             data = _unpermute_rows(data, num_heads)
-        elif permute and name.endswith("k_proj.weight"):
+        elif spec.permuted_qk and name.endswith("k_proj.weight"):
             data = _unpermute_rows(data, num_kv_heads)
         yield name, torch.from_numpy(np.array(data, copy=True))
 

@@ -109,11 +109,28 @@ def _load_tokenizer(path: str) -> Any:
 
     try:
         if path.endswith(".gguf"):
-            return weight_cache.cached_tokenizer(path, lambda: AutoTokenizer.from_pretrained(
-                os.path.dirname(path), gguf_file=os.path.basename(path)))
+            return weight_cache.cached_tokenizer(path, lambda: _gguf_tokenizer(path))
         return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {e}") from e
+
+
+def _gguf_tokenizer(path: str) -> Any:
+    """transformers' tokenizer of a GGUF file. AutoTokenizer first rebuilds the model's
+    config to pick a tokenizer class, which transformers does for some architectures only
+    (not olmo2, granite or smollm3 files); the tokenizer itself it builds from any file's
+    tokenizer.ggml.* metadata, so those load as its plain fast tokenizer (the class
+    AutoTokenizer picks for a llama file too)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    directory, name = os.path.split(path)
+    try:
+        return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    except ValueError as e:
+        try:
+            return PreTrainedTokenizerFast.from_pretrained(directory, gguf_file=name)
+        except (OSError, ValueError, KeyError, TypeError):
+            raise e from None
 
 
 def activation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

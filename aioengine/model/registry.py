@@ -3,8 +3,11 @@ table of architectures is generated from here (scripts/gen_arch_table.py; a test
 README.md holds the generated table).
 
     storages       every projection storage (layers.WEIGHT_STORAGES) and, for architectures
-                   the GGUF reader maps (gguf_loader.GGUF_ARCHITECTURES), a GGUF file's own
-                   Q4_1 blocks
+                   whose GGUF files the Q4_1 path is checked on (gguf_arch's q4_1_blocks),
+                   a GGUF file's own Q4_1 blocks ("gguf")
+    GGUF file      the llama.cpp architecture (general.architecture) whose GGUF files load
+                   as this one (gguf_arch.gguf_file_architectures), each checked against
+                   transformers on a tiny model written as llama.cpp's converter writes it
     fused decode   whether the fused C decode executor runs the architecture's layers, with
                    its transformers default config: no layer option outside the executor's
                    SUPPORTED_FEATURES
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 
 from aioengine.model.arch import SUPPORTED_ARCHITECTURES, ModelArchConfig
 from aioengine.model.families import FAMILY_MODEL_TYPES
-from aioengine.model.gguf_loader import GGUF_ARCHITECTURES
+from aioengine.model.gguf_arch import GGUF_ARCHITECTURES, gguf_file_architectures
 from aioengine.model.layers import WEIGHT_STORAGES
 from aioengine.model.moe_config import MOE_MODEL_TYPES
 
@@ -50,6 +53,7 @@ class ArchitectureSupport:
     architecture: str
     model_type: str
     storages: tuple[str, ...]
+    gguf_file: str | None
     fused_cpu_decode: bool
     lora: bool
     speculative: tuple[str, ...]
@@ -72,7 +76,8 @@ def fused_decode_supported(model_type: str) -> bool:
 
 def architecture_support() -> list[ArchitectureSupport]:
     """One row per SUPPORTED_ARCHITECTURES entry, in its order."""
-    gguf = {hf_arch for _, hf_arch in GGUF_ARCHITECTURES.values()}
+    gguf = {a.hf_architecture for a in GGUF_ARCHITECTURES.values() if a.q4_1_blocks}
+    gguf_files = gguf_file_architectures()
     by_arch = {arch: mt for mt, arch in _model_types().items()}
     rows = []
     for arch in SUPPORTED_ARCHITECTURES:
@@ -80,6 +85,7 @@ def architecture_support() -> list[ArchitectureSupport]:
         storages = WEIGHT_STORAGES + (("gguf",) if arch in gguf else ())
         rows.append(ArchitectureSupport(
             architecture=arch, model_type=model_type, storages=storages,
+            gguf_file=gguf_files.get(arch),
             fused_cpu_decode=fused_decode_supported(model_type),
             lora=arch in LORA_ARCHITECTURES,
             speculative=("ngram", "eagle", "eagle3") if arch in EAGLE_TARGET_ARCHITECTURES
@@ -89,10 +95,12 @@ def architecture_support() -> list[ArchitectureSupport]:
 
 def markdown_table() -> str:
     """The README's table of supported architectures."""
-    lines = ["| architecture | `model_type` | storages | fused CPU decode | LoRA | "
-             "speculative decoding |", "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| architecture | `model_type` | storages | GGUF file | fused CPU decode | LoRA | "
+             "speculative decoding |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in architecture_support():
+        gguf_file = f"`{row.gguf_file}`" if row.gguf_file else "no"
         lines.append(f"| `{row.architecture}` | `{row.model_type}` | "
-                     f"{', '.join(row.storages)} | {'yes' if row.fused_cpu_decode else 'no'} | "
+                     f"{', '.join(row.storages)} | {gguf_file} | "
+                     f"{'yes' if row.fused_cpu_decode else 'no'} | "
                      f"{'yes' if row.lora else 'no'} | {', '.join(row.speculative)} |")
     return "\n".join(lines) + "\n"

@@ -1,8 +1,10 @@
 """Writes a tiny transformers model as a llama.cpp-style GGUF file, for loader tests.
 
-Mirrors what llama.cpp's converter does, written independently of our loader: tensor
-names, the q/k row permutation for llama, llama3 scaling as a `rope_freqs` tensor, and
-optional Q8_0 quantization. The tokenizer is the bundled one cut down to `vocab_size` tokens.
+Mirrors what llama.cpp's converter (convert_hf_to_gguf.py) does, written independently of
+our loader: tensor names, the q/k row permutation for llama, llama3 scaling as a
+`rope_freqs` tensor, and optional Q8_0 quantization (write_tiny_gguf); every family's
+metadata, names and weight changes (gguf_family_writer.py). The tokenizer is
+the bundled one cut down to `vocab_size` tokens.
 """
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ def tokenizer_fields(bundled_reader) -> dict:
                                          "tokenizer.ggml.merges", "tokenizer.chat_template")}
 
 
-def _add_tokenizer(w: gguf.GGUFWriter, tok: dict, vocab_size: int) -> None:
+def add_tokenizer(w: gguf.GGUFWriter, tok: dict, vocab_size: int) -> None:
     tokens = tok["tokenizer.ggml.tokens"][:vocab_size]
     vocab = set(tokens)
     # Keep the merges whose two parts and result all survive the cut.
@@ -90,7 +92,7 @@ def write_tiny_gguf(hf_model, gguf_arch: str, path: Path, tok: dict,
     round-tripped), for building the reference model."""
     cfg = hf_model.config
     w = gguf.GGUFWriter(str(path), gguf_arch)
-    _add_tokenizer(w, tok, cfg.vocab_size)
+    add_tokenizer(w, tok, cfg.vocab_size)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -126,49 +128,3 @@ def write_tiny_gguf(hf_model, gguf_arch: str, path: Path, tok: dict,
     w.write_tensors_to_file()
     w.close()
     return reference
-
-
-def write_tiny_mixtral_gguf(model_dir: Path, path: Path, tok: dict) -> None:
-    """A saved tiny Mixtral (HF directory, per-expert w1/w2/w3 names) as llama.cpp writes
-    one: arch "llama" with expert_count / expert_used_count, the router as ffn_gate_inp,
-    each projection stacked over the experts [E, rows, cols] (ffn_{gate,up,down}_exps),
-    q/k rows permuted; float32 throughout."""
-    import json
-
-    from safetensors.torch import load_file
-
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    state = load_file(str(Path(model_dir) / "model.safetensors"))
-    w = gguf.GGUFWriter(str(path), "llama")
-    _add_tokenizer(w, tok, cfg["vocab_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    rope = cfg.get("rope_parameters") or {}
-    w.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    w.add_expert_count(cfg["num_local_experts"])
-    w.add_expert_used_count(cfg["num_experts_per_tok"])
-    experts = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
-    for layer in range(cfg["num_hidden_layers"]):
-        prefix = f"model.layers.{layer}.block_sparse_moe"
-        w.add_tensor(f"blk.{layer}.ffn_gate_inp.weight", state.pop(f"{prefix}.gate.weight")
-                     .float().numpy())
-        for hf, name in experts.items():
-            stacked = torch.stack([state.pop(f"{prefix}.experts.{e}.{hf}.weight")
-                                   for e in range(cfg["num_local_experts"])])
-            w.add_tensor(f"blk.{layer}.{name}.weight", stacked.float().numpy())
-    for name, tensor in state.items():
-        data = tensor.float().numpy()
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = cfg["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
-            data = llama_cpp_permute(data, heads)
-        w.add_tensor(gguf_name(name), np.ascontiguousarray(data))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()

@@ -27,6 +27,10 @@ def test_every_architecture_has_a_row() -> None:
     assert [r.architecture for r in rows] == list(SUPPORTED_ARCHITECTURES)
     fused = {r.architecture: r.fused_cpu_decode for r in rows}
     assert fused["LlamaForCausalLM"] and not fused["Gemma2ForCausalLM"]
+    gguf = {r.architecture: (r.gguf_file, "gguf" in r.storages) for r in rows}
+    assert gguf["MistralForCausalLM"] == ("llama", False)
+    assert gguf["Qwen3MoeForCausalLM"] == ("qwen3moe", False)
+    assert gguf["Qwen3ForCausalLM"] == ("qwen3", True)
 
 
 def test_an_unknown_architecture_is_named() -> None:

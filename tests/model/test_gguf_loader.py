@@ -7,6 +7,7 @@ from gguf_writer import tokenizer_fields, write_tiny_gguf
 from tiny_models import make_tiny_hf_model
 
 from aioengine.model.attention import build_attention_metadata
+from aioengine.model.gguf_arch import GGUF_ARCHITECTURES
 from aioengine.model.gguf_loader import FastGGUFReader, hf_name
 from aioengine.model.llama import make_kv_caches
 from aioengine.model.loader import ModelLoadError, load_model
@@ -65,7 +66,7 @@ def test_gguf_errors(tmp_path) -> None:
     with pytest.raises(ModelLoadError, match="not a readable GGUF"):
         load_model(str(bad), torch.float32, CPU)
     with pytest.raises(ValueError, match="unexpected GGUF tensor"):
-        hf_name("blk.0.ssm_conv1d.weight")
+        hf_name("blk.0.ssm_conv1d.weight", GGUF_ARCHITECTURES["llama"])
 
 
 def test_unsupported_gguf_architecture(tmp_path) -> None:
@@ -87,14 +88,14 @@ def test_mixtral_gguf_logits_match_transformers(tmp_path, tok_fields) -> None:
     """A llama-arch GGUF with experts (as llama.cpp writes Mixtral): stacked expert tensors
     split per expert, the router, permuted q/k; logits equal transformers' on the HF
     directory it was written from. quantization 'gguf' (Q4_1 blocks kept) is refused."""
-    from gguf_writer import write_tiny_mixtral_gguf
+    from gguf_family_writer import write_llama_cpp_gguf
     from transformers import AutoModelForCausalLM
 
     from moe_models import make_tiny_moe_dir
 
     model_dir = make_tiny_moe_dir("mixtral", tmp_path / "hf", seed=5, vocab_size=VOCAB)
     path = tmp_path / "mixtral.gguf"
-    write_tiny_mixtral_gguf(model_dir, path, tok_fields)
+    write_llama_cpp_gguf(model_dir, "llama", path, tok_fields)
     loaded = load_model(str(path), torch.float32, CPU)
     assert loaded.arch.architecture == "MixtralForCausalLM" and loaded.arch.moe is not None
     assert (loaded.arch.moe.num_experts, loaded.arch.moe.top_k) == (4, 2)
