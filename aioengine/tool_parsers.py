@@ -22,99 +22,33 @@ from __future__ import annotations
 import json
 import re
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import ClassVar
 
+# The stream and its events, re-exported: the server and the tests import them from here.
+from aioengine.tool_call_stream import (INSIDE_STRING, JSON_WS, UNDECIDED, ContentDelta,
+                                        ExtractedToolCalls, JsonScan, ParsedToolCall,
+                                        ToolCallArgsDelta, ToolCallStart, ToolCallStream,
+                                        ToolEvent, collect_events)
+
+__all__ = ["ContentDelta", "DEFAULT_TOOL_PARSER", "ExtractedToolCalls", "HermesToolParser",
+           "Llama3JsonToolParser", "PROMPT_EXAMPLE", "ParsedToolCall", "TOOL_PARSERS",
+           "ToolCallArgsDelta", "ToolCallStart", "ToolCallStream", "ToolEvent", "ToolParser",
+           "get_tool_parser"]
 
 # The call in the default tool prompt's example: a function no request is likely to offer,
 # so the example does not steer a model towards one of the real tools' arguments.
 PROMPT_EXAMPLE = ("lookup_word", '{"word": "example"}')
 
-
-@dataclass(frozen=True)
-class ParsedToolCall:
-    name: str
-    arguments: str  # JSON text of the arguments object
-
-
-@dataclass(frozen=True)
-class ExtractedToolCalls:
-    content: str | None  # None when there are calls and no other text
-    calls: list[ParsedToolCall]
-
-
-@dataclass(frozen=True)
-class ContentDelta:
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolCallStart:
-    index: int  # 0, 1, ... per call of one output
-    name: str
-
-
-@dataclass(frozen=True)
-class ToolCallArgsDelta:
-    index: int
-    text: str
-
-
-ToolEvent = ContentDelta | ToolCallStart | ToolCallArgsDelta
-
-_OUTSIDE = re.compile(r'[\[\]{}"]')
-_INSIDE = re.compile(r'["\\]')
 _QUOTE_OR_TAG = re.compile(r'["<]')
 _STRING = re.compile(r'"(?:[^"\\\x00-\x1f]|\\.)*"')  # a complete JSON string literal
 _OPEN_STRING = re.compile(r'"(?:[^"\\\x00-\x1f]|\\.)*\\?\Z')  # one that may still close
-_WS = " \t\n\r\f\v"
-_UNDECIDED = ("", 0)
-
-
-@dataclass
-class _JsonScan:
-    """String-aware bracket matching over JSON text that may arrive in pieces."""
-
-    depth: int = 0
-    in_str: bool = False
-    esc: bool = False
-
-    def advance(self, text: str, i: int = 0) -> int:
-        """Scans text[i:]; the index just past the bracket that brings the depth to 0, or -1."""
-        while i < len(text):
-            if self.esc:
-                self.esc, i = False, i + 1
-                continue
-            m = (_INSIDE if self.in_str else _OUTSIDE).search(text, i)
-            if m is None:
-                return -1
-            c, i = m.group(), m.end()
-            if c == "\\":
-                self.esc = True
-            elif c == '"':
-                self.in_str = not self.in_str
-            elif c in "{[":
-                self.depth += 1
-            else:
-                self.depth -= 1
-                if self.depth == 0:
-                    return i
-        return -1
 
 
 def _json_end(buf: str, depth: int, final: bool) -> int | None:
     """Where the JSON value open `depth` levels at buf[0] closes; at the end of the output
     the whole rest if it never does; None: not known yet."""
-    end = _JsonScan(depth).advance(buf)
+    end = JsonScan(depth).advance(buf)
     return end if end >= 0 else (len(buf) if final else None)
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 class ToolParser(ABC):
@@ -126,7 +60,7 @@ class ToolParser(ABC):
     calls_end_output: ClassVar[bool] = False
     _head: ClassVar[str]  # tag_begin up to the name's JSON string
     _end: ClassVar[str]
-    _gap: ClassVar[str] = _WS  # text around calls that is dropped
+    _gap: ClassVar[str] = JSON_WS  # text around calls that is dropped
     _start_tag: ClassVar[str] = ""  # dropped at the start of an output
     _args_required: ClassVar[bool] = False  # a non-canonical block without them is content
 
@@ -144,7 +78,7 @@ class ToolParser(ABC):
 
     def extract(self, text: str) -> ExtractedToolCalls:
         stream = self.stream()
-        return _collect(stream.feed(text) + stream.finish())
+        return collect_events(stream.feed(text) + stream.finish())
 
     @abstractmethod
     def prompt_instructions(self) -> str:
@@ -162,21 +96,21 @@ class ToolParser(ABC):
     def _match_header(self, buf: str) -> tuple[str, int] | None:
         """(name, length) of a canonical header at the start of `buf`: tag_begin(name) for
         any JSON string literal, then optional whitespace and the `{` that opens the
-        arguments (not counted). _UNDECIDED: it may still become one; None: it will not."""
+        arguments (not counted). UNDECIDED: it may still become one; None: it will not."""
         head = self._head
         if not buf.startswith(head):
-            return _UNDECIDED if head.startswith(buf) else None
+            return UNDECIDED if head.startswith(buf) else None
         m = _STRING.match(buf, len(head))
         if m is None:
             undecided = len(buf) == len(head) or _OPEN_STRING.match(buf, len(head))
-            return _UNDECIDED if undecided else None
+            return UNDECIDED if undecided else None
         mid = f', "{self.args_key}": '
         got = buf[m.end():m.end() + len(mid)]
         if got != mid:
-            return _UNDECIDED if mid.startswith(got) else None
-        n = len(buf) - len(buf[m.end() + len(mid):].lstrip(_WS))
+            return UNDECIDED if mid.startswith(got) else None
+        n = len(buf) - len(buf[m.end() + len(mid):].lstrip(JSON_WS))
         if n == len(buf):
-            return _UNDECIDED
+            return UNDECIDED
         if buf[n] != "{":
             return None
         try:
@@ -241,7 +175,7 @@ class HermesToolParser(ToolParser):
         an unbalanced quote no longer hides a tag, and without one the block runs to the end."""
         opener, close = self.trigger, self._close
         i, in_str = start, False
-        while (m := (_INSIDE if in_str else _QUOTE_OR_TAG).search(buf, i)) is not None:
+        while (m := (INSIDE_STRING if in_str else _QUOTE_OR_TAG).search(buf, i)) is not None:
             c, i = m.group(), m.end()
             if c == "\\":
                 i += 1
@@ -269,7 +203,7 @@ class Llama3JsonToolParser(ToolParser):
     calls_end_output = True
     _head = '{"name": '
     _end = "}"
-    _gap = _WS + ";"  # the separator between calls
+    _gap = JSON_WS + ";"  # the separator between calls
     _start_tag = "<|python_tag|>"
     _args_required = True  # so that any JSON object with a "name" is not taken for a call
 
@@ -287,133 +221,6 @@ class Llama3JsonToolParser(ToolParser):
         return _json_end(buf, 1, final)  # the rest of the call's object
 
 
-class ToolCallStream:
-    """One output's streaming state: text deltas in, events out.
-
-    `_buf` holds the text not decided yet; `_step` says what its start is (content, a call
-    header, arguments, a call's trailer, a non-canonical block) and consumes what it can.
-    """
-
-    def __init__(self, parser: ToolParser) -> None:
-        self._p = parser
-        self._buf = ""
-        self._step: Callable[[bool], bool] = self._at_start
-        self._scan = _JsonScan()  # over a canonical call's arguments
-        self._out: list[ToolEvent] = []
-        self._held = ""  # gap text at the end of the current content piece: unsent
-        self._piece_has_text = False  # the current content piece has sent text
-        self._calls = 0
-
-    def feed(self, delta: str) -> list[ToolEvent]:
-        self._buf += delta
-        return self._run(final=False)
-
-    def finish(self) -> list[ToolEvent]:
-        events = self._run(final=True)
-        if self._held and (self._calls == 0 or self._piece_has_text):
-            events.append(ContentDelta(self._held))
-        self._held = ""
-        return events
-
-    def _run(self, final: bool) -> list[ToolEvent]:
-        while self._step(final):  # a step returns True when the next one may go on
-            pass
-        out, self._out = self._out, []
-        return out
-
-    def _at_start(self, final: bool) -> bool:
-        tag = self._p._start_tag
-        if self._buf.startswith(tag):
-            self._buf = self._buf[len(tag):]
-        elif tag.startswith(self._buf) and not final:
-            return False
-        self._step = self._text
-        return True
-
-    def _text(self, final: bool) -> bool:
-        i = self._buf.find(self._p.trigger)
-        if i >= 0:
-            self._content(self._buf[:i])
-            self._buf, self._step = self._buf[i:], self._header
-            return True
-        n = len(self._buf) - (0 if final else _partial_suffix(self._buf, self._p.trigger))
-        self._content(self._buf[:n])
-        self._buf = self._buf[n:]
-        return False
-
-    def _header(self, final: bool) -> bool:
-        found = self._p._match_header(self._buf)
-        if found == _UNDECIDED and not final:
-            return False
-        if found is None or found == _UNDECIDED:
-            self._step = self._block
-            return True
-        self._start(found[0])
-        self._buf, self._scan, self._step = self._buf[found[1]:], _JsonScan(), self._arguments
-        return True
-
-    def _arguments(self, final: bool) -> bool:
-        end = self._scan.advance(self._buf)
-        n = len(self._buf) if end < 0 else end
-        self._args(self._buf[:n])
-        self._buf = self._buf[n:]
-        if end >= 0:
-            self._step = self._trailer
-        return end >= 0
-
-    def _trailer(self, final: bool) -> bool:
-        n = self._p._trailer_end(self._buf, final)
-        if n is None:
-            return False
-        self._buf, self._step = self._buf[n:], self._text
-        return True
-
-    def _block(self, final: bool) -> bool:
-        found = self._p._block(self._buf, final)
-        if found is None:
-            return False
-        n, call = found
-        block, self._buf = self._buf[:n], self._buf[n:]
-        if call is None:
-            self._content(block)
-        else:
-            self._start(call.name)
-            self._args(call.arguments)
-        self._step = self._text
-        return True
-
-    # Events. Gap text is held back: dropped if a call follows, sent if text does.
-    def _content(self, text: str) -> None:
-        body = text.rstrip(self._p._gap)
-        if not body:
-            self._held += text
-            return
-        self._out.append(ContentDelta(self._held + body))
-        self._held, self._piece_has_text = text[len(body):], True
-
-    def _start(self, name: str) -> None:
-        self._held, self._piece_has_text = "", False
-        self._out.append(ToolCallStart(self._calls, name))
-        self._calls += 1
-
-    def _args(self, text: str) -> None:
-        if text:
-            self._out.append(ToolCallArgsDelta(self._calls - 1, text))
-
-
-def _collect(events: list[ToolEvent]) -> ExtractedToolCalls:
-    content: list[str] = []
-    calls: list[tuple[str, list[str]]] = []
-    for e in events:
-        if isinstance(e, ContentDelta):
-            content.append(e.text)
-        elif isinstance(e, ToolCallStart):
-            calls.append((e.name, []))
-        else:
-            calls[e.index][1].append(e.text)
-    parsed = [ParsedToolCall(name, "".join(parts)) for name, parts in calls]
-    text = "".join(content)
-    return ExtractedToolCalls(None if parsed and not text else text, parsed)
 
 
 # The call format used for forced calls and past calls when no parser is configured.

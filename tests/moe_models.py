@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tests.tiny_models import bundled_tokenizer
+from tests.tiny_models import save_model_dir, seeded_hf_model
 
 MOE_ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe")
 
@@ -50,26 +50,11 @@ def make_tiny_moe_config(arch: str, **overrides: Any):
 def make_tiny_moe_hf_model(arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
     """A seeded random-weight transformers MoE model in float32, eval mode, norms
     randomised (a loader that drops them cannot pass)."""
-    from transformers import AutoModelForCausalLM
-
-    config = make_tiny_moe_config(arch, **overrides)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen))
-            elif name.endswith(".bias"):
-                param.copy_(0.2 * torch.randn(param.shape, generator=gen))
-    return model.eval()
+    return seeded_hf_model(make_tiny_moe_config(arch, **overrides), seed)
 
 
 def make_tiny_moe_dir(arch: str, path: Path, *, seed: int = 0, tokenizer: Any = None,
                       **overrides: Any) -> Path:
     """Writes a tiny `arch` MoE model (one of MOE_ARCHS) with the bundled tokenizer."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    make_tiny_moe_hf_model(arch, seed=seed, **overrides).save_pretrained(path)
-    (tokenizer or bundled_tokenizer()).save_pretrained(path)
-    return path
+    return save_model_dir(make_tiny_moe_hf_model(arch, seed=seed, **overrides), path,
+                          tokenizer=tokenizer)

@@ -104,14 +104,18 @@ def make_tiny_config(arch: str, **overrides: Any):
 
 
 def make_tiny_hf_model(arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
-    """A seeded random-weight transformers model in float32, eval mode.
+    """A seeded random-weight transformers model in float32, eval mode (seeded_hf_model)."""
+    return seeded_hf_model(make_tiny_config(arch, **overrides), seed)
+
+
+def seeded_hf_model(config: Any, seed: int) -> torch.nn.Module:
+    """The transformers model of `config` with seeded random weights, in float32, eval mode.
 
     Norm weights and biases are randomised too (transformers starts them at 1 and 0), so a
     loader that drops them cannot pass.
     """
     from transformers import AutoModelForCausalLM
 
-    config = make_tiny_config(arch, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -130,9 +134,16 @@ def make_tiny_model_dir(arch: str, path: Path, *, seed: int = 0, max_shard_size:
 
     `max_shard_size` (e.g. "200KB") splits the weights over several safetensors files.
     """
+    return save_model_dir(make_tiny_hf_model(arch, seed=seed, **overrides), path,
+                          max_shard_size=max_shard_size, tokenizer=tokenizer)
+
+
+def save_model_dir(model: torch.nn.Module, path: Path, *, max_shard_size: str | None = None,
+                   tokenizer: Any = None) -> Path:
+    """Saves `model` as a checkpoint directory at `path`, with `tokenizer` (default: the
+    bundled one)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model = make_tiny_hf_model(arch, seed=seed, **overrides)
     kwargs: dict[str, Any] = {}
     if max_shard_size is not None:
         kwargs["max_shard_size"] = max_shard_size

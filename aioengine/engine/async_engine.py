@@ -9,7 +9,8 @@ N, N+1, N+2, ... back to back while the loop updates, streams and schedules behi
 
 Callers `async for out in engine.generate(...)`; each request has a RequestOutputCollector
 the output processor fills (updates the consumer has not read yet are merged into one).
-Cancelling the consuming task aborts the request.
+Cancelling the consuming task aborts the request. Pooling requests (`encode`, embeddings
+and scores) are AsyncPoolingMixin's (async_pooling.py).
 """
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Callable, Sequence, Union
+from typing import AsyncIterator, Callable, Sequence
 
 from aioengine import envs
 from aioengine.config import EngineArgs
 from aioengine.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
-from aioengine.engine.client import EngineClient, PreparedRequest
+from aioengine.engine.async_pooling import AsyncPoolingMixin
+from aioengine.engine.client import EngineClient, PreparedRequest, PromptType, render_prompt
 from aioengine.engine.core import EngineCore
 from aioengine.engine.faults import FaultInjector
 from aioengine.engine.output_processor import OutputProcessor
@@ -34,36 +36,19 @@ from aioengine.engine.timeline import StepRecord, StepTimeline, step_kind
 from aioengine.errors import EngineDeadError, InvalidRequestError
 from aioengine.lora.request import LoRARequest
 from aioengine.metrics import EngineMetrics, MetricFactory, SpecDecodingLogging
-from aioengine.outputs import PoolingRequestOutput, RequestOutput, RequestOutputCollector
+from aioengine.outputs import RequestOutput, RequestOutputCollector
 from aioengine.pooling_params import PoolingParams
 from aioengine.request import Request, RequestStatus
 from aioengine.sampling_params import SamplingParams
-from aioengine.tokenizer_utils import apply_chat_template, encode_prompt
 
 logger = logging.getLogger("aioengine")
-
-# A prompt: text, token ids, or chat messages ({"role", "content"} dicts).
-PromptType = Union[str, list[int], list[dict]]
-
-
-def render_prompt(tokenizer, prompt: PromptType) -> tuple[str | None, list[int]]:
-    """Prompt -> (text if any, token ids)."""
-    if isinstance(prompt, str):
-        return prompt, encode_prompt(tokenizer, prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-        return None, apply_chat_template(tokenizer, prompt)
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                        for t in prompt):
-        return None, list(prompt)
-    raise InvalidRequestError(
-        "prompt must be a string, a list of token ids, or a list of chat messages", "prompt")
 
 
 def _forward_executor() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="aioengine-forward")
 
 
-class AsyncEngine(EngineClient):
+class AsyncEngine(AsyncPoolingMixin, EngineClient):
     def __init__(self, core: EngineCore, served_model_name: str | None = None,
                  executor: ThreadPoolExecutor | None = None,
                  metrics_factory: MetricFactory | None = None) -> None:
@@ -163,8 +148,7 @@ class AsyncEngine(EngineClient):
         prompt, params, schema, regex or grammar), LoRANotFoundError, LoRAError; nothing is
         queued. `fit_kv_cache`: an unset max_tokens is capped to what fits the KV cache."""
         params = sampling_params if sampling_params is not None else SamplingParams()
-        if lora_request is not None and self.get_lora(lora_request.lora_name) is None:
-            await self._off_loop(self.core.load_lora_if_missing, lora_request)
+        await self._load_lora_if_missing(lora_request)
         prepared = [self.core.prepare(token_ids, params, lora_request, text, fit_kv_cache)
                     for text, token_ids in (render_prompt(self.tokenizer, p) for p in prompts)]
         if admit is not None:
@@ -172,6 +156,19 @@ class AsyncEngine(EngineClient):
         if params.structured_outputs is not None:
             await self.core.structured.compile_async(params.structured_outputs)
         return prepared
+
+    def _given_prepared(self, prompt: PromptType | PreparedRequest,
+                        params: SamplingParams | PoolingParams | None,
+                        lora_request: LoRARequest | None) -> PreparedRequest | None:
+        """`prompt` when it is a PreparedRequest (which carries its own params and adapter:
+        none may be given); None for a prompt still to prepare, if the engine runs."""
+        if isinstance(prompt, PreparedRequest):
+            if params is not None or lora_request is not None:
+                raise ValueError("a prepared request carries its own params and adapter")
+            return prompt
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running") from self._dead
+        return None
 
     def _add_request(self, prepared: PreparedRequest, request_id: str | None = None,
                      priority: int = 0) -> tuple[str, RequestOutputCollector]:
@@ -205,13 +202,8 @@ class AsyncEngine(EngineClient):
         and adapter). `lora_request` runs it with an adapter: one loaded under that name,
         or else loaded from its lora_path first (off the loop). Raises LoRANotFoundError
         (an unknown name, a missing path) or LoRAError (bad adapter files)."""
-        if isinstance(prompt, PreparedRequest):
-            if sampling_params is not None or lora_request is not None:
-                raise ValueError("a prepared request carries its own params and adapter")
-            prepared = prompt
-        else:
-            if not self.is_running:
-                raise EngineDeadError("the engine is not running") from self._dead
+        prepared = self._given_prepared(prompt, sampling_params, lora_request)
+        if prepared is None:
             prepared = await self.prepare(prompt, sampling_params, lora_request)
         request_id, queue = self._add_request(prepared, request_id, priority)
         finished = False
@@ -225,66 +217,6 @@ class AsyncEngine(EngineClient):
                 self._abort(request_id)
             self._forget(request_id)
 
-    # ---- pooling (embeddings) ------------------------------------------------------------
-
-    async def prepare_pooling(self, prompts: Sequence[PromptType],
-                              pooling_params: PoolingParams | None = None,
-                              lora_request: LoRARequest | None = None,
-                              admit: Callable[[], None] | None = None,
-                              ) -> list[PreparedRequest]:
-        """Admits pooling requests (EngineCore.prepare_pooling), queueing nothing; then
-        `admit()` (a server's admission control). Raises InvalidRequestError,
-        LoRANotFoundError, LoRAError."""
-        params = pooling_params if pooling_params is not None else PoolingParams()
-        if lora_request is not None and self.get_lora(lora_request.lora_name) is None:
-            await self._off_loop(self.core.load_lora_if_missing, lora_request)
-        prepared = [self.core.prepare_pooling(token_ids, params, lora_request, text)
-                    for text, token_ids in (render_prompt(self.tokenizer, p) for p in prompts)]
-        if admit is not None:
-            admit()
-        return prepared
-
-    async def encode(self, prompt: PromptType | PreparedRequest,
-                     pooling_params: PoolingParams | None = None,
-                     request_id: str | None = None, lora_request: LoRARequest | None = None,
-                     priority: int = 0) -> AsyncIterator[PoolingRequestOutput]:
-        """vLLM's encode: a prefill-only request, batched with everything else, that yields
-        one PoolingRequestOutput (the pooled final hidden states; `outputs` None and
-        `error` set if it failed). Its KV blocks are freed when it ends. Cancelling the
-        consumer aborts it. `prompt`: a prompt (prepared here: InvalidRequestError before
-        anything is queued) or a PreparedRequest from `prepare_pooling`."""
-        if isinstance(prompt, PreparedRequest):
-            if pooling_params is not None or lora_request is not None:
-                raise ValueError("a prepared request carries its own params and adapter")
-            prepared = prompt
-        else:
-            if not self.is_running:
-                raise EngineDeadError("the engine is not running") from self._dead
-            prepared = (await self.prepare_pooling([prompt], pooling_params, lora_request))[0]
-        if prepared.pooling_params is None:
-            raise ValueError("encode() takes a request prepared by prepare_pooling()")
-        if not self.is_running:
-            raise EngineDeadError("the engine is not running") from self._dead
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._queues or request_id in self._samples:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        done: asyncio.Future[PoolingRequestOutput] = asyncio.get_running_loop().create_future()
-        self._samples[request_id] = self.core.add_request(request_id, prepared,
-                                                          priority=priority)
-        self.processor.add_pooling_request(
-            request_id, prepared.prompt_token_ids,
-            lambda out: None if done.done() else done.set_result(out))
-        self._wakeup.set()
-        finished = False
-        try:
-            out = await done
-            finished = True
-            yield out
-        finally:
-            if not finished:
-                self._abort(request_id)
-            self._forget(request_id)
-
     # ---- LoRA adapters (vLLM's add_lora / remove_lora; list_loras: EngineClient) ---------
 
     async def _off_loop(self, fn, *args):
@@ -292,6 +224,11 @@ class AsyncEngine(EngineClient):
         second OpenMP thread team, and with more teams than cores every later step pays
         futex wake-ups (see `create`)."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _load_lora_if_missing(self, lora_request: LoRARequest | None) -> None:
+        """Loads a request's adapter (off the loop) unless one is loaded under its name."""
+        if lora_request is not None and self.get_lora(lora_request.lora_name) is None:
+            await self._off_loop(self.core.load_lora_if_missing, lora_request)
 
     async def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
         """Loads an adapter (its files read off the loop) and registers it under its name;

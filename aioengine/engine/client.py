@@ -7,11 +7,13 @@ Nothing outside aioengine/engine/ reaches into EngineCore (tests/unit/test_bound
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Union
 
+from aioengine.errors import InvalidRequestError
 from aioengine.lora.request import LoRARequest
 from aioengine.pooling_params import PoolingParams
 from aioengine.sampling_params import SamplingParams
+from aioengine.tokenizer_utils import apply_chat_template, encode_prompt
 
 if TYPE_CHECKING:
     import torch
@@ -20,6 +22,22 @@ if TYPE_CHECKING:
     from aioengine.model.arch import ModelArchConfig
     from aioengine.spec_decode import SpeculativeConfig
     from aioengine.structured import StructuredOutputManager
+
+# A prompt: text, token ids, or chat messages ({"role", "content"} dicts).
+PromptType = Union[str, list[int], list[dict]]
+
+
+def render_prompt(tokenizer, prompt: PromptType) -> tuple[str | None, list[int]]:
+    """Prompt -> (text if any, token ids)."""
+    if isinstance(prompt, str):
+        return prompt, encode_prompt(tokenizer, prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        return None, apply_chat_template(tokenizer, prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                        for t in prompt):
+        return None, list(prompt)
+    raise InvalidRequestError(
+        "prompt must be a string, a list of token ids, or a list of chat messages", "prompt")
 
 
 @dataclass

@@ -8,8 +8,7 @@ from tqdm.auto import tqdm
 
 from aioengine.chat_prompt import normalize_tool, render_chat_prompt
 from aioengine.config import EngineArgs
-from aioengine.engine.async_engine import PromptType, render_prompt
-from aioengine.engine.client import EngineClient, PreparedRequest
+from aioengine.engine.client import EngineClient, PreparedRequest, PromptType, render_prompt
 from aioengine.engine.core import EngineCore
 from aioengine.engine.output_processor import OutputProcessor
 from aioengine.lora.request import LoRARequest

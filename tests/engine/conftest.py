@@ -28,11 +28,16 @@ def tiny_prompts() -> list[list[int]]:
     return prompts
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, one at a time (no padding)."""
+def load_hf_model(model_dir: Path) -> torch.nn.Module:
+    """transformers' float32 model of a checkpoint directory, in eval mode."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, one at a time (no padding)."""
+    model = load_hf_model(model_dir)
     outs = []
     with torch.no_grad():
         for prompt in prompts:
@@ -41,6 +46,21 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
                                  max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                                  pad_token_id=0)
             outs.append(gen[0, len(prompt):].tolist())
+    return outs
+
+
+def hf_greedy_full_forward(model: torch.nn.Module, prompts: list[list[int]],
+                           max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, every token from a forward of the
+    whole sequence so far (no KV cache)."""
+    outs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(max_new_tokens):
+                logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1]
+                ids.append(int(logits.argmax()))
+            outs.append(ids[len(prompt):])
     return outs
 
 

@@ -9,12 +9,12 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from aioengine import LLM, SamplingParams
 from aioengine.core.kv_cache_groups import GroupedKVCacheManager
 
-from tests.engine.conftest import assert_blocks_released
+from tests.engine.conftest import (assert_blocks_released, hf_greedy_full_forward,
+                                   load_hf_model)
 from tests.tiny_models import make_tiny_model_dir
 
 WINDOW = 8
@@ -39,17 +39,7 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(qwen2_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(qwen2_dir, dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = list(prompt)
-            for _ in range(NEW_TOKENS):
-                ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
-            outs.append(ids[len(prompt):])
-    return outs
+    return hf_greedy_full_forward(load_hf_model(qwen2_dir), prompts, NEW_TOKENS)
 
 
 CONFIGS = {

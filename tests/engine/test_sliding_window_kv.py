@@ -8,11 +8,11 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from aioengine import LLM, SamplingParams
 
-from tests.engine.conftest import assert_blocks_released
+from tests.engine.conftest import (assert_blocks_released, hf_greedy_full_forward,
+                                   load_hf_model)
 from tests.tiny_models import make_tiny_model_dir
 
 WINDOW = 8
@@ -38,18 +38,7 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(mistral_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     """transformers' greedy tokens, each from a full forward of the whole sequence."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(mistral_dir, dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = list(prompt)
-            for _ in range(NEW_TOKENS):
-                logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1]
-                ids.append(int(logits.argmax()))
-            outs.append(ids[len(prompt):])
-    return outs
+    return hf_greedy_full_forward(load_hf_model(mistral_dir), prompts, NEW_TOKENS)
 
 
 CONFIGS = {

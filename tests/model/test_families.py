@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from hf_compare import ATOL, RTOL, assert_matches_hf, hf_sampled_logits
 from paged_driver import PagedDriver, Seq
 from tiny_models import FAMILY_ARCHS, make_tiny_model_dir
 
@@ -16,10 +17,9 @@ from aioengine import LLM, SamplingParams
 from aioengine.model.executors import FusedCpuDecodeExecutor
 from aioengine.model.loader import load_model
 
-from tests.engine.conftest import assert_blocks_released
+from tests.engine.conftest import assert_blocks_released, hf_greedy_full_forward
 
 CPU = torch.device("cpu")
-ATOL, RTOL = 1e-4, 1e-5
 # The layer options each family uses (none: the fused executor runs its decode steps).
 FEATURES = {
     "gemma2": {"hidden_act", "attn_scale", "attn_logit_softcapping", "norm_style",
@@ -64,8 +64,8 @@ def test_decode_runs_fused_only_without_unlisted_features(family, set_cpu_kernel
         executors.append(ours.last_executor)
     expected = "layerwise" if ours.fused_decode.declined else "fused_cpu_decode"
     assert executors[0] == "layerwise" and set(executors[1:]) == {expected}
-    ref = hf(torch.tensor([seq.token_ids[:-1]]), use_cache=False).logits[0, 8:].float()
-    torch.testing.assert_close(torch.stack(seq.sampled_logits), ref, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(torch.stack(seq.sampled_logits), hf_sampled_logits(hf, seq),
+                               atol=ATOL, rtol=RTOL)
 
 
 @pytest.fixture(scope="module", params=["gemma2", "gemma3"])
@@ -90,10 +90,7 @@ def test_gemma_local_and_global_layers_past_several_windows(gemma) -> None:
     seqs = [Seq(_tokens(n, rng), n, 20) for n in (40, 75)]
     PagedDriver(ours, num_blocks=96, block_size=4, seed=6).run(seqs, chunk_sizes=[5, 16])
     for seq in seqs:
-        ref = hf(torch.tensor([seq.token_ids[:-1]]), use_cache=False).logits[0].float()
-        ref = ref[seq.num_prompt - 1:]
-        torch.testing.assert_close(torch.stack(seq.sampled_logits), ref, atol=ATOL, rtol=RTOL)
-        assert seq.output_ids == ref.argmax(-1).tolist()
+        assert_matches_hf(hf, seq)
 
 
 NEW_TOKENS = 10
@@ -117,14 +114,7 @@ def engine_case(family):
     rng = random.Random(2)
     shared = _tokens(24, rng)
     prompts = [_tokens(n, rng) for n in (5, 35)] + [shared + _tokens(k, rng) for k in (3, 9, 1)]
-    reference = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = list(prompt)
-            for _ in range(NEW_TOKENS):
-                ids.append(int(hf(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
-            reference.append(ids[len(prompt):])
-    return name, path, prompts, reference
+    return name, path, prompts, hf_greedy_full_forward(hf, prompts, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("config", list(ENGINE_CONFIGS))

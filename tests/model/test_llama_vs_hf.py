@@ -2,10 +2,10 @@
 (TINY_ARCHS: the Llama family; FAMILY_ARCHS: Gemma 2/3, Phi-3, OLMo 2, Granite, SmolLM3, YaRN)."""
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
+from hf_compare import (ATOL, RTOL, assert_greedy_equals_hf_generate, assert_matches_hf,
+                        hf_logits, load_hf, random_tokens, reduced_precision_errors)
 from paged_driver import PagedDriver, Seq
 from tiny_models import FAMILY_ARCHS, TINY_ARCHS
 
@@ -14,49 +14,24 @@ from aioengine.model.llama import make_kv_caches
 from aioengine.model.loader import load_model
 
 CPU = torch.device("cpu")
-# fp32 on both sides; the paged path only reorders float sums (|logits| ~ 10).
-ATOL, RTOL = 1e-4, 1e-5
 
 
 @pytest.fixture(scope="module", params=TINY_ARCHS + FAMILY_ARCHS)
 def models(request, tiny_model_dirs):
     """(ours, transformers') for one arch, both loaded from the same directory."""
-    from transformers import AutoModelForCausalLM
-
     path = tiny_model_dirs[request.param]
-    ours = load_model(str(path), torch.float32, CPU)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return ours.model, hf
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 49152) for _ in range(n)]
-
-
-@torch.inference_mode()
-def _hf_logits(hf, token_ids: list[int]) -> torch.Tensor:
-    return hf(torch.tensor([token_ids]), use_cache=False).logits[0].float()
+    return load_model(str(path), torch.float32, CPU).model, load_hf(path)
 
 
 @torch.inference_mode()
 def test_whole_prompt_prefill_matches_hf(models) -> None:
     ours, hf = models
-    prompt = _tokens(37, seed=1)
+    prompt = random_tokens(37, seed=1)
     caches = make_kv_caches(ours.arch, num_blocks=16, block_size=4, dtype=torch.float32, device=CPU)
     meta, positions = build_attention_metadata([37], [37], [[9, 3, 14, 0, 7, 11, 2, 5, 12, 1]],
                                                block_size=4, device=CPU)
     logits = ours.compute_logits(ours(torch.tensor(prompt), positions, caches, meta))
-    torch.testing.assert_close(logits, _hf_logits(hf, prompt), atol=ATOL, rtol=RTOL)
-
-
-def _check_against_hf(hf, seq: Seq) -> None:
-    """Logits at every sampled position equal transformers' on the final token sequence, and
-    each sampled token is transformers' argmax there, i.e. transformers' greedy output."""
-    full = seq.token_ids
-    ref = _hf_logits(hf, full[:-1])[seq.num_prompt - 1:]
-    torch.testing.assert_close(torch.stack(seq.sampled_logits), ref, atol=ATOL, rtol=RTOL)
-    assert seq.output_ids == ref.argmax(-1).tolist()
+    torch.testing.assert_close(logits, hf_logits(hf, prompt), atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("cpu_kernels", ["on", "off"])
@@ -66,37 +41,31 @@ def test_chunked_and_batched_matches_hf(models, cpu_kernels: str, set_cpu_kernel
     (RoPE, decode attention) and with the torch paths they replace."""
     set_cpu_kernels("1" if cpu_kernels == "on" else "0")
     ours, hf = models
-    seqs = [Seq(_tokens(n, seed=10 + n), num_prompt=n, max_new_tokens=16) for n in (23, 9, 31, 2)]
+    seqs = [Seq(random_tokens(n, seed=10 + n), num_prompt=n, max_new_tokens=16)
+            for n in (23, 9, 31, 2)]
     PagedDriver(ours, num_blocks=64, block_size=4, seed=3).run(seqs, chunk_sizes=[7, 3, 16, 1, 5])
     for seq in seqs:
-        _check_against_hf(hf, seq)
+        assert_matches_hf(hf, seq)
 
 
 def test_greedy_tokens_equal_hf_generate(models) -> None:
-    ours, hf = models
-    prompt = _tokens(13, seed=5)
-    seq = Seq(list(prompt), num_prompt=13, max_new_tokens=16)
-    PagedDriver(ours, num_blocks=32, block_size=8, seed=4).run([seq], chunk_sizes=[5])
-    with torch.inference_mode():
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
-                          max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert seq.output_ids == out[0, 13:].tolist()
+    assert_greedy_equals_hf_generate(*models)
 
 
 def test_reads_blocks_written_in_the_same_step(models) -> None:
     """B shares A's first two blocks and runs in the step that writes them: each layer must
     write every request's K/V before any request attends."""
     ours, hf = models
-    prefix = _tokens(8, seed=7)
-    a = Seq(prefix + _tokens(4, seed=8), num_prompt=12, max_new_tokens=1)
-    b = Seq(prefix + _tokens(5, seed=9), num_prompt=13, max_new_tokens=1)
+    prefix = random_tokens(8, seed=7)
+    a = Seq(prefix + random_tokens(4, seed=8), num_prompt=12, max_new_tokens=1)
+    b = Seq(prefix + random_tokens(5, seed=9), num_prompt=13, max_new_tokens=1)
     driver = PagedDriver(ours, num_blocks=16, block_size=4, seed=5)
     driver._ensure_blocks(a, 12)
     b.block_ids = a.block_ids[:2]
     b.num_computed = 8  # as after a prefix-cache hit on A's (not yet computed) blocks
     driver.step([(a, 12), (b, 5)])
-    _check_against_hf(hf, a)
-    _check_against_hf(hf, b)
+    assert_matches_hf(hf, a)
+    assert_matches_hf(hf, b)
 
 
 # ---- bf16 and int8 weights -----------------------------------------------------------
@@ -118,30 +87,17 @@ def test_reads_blocks_written_in_the_same_step(models) -> None:
 @pytest.fixture(scope="module", params=TINY_ARCHS + FAMILY_ARCHS)
 def reduced_models(request, tiny_model_dirs):
     """({storage: ours}, transformers fp32, transformers bf16) for one arch."""
-    from transformers import AutoModelForCausalLM
-
     path = tiny_model_dirs[request.param]
     ours = {"bfloat16": load_model(str(path), torch.bfloat16, CPU).model,
             "int8": load_model(str(path), torch.float32, CPU, quantization="int8").model,
             "w8a8": load_model(str(path), torch.float32, CPU, quantization="w8a8").model}
-    hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    return ours, hf32, hf16
+    return ours, load_hf(path), load_hf(path, torch.bfloat16)
 
 
 @pytest.mark.parametrize("which,bound", [("bfloat16", 1.0), ("int8", 3.0), ("w8a8", 4.0)])
 def test_reduced_precision_against_transformers(reduced_models, which: str, bound: float) -> None:
     models, hf32, hf16 = reduced_models
-    ours = models[which]
-    seqs = [Seq(_tokens(n, seed=20 + n), num_prompt=n, max_new_tokens=12) for n in (23, 9, 31)]
-    PagedDriver(ours, num_blocks=64, block_size=4, seed=3).run(seqs, chunk_sizes=[7, 16, 3])
-    errors, hf_errors = [], []
-    for seq in seqs:
-        full = seq.token_ids
-        ref = _hf_logits(hf32, full[:-1])[seq.num_prompt - 1:]
-        errors.append(torch.stack(seq.sampled_logits) - ref)
-        hf_errors.append(_hf_logits(hf16, full[:-1])[seq.num_prompt - 1:] - ref)
-        assert seq.output_ids == torch.stack(seq.sampled_logits).argmax(-1).tolist()
-    rms = torch.cat(errors).pow(2).mean().sqrt().item()
-    hf_rms = torch.cat(hf_errors).pow(2).mean().sqrt().item()
+    errors, hf_errors = reduced_precision_errors(models[which], hf32, hf16)
+    rms = errors.pow(2).mean().sqrt().item()
+    hf_rms = hf_errors.pow(2).mean().sqrt().item()
     assert 0 < rms <= bound * hf_rms, f"{which}: RMS logit error {rms:.4f}, transformers bf16 {hf_rms:.4f}"

@@ -5,11 +5,12 @@ tokens through paged, chunked, batched steps; bf16 and int8 by the repo's rule
 declines the `moe` feature)."""
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 import torch
+from hf_compare import (assert_greedy_equals_hf_generate, assert_matches_hf, load_hf,
+                        random_tokens, reduced_precision_errors)
 from paged_driver import PagedDriver, Seq
 
 from aioengine.model.arch import ModelArchConfig
@@ -17,7 +18,6 @@ from aioengine.model.loader import load_model
 from tests.moe_models import MOE_ARCHS, make_tiny_moe_config, make_tiny_moe_dir
 
 CPU = torch.device("cpu")
-ATOL, RTOL = 1e-4, 1e-5  # as for the dense archs: fp32 on both sides
 
 
 @pytest.fixture(scope="module")
@@ -29,22 +29,8 @@ def moe_dirs(tmp_path_factory: pytest.TempPathFactory, bundled_tokenizer) -> dic
 
 @pytest.fixture(scope="module", params=MOE_ARCHS)
 def models(request, moe_dirs):
-    from transformers import AutoModelForCausalLM
-
     path = moe_dirs[request.param]
-    ours = load_model(str(path), torch.float32, CPU).model
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return ours, hf
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 49152) for _ in range(n)]
-
-
-@torch.inference_mode()
-def _hf_logits(hf, token_ids: list[int]) -> torch.Tensor:
-    return hf(torch.tensor([token_ids]), use_cache=False).logits[0].float()
+    return load_model(str(path), torch.float32, CPU).model, load_hf(path)
 
 
 def test_arch_config_reads_each_family() -> None:
@@ -67,25 +53,16 @@ def test_chunked_and_batched_matches_hf(models, fused_calls) -> None:
     layerwise: the fused executor declines the `moe` feature."""
     ours, hf = models
     assert "moe" in ours.fused_decode.declined
-    seqs = [Seq(_tokens(n, seed=10 + n), num_prompt=n, max_new_tokens=12) for n in (23, 9, 2)]
+    seqs = [Seq(random_tokens(n, seed=10 + n), num_prompt=n, max_new_tokens=12)
+            for n in (23, 9, 2)]
     PagedDriver(ours, num_blocks=64, block_size=4, seed=3).run(seqs, chunk_sizes=[7, 3, 16])
     for seq in seqs:
-        full = seq.token_ids
-        ref = _hf_logits(hf, full[:-1])[seq.num_prompt - 1:]
-        torch.testing.assert_close(torch.stack(seq.sampled_logits), ref, atol=ATOL, rtol=RTOL)
-        assert seq.output_ids == ref.argmax(-1).tolist()
+        assert_matches_hf(hf, seq)
     assert fused_calls == [] and ours.last_executor == "layerwise"
 
 
 def test_greedy_tokens_equal_hf_generate(models) -> None:
-    ours, hf = models
-    prompt = _tokens(13, seed=5)
-    seq = Seq(list(prompt), num_prompt=13, max_new_tokens=16)
-    PagedDriver(ours, num_blocks=32, block_size=8, seed=4).run([seq], chunk_sizes=[5])
-    with torch.inference_mode():
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
-                          max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert seq.output_ids == out[0, 13:].tolist()
+    assert_greedy_equals_hf_generate(*models)
 
 
 # bf16 and int8 expert weights, by test_llama_vs_hf.py's rule (our bf16 at most as far from
@@ -100,14 +77,10 @@ def test_greedy_tokens_equal_hf_generate(models) -> None:
 # transformers bf16, int8 1.38-1.83x (the dense archs' 0.68-0.91x and 1.7-1.9x).
 @pytest.fixture(scope="module", params=MOE_ARCHS)
 def reduced_models(request, moe_dirs):
-    from transformers import AutoModelForCausalLM
-
     path = moe_dirs[request.param]
     ours = {"bfloat16": load_model(str(path), torch.bfloat16, CPU).model,
             "int8": load_model(str(path), torch.float32, CPU, quantization="int8").model}
-    hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    return ours, hf32, hf16
+    return ours, load_hf(path), load_hf(path, torch.bfloat16)
 
 
 @pytest.mark.parametrize("which,bound", [("bfloat16", 1.0), ("int8", 3.0)])
@@ -117,17 +90,9 @@ def test_reduced_precision_against_transformers(reduced_models, which: str,
     ours = models[which]
     experts = ours.layers[0].mlp.experts
     assert experts[0].gate_up_proj.storage == which and ours.layers[0].mlp.gate.storage == "float32"
-    seqs = [Seq(_tokens(n, seed=20 + n), num_prompt=n, max_new_tokens=12) for n in (23, 9, 31)]
-    PagedDriver(ours, num_blocks=64, block_size=4, seed=3).run(seqs, chunk_sizes=[7, 16, 3])
-    errors, hf_errors = [], []
-    for seq in seqs:
-        full = seq.token_ids
-        ref = _hf_logits(hf32, full[:-1])[seq.num_prompt - 1:]
-        errors.append(torch.stack(seq.sampled_logits) - ref)
-        hf_errors.append(_hf_logits(hf16, full[:-1])[seq.num_prompt - 1:] - ref)
-        assert seq.output_ids == torch.stack(seq.sampled_logits).argmax(-1).tolist()
-    median = torch.cat(errors).pow(2).mean(1).sqrt().median().item()
-    hf_median = torch.cat(hf_errors).pow(2).mean(1).sqrt().median().item()
+    errors, hf_errors = reduced_precision_errors(ours, hf32, hf16)
+    median = errors.pow(2).mean(1).sqrt().median().item()
+    hf_median = hf_errors.pow(2).mean(1).sqrt().median().item()
     assert 0 < median <= bound * hf_median, (
         f"{which}: median RMS logit error {median:.4f}, transformers bf16 {hf_median:.4f}")
 

@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from hf_compare import assert_matches_hf
 from paged_driver import PagedDriver, Seq
 from tiny_models import make_tiny_config, make_tiny_model_dir
 
@@ -115,10 +116,7 @@ def test_longrope_long_factors_match_transformers_past_the_original_context(phi3
     seqs = [Seq([rng.randrange(3, 49152) for _ in range(n)], n, 12) for n in (70, 90)]
     PagedDriver(ours, num_blocks=64, block_size=4, seed=2).run(seqs, chunk_sizes=[16, 7, 32])
     for seq in seqs:
-        ref = hf(torch.tensor([seq.token_ids[:-1]]), use_cache=False).logits[0].float()
-        ref = ref[seq.num_prompt - 1:]
-        torch.testing.assert_close(torch.stack(seq.sampled_logits), ref, atol=1e-4, rtol=1e-5)
-        assert seq.output_ids == ref.argmax(-1).tolist()
+        assert_matches_hf(hf, seq)
 
 
 def test_transformers_4_phi3_config_reads_original_context_beside_rope_scaling() -> None:

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from hf_compare import assert_matches_hf
 from paged_driver import PagedDriver, Seq
 from tiny_models import make_tiny_model_dir
 
@@ -19,7 +20,6 @@ from aioengine.model.triton_attention import TorchAttentionBackend
 
 CPU = torch.device("cpu")
 WINDOW = 8
-ATOL, RTOL = 1e-4, 1e-5
 CASES = {"mistral": dict(sliding_window=WINDOW),
          "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)}
 
@@ -65,10 +65,7 @@ def test_greedy_decode_matches_transformers_past_the_window(models) -> None:
             executors.append((max(s.num_computed for s, _ in work), ours.last_executor))
         step += 1
     for seq in seqs:
-        full = torch.tensor([seq.token_ids[:-1]])
-        ref = hf(full, use_cache=False).logits[0, seq.num_prompt - 1:].float()
-        torch.testing.assert_close(torch.stack(seq.sampled_logits), ref, atol=ATOL, rtol=RTOL)
-        assert seq.output_ids == ref.argmax(-1).tolist()
+        assert_matches_hf(hf, seq)
     windowed = any(spec.sliding_window for spec in ours.layer_specs)
     assert windowed and executors
     for longest, name in executors:

@@ -1,0 +1,220 @@
+"""The streaming half of the tool-call parsers (tool_parsers.py: the call formats and the
+rules): text deltas in, ContentDelta / ToolCallStart / ToolCallArgsDelta events out, and the
+JSON scanning both halves share. A stream reads its parser's format (`trigger`, `_start_tag`,
+`_gap`) and asks it where a canonical header ends (`_match_header`), where any other block
+ends and what call it holds (`_block`), and where a canonical call's trailer ends
+(`_trailer_end`)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from aioengine.tool_parsers import ToolParser
+
+
+@dataclass(frozen=True)
+class ParsedToolCall:
+    name: str
+    arguments: str  # JSON text of the arguments object
+
+
+@dataclass(frozen=True)
+class ExtractedToolCalls:
+    content: str | None  # None when there are calls and no other text
+    calls: list[ParsedToolCall]
+
+
+@dataclass(frozen=True)
+class ContentDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallStart:
+    index: int  # 0, 1, ... per call of one output
+    name: str
+
+
+@dataclass(frozen=True)
+class ToolCallArgsDelta:
+    index: int
+    text: str
+
+
+ToolEvent = ContentDelta | ToolCallStart | ToolCallArgsDelta
+
+_OUTSIDE = re.compile(r'[\[\]{}"]')
+INSIDE_STRING = re.compile(r'["\\]')  # what ends or escapes something inside a JSON string
+JSON_WS = " \t\n\r\f\v"
+UNDECIDED = ("", 0)  # _match_header: the text may still become a canonical header
+
+
+@dataclass
+class JsonScan:
+    """String-aware bracket matching over JSON text that may arrive in pieces."""
+
+    depth: int = 0
+    in_str: bool = False
+    esc: bool = False
+
+    def advance(self, text: str, i: int = 0) -> int:
+        """Scans text[i:]; the index just past the bracket that brings the depth to 0, or -1."""
+        while i < len(text):
+            if self.esc:
+                self.esc, i = False, i + 1
+                continue
+            m = (INSIDE_STRING if self.in_str else _OUTSIDE).search(text, i)
+            if m is None:
+                return -1
+            c, i = m.group(), m.end()
+            if c == "\\":
+                self.esc = True
+            elif c == '"':
+                self.in_str = not self.in_str
+            elif c in "{[":
+                self.depth += 1
+            else:
+                self.depth -= 1
+                if self.depth == 0:
+                    return i
+        return -1
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class ToolCallStream:
+    """One output's streaming state: text deltas in, events out.
+
+    `_buf` holds the text not decided yet; `_step` says what its start is (content, a call
+    header, arguments, a call's trailer, a non-canonical block) and consumes what it can.
+    """
+
+    def __init__(self, parser: ToolParser) -> None:
+        self._p = parser
+        self._buf = ""
+        self._step: Callable[[bool], bool] = self._at_start
+        self._scan = JsonScan()  # over a canonical call's arguments
+        self._out: list[ToolEvent] = []
+        self._held = ""  # gap text at the end of the current content piece: unsent
+        self._piece_has_text = False  # the current content piece has sent text
+        self._calls = 0
+
+    def feed(self, delta: str) -> list[ToolEvent]:
+        self._buf += delta
+        return self._run(final=False)
+
+    def finish(self) -> list[ToolEvent]:
+        events = self._run(final=True)
+        if self._held and (self._calls == 0 or self._piece_has_text):
+            events.append(ContentDelta(self._held))
+        self._held = ""
+        return events
+
+    def _run(self, final: bool) -> list[ToolEvent]:
+        while self._step(final):  # a step returns True when the next one may go on
+            pass
+        out, self._out = self._out, []
+        return out
+
+    def _at_start(self, final: bool) -> bool:
+        tag = self._p._start_tag
+        if self._buf.startswith(tag):
+            self._buf = self._buf[len(tag):]
+        elif tag.startswith(self._buf) and not final:
+            return False
+        self._step = self._text
+        return True
+
+    def _text(self, final: bool) -> bool:
+        i = self._buf.find(self._p.trigger)
+        if i >= 0:
+            self._content(self._buf[:i])
+            self._buf, self._step = self._buf[i:], self._header
+            return True
+        n = len(self._buf) - (0 if final else _partial_suffix(self._buf, self._p.trigger))
+        self._content(self._buf[:n])
+        self._buf = self._buf[n:]
+        return False
+
+    def _header(self, final: bool) -> bool:
+        found = self._p._match_header(self._buf)
+        if found == UNDECIDED and not final:
+            return False
+        if found is None or found == UNDECIDED:
+            self._step = self._block
+            return True
+        self._start(found[0])
+        self._buf, self._scan, self._step = self._buf[found[1]:], JsonScan(), self._arguments
+        return True
+
+    def _arguments(self, final: bool) -> bool:
+        end = self._scan.advance(self._buf)
+        n = len(self._buf) if end < 0 else end
+        self._args(self._buf[:n])
+        self._buf = self._buf[n:]
+        if end >= 0:
+            self._step = self._trailer
+        return end >= 0
+
+    def _trailer(self, final: bool) -> bool:
+        n = self._p._trailer_end(self._buf, final)
+        if n is None:
+            return False
+        self._buf, self._step = self._buf[n:], self._text
+        return True
+
+    def _block(self, final: bool) -> bool:
+        found = self._p._block(self._buf, final)
+        if found is None:
+            return False
+        n, call = found
+        block, self._buf = self._buf[:n], self._buf[n:]
+        if call is None:
+            self._content(block)
+        else:
+            self._start(call.name)
+            self._args(call.arguments)
+        self._step = self._text
+        return True
+
+    # Events. Gap text is held back: dropped if a call follows, sent if text does.
+    def _content(self, text: str) -> None:
+        body = text.rstrip(self._p._gap)
+        if not body:
+            self._held += text
+            return
+        self._out.append(ContentDelta(self._held + body))
+        self._held, self._piece_has_text = text[len(body):], True
+
+    def _start(self, name: str) -> None:
+        self._held, self._piece_has_text = "", False
+        self._out.append(ToolCallStart(self._calls, name))
+        self._calls += 1
+
+    def _args(self, text: str) -> None:
+        if text:
+            self._out.append(ToolCallArgsDelta(self._calls - 1, text))
+
+
+def collect_events(events: list[ToolEvent]) -> ExtractedToolCalls:
+    """A whole output's events joined into its content and calls (`ToolParser.extract`)."""
+    content: list[str] = []
+    calls: list[tuple[str, list[str]]] = []
+    for e in events:
+        if isinstance(e, ContentDelta):
+            content.append(e.text)
+        elif isinstance(e, ToolCallStart):
+            calls.append((e.name, []))
+        else:
+            calls[e.index][1].append(e.text)
+    parsed = [ParsedToolCall(name, "".join(parts)) for name, parts in calls]
+    text = "".join(content)
+    return ExtractedToolCalls(None if parsed and not text else text, parsed)
