@@ -177,7 +177,7 @@ class AsyncEngine(AsyncPoolingMixin, EngineClient):
         if not self.is_running:
             raise EngineDeadError("the engine is not running") from self._dead
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._queues:
+        if request_id in self._queues or request_id in self._samples:  # encode()'s too
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         samples = self.core.add_request(request_id, prepared, priority=priority)
         queue = RequestOutputCollector()

@@ -130,6 +130,12 @@ def test_bad_pooling_requests_are_refused(tiny_llama_dir: Path) -> None:
     assert_blocks_released(llm.core)
 
 
+async def generate_id(engine: AsyncEngine, prompt: list[int], params: SamplingParams,
+                      request_id: str) -> None:
+    async for _ in engine.generate(prompt, params, request_id=request_id):
+        pass
+
+
 async def test_pooling_runs_alongside_generation(tiny_llama_dir: Path,
                                                  tiny_prompts: list[list[int]],
                                                  tiny_reference: list[list[int]],
@@ -164,6 +170,15 @@ async def test_pooling_runs_alongside_generation(tiny_llama_dir: Path,
         with pytest.raises(asyncio.CancelledError):
             await task
         await asyncio.sleep(0.05)
+        assert_blocks_released(engine.core)
+        # An id an encode() in flight holds is refused to generate(), and the encode ends.
+        held = engine.encode(tiny_prompts[3] * 3, PoolingParams("mean"), request_id="same")
+        task = asyncio.ensure_future(held.__anext__())
+        await asyncio.sleep(0)
+        with pytest.raises(InvalidRequestError, match="already in use"):
+            await generate_id(engine, tiny_prompts[0], params, "same")
+        assert (await task).outputs is not None
+        await held.aclose()
         assert_blocks_released(engine.core)
         with pytest.raises(InvalidRequestError):
             async for _ in engine.encode("hi", PoolingParams("mean")):
