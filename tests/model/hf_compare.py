@@ -28,6 +28,20 @@ def load_hf(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
 
 
 @torch.inference_mode()
+def prefill_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    """Our model's logits at every position of one prefill of `tokens` (<= 48), in a paged
+    fp32 cache of 16 blocks of 8 with a scattered block table."""
+    from aioengine.model.attention import build_attention_metadata
+    from aioengine.model.llama import make_kv_caches
+
+    cpu = torch.device("cpu")
+    caches = make_kv_caches(model.arch, 16, 8, torch.float32, cpu)
+    n = len(tokens)
+    meta, pos = build_attention_metadata([n], [n], [[5, 1, 9, 3, 0, 12]], 8, cpu)
+    return model.compute_logits(model(torch.tensor(tokens), pos, caches, meta))
+
+
+@torch.inference_mode()
 def hf_logits(hf: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
     """transformers' float32 logits at every position of `token_ids`."""
     return hf(torch.tensor([token_ids]), use_cache=False).logits[0].float()

@@ -12,14 +12,13 @@ import pytest
 import torch
 from gguf_family_writer import quantizable, write_llama_cpp_gguf
 from gguf_writer import tokenizer_fields
+from hf_compare import prefill_logits
 from moe_models import make_tiny_moe_hf_model
 from tiny_models import make_tiny_hf_model
 
 from aioengine.model.arch import ModelArchConfig
-from aioengine.model.attention import build_attention_metadata
 from aioengine.model.gguf_arch import GGUFFormatError, gguf_hf_config_kwargs
 from aioengine.model.gguf_loader import FastGGUFReader, load_gguf_parts
-from aioengine.model.llama import make_kv_caches
 from aioengine.model.loader import ModelLoadError, load_model
 
 CPU = torch.device("cpu")
@@ -93,13 +92,6 @@ def _save(case: str, root: Path) -> Path:
     return path
 
 
-@torch.inference_mode()
-def _our_logits(model, tokens: list[int]) -> torch.Tensor:
-    caches = make_kv_caches(model.arch, 16, 8, torch.float32, CPU)
-    n = len(tokens)
-    meta, pos = build_attention_metadata([n], [n], [[5, 1, 9, 3, 0, 12]], 8, CPU)
-    return model.compute_logits(model(torch.tensor(tokens), pos, caches, meta))
-
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_family_gguf_logits_match_transformers(tmp_path, monkeypatch, tok_fields,
@@ -123,12 +115,12 @@ def test_family_gguf_logits_match_transformers(tmp_path, monkeypatch, tok_fields
     tokens = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     with torch.inference_mode():
         ref = reference(torch.tensor([tokens]), use_cache=False).logits[0]
-    ours = _our_logits(loaded.model, tokens)
+    ours = prefill_logits(loaded.model, tokens)
     torch.testing.assert_close(ours, ref, atol=_ATOL.get(case, 1e-4), rtol=1e-5)
     assert load_gguf_parts(str(path), with_q4_1_blocks=False).from_cache
     again = load_model(str(path), torch.float32, CPU)  # from the start-up cache
     assert again.arch == loaded.arch
-    assert torch.equal(_our_logits(again.model, tokens), ours)
+    assert torch.equal(prefill_logits(again.model, tokens), ours)
 
 
 def test_tokenizer_of_a_file_autotokenizer_cannot_configure(tmp_path, monkeypatch,

@@ -4,12 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf_writer import tokenizer_fields, write_tiny_gguf
+from hf_compare import prefill_logits
 from tiny_models import make_tiny_hf_model
 
-from aioengine.model.attention import build_attention_metadata
 from aioengine.model.gguf_arch import GGUF_ARCHITECTURES
 from aioengine.model.gguf_loader import FastGGUFReader, hf_name
-from aioengine.model.llama import make_kv_caches
 from aioengine.model.loader import ModelLoadError, load_model
 
 CPU = torch.device("cpu")
@@ -27,13 +26,6 @@ def _reference_model(arch: str, state: dict):
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     return hf.eval()
 
-
-@torch.inference_mode()
-def _our_logits(model, tokens: list[int]) -> torch.Tensor:
-    caches = make_kv_caches(model.arch, 16, 8, torch.float32, CPU)
-    n = len(tokens)
-    meta, pos = build_attention_metadata([n], [n], [[5, 1, 9, 3, 0, 12]], 8, CPU)
-    return model.compute_logits(model(torch.tensor(tokens), pos, caches, meta))
 
 
 @pytest.mark.parametrize("arch,gguf_arch,quantize", [
@@ -54,7 +46,7 @@ def test_gguf_logits_match_transformers(tmp_path, tok_fields, arch, gguf_arch, q
     tokens = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     with torch.inference_mode():
         ref = reference(torch.tensor([tokens]), use_cache=False).logits[0]
-    torch.testing.assert_close(_our_logits(loaded.model, tokens), ref, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(prefill_logits(loaded.model, tokens), ref, atol=1e-4, rtol=1e-5)
     # The tokenizer and chat template come from the same file.
     assert len(loaded.tokenizer) == VOCAB
     assert "<|im_start|>" in loaded.tokenizer.chat_template
@@ -103,9 +95,9 @@ def test_mixtral_gguf_logits_match_transformers(tmp_path, tok_fields) -> None:
     tokens = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():
         ref = reference(torch.tensor([tokens]), use_cache=False).logits[0]
-    torch.testing.assert_close(_our_logits(loaded.model, tokens), ref, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(prefill_logits(loaded.model, tokens), ref, atol=1e-4, rtol=1e-5)
     again = load_model(str(path), torch.float32, CPU)  # from the start-up cache
     assert again.arch == loaded.arch
-    assert torch.equal(_our_logits(again.model, tokens), _our_logits(loaded.model, tokens))
+    assert torch.equal(prefill_logits(again.model, tokens), prefill_logits(loaded.model, tokens))
     with pytest.raises(ModelLoadError, match="does not cover a mixture of experts"):
         load_model(str(path), torch.float32, CPU, "gguf")
