@@ -25,7 +25,8 @@ from aioengine.config import EngineArgs, add_engine_args, engine_kwargs
 from aioengine.sample import Sampler, SamplingMetadata, SamplingRow
 from aioengine.sampling_params import SamplingParams, StructuredOutputs
 from aioengine.structured import GrammarBitmask, GrammarCompileError, StructuredOutputManager
-from aioengine.structured.compiler import MAX_ENUM_VALUES, GrammarCompileCache
+from aioengine.structured.compiler import (MAX_ENUM_VALUES, MAX_REGEX_REPEAT,
+                                          GrammarCompileCache, regex_repeat_items)
 
 VOCAB = 49152
 EOS = 2
@@ -126,6 +127,28 @@ def test_a_huge_enum_is_refused_up_front(manager: StructuredOutputManager) -> No
     with pytest.raises(GrammarCompileError, match="at most"):
         manager.compiler.submit(StructuredOutputs(choice=[str(i) for i in range(100_000)])
                                 ).result(timeout=10)
+
+
+@pytest.mark.parametrize("constraint", [
+    StructuredOutputs(regex="[a-z0-9]{0,8000}"),  # 47 s to compile on 2 Zen 3 cores
+    StructuredOutputs(regex="(x[a-z]{0,100}){0,100}"),  # nested bounds multiply: 10,100
+    StructuredOutputs(json={"type": "object", "properties": {
+        "id": {"type": "string", "pattern": "^[A-Z]{0,9000}$"}}}),
+], ids=["regex", "nested", "schema-pattern"])
+def test_a_regex_that_repeats_past_the_limit_is_refused_up_front(
+        manager: StructuredOutputManager, constraint: StructuredOutputs) -> None:
+    start = time.monotonic()
+    with pytest.raises(GrammarCompileError, match=f"at most {MAX_REGEX_REPEAT}") as e:
+        manager.compiler.submit(constraint).result(timeout=10)
+    assert e.value.param == "structured_outputs" and time.monotonic() - start < 0.5
+
+
+def test_regex_repeat_items_counts_what_xgrammar_expands() -> None:
+    assert regex_repeat_items("[a-z0-9]{0,4000}") == 4000  # under the limit: compiles
+    assert regex_repeat_items("a+b*c?") == 3  # unbounded repeats are loops, not copies
+    assert regex_repeat_items("(a|bc){2,5}") == 15
+    assert regex_repeat_items(r"\d{4}-\d{2}") == 7
+    assert regex_repeat_items("(?<name>x)") == 0  # not Python's syntax: xgrammar judges
 
 
 def test_a_compile_past_its_budget_fails_and_stays_failed(bundled_tokenizer) -> None:
