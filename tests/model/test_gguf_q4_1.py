@@ -8,7 +8,8 @@ import pytest
 import torch
 from gguf_writer import tokenizer_fields, write_tiny_gguf
 from test_fused_decode import _decode, _prefilled
-from test_gguf_loader import VOCAB, _our_logits
+from hf_compare import prefill_logits
+from test_gguf_loader import VOCAB
 from tiny_models import make_tiny_hf_model
 
 from aioengine import LLM, SamplingParams
@@ -58,8 +59,8 @@ def test_loads_the_blocks_as_stored(q4_1_gguf: str) -> None:
     assert torch.equal(qkv[-v.data.shape[0]:], torch.from_numpy(np.array(v.data)))
     # Against the same file dequantized: only x's per-block quantization differs.
     tokens = torch.randint(3, VOCAB, (30,), generator=torch.Generator().manual_seed(0)).tolist()
-    ref = _our_logits(load_model(q4_1_gguf, torch.float32, CPU).model, tokens)
-    got = _our_logits(model, tokens)
+    ref = prefill_logits(load_model(q4_1_gguf, torch.float32, CPU).model, tokens)
+    got = prefill_logits(model, tokens)
     assert (got - ref).pow(2).mean().sqrt() < 0.05 * ref.pow(2).mean().sqrt()
 
 
