@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 from gguf_writer import tokenizer_fields, write_tiny_gguf
-from test_fused_decode import _decode, _prefilled
 from hf_compare import prefill_logits
+from test_fused_decode import _decode, _prefilled
 from test_gguf_loader import VOCAB
 from tiny_models import make_tiny_hf_model
 
