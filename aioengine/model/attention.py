@@ -45,6 +45,11 @@ class AttentionMetadata:
     # KV cache groups (core/kv_cache_groups.py): each layer's metadata, those of a group
     # sharing its block tables and slot mapping; None: this one for every layer.
     layer_metas: tuple[AttentionMetadata, ...] | None = None
+    # Tree attention (speculative tree drafts, spec_decode/tree.py): sequence i -> a bool
+    # mask [query_len, R] over its last R keys (the tree's slots): its queries see every
+    # key before them and, of those R, only where the mask says. Only backends that
+    # declare "tree_mask" honour it; None: causal attention everywhere.
+    tree_masks: dict[int, Tensor] | None = None
 
     def for_layer(self, layer_idx: int) -> AttentionMetadata:
         """The metadata layer `layer_idx` attends with (its KV cache group's)."""
@@ -202,7 +207,8 @@ class TorchAttentionBackend(AttentionBackend):
     length.
     """
 
-    SUPPORTED_FEATURES = AttentionBackend.SUPPORTED_FEATURES | {"sliding_window"}
+    # "tree_mask": AttentionMetadata.tree_masks, on the torch path (never the C kernel).
+    SUPPORTED_FEATURES = AttentionBackend.SUPPORTED_FEATURES | {"sliding_window", "tree_mask"}
 
     def __init__(self, use_cpu_kernel: bool = True) -> None:
         self.use_cpu_kernel = use_cpu_kernel
@@ -213,7 +219,7 @@ class TorchAttentionBackend(AttentionBackend):
         num_tokens = meta.num_actual_tokens
         # Write first: a request may read blocks another request wrote in this very step.
         write_to_kv_cache(k[:num_tokens], v[:num_tokens], kv_cache, meta.slot_mapping)
-        if self._kernel_applies(q, kv_cache):
+        if meta.tree_masks is None and self._kernel_applies(q, kv_cache):
             out = self._kernel_rows(q, kv_cache, meta, scale, sliding_window)
             if out is not None:
                 return out
@@ -222,7 +228,8 @@ class TorchAttentionBackend(AttentionBackend):
             # fresh K/V as the cache holds them, so a prefix-cache hit sees what a recompute
             # would (the C kernel reads them back from the cache).
             k, v = k.to(kv_cache.dtype).to(q.dtype), v.to(kv_cache.dtype).to(q.dtype)
-        nd = meta.num_decodes
+        # With tree masks every sequence attends on its own (the batched decode has none).
+        nd = meta.num_decodes if meta.tree_masks is None else 0
         if nd == meta.num_reqs:  # a decode-only step
             return self._decode(q, kv_cache, meta, scale, sliding_window)
         out = torch.empty_like(q)
@@ -286,7 +293,9 @@ class TorchAttentionBackend(AttentionBackend):
         seq_len = meta.seq_lens_cpu[i]
         context_len = seq_len - query_len
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, Tq, D]
-        if context_len == 0 and (sliding_window is None or seq_len <= sliding_window):
+        tree_mask = None if meta.tree_masks is None else meta.tree_masks.get(i)
+        if (context_len == 0 and tree_mask is None
+                and (sliding_window is None or seq_len <= sliding_window)):
             # The whole sequence is in this step: attend to the fresh K/V directly.
             kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
@@ -308,6 +317,8 @@ class TorchAttentionBackend(AttentionBackend):
         q_pos = torch.arange(context_len, seq_len, device=q.device)[:, None]
         k_pos = torch.arange(start, seq_len, device=q.device)[None, :]
         mask = k_pos <= q_pos
+        if tree_mask is not None:  # the tree's slots: only ancestors and itself
+            mask[:, mask.shape[1] - tree_mask.shape[1]:] = tree_mask
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
         o = F.scaled_dot_product_attention(qh, kh.unsqueeze(0), vh.unsqueeze(0), attn_mask=mask,

@@ -105,6 +105,7 @@ class FusedCpuDecodeExecutor:
                 and meta.num_decodes == meta.num_reqs == meta.num_actual_tokens == num_tokens
                 and (self.max_seq_len is None or meta.max_seq_len <= self.max_seq_len)
                 and meta.layer_metas is None  # one block table for every layer
+                and meta.tree_masks is None  # causal attention only
                 and type(backend) is TorchAttentionBackend and backend.use_cpu_kernel
                 and x.device.type == "cpu" and x.dtype == torch.float32)
 

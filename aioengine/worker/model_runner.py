@@ -38,10 +38,12 @@ from aioengine.sample import (Sampler, SamplingMetadata, SamplingRow, compute_pr
                               make_generator)
 from aioengine.spec_decode.proposer import ProposeContext, Proposer
 from aioengine.spec_decode.rejection_sampler import VerifyRows, accept_greedy, accept_sampled
+from aioengine.spec_decode.tree import node_paths, verify_tree_greedy, verify_tree_sampled
 from aioengine.worker.async_output import AsyncModelRunnerOutput, HostCopier
 from aioengine.worker.runner_outputs import (PlainSample, plain_tensors, read_plain,
                                              to_position_logprobs)
 from aioengine.worker.cuda_graphs import CUDAGraphRunner
+from aioengine.worker.spec_tree import apply_tree_layout, move_accepted_kv
 from aioengine.worker.step_layout import LayerKVGroups, step_layout
 
 
@@ -131,6 +133,7 @@ class ModelRunner:
         if self.kv_groups is not None:
             attn_metadata.layer_metas = self.kv_groups.layer_metas(
                 scheduled, query_lens, seq_lens, attn_metadata, self.block_size, self.device)
+        positions = apply_tree_layout(scheduled, item_starts, attn_metadata, positions)
         prepared = time.perf_counter()
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(attn_metadata):
             hidden = self.cuda_graphs.run(input_ids, positions, attn_metadata, before_layers)
@@ -165,7 +168,9 @@ class ModelRunner:
             output.spec_token_ids = self.proposer.propose(ProposeContext(
                 scheduled=scheduled, sampled_token_ids=output.sampled_token_ids,
                 item_starts=item_starts, input_ids=input_ids, positions=positions,
-                hidden=hidden, aux_hidden=aux_hidden, attn_metadata=attn_metadata))
+                hidden=hidden, aux_hidden=aux_hidden, attn_metadata=attn_metadata,
+                accepted_tree_nodes=output.accepted_tree_nodes))
+            output.spec_tree_parents = self.proposer.tree_parents()
         output.timings = {"prepare": prepared - start, "forward": forwarded - prepared,
                           "sample": sampled - forwarded, "propose": time.perf_counter() - sampled}
         return output
@@ -267,8 +272,9 @@ class ModelRunner:
             drafts = item.spec_token_ids
             if drafts:
                 row_index.extend(range(end - len(drafts) - 1, end))
-                rows.extend(self._sampling_row(item.request, drafts[:j])
-                            for j in range(len(drafts) + 1))
+                paths = (node_paths(drafts, item.spec_tree_parents) if item.is_tree
+                         else [drafts[:j] for j in range(len(drafts) + 1)])
+                rows.extend(self._sampling_row(item.request, path) for path in paths)
             else:
                 samples = [item.request] + item.request.pending_forks[:item.num_samples - 1]
                 for sample in samples:
@@ -343,18 +349,38 @@ class ModelRunner:
         for item in owners:
             request, drafts = item.request, item.spec_token_ids
             params = request.sampling_params
-            if probs is None or params.greedy:
+            emitted_rows = None  # a tree's: the root's and the accepted nodes'
+            if item.is_tree:
+                tokens, emitted_rows = self._verify_tree(item, argmax, probs, r)
+            elif probs is None or params.greedy:
                 tokens = accept_greedy(argmax, drafts, r)
             else:
                 tokens = accept_sampled(probs, VerifyRows(r, drafts, request.generator),
                                         self.sampler.generator)
             output.sampled_token_ids[request.request_id] = tokens
+            if item.is_tree:
+                output.accepted_tree_nodes[request.request_id] = [n - 1 for n in emitted_rows[1:]]
             if params.logprobs is not None and raw_logprobs is not None:
                 ids, lps, ranks = gather_logprobs(
-                    raw_logprobs[r:r + len(tokens)],
+                    raw_logprobs[r:r + len(tokens)] if emitted_rows is None
+                    else raw_logprobs[[r + row for row in emitted_rows]],
                     torch.tensor(tokens, dtype=torch.long, device=self.device), params.logprobs)
                 output.logprobs[request.request_id] = to_position_logprobs(ids, lps, ranks) or []
             r += len(drafts) + 1
+
+    def _verify_tree(self, item: ScheduledRequest, argmax: list[int],
+                     probs: torch.Tensor | None, first_row: int) -> tuple[list[int], list[int]]:
+        """A tree item's emitted tokens and the rows (from its root's) they came from; the
+        accepted nodes' K/V are moved to the path's slots."""
+        request, drafts, parents = item.request, item.spec_token_ids, item.spec_tree_parents
+        assert parents is not None
+        if probs is None or request.sampling_params.greedy:
+            verdict = verify_tree_greedy(argmax, first_row, drafts, parents)
+        else:
+            verdict = verify_tree_sampled(probs, first_row, drafts, parents, request.generator,
+                                          self.sampler.generator)
+        move_accepted_kv(self.kv_caches, item, verdict.accepted_nodes, self.block_size)
+        return verdict.tokens, verdict.rows
 
     def _sampling_row(self, request: Request, drafts: list[int] | None = None) -> SamplingRow:
         """The row of `request`'s next token; with `drafts`, of the token after them (they
