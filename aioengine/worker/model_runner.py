@@ -33,17 +33,16 @@ from aioengine.model.loader import LoadedModel
 from aioengine.pooling_params import chunk_share
 from aioengine.request import Request
 from aioengine.structured import GrammarBitmask
-from aioengine.sample import (Sampler, SamplingMetadata, SamplingRow, compute_probs,
-                              compute_prompt_logprobs, gather_logprobs, is_plain_greedy,
-                              make_generator)
+from aioengine.sample import (Sampler, SamplingMetadata, SamplingRow,
+                              compute_prompt_logprobs, is_plain_greedy, make_generator)
 from aioengine.spec_decode.proposer import ProposeContext, Proposer
-from aioengine.spec_decode.rejection_sampler import VerifyRows, accept_greedy, accept_sampled
-from aioengine.spec_decode.tree import node_paths, verify_tree_greedy, verify_tree_sampled
+from aioengine.spec_decode.tree import node_paths
 from aioengine.worker.async_output import AsyncModelRunnerOutput, HostCopier
 from aioengine.worker.runner_outputs import (PlainSample, plain_tensors, read_plain,
                                              to_position_logprobs)
 from aioengine.worker.cuda_graphs import CUDAGraphRunner
-from aioengine.worker.spec_tree import apply_tree_layout, move_accepted_kv
+from aioengine.worker.spec_tree import apply_tree_layout
+from aioengine.worker.verify import DraftVerifyContext, verify_drafts
 from aioengine.worker.step_layout import LayerKVGroups, step_layout
 
 
@@ -333,54 +332,10 @@ class ModelRunner:
 
     def _verify(self, logits: torch.Tensor, rows: list[SamplingRow],
                 owners: list[ScheduledRequest], output: ModelRunnerOutput) -> None:
-        """Items with drafts: row j of an item is its target distribution after its first j
-        drafts; the rejection sampler turns them into the tokens the item keeps."""
-        raw_logprobs = None
-        if any(row.params.logprobs is not None for row in rows):
-            raw_logprobs = torch.log_softmax(logits, dim=1)  # before any processor (vLLM)
-        probs = None
-        if all(is_plain_greedy(row) for row in rows):
-            argmax = logits.argmax(dim=1).tolist()
-        else:
-            metadata = SamplingMetadata.build(rows, self.vocab_size, self.device)
-            probs = compute_probs(logits, metadata)  # one-hot for greedy rows
-            argmax = probs.argmax(dim=1).tolist()
-        r = 0
-        for item in owners:
-            request, drafts = item.request, item.spec_token_ids
-            params = request.sampling_params
-            emitted_rows = None  # a tree's: the root's and the accepted nodes'
-            if item.is_tree:
-                tokens, emitted_rows = self._verify_tree(item, argmax, probs, r)
-            elif probs is None or params.greedy:
-                tokens = accept_greedy(argmax, drafts, r)
-            else:
-                tokens = accept_sampled(probs, VerifyRows(r, drafts, request.generator),
-                                        self.sampler.generator)
-            output.sampled_token_ids[request.request_id] = tokens
-            if item.is_tree:
-                output.accepted_tree_nodes[request.request_id] = [n - 1 for n in emitted_rows[1:]]
-            if params.logprobs is not None and raw_logprobs is not None:
-                ids, lps, ranks = gather_logprobs(
-                    raw_logprobs[r:r + len(tokens)] if emitted_rows is None
-                    else raw_logprobs[[r + row for row in emitted_rows]],
-                    torch.tensor(tokens, dtype=torch.long, device=self.device), params.logprobs)
-                output.logprobs[request.request_id] = to_position_logprobs(ids, lps, ranks) or []
-            r += len(drafts) + 1
-
-    def _verify_tree(self, item: ScheduledRequest, argmax: list[int],
-                     probs: torch.Tensor | None, first_row: int) -> tuple[list[int], list[int]]:
-        """A tree item's emitted tokens and the rows (from its root's) they came from; the
-        accepted nodes' K/V are moved to the path's slots."""
-        request, drafts, parents = item.request, item.spec_token_ids, item.spec_tree_parents
-        assert parents is not None
-        if probs is None or request.sampling_params.greedy:
-            verdict = verify_tree_greedy(argmax, first_row, drafts, parents)
-        else:
-            verdict = verify_tree_sampled(probs, first_row, drafts, parents, request.generator,
-                                          self.sampler.generator)
-        move_accepted_kv(self.kv_caches, item, verdict.accepted_nodes, self.block_size)
-        return verdict.tokens, verdict.rows
+        """Items with drafts (chains or trees): worker/verify.py."""
+        verify_drafts(logits, rows, owners, output, DraftVerifyContext(
+            self.vocab_size, self.device, self.sampler.generator, self.kv_caches,
+            self.block_size))
 
     def _sampling_row(self, request: Request, drafts: list[int] | None = None) -> SamplingRow:
         """The row of `request`'s next token; with `drafts`, of the token after them (they
