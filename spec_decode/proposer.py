@@ -17,6 +17,7 @@ from aioengine.core.scheduler_output import ScheduledRequest
 from aioengine.model.attention import AttentionMetadata
 from aioengine.request import Request
 from aioengine.spec_decode.ngram import NgramLookup
+from aioengine.spec_decode.tree import TreeConfig
 
 
 @dataclass
@@ -59,6 +60,9 @@ class ProposeContext:
 
 
 class Proposer(abc.ABC):
+    # Tree drafting's shape (spec_decode/tree.py), None: this proposer drafts chains only.
+    tree: TreeConfig | None = None
+
     @abc.abstractmethod
     def propose(self, ctx: ProposeContext) -> dict[str, list[int]]:
         """Drafts for the step after `ctx` (runs on the worker, after sampling)."""

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from aioengine.kernels import cpu as cpu_kernels
+from aioengine.model.tree_attention import TreeKernelRows
 
 
 @dataclass
@@ -50,6 +51,11 @@ class AttentionMetadata:
     # key before them and, of those R, only where the mask says. Only backends that
     # declare "tree_mask" honour it; None: causal attention everywhere.
     tree_masks: dict[int, Tensor] | None = None
+    # The same trees for the C kernel (worker/spec_tree.py), which has no mask: each node
+    # row reads a table of its own whose last blocks are scratch copies of the context's
+    # tail and the row's path, so it sees exactly what a chain's row would, at the same
+    # positions (the same bits). None: tree steps take the torch path.
+    tree_kernel: TreeKernelRows | None = None
 
     def for_layer(self, layer_idx: int) -> AttentionMetadata:
         """The metadata layer `layer_idx` attends with (its KV cache group's)."""
@@ -219,7 +225,8 @@ class TorchAttentionBackend(AttentionBackend):
         num_tokens = meta.num_actual_tokens
         # Write first: a request may read blocks another request wrote in this very step.
         write_to_kv_cache(k[:num_tokens], v[:num_tokens], kv_cache, meta.slot_mapping)
-        if meta.tree_masks is None and self._kernel_applies(q, kv_cache):
+        if ((meta.tree_masks is None or meta.tree_kernel is not None)
+                and self._kernel_applies(q, kv_cache)):
             out = self._kernel_rows(q, kv_cache, meta, scale, sliding_window)
             if out is not None:
                 return out
@@ -251,14 +258,21 @@ class TorchAttentionBackend(AttentionBackend):
                      sliding_window: int | None) -> Tensor | None:
         """The kernel's output for every token of the step, in one call; None, computing
         nothing, when the kernel is not built."""
-        plan = meta.backend_cache.get("kernel_rows")
-        if plan is None:
-            plan = meta.backend_cache["kernel_rows"] = _kernel_plan(meta)
-        row_to_req, row_seq_lens = plan
+        tables = meta.block_tables
+        if meta.tree_kernel is not None:
+            tree = meta.tree_kernel
+            tree.fill_scratch(kv_cache)
+            tables, row_to_req, row_seq_lens = (tree.block_tables, tree.row_to_req,
+                                                tree.row_seq_lens)
+        else:
+            plan = meta.backend_cache.get("kernel_rows")
+            if plan is None:
+                plan = meta.backend_cache["kernel_rows"] = kernel_rows_plan(meta)
+            row_to_req, row_seq_lens = plan
         num_tokens = meta.num_actual_tokens
         q_rows = q[:num_tokens].contiguous()
         o = torch.empty_like(q_rows)
-        if not cpu_kernels.paged_attention(o, q_rows, kv_cache, meta.block_tables, row_to_req,
+        if not cpu_kernels.paged_attention(o, q_rows, kv_cache, tables, row_to_req,
                                            row_seq_lens, scale, sliding_window=sliding_window):
             return None
         if q.shape[0] == num_tokens:
@@ -326,7 +340,7 @@ class TorchAttentionBackend(AttentionBackend):
         return o.squeeze(0).transpose(0, 1)
 
 
-def _kernel_plan(meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+def kernel_rows_plan(meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
     """(row_to_req, row_seq_lens) [T] int32 of the kernel's rows, one per token of the step
     (row j of a request with context_len cached positions sees context_len + j + 1).
     Vectorised with numpy, and a decode-only step without it (its rows are its requests)."""

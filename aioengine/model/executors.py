@@ -96,8 +96,8 @@ class FusedCpuDecodeExecutor:
 
     def supports(self, x: Tensor, meta: AttentionMetadata) -> bool:
         """The step is decode-only and small, on the CPU in float32, with the torch
-        attention backend and its C kernel, on layers with only SUPPORTED_FEATURES, and
-        no sequence longer than the smallest sliding window."""
+        attention backend and its C kernel, on layers with only SUPPORTED_FEATURES, no
+        sequence longer than the smallest sliding window, and no tree mask."""
         num_tokens = x.shape[0]
         backend = self.model.attn_backend
         return (self.enabled and not self.declined and bool(self.model.layers)

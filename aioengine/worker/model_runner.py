@@ -41,7 +41,7 @@ from aioengine.worker.async_output import AsyncModelRunnerOutput, HostCopier
 from aioengine.worker.runner_outputs import (PlainSample, plain_tensors, read_plain,
                                              to_position_logprobs)
 from aioengine.worker.cuda_graphs import CUDAGraphRunner
-from aioengine.worker.spec_tree import apply_tree_layout
+from aioengine.worker.spec_tree import apply_tree_layout, num_tree_scratch_blocks
 from aioengine.worker.verify import DraftVerifyContext, verify_drafts
 from aioengine.worker.step_layout import LayerKVGroups, step_layout
 
@@ -68,7 +68,11 @@ class ModelRunner:
         # Each layer's KV cache group (None: one group, `num_blocks` blocks in every layer).
         self.kv_groups = LayerKVGroups(kv_groups, loaded.arch.num_hidden_layers) \
             if kv_groups else None
-        layer_blocks = self.kv_groups.layer_blocks if self.kv_groups else num_blocks
+        # Past the pool's blocks: scratch for the C kernel's tree rows (worker/spec_tree.py).
+        scratch = 0 if kv_groups else num_tree_scratch_blocks(
+            proposer.tree if proposer else None, block_size)
+        self.tree_scratch_blocks = list(range(num_blocks, num_blocks + scratch))
+        layer_blocks = self.kv_groups.layer_blocks if self.kv_groups else num_blocks + scratch
         # The blocks every layer has (warm_up writes only those).
         self.num_blocks = min(self.kv_groups.layer_blocks) if self.kv_groups else num_blocks
         self.kv_caches = make_kv_caches(loaded.arch, layer_blocks, block_size, kv_cache_dtype,
@@ -132,7 +136,8 @@ class ModelRunner:
         if self.kv_groups is not None:
             attn_metadata.layer_metas = self.kv_groups.layer_metas(
                 scheduled, query_lens, seq_lens, attn_metadata, self.block_size, self.device)
-        positions = apply_tree_layout(scheduled, item_starts, attn_metadata, positions)
+        positions = apply_tree_layout(scheduled, item_starts, attn_metadata, positions,
+                                      self.tree_scratch_blocks, self.block_size)
         prepared = time.perf_counter()
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(attn_metadata):
             hidden = self.cuda_graphs.run(input_ids, positions, attn_metadata, before_layers)

@@ -14,11 +14,14 @@ import numpy as np
 import pytest
 import torch
 
+from aioengine.core.scheduler_output import ScheduledRequest
+from aioengine.kernels import cpu as cpu_kernels
 from aioengine.model.attention import TorchAttentionBackend, build_attention_metadata
 from aioengine.sample.ops import exponential_race
 from aioengine.spec_decode.tree import (TreeVerdict, accepted_slot_moves, node_depths,
                                         node_paths, tree_attention_mask, verify_tree_greedy,
                                         verify_tree_sampled)
+from aioengine.worker.spec_tree import apply_tree_layout
 
 from tests.chi_square import ALPHA, chi2_sf, gof_statistic
 
@@ -85,6 +88,44 @@ def test_tree_mask_attends_like_each_path_alone() -> None:
                                            torch.device("cpu"))
         chain_out = backend.forward(q[rows], k[rows], v[rows], cache, meta, 0.5)
         torch.testing.assert_close(tree_out[row], chain_out[-1])
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="C kernels not built")
+@pytest.mark.parametrize("ctx", [7, 14, 21])
+def test_kernel_tree_rows_have_the_bits_of_chain_rows(ctx: int) -> None:
+    """With worker/spec_tree's scratch tables the C kernel gives each tree row exactly
+    the bits it gives the last row of a chain of the row's path (the same keys at the same
+    positions), so greedy tokens cannot depend on whether a path came in a tree."""
+    torch.manual_seed(1)
+    heads, kv_heads, dim, bs = 4, 2, 8, 4
+    n, num_blocks = len(PARENTS), 16
+    cpu = torch.device("cpu")
+    backend = TorchAttentionBackend(use_cpu_kernel=True)
+    context_k = torch.randn(ctx, kv_heads, dim)
+    context_v = torch.randn(ctx, kv_heads, dim)
+    q, k, v = torch.randn(n + 1, heads, dim), torch.randn(n + 1, kv_heads, dim), \
+        torch.randn(n + 1, kv_heads, dim)
+    table = [9, 2, 4, 0, 7, 1, 3, 5][:-(-(ctx + n + 1) // bs)]
+
+    def fresh_cache() -> torch.Tensor:
+        cache = torch.zeros(2, num_blocks + 16, bs, kv_heads, dim)
+        meta, _ = build_attention_metadata([ctx], [ctx], [table], bs, cpu)
+        backend.forward(torch.randn(ctx, heads, dim), context_k, context_v, cache, meta, 0.5)
+        return cache
+
+    item = ScheduledRequest(request=None, num_computed_tokens=ctx, token_ids=[1] * (n + 1),
+                            block_ids=table, num_samples=1, spec_token_ids=TOKENS,
+                            spec_tree_parents=PARENTS)
+    meta, positions = build_attention_metadata([n + 1], [ctx + n + 1], [table], bs, cpu)
+    apply_tree_layout([item], [0, n + 1], meta, positions, list(range(num_blocks, num_blocks + 16)),
+                      bs)
+    assert meta.tree_kernel is not None
+    tree_out = backend.forward(q, k, v, fresh_cache(), meta, 0.5)
+    for row, path in enumerate([[]] + [_path_rows(i) for i in range(n)]):
+        rows = [0] + [i + 1 for i in path]
+        meta, _ = build_attention_metadata([len(rows)], [ctx + len(rows)], [table], bs, cpu)
+        chain_out = backend.forward(q[rows], k[rows], v[rows], fresh_cache(), meta, 0.5)
+        assert torch.equal(tree_out[row], chain_out[-1]), row
 
 
 def _path_rows(node: int) -> list[int]:
@@ -177,3 +218,24 @@ def test_greedy_rows_of_a_one_hot_distribution(first_row: int) -> None:
     gen = torch.Generator().manual_seed(0)
     assert (verify_tree_sampled(probs, first_row, TOKENS, PARENTS, None, gen)
             == verify_tree_greedy(argmax, first_row, TOKENS, PARENTS))
+
+
+# ---- configuration ---------------------------------------------------------------------
+
+def test_tree_config_and_its_lookahead() -> None:
+    from aioengine.bench.spec import parse_spec
+    from aioengine.config import ConfigError
+    from aioengine.spec_decode import num_lookahead_tokens
+    from aioengine.spec_decode.config import SpeculativeConfig
+    from aioengine.spec_decode.tree import TreeConfig
+
+    spec = SpeculativeConfig.parse(parse_spec("eagle3tree:4:3:10", None))
+    assert spec.tree == TreeConfig(depth=4, top_k=3, num_nodes=10)
+    assert spec.num_speculative_tokens == 4  # the depth: the longest run of drafts
+    assert num_lookahead_tokens(spec) == 4 + 3 * 3  # the accepted run, then the head rows
+    with pytest.raises(ConfigError, match="tree.depth"):
+        SpeculativeConfig.parse({"method": "eagle3", "num_speculative_tokens": 3,
+                                 "tree": {"depth": 4, "top_k": 2, "num_nodes": 8}})
+    with pytest.raises(ConfigError, match="tree.top_k"):
+        SpeculativeConfig.parse({"method": "eagle3",
+                                 "tree": {"depth": 4, "top_k": True, "num_nodes": 8}})
