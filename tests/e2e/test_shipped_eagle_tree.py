@@ -9,11 +9,10 @@ import json
 import pytest
 
 from aioengine import LLM, SamplingParams
-from aioengine.metrics import spec_decode_delta
 from aioengine.sampling_params import StructuredOutputs
 from aioengine.spec_decode.train.prompts import split_prompts
 
-from tests.e2e.test_shipped_eagle_head import SCHEMA, _tokens
+from tests.e2e.test_shipped_eagle_head import SCHEMA, _tokens, greedy_chats_equal
 
 pytestmark = pytest.mark.slow
 
@@ -27,12 +26,7 @@ def engines() -> tuple[LLM, LLM]:
 
 def test_greedy_chat_equal_with_tree_drafts(engines) -> None:
     plain, spec = engines
-    params = SamplingParams(temperature=0.0, max_tokens=64)
-    before = spec.core.stats()
-    for prompt in split_prompts()[1][:6]:
-        chat = [{"role": "user", "content": prompt}]
-        assert _tokens(spec.generate([chat], params)) == _tokens(plain.generate([chat], params))
-    delta = spec_decode_delta(before, spec.core.stats())
+    delta = greedy_chats_equal(plain, spec)
     assert delta["num_drafts"] > 0 and delta["mean_acceptance_length"] > 1.25, delta
     stats = spec.core.scheduler.spec_stats
     assert stats.num_draft_tokens > 4 * stats.num_drafts  # trees, not chains of 4
