@@ -151,3 +151,16 @@ def test_ngram_has_no_tree(tiny_llama_dir: Path) -> None:
             speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                 "tree": TREE})
 
+
+
+def test_sliding_window_models_refuse_trees(tmp_path: Path) -> None:
+    """Fail closed: a model whose layers attend through a window gets no tree (the masks
+    and scratch tables assume one full-attention KV cache group)."""
+    from tests.tiny_models import make_tiny_model_dir
+
+    model = make_tiny_model_dir("mistral", tmp_path / "sw", seed=5, sliding_window=32)
+    head = make_random_eagle_head_dir(model, tmp_path / "e3", "eagle3", seed=2,
+                                      aux_layer_ids=[0, 1])
+    with pytest.raises(ConfigError, match="sliding-window"):
+        LLM(str(model), dtype="float32", max_model_len=512,
+            speculative_config={"method": "eagle3", "model": str(head), "tree": TREE})
