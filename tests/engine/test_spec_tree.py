@@ -164,3 +164,21 @@ def test_sliding_window_models_refuse_trees(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="sliding-window"):
         LLM(str(model), dtype="float32", max_model_len=512,
             speculative_config={"method": "eagle3", "model": str(head), "tree": TREE})
+
+
+def test_a_one_wide_tree_drafts_the_chain(tiny_llama_dir: Path, tree_spec: dict,
+                                          spec_prompts: list[list[int]]) -> None:
+    """top_k = 1 makes the tree a chain of `depth` argmax drafts: the head's tree rows
+    (tree mask, stored from the root's position on) draft what its chain steps draft, so
+    every verification keeps as many tokens as the chain's."""
+    prompts, params = spec_prompts[4:6], params_for(spec_prompts)[4:6]
+    chain = {**tree_spec, "num_speculative_tokens": 3}
+    del chain["tree"]
+    one_wide = {**tree_spec, "tree": {"depth": 3, "top_k": 1, "num_nodes": 3}}
+    stats = []
+    for spec in (chain, one_wide):
+        _, llm = run(tiny_llama_dir, prompts, params, spec, max_num_seqs=1)
+        s = llm.core.scheduler.spec_stats
+        stats.append((s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens_per_pos))
+    assert stats[0] == stats[1]
+    assert stats[0][2][1] > 0
