@@ -64,6 +64,8 @@ CONFIGS = {
     "tiny_budget": dict(max_num_batched_tokens=5),
     "block_size_1": dict(block_size=1),
     "one_seq_at_a_time": dict(max_num_seqs=1),
+    "no_chunked_prefill": dict(enable_chunked_prefill=False),
+    "async_scheduling": dict(async_scheduling=True),
 }
 
 
@@ -182,3 +184,26 @@ def test_a_one_wide_tree_drafts_the_chain(tiny_llama_dir: Path, tree_spec: dict,
         stats.append((s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens_per_pos))
     assert stats[0] == stats[1]
     assert stats[0][2][1] > 0
+
+
+def test_n_greater_than_one_and_logprobs(tiny_llama_dir: Path, tree_spec: dict,
+                                         spec_prompts: list[list[int]]) -> None:
+    """Logprobs of tokens a tree step emitted are gathered from the accepted path's rows:
+    the same as one token at a time (forks of an n = 2 request each draft their trees)."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, n=2, logprobs=2,
+                            logit_bias=GREEDY_NARROW.logit_bias)
+    plain = LLM(str(tiny_llama_dir), dtype="float32",
+                max_model_len=512).generate(spec_prompts[4:], params)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=512,
+              speculative_config=tree_spec)
+    spec = llm.generate(spec_prompts[4:], params)
+    assert_blocks_released(llm.core)
+    for a, b in zip(spec, plain):
+        for x, y in zip(a.outputs, b.outputs):
+            assert x.token_ids == y.token_ids
+            assert [list(lp) for lp in x.logprobs] == [list(lp) for lp in y.logprobs]
+            for lx, ly in zip(x.logprobs, y.logprobs):
+                for tok in lx:
+                    assert lx[tok].logprob == pytest.approx(ly[tok].logprob, abs=1e-4)
+                    assert lx[tok].rank == ly[tok].rank
+    assert_deep_accepts(llm)
