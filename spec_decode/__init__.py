@@ -41,13 +41,13 @@ def make_proposer(config: SpeculativeConfig | None, loaded: LoadedModel, num_blo
 
 
 def _check_tree_support(loaded: LoadedModel) -> None:
-    """Tree drafts attend through a tree mask: only attention backends that declare
-    "tree_mask" honour it, and only layers that attend through the backend (no
+    """Tree drafts attend through a tree mask: only attention backends with
+    SUPPORTS_TREE_MASK honour it, and only layers that attend through the backend (no
     soft-capping) with one KV cache group (no sliding windows). Anything else: refused."""
     from aioengine.spec_decode.eagle import SpeculativeConfigError
     model = loaded.model
     backend = type(model.attn_backend)
-    if "tree_mask" not in backend.SUPPORTED_FEATURES:
+    if not backend.SUPPORTS_TREE_MASK:
         raise SpeculativeConfigError(f"speculative_config.tree: the {backend.__name__} "
                                      "attention backend has no tree attention mask")
     if any(spec.attn_logit_softcapping is not None or spec.sliding_window is not None

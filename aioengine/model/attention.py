@@ -48,8 +48,8 @@ class AttentionMetadata:
     layer_metas: tuple[AttentionMetadata, ...] | None = None
     # Tree attention (speculative tree drafts, spec_decode/tree.py): sequence i -> a bool
     # mask [query_len, R] over its last R keys (the tree's slots): its queries see every
-    # key before them and, of those R, only where the mask says. Only backends that
-    # declare "tree_mask" honour it; None: causal attention everywhere.
+    # key before them and, of those R, only where the mask says. Only backends with
+    # SUPPORTS_TREE_MASK honour it; None: causal attention everywhere.
     tree_masks: dict[int, Tensor] | None = None
     # The same trees for the C kernel (worker/spec_tree.py), which has no mask: each node
     # row reads a table of its own whose last blocks are scratch copies of the context's
@@ -169,6 +169,9 @@ class AttentionBackend(abc.ABC):
     implements; a model refuses a backend that lacks one its layers use."""
 
     SUPPORTED_FEATURES: frozenset[str] = frozenset({"qk_norm", "attention_bias"})
+    # Whether it honours AttentionMetadata.tree_masks (speculative tree drafts); a tree
+    # draft config is refused with a backend that does not.
+    SUPPORTS_TREE_MASK: bool = False
 
     @abc.abstractmethod
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor,
@@ -213,8 +216,10 @@ class TorchAttentionBackend(AttentionBackend):
     length.
     """
 
-    # "tree_mask": AttentionMetadata.tree_masks, on the torch path (never the C kernel).
-    SUPPORTED_FEATURES = AttentionBackend.SUPPORTED_FEATURES | {"sliding_window", "tree_mask"}
+    SUPPORTED_FEATURES = AttentionBackend.SUPPORTED_FEATURES | {"sliding_window"}
+    # AttentionMetadata.tree_masks: torch SDPA per sequence, or the C kernel through
+    # AttentionMetadata.tree_kernel's tables.
+    SUPPORTS_TREE_MASK = True
 
     def __init__(self, use_cpu_kernel: bool = True) -> None:
         self.use_cpu_kernel = use_cpu_kernel
