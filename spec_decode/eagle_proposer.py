@@ -15,6 +15,11 @@ target's, are rewritten by a later step before anything reads them. The chain wr
 head's KV a few positions past the step (the scheduler allocates num_speculative_tokens
 lookahead slots for it). Drafts are the head's argmax (point masses for the rejection
 sampler).
+
+With a tree config (speculative_config["tree"]) the requests tree.supports_tree takes get
+an EAGLE-2 tree instead (eagle_tree.py; its parents through Proposer.tree_parents), the
+others a chain of `depth` drafts. After a tree step the kept rows are the root's and the
+accepted nodes' (ProposeContext.kept_rows), at consecutive positions like a chain's.
 """
 from __future__ import annotations
 
