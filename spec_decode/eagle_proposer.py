@@ -127,7 +127,8 @@ class EagleProposer(Proposer):
         capacity = torch.tensor([len(t) * self.block_size for t in tables], device=pos.device)
         for _ in range(self.k - 1):
             # A request whose slots end here (its last possible token) keeps rewriting its
-            # last slot: drafts past it are cut by the scheduler anyway (request_tokens.usable_drafts).
+            # last slot: drafts past it are cut by the scheduler anyway
+            # (request_tokens.usable_drafts).
             pos = torch.minimum(pos + 1, capacity - 1)
             meta, _ = build_attention_metadata([1] * len(tables), (pos + 1).tolist(), tables,
                                                self.block_size, pos.device)

@@ -76,13 +76,18 @@ def tree_attention_mask(parents: list[int], device: torch.device) -> Tensor:
     return mask.to(device)
 
 
+def node_index_paths(parents: list[int]) -> list[list[int]]:
+    """Each node's path from the root: the nodes on it, itself last."""
+    paths: list[list[int]] = []
+    for i, p in enumerate(parents):
+        paths.append((paths[p] if p >= 0 else []) + [i])
+    return paths
+
+
 def node_paths(tokens: list[int], parents: list[int]) -> list[list[int]]:
     """Each row's draft tokens before the token it predicts: [] for the root, node i's
     path from the root through node i (penalties and min_tokens count them)."""
-    paths: list[list[int]] = [[]]
-    for i, p in enumerate(parents):
-        paths.append(paths[p + 1] + [tokens[i]])
-    return paths
+    return [[]] + [[tokens[n] for n in path] for path in node_index_paths(parents)]
 
 
 def _children(parents: list[int]) -> list[list[int]]:

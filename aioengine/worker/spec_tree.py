@@ -26,7 +26,7 @@ from aioengine.core.scheduler_output import ScheduledRequest
 from aioengine.model.attention import AttentionMetadata, kernel_rows_plan, to_device
 from aioengine.model.tree_attention import TreeKernelRows
 from aioengine.spec_decode.tree import (TreeConfig, accepted_slot_moves, node_depths,
-                                        tree_attention_mask)
+                                        node_index_paths, tree_attention_mask)
 
 # Tree requests per step whose rows the C kernel attends for (scratch blocks are kept for
 # them: the draft head's default disable_by_batch_size); a step with more takes the torch
@@ -91,7 +91,7 @@ def _tree_kernel_rows(scheduled: list[ScheduledRequest], item_starts: list[int],
         assert item.spec_tree_parents is not None
         c, table = item.num_computed_tokens, item.block_ids
         b0 = (c + 1) // bs
-        for node, path in enumerate(_node_paths(item.spec_tree_parents)):
+        for node, path in enumerate(node_index_paths(item.spec_tree_parents)):
             length = c + 1 + len(path)
             count = -(-(length - b0 * bs) // bs)
             if len(free) < count:
@@ -114,13 +114,6 @@ def _tree_kernel_rows(scheduled: list[ScheduledRequest], item_starts: list[int],
         src_slots=torch.tensor(src, dtype=torch.long, device=device),
         dst_slots=torch.tensor(dst, dtype=torch.long, device=device))
 
-
-def _node_paths(parents: list[int]) -> list[list[int]]:
-    """Each node's path from the root: the nodes on it, itself last."""
-    paths: list[list[int]] = []
-    for i, p in enumerate(parents):
-        paths.append((paths[p] if p >= 0 else []) + [i])
-    return paths
 
 
 def move_accepted_kv(kv_caches: list[Tensor], item: ScheduledRequest,

@@ -17,7 +17,7 @@ from aioengine.model.attention import build_attention_metadata
 from aioengine.model.layers import Linear
 from aioengine.spec_decode.eagle import load_eagle_head
 from aioengine.spec_decode.eagle_tree import draft_trees
-from aioengine.spec_decode.tree import TreeConfig, node_depths
+from aioengine.spec_decode.tree import TreeConfig, node_depths, node_paths
 
 CPU = torch.device("cpu")
 H, VOCAB, BS = 64, 49152, 4
@@ -84,9 +84,7 @@ def test_tree_nodes_are_the_heads_top_k_along_their_paths(setup, config: TreeCon
     assert all(p < i for i, p in enumerate(tree.parents))  # parents first
     depths = node_depths(tree.parents)
     assert max(depths) <= config.depth and max(depths) >= 2
-    paths: list[list[int]] = []
-    for i, p in enumerate(tree.parents):
-        paths.append((paths[p] if p >= 0 else []) + [tree.tokens[i]])
+    paths = node_paths(tree.tokens, tree.parents)[1:]
     scores = []
     for i, p in enumerate(tree.parents):
         logp, top = path_topk(head, target, tokens, aux, paths[p] if p >= 0 else [],

@@ -19,8 +19,8 @@ from aioengine.kernels import cpu as cpu_kernels
 from aioengine.model.attention import TorchAttentionBackend, build_attention_metadata
 from aioengine.sample.ops import exponential_race
 from aioengine.spec_decode.tree import (TreeVerdict, accepted_slot_moves, node_depths,
-                                        node_paths, tree_attention_mask, verify_tree_greedy,
-                                        verify_tree_sampled)
+                                        node_index_paths, node_paths, tree_attention_mask,
+                                        verify_tree_greedy, verify_tree_sampled)
 from aioengine.worker.spec_tree import apply_tree_layout
 
 from tests.chi_square import ALPHA, chi2_sf, gof_statistic
@@ -81,7 +81,7 @@ def test_tree_mask_attends_like_each_path_alone() -> None:
     meta, _ = build_attention_metadata([n + 1], [ctx + n + 1], [table], bs, torch.device("cpu"))
     meta.tree_masks = {0: tree_attention_mask(PARENTS, torch.device("cpu"))}
     tree_out = backend.forward(q, k, v, cache, meta, 0.5)
-    for row, path in enumerate([[]] + [_path_rows(i) for i in range(n)]):
+    for row, path in enumerate([[]] + node_index_paths(PARENTS)):
         rows = [0] + [i + 1 for i in path]  # the root, then the path's nodes
         cache = fresh_cache()
         meta, _ = build_attention_metadata([len(rows)], [ctx + len(rows)], [table], bs,
@@ -121,19 +121,13 @@ def test_kernel_tree_rows_have_the_bits_of_chain_rows(ctx: int) -> None:
                       bs)
     assert meta.tree_kernel is not None
     tree_out = backend.forward(q, k, v, fresh_cache(), meta, 0.5)
-    for row, path in enumerate([[]] + [_path_rows(i) for i in range(n)]):
+    for row, path in enumerate([[]] + node_index_paths(PARENTS)):
         rows = [0] + [i + 1 for i in path]
         meta, _ = build_attention_metadata([len(rows)], [ctx + len(rows)], [table], bs, cpu)
         chain_out = backend.forward(q[rows], k[rows], v[rows], fresh_cache(), meta, 0.5)
         assert torch.equal(tree_out[row], chain_out[-1]), row
 
 
-def _path_rows(node: int) -> list[int]:
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = PARENTS[node]
-    return path[::-1]
 
 
 # ---- sampling ---------------------------------------------------------------------------
