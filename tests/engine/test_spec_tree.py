@@ -16,7 +16,7 @@ from aioengine.sampling_params import StructuredOutputs
 
 from tests.engine.conftest import assert_blocks_released
 from tests.engine.test_spec_decode import (GREEDY_NARROW, PATTERN, assert_speculated,
-                                           params_for, spec_prompts)
+                                           n2_logprobs_equal, params_for, spec_prompts)
 from tests.eagle_heads import make_random_eagle_head_dir
 
 __all__ = ["spec_prompts"]  # the fixture, shared with test_spec_decode.py
@@ -190,20 +190,4 @@ def test_n_greater_than_one_and_logprobs(tiny_llama_dir: Path, tree_spec: dict,
                                          spec_prompts: list[list[int]]) -> None:
     """Logprobs of tokens a tree step emitted are gathered from the accepted path's rows:
     the same as one token at a time (forks of an n = 2 request each draft their trees)."""
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, n=2, logprobs=2,
-                            logit_bias=GREEDY_NARROW.logit_bias)
-    plain = LLM(str(tiny_llama_dir), dtype="float32",
-                max_model_len=512).generate(spec_prompts[4:], params)
-    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=512,
-              speculative_config=tree_spec)
-    spec = llm.generate(spec_prompts[4:], params)
-    assert_blocks_released(llm.core)
-    for a, b in zip(spec, plain):
-        for x, y in zip(a.outputs, b.outputs):
-            assert x.token_ids == y.token_ids
-            assert [list(lp) for lp in x.logprobs] == [list(lp) for lp in y.logprobs]
-            for lx, ly in zip(x.logprobs, y.logprobs):
-                for tok in lx:
-                    assert lx[tok].logprob == pytest.approx(ly[tok].logprob, abs=1e-4)
-                    assert lx[tok].rank == ly[tok].rank
-    assert_deep_accepts(llm)
+    assert_deep_accepts(n2_logprobs_equal(tiny_llama_dir, spec_prompts[4:], tree_spec))
