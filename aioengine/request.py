@@ -91,6 +91,8 @@ class Request:
     # Draft tokens proposed after the last step (speculative decoding), verified in the
     # next one; never part of all_token_ids (nor of any block hash) until accepted.
     spec_token_ids: list[int] = field(default_factory=list)
+    # With tree drafts (spec_decode/tree.py), each draft's parent (-1: the root); None: a chain.
+    spec_tree_parents: list[int] | None = None
     # A pooling (prefill-only) request: no token is sampled; it ends once its prompt is
     # computed, with the pooled vector of its final hidden states (pooling_params.py).
     pooling_params: PoolingParams | None = None

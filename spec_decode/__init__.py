@@ -34,10 +34,33 @@ def make_proposer(config: SpeculativeConfig | None, loaded: LoadedModel, num_blo
     head = load_eagle_head(config.model, config.method, loaded.arch, dtype, device)
     if head.aux_layer_ids:
         loaded.model.aux_hidden_state_layers = head.aux_layer_ids
+    if config.tree is not None:
+        _check_tree_support(loaded)
     return EagleProposer(head, loaded.model, config.num_speculative_tokens, num_blocks,
-                         block_size)
+                         block_size, tree=config.tree)
+
+
+def _check_tree_support(loaded: LoadedModel) -> None:
+    """Tree drafts attend through a tree mask: only attention backends with
+    SUPPORTS_TREE_MASK honour it, and only layers that attend through the backend (no
+    soft-capping) with one KV cache group (no sliding windows). Anything else: refused."""
+    from aioengine.spec_decode.eagle import SpeculativeConfigError
+    model = loaded.model
+    backend = type(model.attn_backend)
+    if not backend.SUPPORTS_TREE_MASK:
+        raise SpeculativeConfigError(f"speculative_config.tree: the {backend.__name__} "
+                                     "attention backend has no tree attention mask")
+    if any(spec.attn_logit_softcapping is not None or spec.sliding_window is not None
+           for spec in model.layer_specs):
+        raise SpeculativeConfigError("speculative_config.tree: not with sliding-window or "
+                                     "soft-capped attention layers")
 
 
 def num_lookahead_tokens(config: SpeculativeConfig | None) -> int:
-    """KV slots a step needs past its tokens for the proposer (a draft head's chain)."""
-    return config.num_speculative_tokens if config and config.method != "ngram" else 0
+    """KV slots a step needs past its tokens for the proposer (a draft head's chain; a
+    tree's head rows, from the position after up to `depth` accepted drafts)."""
+    if config is None or config.method == "ngram":
+        return 0
+    if config.tree is not None:
+        return config.tree.depth + config.tree.num_head_rows
+    return config.num_speculative_tokens or 0

@@ -5,6 +5,8 @@
     {"method": "eagle3", "num_speculative_tokens": 3, "model": "/path/to/draft"}
     {"method": "eagle3"}   (the head shipped for the target, its n_predict draft tokens:
                             filled in by spec_decode.shipped once the target is known)
+    {"method": "eagle3", "tree": {"depth": 4, "top_k": 4, "num_nodes": 8}}
+                           (EAGLE-2 dynamic tree drafting: spec_decode/tree.py)
 
 Every error is a ConfigError naming the offending field, raised at engine start-up.
 """
@@ -16,9 +18,12 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from aioengine.errors import ConfigError
+from aioengine.spec_decode.tree import TreeConfig
 
 METHODS = ("ngram", "eagle", "eagle3")
 MAX_SPECULATIVE_TOKENS = 16
+# A tree's nodes (and its depth, top_k) per request and step.
+MAX_TREE_NODES = 64
 # vLLM's default when neither prompt_lookup_min nor prompt_lookup_max is given.
 DEFAULT_PROMPT_LOOKUP = 5
 # A draft head drafts only in steps of at most this many running requests, unless the
@@ -42,6 +47,8 @@ class SpeculativeConfig:
     # only add work. None = always speculate. Left out of the dict: None for n-gram,
     # DEFAULT_HEAD_DISABLE_BY_BATCH_SIZE for a draft head (eagle, eagle3).
     disable_by_batch_size: int | None = None
+    # Draft heads only: draft a tree (EAGLE-2) instead of a chain; None = a chain.
+    tree: TreeConfig | None = None
 
     @classmethod
     def parse(cls, value: dict[str, Any] | str | SpeculativeConfig | None,
@@ -94,8 +101,40 @@ class SpeculativeConfig:
         if limit is not None and (not _is_int(limit) or limit < 1):
             raise ConfigError("speculative_config.disable_by_batch_size must be an integer "
                               f">= 1, got {limit!r}")
+        tree = _parse_tree(value.get("tree"), method)
+        if tree is not None:  # a tree's depth is the longest run of drafts it verifies
+            if k is not None and k != tree.depth:
+                raise ConfigError(f"speculative_config.num_speculative_tokens ({k}) must equal "
+                                  f"tree.depth ({tree.depth}) or be left out")
+            k = tree.depth
         return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo,
-                   prompt_lookup_max=hi, model=model, disable_by_batch_size=limit)
+                   prompt_lookup_max=hi, model=model, disable_by_batch_size=limit,
+                   tree=tree)
+
+
+def _parse_tree(value: object, method: str) -> TreeConfig | None:
+    if value is None or isinstance(value, TreeConfig):
+        return value
+    if method == "ngram":
+        raise ConfigError("speculative_config.tree needs a draft head (method eagle / eagle3)")
+    if not isinstance(value, dict):
+        raise ConfigError("speculative_config.tree must be an object with depth, top_k and "
+                          f"num_nodes, got {value!r}")
+    names = [f.name for f in fields(TreeConfig)]
+    unknown = sorted(set(value) - set(names))
+    if unknown:
+        raise ConfigError(f"speculative_config.tree has unknown field(s) {unknown}; "
+                          f"known: {names}")
+    for name in names:
+        v = value.get(name)
+        if not _is_int(v) or not 1 <= v <= MAX_TREE_NODES:
+            raise ConfigError(f"speculative_config.tree.{name} must be an integer in "
+                              f"[1, {MAX_TREE_NODES}], got {v!r}")
+    tree = TreeConfig(**value)
+    if tree.num_nodes < tree.depth:
+        raise ConfigError(f"speculative_config.tree.num_nodes ({tree.num_nodes}) must be >= "
+                          f"depth ({tree.depth})")
+    return tree
 
 
 def _is_int(v: object) -> bool:

@@ -172,6 +172,17 @@ class EagleHead(nn.Module):
             return best
         return best if self.draft_to_target is None else self.draft_to_target[best]
 
+    def draft_topk(self, hidden: Tensor, target_lm_head: Linear, k: int,
+                   ) -> tuple[Tensor, Tensor]:
+        """logits_hidden [N, H] -> (log-probabilities [N, k] float32, target ids [N, k]) of
+        the k most likely draft tokens, best first (tree drafting's candidates)."""
+        head = self.lm_head if self.lm_head is not None else target_lm_head
+        top = torch.log_softmax(head(hidden).float(), dim=1).topk(k, dim=1)
+        ids = top.indices
+        if self.lm_head is not None and self.draft_to_target is not None:
+            ids = self.draft_to_target[ids]
+        return top.values, ids
+
     def compute_logits(self, hidden: Tensor, target_lm_head: Linear) -> Tensor:
         """logits_hidden [N, H] -> float32 logits [N, V_target]: through the head's own
         lm_head where it has one (a reduced vocabulary scattered through d2t, the target

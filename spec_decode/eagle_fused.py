@@ -59,6 +59,7 @@ class FusedEagleStep:
         where the kernel does not apply."""
         t = emb.shape[0]
         if not (self.enabled and t > 0 and (self.packed or t <= FUSED_DECODE_MAX_TOKENS)
+                and meta.tree_masks is None  # the kernel attends causally
                 and emb.dtype == hidden.dtype == torch.float32 and kv_cache.dim() == 5):
             return None
         table = self._layer_table(kv_cache)

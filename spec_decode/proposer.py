@@ -9,7 +9,7 @@ target's hidden states.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
@@ -17,6 +17,7 @@ from aioengine.core.scheduler_output import ScheduledRequest
 from aioengine.model.attention import AttentionMetadata
 from aioengine.request import Request
 from aioengine.spec_decode.ngram import NgramLookup
+from aioengine.spec_decode.tree import TreeConfig
 
 
 @dataclass
@@ -29,6 +30,18 @@ class ProposeContext:
     hidden: Tensor  # [T, H] the target's final-normed hidden states
     aux_hidden: Tensor | None  # [T, n * H] the target's auxiliary layers (EAGLE-3)
     attn_metadata: AttentionMetadata
+    # Verified trees (spec_decode/tree.py): request_id -> its accepted nodes, root to leaf.
+    accepted_tree_nodes: dict[str, list[int]] = field(default_factory=dict)
+
+    def kept_rows(self, i: int, num_kept: int) -> list[int]:
+        """Item i's first `num_kept` verified rows on the accepted path (step rows): a
+        chain's are consecutive, a tree's the root and its accepted nodes."""
+        start = self.item_starts[i]
+        item = self.scheduled[i]
+        if not item.is_tree:
+            return list(range(start, start + num_kept))
+        nodes = self.accepted_tree_nodes.get(item.request.request_id, [])
+        return [start + row for row in ([0] + [n + 1 for n in nodes])[:num_kept]]
 
     def samples(self) -> list[tuple[int, Request, list[int]]]:
         """(item index, sample, the tokens just sampled for it) for every sample that got
@@ -47,9 +60,17 @@ class ProposeContext:
 
 
 class Proposer(abc.ABC):
+    # Tree drafting's shape (spec_decode/tree.py), None: this proposer drafts chains only.
+    tree: TreeConfig | None = None
+
     @abc.abstractmethod
     def propose(self, ctx: ProposeContext) -> dict[str, list[int]]:
         """Drafts for the step after `ctx` (runs on the worker, after sampling)."""
+
+    def tree_parents(self) -> dict[str, list[int]]:
+        """Of the drafts `propose` just returned, those that form a tree: request_id ->
+        each draft's parent (spec_decode/tree.py); the others are chains."""
+        return {}
 
 
 class NgramProposer(Proposer):

@@ -12,7 +12,8 @@ mean acceptance length (tokens per verification, vLLM's count) and the acceptanc
 per draft position, and whether every output equalled `off`'s.
 
     --specs off,ngram,eagle3:2,eagle3:4     off | ngram (k=3, lookup 2..5) | ngramK |
-                                            eagle3[:K] (the shipped head, or --draft-model)
+                                            eagle3[:K] (the shipped head, or --draft-model) |
+                                            eagle3tree:D:K:N (tree: depth, top_k, nodes)
 """
 from __future__ import annotations
 
@@ -37,6 +38,14 @@ def parse_spec(name: str, draft_model: str | None) -> dict[str, Any] | None:
         k = int(name[5:] or NGRAM["num_speculative_tokens"])
         return {**NGRAM, "num_speculative_tokens": k}
     method, _, k = name.partition(":")
+    if method.endswith("tree"):  # eagle3tree:D:K:N, a tree of depth D, top_k K, N nodes
+        try:
+            depth, top_k, num_nodes = (int(x) for x in k.split(":"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--specs {name!r}: {method}:DEPTH:TOP_K:NODES")
+        spec = parse_spec(method[:-len("tree")], draft_model)
+        assert spec is not None
+        return {**spec, "tree": {"depth": depth, "top_k": top_k, "num_nodes": num_nodes}}
     if method not in ("eagle", "eagle3"):
         raise argparse.ArgumentTypeError(f"unknown --specs entry {name!r}")
     spec: dict[str, Any] = {"method": method}
@@ -55,7 +64,8 @@ def add_spec_parser(sub: Any) -> None:
     p.add_argument("--specs", default=DEFAULT_SPECS,
                    help=f"comma-separated configurations (default {DEFAULT_SPECS}): off, "
                         "ngram (k=3, lookup 2..5), ngramK, eagle3[:K] (K draft tokens; "
-                        "without K the head's n_predict)")
+                        "without K the head's n_predict), eagle3tree:D:K:N (EAGLE-2 tree "
+                        "drafting: depth D, top_k K, N nodes)")
     p.add_argument("--draft-model", default=None,
                    help="the EAGLE head's directory (default: the one shipped for the model)")
     p.add_argument("--prompts", choices=("held-out", "grounded"), default="held-out",

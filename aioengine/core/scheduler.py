@@ -235,7 +235,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.spec_token_ids = []
+        request.spec_token_ids, request.spec_tree_parents = [], None
         if request.pooling_params is not None:  # its chunks are computed again
             request.pooling_state = PoolingState(request.pooling_params)
         request.num_preemptions += 1
@@ -257,6 +257,7 @@ class Scheduler:
             start = request.num_computed_tokens
             end = start + num_new - num_spec
             drafts = request.spec_token_ids[:num_spec]
+            parents = request.spec_tree_parents
             items.append(ScheduledRequest(
                 request=request,
                 num_computed_tokens=start,
@@ -268,6 +269,7 @@ class Scheduler:
                 want_prompt_logprobs=(request.sampling_params.prompt_logprobs is not None
                                       and start < request.num_prompt_tokens),
                 spec_token_ids=drafts,
+                spec_tree_parents=parents[:num_spec] if parents and drafts else None,
             ))
         # Decodes first: the attention backend batches all single-token rows in one call
         # (a request with drafts is one decode row per position).
@@ -319,7 +321,7 @@ class Scheduler:
                 continue
             num_drafts = len(item.spec_token_ids)
             request.num_computed_tokens += item.num_new_tokens - num_drafts
-            request.spec_token_ids = []
+            request.spec_token_ids, request.spec_tree_parents = [], None
             rid = request.request_id
             if request.pooling_state is not None:
                 pooled = self._pool(request, runner_output.pooler_output.get(rid))
@@ -343,7 +345,8 @@ class Scheduler:
                 outputs.append(self._append_run(
                     sample, run, logprobs[start:start + len(run)] if logprobs else None,
                     prompt_lps if i == 0 else None,
-                    runner_output.spec_token_ids.get(sample.request_id)))
+                    runner_output.spec_token_ids.get(sample.request_id),
+                    runner_output.spec_tree_parents.get(sample.request_id)))
                 start += len(run)
         for out in outputs:
             if out.finished and out.request.request_id in self.requests:
@@ -364,7 +367,8 @@ class Scheduler:
         return request.pooling_state.finish(request.num_prompt_tokens)
 
     def _append_run(self, request: Request, tokens: list[int], logprobs: list | None,
-                    prompt_lps: list | None, drafts: list[int] | None) -> EngineCoreOutput:
+                    prompt_lps: list | None, drafts: list[int] | None,
+                    tree_parents: list[int] | None = None) -> EngineCoreOutput:
         """Appends `tokens` (sampled in one step for `request`, each after the one before)
         until one ends the request or brings jump-forward tokens; takes the drafts the
         runner proposed after them only if every token was kept."""
@@ -384,6 +388,9 @@ class Scheduler:
                 break
         if drafts and kept == len(tokens) and not request.is_finished and not extra:
             request.spec_token_ids = usable_drafts(request, drafts, self.features, self.config)
+            # A tree's drafts are listed parents first: a prefix of them is a tree.
+            request.spec_tree_parents = (tree_parents[:len(request.spec_token_ids)]
+                                         if tree_parents is not None else None)
         return EngineCoreOutput(request, new_token_ids,
                                 new_logprobs=logprobs[:kept] if logprobs else None,
                                 prompt_logprobs=prompt_lps)

@@ -44,6 +44,9 @@ class ScheduledRequest:
     # token_ids. The runner computes each of the 1 + len() positions as its own row and
     # samples all of them (spec_decode's rejection sampler).
     spec_token_ids: list[int] = field(default_factory=list)
+    # Tree drafts (spec_decode/tree.py): each draft's parent, -1 the root; None: a chain.
+    # A tree is one attention sequence of 1 + drafts rows with a tree mask, not decode rows.
+    spec_tree_parents: list[int] | None = None
     # The tables of KV cache groups 1 .. n-1 (kv_cache_groups.py), block_ids being group
     # 0's: empty unless the model mixes full and sliding-window layers.
     group_block_ids: tuple[list[int], ...] = ()
@@ -53,9 +56,16 @@ class ScheduledRequest:
         return len(self.token_ids)
 
     @property
+    def is_tree(self) -> bool:
+        """Verifies tree drafts: its rows attend through a tree mask."""
+        return self.spec_tree_parents is not None and bool(self.spec_token_ids)
+
+    @property
     def is_decode(self) -> bool:
-        """One token, one plus drafts, or a chunk of at most DECODE_ROWS_CHUNK tokens:
-        every row attends as a decode row."""
+        """One token, one plus chain drafts, or a chunk of at most DECODE_ROWS_CHUNK
+        tokens: every row attends as a decode row."""
+        if self.is_tree:
+            return False
         return len(self.token_ids) <= DECODE_ROWS_CHUNK or bool(self.spec_token_ids)
 
     @property
@@ -89,6 +99,10 @@ class ModelRunnerOutput:
     # Speculative decoding: request_id -> drafts proposed for the step after this one,
     # assuming every token in sampled_token_ids is kept (else update_from_output drops them).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Tree drafts: request_id -> each draft's parent (-1: the root); absent for a chain.
+    spec_tree_parents: dict[str, list[int]] = field(default_factory=dict)
+    # The accepted tree nodes of a verified tree (spec_decode/tree.py), root to leaf.
+    accepted_tree_nodes: dict[str, list[int]] = field(default_factory=dict)
     # Pooling requests: request_id -> this chunk's share of the pooled vector (float32,
     # pooling_params.chunk_share; absent when the chunk holds nothing the pooling reads).
     pooler_output: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from aioengine.kernels import cpu as cpu_kernels
+from aioengine.model.tree_attention import TreeKernelRows
 
 
 @dataclass
@@ -45,6 +46,16 @@ class AttentionMetadata:
     # KV cache groups (core/kv_cache_groups.py): each layer's metadata, those of a group
     # sharing its block tables and slot mapping; None: this one for every layer.
     layer_metas: tuple[AttentionMetadata, ...] | None = None
+    # Tree attention (speculative tree drafts, spec_decode/tree.py): sequence i -> a bool
+    # mask [query_len, R] over its last R keys (the tree's slots): its queries see every
+    # key before them and, of those R, only where the mask says. Only backends with
+    # SUPPORTS_TREE_MASK honour it; None: causal attention everywhere.
+    tree_masks: dict[int, Tensor] | None = None
+    # The same trees for the C kernel (worker/spec_tree.py), which has no mask: each node
+    # row reads a table of its own whose last blocks are scratch copies of the context's
+    # tail and the row's path, so it sees exactly what a chain's row would, at the same
+    # positions (the same bits). None: tree steps take the torch path.
+    tree_kernel: TreeKernelRows | None = None
 
     def for_layer(self, layer_idx: int) -> AttentionMetadata:
         """The metadata layer `layer_idx` attends with (its KV cache group's)."""
@@ -158,6 +169,9 @@ class AttentionBackend(abc.ABC):
     implements; a model refuses a backend that lacks one its layers use."""
 
     SUPPORTED_FEATURES: frozenset[str] = frozenset({"qk_norm", "attention_bias"})
+    # Whether it honours AttentionMetadata.tree_masks (speculative tree drafts); a tree
+    # draft config is refused with a backend that does not.
+    SUPPORTS_TREE_MASK: bool = False
 
     @abc.abstractmethod
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor,
@@ -203,6 +217,9 @@ class TorchAttentionBackend(AttentionBackend):
     """
 
     SUPPORTED_FEATURES = AttentionBackend.SUPPORTED_FEATURES | {"sliding_window"}
+    # AttentionMetadata.tree_masks: torch SDPA per sequence, or the C kernel through
+    # AttentionMetadata.tree_kernel's tables.
+    SUPPORTS_TREE_MASK = True
 
     def __init__(self, use_cpu_kernel: bool = True) -> None:
         self.use_cpu_kernel = use_cpu_kernel
@@ -213,7 +230,8 @@ class TorchAttentionBackend(AttentionBackend):
         num_tokens = meta.num_actual_tokens
         # Write first: a request may read blocks another request wrote in this very step.
         write_to_kv_cache(k[:num_tokens], v[:num_tokens], kv_cache, meta.slot_mapping)
-        if self._kernel_applies(q, kv_cache):
+        if ((meta.tree_masks is None or meta.tree_kernel is not None)
+                and self._kernel_applies(q, kv_cache)):
             out = self._kernel_rows(q, kv_cache, meta, scale, sliding_window)
             if out is not None:
                 return out
@@ -222,7 +240,8 @@ class TorchAttentionBackend(AttentionBackend):
             # fresh K/V as the cache holds them, so a prefix-cache hit sees what a recompute
             # would (the C kernel reads them back from the cache).
             k, v = k.to(kv_cache.dtype).to(q.dtype), v.to(kv_cache.dtype).to(q.dtype)
-        nd = meta.num_decodes
+        # With tree masks every sequence attends on its own (the batched decode has none).
+        nd = meta.num_decodes if meta.tree_masks is None else 0
         if nd == meta.num_reqs:  # a decode-only step
             return self._decode(q, kv_cache, meta, scale, sliding_window)
         out = torch.empty_like(q)
@@ -244,14 +263,21 @@ class TorchAttentionBackend(AttentionBackend):
                      sliding_window: int | None) -> Tensor | None:
         """The kernel's output for every token of the step, in one call; None, computing
         nothing, when the kernel is not built."""
-        plan = meta.backend_cache.get("kernel_rows")
-        if plan is None:
-            plan = meta.backend_cache["kernel_rows"] = _kernel_plan(meta)
-        row_to_req, row_seq_lens = plan
+        tables = meta.block_tables
+        if meta.tree_kernel is not None:
+            tree = meta.tree_kernel
+            tree.fill_scratch(kv_cache)
+            tables, row_to_req, row_seq_lens = (tree.block_tables, tree.row_to_req,
+                                                tree.row_seq_lens)
+        else:
+            plan = meta.backend_cache.get("kernel_rows")
+            if plan is None:
+                plan = meta.backend_cache["kernel_rows"] = kernel_rows_plan(meta)
+            row_to_req, row_seq_lens = plan
         num_tokens = meta.num_actual_tokens
         q_rows = q[:num_tokens].contiguous()
         o = torch.empty_like(q_rows)
-        if not cpu_kernels.paged_attention(o, q_rows, kv_cache, meta.block_tables, row_to_req,
+        if not cpu_kernels.paged_attention(o, q_rows, kv_cache, tables, row_to_req,
                                            row_seq_lens, scale, sliding_window=sliding_window):
             return None
         if q.shape[0] == num_tokens:
@@ -286,7 +312,9 @@ class TorchAttentionBackend(AttentionBackend):
         seq_len = meta.seq_lens_cpu[i]
         context_len = seq_len - query_len
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, Tq, D]
-        if context_len == 0 and (sliding_window is None or seq_len <= sliding_window):
+        tree_mask = None if meta.tree_masks is None else meta.tree_masks.get(i)
+        if (context_len == 0 and tree_mask is None
+                and (sliding_window is None or seq_len <= sliding_window)):
             # The whole sequence is in this step: attend to the fresh K/V directly.
             kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
@@ -308,6 +336,8 @@ class TorchAttentionBackend(AttentionBackend):
         q_pos = torch.arange(context_len, seq_len, device=q.device)[:, None]
         k_pos = torch.arange(start, seq_len, device=q.device)[None, :]
         mask = k_pos <= q_pos
+        if tree_mask is not None:  # the tree's slots: only ancestors and itself
+            mask[:, mask.shape[1] - tree_mask.shape[1]:] = tree_mask
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
         o = F.scaled_dot_product_attention(qh, kh.unsqueeze(0), vh.unsqueeze(0), attn_mask=mask,
@@ -315,7 +345,7 @@ class TorchAttentionBackend(AttentionBackend):
         return o.squeeze(0).transpose(0, 1)
 
 
-def _kernel_plan(meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+def kernel_rows_plan(meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
     """(row_to_req, row_seq_lens) [T] int32 of the kernel's rows, one per token of the step
     (row j of a request with context_len cached positions sees context_len + j + 1).
     Vectorised with numpy, and a decode-only step without it (its rows are its requests)."""

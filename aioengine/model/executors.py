@@ -96,8 +96,8 @@ class FusedCpuDecodeExecutor:
 
     def supports(self, x: Tensor, meta: AttentionMetadata) -> bool:
         """The step is decode-only and small, on the CPU in float32, with the torch
-        attention backend and its C kernel, on layers with only SUPPORTED_FEATURES, and
-        no sequence longer than the smallest sliding window."""
+        attention backend and its C kernel, on layers with only SUPPORTED_FEATURES, no
+        sequence longer than the smallest sliding window, and no tree mask."""
         num_tokens = x.shape[0]
         backend = self.model.attn_backend
         return (self.enabled and not self.declined and bool(self.model.layers)
@@ -105,6 +105,7 @@ class FusedCpuDecodeExecutor:
                 and meta.num_decodes == meta.num_reqs == meta.num_actual_tokens == num_tokens
                 and (self.max_seq_len is None or meta.max_seq_len <= self.max_seq_len)
                 and meta.layer_metas is None  # one block table for every layer
+                and meta.tree_masks is None  # causal attention only
                 and type(backend) is TorchAttentionBackend and backend.use_cpu_kernel
                 and x.device.type == "cpu" and x.dtype == torch.float32)
 

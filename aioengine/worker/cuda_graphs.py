@@ -101,7 +101,8 @@ class CUDAGraphRunner:
         return (meta.num_decodes == n == meta.num_actual_tokens and n <= self.sizes[-1]
                 and meta.block_tables.shape[1] <= self.block_tables.shape[1]
                 and not self.model.aux_hidden_state_layers and self.model.cuda_graph_safe
-                and meta.layer_metas is None)  # captured with one block table
+                and meta.layer_metas is None  # captured with one block table
+                and meta.tree_masks is None)  # and causal attention
 
     def _load_padding(self, n: int) -> None:
         self.input_ids[n:].zero_()

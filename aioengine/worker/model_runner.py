@@ -33,15 +33,16 @@ from aioengine.model.loader import LoadedModel
 from aioengine.pooling_params import chunk_share
 from aioengine.request import Request
 from aioengine.structured import GrammarBitmask
-from aioengine.sample import (Sampler, SamplingMetadata, SamplingRow, compute_probs,
-                              compute_prompt_logprobs, gather_logprobs, is_plain_greedy,
-                              make_generator)
+from aioengine.sample import (Sampler, SamplingMetadata, SamplingRow,
+                              compute_prompt_logprobs, is_plain_greedy, make_generator)
 from aioengine.spec_decode.proposer import ProposeContext, Proposer
-from aioengine.spec_decode.rejection_sampler import VerifyRows, accept_greedy, accept_sampled
+from aioengine.spec_decode.tree import node_paths
 from aioengine.worker.async_output import AsyncModelRunnerOutput, HostCopier
 from aioengine.worker.runner_outputs import (PlainSample, plain_tensors, read_plain,
                                              to_position_logprobs)
 from aioengine.worker.cuda_graphs import CUDAGraphRunner
+from aioengine.worker.spec_tree import apply_tree_layout, num_tree_scratch_blocks
+from aioengine.worker.verify import DraftVerifyContext, verify_drafts
 from aioengine.worker.step_layout import LayerKVGroups, step_layout
 
 
@@ -67,7 +68,11 @@ class ModelRunner:
         # Each layer's KV cache group (None: one group, `num_blocks` blocks in every layer).
         self.kv_groups = LayerKVGroups(kv_groups, loaded.arch.num_hidden_layers) \
             if kv_groups else None
-        layer_blocks = self.kv_groups.layer_blocks if self.kv_groups else num_blocks
+        # Past the pool's blocks: scratch for the C kernel's tree rows (worker/spec_tree.py).
+        scratch = 0 if kv_groups else num_tree_scratch_blocks(
+            proposer.tree if proposer else None, block_size)
+        self.tree_scratch_blocks = list(range(num_blocks, num_blocks + scratch))
+        layer_blocks = self.kv_groups.layer_blocks if self.kv_groups else num_blocks + scratch
         # The blocks every layer has (warm_up writes only those).
         self.num_blocks = min(self.kv_groups.layer_blocks) if self.kv_groups else num_blocks
         self.kv_caches = make_kv_caches(loaded.arch, layer_blocks, block_size, kv_cache_dtype,
@@ -131,6 +136,8 @@ class ModelRunner:
         if self.kv_groups is not None:
             attn_metadata.layer_metas = self.kv_groups.layer_metas(
                 scheduled, query_lens, seq_lens, attn_metadata, self.block_size, self.device)
+        positions = apply_tree_layout(scheduled, item_starts, attn_metadata, positions,
+                                      self.tree_scratch_blocks, self.block_size)
         prepared = time.perf_counter()
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(attn_metadata):
             hidden = self.cuda_graphs.run(input_ids, positions, attn_metadata, before_layers)
@@ -165,7 +172,9 @@ class ModelRunner:
             output.spec_token_ids = self.proposer.propose(ProposeContext(
                 scheduled=scheduled, sampled_token_ids=output.sampled_token_ids,
                 item_starts=item_starts, input_ids=input_ids, positions=positions,
-                hidden=hidden, aux_hidden=aux_hidden, attn_metadata=attn_metadata))
+                hidden=hidden, aux_hidden=aux_hidden, attn_metadata=attn_metadata,
+                accepted_tree_nodes=output.accepted_tree_nodes))
+            output.spec_tree_parents = self.proposer.tree_parents()
         output.timings = {"prepare": prepared - start, "forward": forwarded - prepared,
                           "sample": sampled - forwarded, "propose": time.perf_counter() - sampled}
         return output
@@ -267,8 +276,9 @@ class ModelRunner:
             drafts = item.spec_token_ids
             if drafts:
                 row_index.extend(range(end - len(drafts) - 1, end))
-                rows.extend(self._sampling_row(item.request, drafts[:j])
-                            for j in range(len(drafts) + 1))
+                paths = (node_paths(drafts, item.spec_tree_parents) if item.is_tree
+                         else [drafts[:j] for j in range(len(drafts) + 1)])
+                rows.extend(self._sampling_row(item.request, path) for path in paths)
             else:
                 samples = [item.request] + item.request.pending_forks[:item.num_samples - 1]
                 for sample in samples:
@@ -327,34 +337,10 @@ class ModelRunner:
 
     def _verify(self, logits: torch.Tensor, rows: list[SamplingRow],
                 owners: list[ScheduledRequest], output: ModelRunnerOutput) -> None:
-        """Items with drafts: row j of an item is its target distribution after its first j
-        drafts; the rejection sampler turns them into the tokens the item keeps."""
-        raw_logprobs = None
-        if any(row.params.logprobs is not None for row in rows):
-            raw_logprobs = torch.log_softmax(logits, dim=1)  # before any processor (vLLM)
-        probs = None
-        if all(is_plain_greedy(row) for row in rows):
-            argmax = logits.argmax(dim=1).tolist()
-        else:
-            metadata = SamplingMetadata.build(rows, self.vocab_size, self.device)
-            probs = compute_probs(logits, metadata)  # one-hot for greedy rows
-            argmax = probs.argmax(dim=1).tolist()
-        r = 0
-        for item in owners:
-            request, drafts = item.request, item.spec_token_ids
-            params = request.sampling_params
-            if probs is None or params.greedy:
-                tokens = accept_greedy(argmax, drafts, r)
-            else:
-                tokens = accept_sampled(probs, VerifyRows(r, drafts, request.generator),
-                                        self.sampler.generator)
-            output.sampled_token_ids[request.request_id] = tokens
-            if params.logprobs is not None and raw_logprobs is not None:
-                ids, lps, ranks = gather_logprobs(
-                    raw_logprobs[r:r + len(tokens)],
-                    torch.tensor(tokens, dtype=torch.long, device=self.device), params.logprobs)
-                output.logprobs[request.request_id] = to_position_logprobs(ids, lps, ranks) or []
-            r += len(drafts) + 1
+        """Items with drafts (chains or trees): worker/verify.py."""
+        verify_drafts(logits, rows, owners, output, DraftVerifyContext(
+            self.vocab_size, self.device, self.sampler.generator, self.kv_caches,
+            self.block_size))
 
     def _sampling_row(self, request: Request, drafts: list[int] | None = None) -> SamplingRow:
         """The row of `request`'s next token; with `drafts`, of the token after them (they

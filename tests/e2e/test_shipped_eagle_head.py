@@ -34,6 +34,21 @@ def _tokens(outs) -> list[list[list[int]]]:
     return [[c.token_ids for c in o.outputs] for o in outs]
 
 
+def greedy_chats_equal(plain: LLM, spec: LLM, num_prompts: int = 6) -> dict:
+    """The first held-out chat prompts, each alone through both engines: the greedy tokens
+    are equal. Returns the speculative counters' change (metrics.spec_decode_delta).
+
+    One request at a time: the fused decode kernel (steps of <= 8 tokens) computes a row
+    alike whatever the step's size; a batch whose verification step exceeds 8 tokens
+    takes the layer path, whose summation order differs (batch variance, as in vLLM)."""
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    before = spec.core.stats()
+    for prompt in split_prompts()[1][:num_prompts]:
+        chat = [{"role": "user", "content": prompt}]
+        assert _tokens(spec.generate([chat], params)) == _tokens(plain.generate([chat], params))
+    return spec_decode_delta(before, spec.core.stats())
+
+
 def test_the_shipped_head_is_found_and_small() -> None:
     size = os.path.getsize(os.path.join(HEAD_DIR, "model.safetensors"))
     assert size < 18 * 2**20, size
@@ -47,15 +62,7 @@ def test_greedy_chat_equal_with_the_shipped_head(engines) -> None:
     assert spec.core.speculative_config.model == HEAD_DIR
     assert spec.core.speculative_config.num_speculative_tokens == json.load(
         open(os.path.join(HEAD_DIR, "config.json")))["n_predict"]
-    params = SamplingParams(temperature=0.0, max_tokens=64)
-    before = spec.core.stats()
-    # One request at a time: the fused decode kernel (steps of <= 8 tokens) computes a row
-    # alike whatever the step's size; a batch whose verification step exceeds 8 tokens
-    # takes the layer path, whose summation order differs (batch variance, as in vLLM).
-    for prompt in split_prompts()[1][:6]:
-        chat = [{"role": "user", "content": prompt}]
-        assert _tokens(spec.generate([chat], params)) == _tokens(plain.generate([chat], params))
-    delta = spec_decode_delta(before, spec.core.stats())
+    delta = greedy_chats_equal(plain, spec)
     # An untrained head gives ~1.0; the shipped one kept 1.44 tokens per step in the benchmark.
     assert delta["num_drafts"] > 0 and delta["mean_acceptance_length"] > 1.25, delta
 

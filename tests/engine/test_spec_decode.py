@@ -161,16 +161,16 @@ def test_stop_string_inside_a_draft(tiny_llama_dir: Path, spec_prompts: list[lis
     assert_speculated(llm)
 
 
-def test_n_greater_than_one_and_logprobs(tiny_llama_dir: Path,
-                                         spec_prompts: list[list[int]]) -> None:
+def n2_logprobs_equal(model_dir: Path, prompts: list[list[int]], spec: dict) -> LLM:
+    """n = 2 with logprobs, greedy: the same tokens, logprobs and ranks with `spec` as
+    without it; returns the speculating LLM."""
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, n=2, logprobs=2,
                             logit_bias=NARROW)
-    plain = LLM(str(tiny_llama_dir), dtype="float32",
-                max_model_len=512).generate(spec_prompts[4:], params)
-    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=512, speculative_config=NGRAM)
-    spec = llm.generate(spec_prompts[4:], params)
+    plain = LLM(str(model_dir), dtype="float32", max_model_len=512).generate(prompts, params)
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=512, speculative_config=spec)
+    outs = llm.generate(prompts, params)
     assert_blocks_released(llm.core)
-    for a, b in zip(spec, plain):
+    for a, b in zip(outs, plain):
         for x, y in zip(a.outputs, b.outputs):
             assert x.token_ids == y.token_ids
             assert [list(lp) for lp in x.logprobs] == [list(lp) for lp in y.logprobs]
@@ -178,7 +178,12 @@ def test_n_greater_than_one_and_logprobs(tiny_llama_dir: Path,
                 for tok in lx:
                     assert lx[tok].logprob == pytest.approx(ly[tok].logprob, abs=1e-4)
                     assert lx[tok].rank == ly[tok].rank
-    assert_speculated(llm)
+    return llm
+
+
+def test_n_greater_than_one_and_logprobs(tiny_llama_dir: Path,
+                                         spec_prompts: list[list[int]]) -> None:
+    assert_speculated(n2_logprobs_equal(tiny_llama_dir, spec_prompts[4:], NGRAM))
 
 
 def test_prefix_cache_holds_only_verified_kv(tiny_llama_dir: Path,

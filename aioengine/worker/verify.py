@@ -1,0 +1,81 @@
+"""Verification of a step's drafts on the runner: each item with drafts (a chain, or a
+tree: spec_decode/tree.py) turns its verified rows of logits into the tokens it keeps."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from aioengine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest
+from aioengine.sample import (SamplingMetadata, SamplingRow, compute_probs, gather_logprobs,
+                              is_plain_greedy)
+from aioengine.spec_decode.rejection_sampler import VerifyRows, accept_greedy, accept_sampled
+from aioengine.spec_decode.tree import verify_tree_greedy, verify_tree_sampled
+from aioengine.worker.runner_outputs import to_position_logprobs
+from aioengine.worker.spec_tree import move_accepted_kv
+
+
+@dataclass
+class DraftVerifyContext:
+    """What verification needs from the runner."""
+
+    vocab_size: int
+    device: torch.device
+    shared_generator: torch.Generator  # unseeded requests' draws
+    kv_caches: list[torch.Tensor]  # a tree's accepted nodes' K/V are moved in them
+    block_size: int
+
+
+def verify_drafts(logits: torch.Tensor, rows: list[SamplingRow],
+                  owners: list[ScheduledRequest], output: ModelRunnerOutput,
+                  ctx: DraftVerifyContext) -> None:
+    """Row j of a chain item is its target distribution after its first j drafts (of a
+    tree item: row 0 the root's, row 1 + i after node i's path); the rejection sampler
+    turns them into the tokens the item keeps, into `output`."""
+    raw_logprobs = None
+    if any(row.params.logprobs is not None for row in rows):
+        raw_logprobs = torch.log_softmax(logits, dim=1)  # before any processor (vLLM)
+    probs = None
+    if all(is_plain_greedy(row) for row in rows):
+        argmax = logits.argmax(dim=1).tolist()
+    else:
+        metadata = SamplingMetadata.build(rows, ctx.vocab_size, ctx.device)
+        probs = compute_probs(logits, metadata)  # one-hot for greedy rows
+        argmax = probs.argmax(dim=1).tolist()
+    r = 0
+    for item in owners:
+        request, params = item.request, item.request.sampling_params
+        tokens, emitted_rows = _accept(item, argmax, probs, r, ctx)
+        output.sampled_token_ids[request.request_id] = tokens
+        if item.is_tree:
+            output.accepted_tree_nodes[request.request_id] = [n - 1 for n in emitted_rows[1:]]
+        if params.logprobs is not None and raw_logprobs is not None:
+            ids, lps, ranks = gather_logprobs(
+                raw_logprobs[[r + row for row in emitted_rows]],
+                torch.tensor(tokens, dtype=torch.long, device=ctx.device), params.logprobs)
+            output.logprobs[request.request_id] = to_position_logprobs(ids, lps, ranks) or []
+        r += len(item.spec_token_ids) + 1
+
+
+def _accept(item: ScheduledRequest, argmax: list[int], probs: torch.Tensor | None,
+            first_row: int, ctx: DraftVerifyContext) -> tuple[list[int], list[int]]:
+    """One item's emitted tokens and the rows (from its first) each was sampled at. A
+    tree's accepted nodes' K/V are moved to the path's slots here."""
+    request, drafts = item.request, item.spec_token_ids
+    greedy = probs is None or request.sampling_params.greedy
+    if not item.is_tree:
+        if greedy:
+            tokens = accept_greedy(argmax, drafts, first_row)
+        else:
+            tokens = accept_sampled(probs, VerifyRows(first_row, drafts, request.generator),
+                                    ctx.shared_generator)
+        return tokens, list(range(len(tokens)))
+    parents = item.spec_tree_parents
+    assert parents is not None
+    if greedy:
+        verdict = verify_tree_greedy(argmax, first_row, drafts, parents)
+    else:
+        verdict = verify_tree_sampled(probs, first_row, drafts, parents, request.generator,
+                                      ctx.shared_generator)
+    move_accepted_kv(ctx.kv_caches, item, verdict.accepted_nodes, ctx.block_size)
+    return verdict.tokens, verdict.rows
