@@ -1,13 +1,17 @@
 """What the scheduler does with a request's new tokens once a step has sampled them: the
 features' forced tokens (a grammar's jump-forward), the stop checks, and which of the
-runner's drafts the next step may verify."""
+runner's drafts the next step may verify; a pooling request's chunk folded into its vector."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from aioengine.config import SchedulerConfig
+from aioengine.core.scheduler_output import EngineCoreOutput
 from aioengine.engine.features import EngineFeature
 from aioengine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    import torch
 
 
 def usable_drafts(request: Request, drafts: list[int], features: Sequence[EngineFeature],
@@ -61,3 +65,45 @@ def draws_own_noise(request: Request) -> bool:
     """A seeded sampled request: its tokens depend only on its seed and logits."""
     params = request.sampling_params
     return params.seed is not None and not params.greedy
+
+
+def pool_chunk(request: Request, share: torch.Tensor | None) -> torch.Tensor | None:
+    """Folds a pooling request's chunk into its vector; once its prompt is computed,
+    ends it (FINISHED_STOPPED: the scheduler's update frees its blocks) and returns the
+    pooled vector."""
+    assert request.pooling_state is not None
+    request.pooling_state.add(share)
+    if request.num_computed_tokens < request.num_prompt_tokens:
+        return None
+    request.status = RequestStatus.FINISHED_STOPPED
+    return request.pooling_state.finish(request.num_prompt_tokens)
+
+def append_run(request: Request, tokens: list[int], features: Sequence[EngineFeature],
+               config: SchedulerConfig, logprobs: list | None, prompt_lps: list | None,
+               drafts: list[int] | None, tree_parents: list[int] | None = None
+               ) -> EngineCoreOutput:
+    """Appends `tokens` (sampled in one step for `request`, each after the one before)
+    until one ends the request or brings jump-forward tokens; takes the drafts the
+    runner proposed after them only if every token was kept."""
+    new_token_ids: list[int] = []
+    kept = 0
+    for token in tokens:
+        if kept:
+            request.num_computed_tokens += 1  # the previous token's KV is now verified
+        kept += 1
+        request.append_output_token_ids([token])
+        new_token_ids.append(token)
+        extra = forced_tokens(request, token, features, config)
+        new_token_ids += extra
+        if not request.is_finished:
+            check_stop(request, config.max_model_len)
+        if request.is_finished or extra:
+            break
+    if drafts and kept == len(tokens) and not request.is_finished and not extra:
+        request.spec_token_ids = usable_drafts(request, drafts, features, config)
+        # A tree's drafts are listed parents first: a prefix of them is a tree.
+        request.spec_tree_parents = (tree_parents[:len(request.spec_token_ids)]
+                                     if tree_parents is not None else None)
+    return EngineCoreOutput(request, new_token_ids,
+                            new_logprobs=logprobs[:kept] if logprobs else None,
+                            prompt_logprobs=prompt_lps)

@@ -15,23 +15,19 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from aioengine.config import SchedulerConfig
 from aioengine.core.chunking import PrefillChunker
 from aioengine.core.kv_cache_groups import GroupedKVCacheManager
 from aioengine.core.kv_cache_manager import KVCacheManager
-from aioengine.core.request_tokens import (check_stop, draws_own_noise, forced_tokens,
-                                           usable_drafts)
+from aioengine.core.request_tokens import append_run, draws_own_noise, pool_chunk
 from aioengine.core.scheduler_output import (EngineCoreOutput, ModelRunnerOutput,
                                              ScheduledRequest, SchedulerOutput)
 from aioengine.core.spec_stats import SpecDecodingStats
 from aioengine.engine.features import AdmissionFailed, EngineFeature
 from aioengine.pooling_params import PoolingState
 from aioengine.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    import torch
 
 
 class Scheduler:
@@ -324,7 +320,7 @@ class Scheduler:
             request.spec_token_ids, request.spec_tree_parents = [], None
             rid = request.request_id
             if request.pooling_state is not None:
-                pooled = self._pool(request, runner_output.pooler_output.get(rid))
+                pooled = pool_chunk(request, runner_output.pooler_output.get(rid))
                 if pooled is not None:
                     outputs.append(EngineCoreOutput(request, [], pooled=pooled))
                 continue
@@ -342,8 +338,9 @@ class Scheduler:
             runs = [tokens] if len(samples) == 1 else [[token] for token in tokens]
             start = 0
             for i, (sample, run) in enumerate(zip(samples, runs)):
-                outputs.append(self._append_run(
-                    sample, run, logprobs[start:start + len(run)] if logprobs else None,
+                outputs.append(append_run(
+                    sample, run, self.features, self.config,
+                    logprobs[start:start + len(run)] if logprobs else None,
                     prompt_lps if i == 0 else None,
                     runner_output.spec_token_ids.get(sample.request_id),
                     runner_output.spec_tree_parents.get(sample.request_id)))
@@ -354,46 +351,6 @@ class Scheduler:
                 del self.requests[out.request.request_id]
                 self.kv_cache_manager.free(out.request)
         return outputs
-
-    def _pool(self, request: Request, share: torch.Tensor | None) -> torch.Tensor | None:
-        """Folds a pooling request's chunk into its vector; once its prompt is computed,
-        ends it (FINISHED_STOPPED: update_from_output frees its blocks) and returns the
-        pooled vector."""
-        assert request.pooling_state is not None
-        request.pooling_state.add(share)
-        if request.num_computed_tokens < request.num_prompt_tokens:
-            return None
-        request.status = RequestStatus.FINISHED_STOPPED
-        return request.pooling_state.finish(request.num_prompt_tokens)
-
-    def _append_run(self, request: Request, tokens: list[int], logprobs: list | None,
-                    prompt_lps: list | None, drafts: list[int] | None,
-                    tree_parents: list[int] | None = None) -> EngineCoreOutput:
-        """Appends `tokens` (sampled in one step for `request`, each after the one before)
-        until one ends the request or brings jump-forward tokens; takes the drafts the
-        runner proposed after them only if every token was kept."""
-        new_token_ids: list[int] = []
-        kept = 0
-        for token in tokens:
-            if kept:
-                request.num_computed_tokens += 1  # the previous token's KV is now verified
-            kept += 1
-            request.append_output_token_ids([token])
-            new_token_ids.append(token)
-            extra = forced_tokens(request, token, self.features, self.config)
-            new_token_ids += extra
-            if not request.is_finished:
-                check_stop(request, self.config.max_model_len)
-            if request.is_finished or extra:
-                break
-        if drafts and kept == len(tokens) and not request.is_finished and not extra:
-            request.spec_token_ids = usable_drafts(request, drafts, self.features, self.config)
-            # A tree's drafts are listed parents first: a prefix of them is a tree.
-            request.spec_tree_parents = (tree_parents[:len(request.spec_token_ids)]
-                                         if tree_parents is not None else None)
-        return EngineCoreOutput(request, new_token_ids,
-                                new_logprobs=logprobs[:kept] if logprobs else None,
-                                prompt_logprobs=prompt_lps)
 
     def _fork(self, request: Request) -> list[Request]:
         """The first sample of an n > 1 request just finished its prompt: the others start
