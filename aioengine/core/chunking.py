@@ -13,8 +13,9 @@ fewer, larger steps (each step costs ~15 ms besides its attention here), while t
 a new request arrives during stays bounded.
 
 A long prompt also sits out the step after a new request arrives (requests waiting to
-be admitted): the newcomer's prefill gets that step to itself instead of sharing it with a
-chunk that attends to thousands of positions, so its time to first token is the step in
+be admitted) once its context makes a chunk costly (the attention budget binds): the
+newcomer's prefill gets that step to itself instead of sharing it with a chunk that
+attends to thousands of positions, so its time to first token is the step in
 flight plus its own. Never two steps running, so steady arrivals cannot starve it.
 
 Only a long prompt (more than the threshold left to compute when it was admitted) is
@@ -87,10 +88,13 @@ class PrefillChunker:
         return min(num_new, budget, cap)
 
     def _sits_out(self, request: Request, num_computed: int) -> bool:
-        """Whether a long prompt leaves this step to the newcomers (not twice running)."""
+        """Whether a long prompt leaves this step to the newcomers: only where its context
+        makes a chunk costly (the attention budget binds), and not twice running."""
         if (not self._newcomers or not self.attention_budget
                 or request.request_id in self._sat_out_before
-                or not self._is_long_prefill(request, num_computed)):
+                or not self._is_long_prefill(request, num_computed)
+                or attention_chunk_cap(num_computed, self.attention_budget,
+                                       self.sliding_window) >= self.chunk_cap):
             return False
         self._sat_out.add(request.request_id)
         return True

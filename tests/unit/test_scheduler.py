@@ -354,6 +354,16 @@ def test_a_long_prompt_never_sits_out_two_steps_running() -> None:
     assert sizes[0::2] == [0, 0, 0] and all(n > 0 for n in sizes[1::2])
 
 
+def test_a_long_prompt_at_a_short_context_does_not_sit_out() -> None:
+    """Where the attention budget does not bind (4096 pairs: a 16-token chunk fits up to
+    position ~240), a chunk is cheap, and the long prompt shares every step."""
+    s = make_scheduler(budget=64, chunk_cap=16, attention_budget=4096, num_blocks=256)
+    s.add_request(make_request("long", 100, max_tokens=1))
+    for i in range(4):
+        s.add_request(make_request(f"short{i}", 4, max_tokens=1, arrival=1.0 + i))
+        assert scheduled_tokens(step(s))["long"] == 16
+
+
 def test_a_short_turn_after_a_long_cached_prefix_is_not_chunked_by_attention() -> None:
     """Only a long prompt is capped by attention: a second turn that adds 8 tokens to a
     cached 200-token conversation is computed in one step (8 x 208 pairs > 256)."""
