@@ -25,6 +25,8 @@ import jsonschema
 import openai
 import psutil
 import pytest
+from ray_clients import (assert_failed_cleanly, assert_served_elsewhere_then_replaced, complete,
+                         replica_of, stream_long_answers)
 from server_process import _READY, MODEL, ServerProcess, openai_client
 
 from tests.lora_adapters import make_peft_adapter
@@ -32,7 +34,6 @@ from tests.lora_adapters import make_peft_adapter
 pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.slow
 
-REPLICA_HEADER = "x-aioengine-replica"
 GRACE_S = 4  # --ray-graceful-shutdown-timeout: how long a stopping replica's streams run on
 # ~600 tokens shared by the affinity prompts (the bundled tokenizer: ~4.3 bytes a token).
 SHARED_PREFIX = " ".join(f"Fact {i}: the number {i} times seven is {i * 7}." for i in range(40))
@@ -117,19 +118,6 @@ def stop_without_leaks(srv: ServerProcess) -> None:
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
     return openai_client(server)
-
-
-def replica_of(raw) -> str:
-    replica = raw.headers.get(REPLICA_HEADER)
-    assert replica, dict(raw.headers)
-    return replica
-
-
-def complete(client: openai.OpenAI, prompt: str, max_tokens: int = 4):
-    """A completion and the replica that answered it."""
-    raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt,
-                                                      max_tokens=max_tokens, temperature=0)
-    return raw.parse(), replica_of(raw)
 
 
 def test_chat_and_completions(client: openai.OpenAI) -> None:
@@ -299,53 +287,6 @@ def test_every_replicas_metrics_in_rays_prometheus_export(client: openai.OpenAI,
     for name in ("num_requests_running", "kv_cache_usage_perc", "prefix_cache_hits_total",
                  "time_to_first_token_seconds_bucket", "request_success_total"):
         assert re.search(rf"^ray_aioengine[:_]{name}\{{", text, re.M), name
-
-
-def stream_long_answers(client: openai.OpenAI, prefix: str, replica: str, n: int = 2):
-    """Starts `n` long streams that affinity puts on `replica`; each future gives
-    ("finished", its last finish reason) or ("error", the error class that ended it)."""
-    def stream(i: int) -> tuple[str, str | None]:
-        try:
-            raw = client.completions.with_raw_response.create(
-                model=MODEL, prompt=f"{prefix} Story {i}:", max_tokens=400, temperature=0,
-                stream=True)
-            assert replica_of(raw) == replica
-            reasons = [c.choices[0].finish_reason for c in raw.parse() if c.choices]
-            return "finished", reasons[-1]
-        except openai.APIError as e:
-            return "error", type(e).__name__
-
-    pool = ThreadPoolExecutor(n)
-    futures = [pool.submit(stream, i) for i in range(n)]
-    pool.shutdown(wait=False)
-    time.sleep(1.0)  # they are decoding
-    return futures
-
-
-def assert_failed_cleanly(futures) -> None:
-    """Each in-flight stream ended, within a bounded time, with an error event or error
-    finish (never a hang, never a normal end)."""
-    ended = [f.result(timeout=60) for f in futures]
-    assert all(outcome in (("finished", "error"), ("finished", "abort")) or
-               outcome[0] == "error" for outcome in ended), ended
-
-
-def assert_served_elsewhere_then_replaced(client: openai.OpenAI, gone: str,
-                                          prefix: str) -> None:
-    """New requests (the dead replica's prefix too) go to the other replica; then Ray
-    brings up a replacement that serves."""
-    served_by = {complete(client, p)[1] for p in (prefix + " After.", "Hello", "Another")}
-    assert gone not in served_by and len(served_by) == 1
-    survivor = served_by.pop()
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        with ThreadPoolExecutor(4) as pool:
-            seen = set(pool.map(lambda i: complete(client, f"Probe {i} {time.time()}")[1],
-                                range(4)))
-        if seen - {gone, survivor}:
-            return
-        time.sleep(1.0)
-    raise AssertionError("Ray did not bring the replica back")
 
 
 def test_a_replica_whose_engine_loop_dies_is_routed_around_and_replaced(
