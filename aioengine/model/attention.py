@@ -387,19 +387,3 @@ def _decode_plan(meta: AttentionMetadata, nd: int, block_size: int,
            + torch.arange(num_blocks * block_size, device=device)[None, :])
     mask = (pos < seq_lens) & (pos >= seq_lens - sliding_window)
     return tables, mask.view(nd, 1, 1, -1)
-
-
-def copy_blocks(kv_caches: list[Tensor], src: list[int], dst: list[int]) -> None:
-    """Copies whole blocks src[i] -> dst[i] in every layer (copy-on-write of shared blocks).
-
-    Invariant: no dst is also a src (dst blocks are freshly allocated).
-    """
-    if len(src) != len(dst):
-        raise ValueError("src and dst must have the same length")
-    if not src:
-        return
-    device = kv_caches[0].device
-    src_t = torch.tensor(src, dtype=torch.long, device=device)
-    dst_t = torch.tensor(dst, dtype=torch.long, device=device)
-    for cache in kv_caches:
-        cache.index_copy_(1, dst_t, cache.index_select(1, src_t))

@@ -21,13 +21,13 @@ sampling, the proposer (if any) drafts the next step's tokens.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from aioengine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from aioengine.engine.features import EngineFeature
-from aioengine.model.attention import build_attention_metadata, copy_blocks, to_device
+from aioengine.model.attention import build_attention_metadata, to_device
 from aioengine.model.llama import make_kv_caches
 from aioengine.model.loader import LoadedModel
 from aioengine.pooling_params import chunk_share
@@ -43,7 +43,7 @@ from aioengine.worker.runner_outputs import (PlainSample, plain_tensors, read_pl
 from aioengine.worker.cuda_graphs import CUDAGraphRunner
 from aioengine.worker.spec_tree import apply_tree_layout, num_tree_scratch_blocks
 from aioengine.worker.verify import DraftVerifyContext, verify_drafts
-from aioengine.worker.step_layout import LayerKVGroups, step_layout
+from aioengine.worker.step_layout import LayerKVGroups, copy_blocks, step_layout
 
 
 

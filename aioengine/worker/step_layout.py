@@ -6,9 +6,26 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+from torch import Tensor
 
 from aioengine.core.scheduler_output import ScheduledRequest
-from aioengine.model.attention import AttentionMetadata, build_attention_metadata, copy_blocks
+from aioengine.model.attention import AttentionMetadata, build_attention_metadata
+
+
+def copy_blocks(kv_caches: list[Tensor], src: list[int], dst: list[int]) -> None:
+    """Copies whole blocks src[i] -> dst[i] in every layer (copy-on-write of shared blocks).
+
+    Invariant: no dst is also a src (dst blocks are freshly allocated).
+    """
+    if len(src) != len(dst):
+        raise ValueError("src and dst must have the same length")
+    if not src:
+        return
+    device = kv_caches[0].device
+    src_t = torch.tensor(src, dtype=torch.long, device=device)
+    dst_t = torch.tensor(dst, dtype=torch.long, device=device)
+    for cache in kv_caches:
+        cache.index_copy_(1, dst_t, cache.index_select(1, src_t))
 
 
 def step_layout(scheduled: list[ScheduledRequest],

@@ -1,13 +1,14 @@
-"""Attention metadata, the torch paged-attention backend (vs a naive reference) and copy_blocks."""
+"""Attention metadata, the torch paged-attention backend (vs a naive reference) and the
+runner's copy_blocks (worker/step_layout.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from aioengine.model.arch import ModelArchConfig
-from aioengine.model.attention import (TorchAttentionBackend, build_attention_metadata,
-                                       copy_blocks)
+from aioengine.model.attention import TorchAttentionBackend, build_attention_metadata
 from aioengine.model.llama import kv_cache_bytes_per_block, make_kv_caches
+from aioengine.worker.step_layout import copy_blocks
 
 CPU = torch.device("cpu")
 
