@@ -58,12 +58,16 @@ static inline void q41_prepare_x(float *restrict buf, const float *restrict x, i
             }
             float sb = amax * (1.0f / 127.0f);
             sb = sb > 0.0f ? sb : 1.0f;
-            int32_t total = 0;
+            /* In two passes that vectorise (a division and a rounding per lane, as the
+             * scalar code rounds them), then the int8 values and their sum. */
+            int32_t v[32], total = 0;
             for (int j = 0; j < 32; j++) {
-                float v = __builtin_nearbyintf(xb[j] / sb);
-                v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-                q[b * 32 + j] = (int8_t)v;
-                total += (int32_t)v;
+                const float r = __builtin_nearbyintf(xb[j] / sb);
+                v[j] = (int32_t)(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
+            }
+            for (int j = 0; j < 32; j++) {
+                q[b * 32 + j] = (int8_t)v[j];
+                total += v[j];
             }
             s[b] = sb;
             sums[b] = total;

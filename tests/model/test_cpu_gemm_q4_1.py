@@ -49,6 +49,22 @@ def test_q4_1_gemm_matches_float64_for_every_m(variant: str, n: int, k: int) -> 
         assert ((y.double() - ref[:m]).abs() <= bound[:m]).all(), (m, variant)
 
 
+def test_q4_1_x_is_quantized_as_quantize_dequantize_blocks(variant: str) -> None:
+    """Bit for bit: with blocks that pick one x element each (d = 1, m = 0, one nibble of
+    1), y is s_b * qx, which quantize_dequantize_blocks computes the same way."""
+    k = 64
+    blocks = torch.zeros(k, k // 32, 20, dtype=torch.uint8)
+    blocks[:, :, 0:2] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+    for c in range(k):  # column c reads weight c: block c // 32, nibble byte (c % 32) % 16
+        j = c % 32
+        blocks[c, c // 32, 4 + j % 16] = 1 if j < 16 else 16
+    packed = cpu_gemm.pack_weight(blocks.view(k, -1))
+    x = torch.randn(40, k) * torch.logspace(-3, 3, 40)[:, None]
+    x[3, :32] = 0  # a zero block: scale 1
+    y = cpu_gemm.gemm(x, packed, k)
+    assert torch.equal(y, quantize_dequantize_blocks(x))
+
+
 def test_q4_1_row_has_the_same_bits_alone_and_in_any_step(variant: str) -> None:
     """Bit for bit: a row alone, inside steps of 2..64 rows at any place in them, with one
     thread or two; and the AVX2 and AVX-512 builds agree (the same roundings per element)."""
