@@ -141,8 +141,9 @@ def quantize_dequantize_blocks(x: Tensor) -> Tensor:
 
 
 def _q4_1_linear(x: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
-    """The GGUF's Q4_1 weights for many rows: dequantized for this call (transient), x
-    quantized per 32-block and back: the gemv's arithmetic up to float rounding."""
+    """The GGUF's Q4_1 weights where no kernel takes them (no CPU kernels, unpacked blocks
+    of many rows): dequantized for this call (transient), x quantized per 32-block and
+    back: the GEMM's and the gemv's arithmetic up to float rounding."""
     out = F.linear(quantize_dequantize_blocks(x), dequantize_q4_1(blocks))
     return out if bias is None else out.add_(bias)
 

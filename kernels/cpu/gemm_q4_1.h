@@ -45,7 +45,8 @@ static inline int32_t q41_load4(const int8_t *p) {
     return v;
 }
 
-/* The two per-block float steps of one output element, the same in every build. */
+/* The plain C tile's two per-block float steps: the vector tiles' fused multiply-adds where
+ * the target has FMA (else each product rounded: the baseline build's own bits). */
 static inline float q41_block_step(float acc, int32_t dot, float d, float mn, float s,
                                    float sm) {
 #if defined(__FMA__)
