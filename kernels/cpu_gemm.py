@@ -3,10 +3,13 @@
 A projection's weight [N, K] is repacked once at load into [ceil(N / 16), K, 16] (panel p
 holds output columns 16 p .. 16 p + 15, k-major; the last panel zero-padded) in its own
 dtype: float32, bf16, or int8 with per-column scales. The packed tensor replaces the
-row-major one (no second copy). `gemm` then computes x [M, K] @ W^T for any M with one
-arithmetic per output element, so a row's result does not depend on the rows beside it.
-With bf16 weights the AVX512-BF16 build rounds x to bf16 and takes k in pairs
-(`rounds_x_to_bf16`); the others keep x in float32.
+row-major one (no second copy). A GGUF's Q4_1 blocks (uint8 [N, K / 32 * 20]) are
+repacked byte for byte into [ceil(N / 16), K / 32, 320] (kernels/cpu/gemm_q4_1.h: per
+32-block the 16 columns' d, m and nibbles interleaved four bytes per column), the same
+bytes. `gemm` then computes x [M, K] @ W^T for any M with one arithmetic per output
+element, so a row's result does not depend on the rows beside it. With bf16 weights the
+AVX512-BF16 build rounds x to bf16 and takes k in pairs (`rounds_x_to_bf16`); the others
+keep x in float32; Q4_1 quantizes x per 32-block to int8 (`layers.quantize_dequantize_blocks`).
 """
 from __future__ import annotations
 
@@ -17,7 +20,10 @@ from aioengine.kernels import cpu_build
 
 PANEL = 16  # gemm.h's GEMM_NR
 # gemm.h's GEMM_*P codes, by the packed tensor's dtype.
-PACKED_FORMATS = {torch.float32: 5, torch.bfloat16: 6, torch.int8: 7}
+PACKED_FORMATS = {torch.float32: 5, torch.bfloat16: 6, torch.int8: 7, torch.uint8: 8}
+# Q4_1: 32 weights per 20-byte block; a panel's group of one 32-block is 16 such blocks.
+Q4_1_BLOCK, Q4_1_BLOCK_BYTES = 32, 20
+Q4_1_GROUP_BYTES = PANEL * Q4_1_BLOCK_BYTES
 
 
 # The builds whose bf16 GEMM rounds x to bf16 (AVX512-BF16's vdpbf16ps multiplies bf16
@@ -33,9 +39,26 @@ def rounds_x_to_bf16() -> bool:
 
 
 def can_pack(weight: Tensor) -> bool:
-    """Whether `weight` [N, K] has a packed form the built kernels read."""
+    """Whether `weight` [N, K] (Q4_1: uint8 blocks [N, K / 32 * 20]) has a packed form the
+    built kernels read."""
     return (weight.dim() == 2 and weight.device.type == "cpu"
-            and weight.dtype in PACKED_FORMATS and cpu_build.load() is not None)
+            and weight.dtype in PACKED_FORMATS and cpu_build.load() is not None
+            and (weight.dtype != torch.uint8 or weight.shape[1] % Q4_1_BLOCK_BYTES == 0))
+
+
+def packed_shape(weight: Tensor) -> tuple[int, int, int]:
+    """The shape `pack_weight` gives `weight`."""
+    n, k = weight.shape
+    if weight.dtype == torch.uint8:
+        return -(-n // PANEL), k // Q4_1_BLOCK_BYTES, Q4_1_GROUP_BYTES
+    return -(-n // PANEL), k, PANEL
+
+
+def packed_in_features(packed: Tensor) -> int:
+    """K of a packed weight."""
+    if packed.dtype == torch.uint8:
+        return packed.shape[1] * Q4_1_BLOCK
+    return packed.shape[1]
 
 
 # Where column j of a panel sits: bf16 panels interleave columns j and j + 8 (one 32-bit
@@ -49,25 +72,53 @@ def _slots(dtype: torch.dtype) -> Tensor | None:
 
 
 def pack_weight(weight: Tensor, out: Tensor | None = None) -> Tensor:
-    """weight [N, K] -> [ceil(N / 16), K, 16] in the same dtype (into `out` when given:
-    e.g. a huge-page buffer of that shape)."""
+    """weight [N, K] -> [ceil(N / 16), K, 16] in the same dtype; Q4_1 blocks [N, K / 32 *
+    20] -> [ceil(N / 16), K / 32, 320] (into `out` when given: e.g. a huge-page buffer of
+    `packed_shape`)."""
     n, k = weight.shape
     panels = -(-n // PANEL)
     padded = weight
-    if panels * PANEL != n:
+    if panels * PANEL != n:  # zeros: Q4_1 blocks with d = m = 0, weights 0
         padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype)
         padded[:n] = weight
-    grouped = padded.view(panels, PANEL, k)
-    if weight.dtype == torch.bfloat16:
-        grouped = grouped[:, _BF16_ORDER]
-    view = grouped.transpose(1, 2)
+    if weight.dtype == torch.uint8:
+        view = _q4_1_panels(padded.view(panels, PANEL, k // Q4_1_BLOCK_BYTES, Q4_1_BLOCK_BYTES))
+    else:
+        grouped = padded.view(panels, PANEL, k)
+        if weight.dtype == torch.bfloat16:
+            grouped = grouped[:, _BF16_ORDER]
+        view = grouped.transpose(1, 2)
     if out is None:
         return view.contiguous()
     return out.copy_(view)
 
 
+def _q4_1_panels(blocks: Tensor) -> Tensor:
+    """[panels, 16 columns, nb, 20] -> [panels, nb, 320]: per 32-block the columns' d (32
+    bytes), m (32 bytes), then nibble bytes 4 j .. 4 j + 3 of every column for j = 0..3
+    (gemm_q4_1.h)."""
+    p, _, nb, _ = blocks.shape
+    b = blocks.permute(0, 2, 1, 3)  # [p, nb, 16, 20]
+    quants = b[..., 4:].reshape(p, nb, PANEL, 4, 4).transpose(2, 3)  # [p, nb, j, column, 4]
+    return torch.cat((b[..., 0:2].reshape(p, nb, 32), b[..., 2:4].reshape(p, nb, 32),
+                      quants.reshape(p, nb, 256)), dim=-1)
+
+
+def _q4_1_blocks(packed: Tensor) -> Tensor:
+    """`_q4_1_panels` undone: [panels, nb, 320] -> [panels * 16, nb * 20]."""
+    p, nb, _ = packed.shape
+    d = packed[..., 0:32].reshape(p, nb, PANEL, 2)
+    m = packed[..., 32:64].reshape(p, nb, PANEL, 2)
+    quants = packed[..., 64:].reshape(p, nb, 4, PANEL, 4).transpose(2, 3).reshape(p, nb, PANEL, 16)
+    blocks = torch.cat((d, m, quants), dim=-1)  # [p, nb, 16, 20]
+    return blocks.transpose(1, 2).reshape(p * PANEL, nb * Q4_1_BLOCK_BYTES)
+
+
 def unpack_weight(packed: Tensor, n: int) -> Tensor:
-    """The row-major [n, K] weight back from its packed form (a copy)."""
+    """The row-major [n, K] weight (Q4_1: the blocks [n, K / 32 * 20]) back from its packed
+    form (a copy)."""
+    if packed.dtype == torch.uint8:
+        return _q4_1_blocks(packed)[:n].contiguous()
     panels, k, _ = packed.shape
     cols = packed if (slots := _slots(packed.dtype)) is None else packed[:, :, slots]
     return cols.transpose(1, 2).reshape(panels * PANEL, k)[:n].contiguous()
@@ -75,7 +126,10 @@ def unpack_weight(packed: Tensor, n: int) -> Tensor:
 
 def packed_rows(packed: Tensor, rows: Tensor) -> Tensor:
     """Rows `rows` [T] (int64) of the weight, [T, K], gathered from its packed form: the
-    embedding lookup of a table that is also the (tied) LM head."""
+    embedding lookup of a table that is also the (tied) LM head. Not for Q4_1 panels
+    (ValueError): an embedding is never stored so."""
+    if packed.dtype == torch.uint8:
+        raise ValueError("packed_rows: Q4_1 panels hold no embedding table")
     col = rows % PANEL
     if (slots := _slots(packed.dtype)) is not None:
         col = slots[col]
@@ -90,8 +144,9 @@ def gemm(x: Tensor, packed: Tensor, n: int, bias: Tensor | None = None,
     lib = cpu_build.load()
     if (lib is None or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu"
             or not x.is_contiguous() or packed.dim() != 3 or not packed.is_contiguous()
-            or packed.shape[1] != x.shape[1] or packed.shape[0] * PANEL < n
-            or packed.dtype not in PACKED_FORMATS
+            or packed.dtype not in PACKED_FORMATS or packed_in_features(packed) != x.shape[1]
+            or packed.shape[0] * PANEL < n
+            or (packed.dtype == torch.uint8 and packed.shape[2] != Q4_1_GROUP_BYTES)
             or (packed.dtype == torch.int8) != (scales is not None)):
         return None
     for t in (bias, scales):

@@ -141,8 +141,9 @@ def quantize_dequantize_blocks(x: Tensor) -> Tensor:
 
 
 def _q4_1_linear(x: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
-    """The GGUF's Q4_1 weights for many rows: dequantized for this call (transient), x
-    quantized per 32-block and back: the gemv's arithmetic up to float rounding."""
+    """The GGUF's Q4_1 weights where no kernel takes them (no CPU kernels, unpacked blocks
+    of many rows): dequantized for this call (transient), x quantized per 32-block and
+    back: the GEMM's and the gemv's arithmetic up to float rounding."""
     out = F.linear(quantize_dequantize_blocks(x), dequantize_q4_1(blocks))
     return out if bias is None else out.add_(bias)
 
@@ -290,8 +291,8 @@ class Linear(nn.Module):
 
     def use_q4_1_storage(self) -> None:
         """Replaces the weight with room for a GGUF's Q4_1 blocks [out_features,
-        in_features / 32 * 20] (uninitialised: the loader copies the file's blocks in, and
-        they are read as stored, dequantized only per call of many rows)."""
+        in_features / 32 * 20] (uninitialised: the loader copies the file's blocks in;
+        `pack` then repacks them into the GEMM's panels, the same bytes)."""
         if self.in_features % 32:
             raise ValueError(f"Q4_1 needs in_features divisible by 32, got {self.in_features}")
         self.packed, self.scales, self.act_quant = None, None, False
@@ -333,8 +334,8 @@ class Linear(nn.Module):
 
     def pack(self) -> int:
         """Repacks the weight in place into the any-M GEMM's panels where the CPU kernels
-        read its storage (float32, bf16, int8 weight-only: cpu_gemm), so every row count
-        takes one kernel and one arithmetic; else, for float32 on the CPU, adds the
+        read its storage (float32, bf16, int8 weight-only, Q4_1 blocks: cpu_gemm), so every
+        row count takes one kernel and one arithmetic; else, for float32 on the CPU, adds the
         oneDNN-packed copy `linear` uses for many-row products. Returns the bytes added
         (the panels' padding, or the copy)."""
         if self.is_packed:
@@ -342,8 +343,8 @@ class Linear(nn.Module):
         w = self.weight
         if not self.act_quant and cpu_gemm.can_pack(w):
             before = w.numel() * w.element_size()
-            shape = (-(-self.out_features // cpu_gemm.PANEL), self.in_features, cpu_gemm.PANEL)
-            packed = cpu_gemm.pack_weight(w, hugepages.empty(shape, w.dtype, w.device))
+            packed = cpu_gemm.pack_weight(
+                w, hugepages.empty(cpu_gemm.packed_shape(w), w.dtype, w.device))
             self.weight, self.packed = nn.Parameter(packed, requires_grad=False), None
             return packed.numel() * packed.element_size() - before
         packed = pack_linear_weight(w)

@@ -11,6 +11,7 @@
 #endif
 
 #include "gemm.h"
+#include "gemm_q4_1.h"
 
 typedef float g8f __attribute__((vector_size(32), aligned(4)));
 typedef uint32_t g8u __attribute__((vector_size(32), aligned(4)));
@@ -276,6 +277,11 @@ static void gemm_tile_any(float *restrict y, int64_t ldy, const float *restrict 
                           const char *restrict w, int64_t panel_bytes, int64_t k, int64_t c0,
                           int64_t n, const float *restrict scales, const float *restrict bias,
                           int64_t mr, int64_t np, int fmt) {
+    if (fmt == GEMM_Q41P) {
+        gemm_q41_tile_any(y, ldy, (const uint8_t *)x, (const uint8_t *)w, panel_bytes, k, c0, n,
+                          bias, mr, np);
+        return;
+    }
     const int full = np == gemm_tile_panels(mr);
     for (int64_t q = 0; q < (full ? 1 : np); q++) {
 #if defined(__AVX512BF16__)
@@ -300,7 +306,10 @@ static void gemm_tile_any(float *restrict y, int64_t ldy, const float *restrict 
                           const char *restrict w, int64_t panel_bytes, int64_t k, int64_t c0,
                           int64_t n, const float *restrict scales, const float *restrict bias,
                           int64_t mr, int64_t np, int fmt) {
-    if (fmt == GEMM_BF16P) {
+    if (fmt == GEMM_Q41P) {
+        gemm_q41_tile_any(y, ldy, (const uint8_t *)x, (const uint8_t *)w, panel_bytes, k, c0, n,
+                          bias, mr, np);
+    } else if (fmt == GEMM_BF16P) {
         GEMM_TILE_CASES(GEMM_BF16P)
     } else if (fmt == GEMM_F32P) {
         GEMM_TILE_CASES(GEMM_F32P)
@@ -332,8 +341,10 @@ void gemm_range(float *restrict y, int64_t ldy, const float *restrict x,
                               int64_t p_lo, int64_t p_hi) {
     const int64_t panel_bytes = gemm_panel_bytes(fmt, k);
     /* x's row stride in floats (bf16 pairs, one float's size each, where gemm_x_pairs
-     * prepared x) */
-    const int64_t x_stride = gemm_x_is_pairs(fmt) ? (k + 1) / 2 : k;
+     * prepared x; Q4_1: q41_prepare_x's rows, 40 bytes per 32-block) */
+    const int64_t x_stride = fmt == GEMM_Q41P        ? q41_x_row_bytes(k) / 4
+                             : gemm_x_is_pairs(fmt) ? (k + 1) / 2
+                                                    : k;
     for (int64_t r0 = 0; r0 < M; r0 += GEMM_ROWS_PER_PASS) {
         const int64_t rows = M - r0 < GEMM_ROWS_PER_PASS ? M - r0 : GEMM_ROWS_PER_PASS;
         const int64_t nb = gemm_num_row_blocks(rows);

@@ -71,7 +71,8 @@ static inline int64_t gemv_row_bytes(int fmt, int64_t k) {
 
 /* Formats whose x gemv_prepare_x rewrites into a buffer. */
 static inline int gemv_needs_buffer(int fmt) {
-    return fmt == GEMV_BF16 || fmt == GEMV_I8A8 || fmt == GEMV_Q4_1 || gemm_x_is_pairs(fmt);
+    return fmt == GEMV_BF16 || fmt == GEMV_I8A8 || fmt == GEMV_Q4_1 || fmt == GEMM_Q41P ||
+           gemm_x_is_pairs(fmt);
 }
 
 /* bf16 <-> float32: vec_math.h's f32_to_bf16 and bf16_to_f32. */
@@ -271,7 +272,8 @@ static inline void i8_quantize_row(float *restrict sx, i8_xelem *restrict q,
 
 /* x [M, k] in the form format `fmt` reads, in buf (M * k floats) where it differs from x:
  * the rows themselves for float32 and int8, rounded to bf16 for GEMV_BF16 (packed to bf16
- * where the dot-product instruction reads them). */
+ * where the dot-product instruction reads them), quantized per 32-block for Q4_1 (row-major
+ * or panels: q4_1.h). */
 static inline const float *gemv_prepare_x(float *restrict buf, const float *restrict x,
                                           int64_t M, int64_t k, int fmt) {
 #if defined(__AVX512BF16__)
@@ -280,11 +282,11 @@ static inline const float *gemv_prepare_x(float *restrict buf, const float *rest
         return buf;
     }
 #endif
-    if (gemm_is_packed(fmt)) return x;
-    if (fmt == GEMV_Q4_1) {
+    if (fmt == GEMV_Q4_1 || fmt == GEMM_Q41P) {  /* row-major or panel blocks alike */
         q41_prepare_x(buf, x, M, k);
         return buf;
     }
+    if (gemm_is_packed(fmt)) return x;
     if (fmt == GEMV_I8A8) {
         i8_xelem *q = (i8_xelem *)i8_rows(buf, M);
         for (int64_t m = 0; m < M; m++) i8_quantize_row(buf + m, q + m * k, x + m * k, k);

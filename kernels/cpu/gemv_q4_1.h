@@ -15,61 +15,8 @@
 #define AIOENGINE_GEMV_Q4_1_H
 
 #include <stdint.h>
-#include <string.h>
 
-/* fp16 -> float32 without F16C: exact for every fp16 (subnormals included). */
-static inline float q41_half(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
-    float f;
-    if (exp == 0) {
-        f = (float)man * (1.0f / 16777216.0f); /* man * 2^-24 */
-        return sign ? -f : f;
-    }
-    const uint32_t bits = sign | (exp == 31 ? 0x7F800000u | (man << 13)
-                                            : ((exp + 112) << 23) | (man << 13));
-    memcpy(&f, &bits, sizeof f);
-    return f;
-#endif
-}
-
-/* x [M, k] per 32-block: per row, nb = k / 32 scales (float), nb block sums of qx (int32),
- * then k int8; rows one after another. */
-static inline int64_t q41_x_row_bytes(int64_t k) { return (k / 32) * 8 + k; }
-
-static inline void q41_prepare_x(float *restrict buf, const float *restrict x, int64_t M,
-                                 int64_t k) {
-    const int64_t nb = k / 32;
-    for (int64_t m = 0; m < M; m++) {
-        uint8_t *row = (uint8_t *)buf + m * q41_x_row_bytes(k);
-        float *s = (float *)row;
-        int32_t *sums = (int32_t *)(row + nb * 4);
-        int8_t *q = (int8_t *)(row + nb * 8);
-        for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + m * k + b * 32;
-            float amax = 0.0f;
-            for (int j = 0; j < 32; j++) {
-                const float a = __builtin_fabsf(xb[j]);
-                amax = a > amax ? a : amax;
-            }
-            float sb = amax * (1.0f / 127.0f);
-            sb = sb > 0.0f ? sb : 1.0f;
-            int32_t total = 0;
-            for (int j = 0; j < 32; j++) {
-                float v = __builtin_nearbyintf(xb[j] / sb);
-                v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-                q[b * 32 + j] = (int8_t)v;
-                total += (int32_t)v;
-            }
-            s[b] = sb;
-            sums[b] = total;
-        }
-    }
-}
+#include "q4_1.h"
 
 #if defined(__AVX2__)
 /* The 8 int32 lanes of a block's q . qx (the lanes sum to it): nibbles (unsigned) x int8. */

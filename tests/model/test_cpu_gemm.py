@@ -1,6 +1,7 @@
 """The any-M GEMM on panel-packed weights (kernels/cpu/gemm.h, kernels/cpu_gemm.py): every
 build this CPU runs against a float64 reference for M = 1..64 and shapes that are not
-multiples of the tile, and one arithmetic per output element whatever the rows beside it."""
+multiples of the tile, and one arithmetic per output element whatever the rows beside it.
+GGUF Q4_1 blocks (gemm_q4_1.h) in tests/model/test_cpu_gemm_q4_1.py."""
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
-"""`quantization="gguf"`: the GGUF's own Q4_1 projection blocks read as stored, by the gemv
-and the fused decode (x quantized per 32-block) and, for many rows, dequantized per call."""
+"""`quantization="gguf"`: the GGUF's own Q4_1 projection blocks, repacked at load into the
+any-M GEMM's panels (the same bytes) and read by it for every row count, in the layers and
+the fused decode (x quantized per 32-block); the row-major blocks' gemv."""
 from __future__ import annotations
 
 import gguf
@@ -51,7 +52,12 @@ def test_q4_1_gemv_in_every_build(variant: str, rows: int) -> None:
 
 def test_loads_the_blocks_as_stored(q4_1_gguf: str) -> None:
     model = load_model(q4_1_gguf, torch.float32, CPU, quantization="gguf").model
-    assert {lin.storage for layer in model.layers for lin in layer.projections()} == {"q4_1"}
+    projections = [lin for layer in model.layers for lin in layer.projections()]
+    assert {lin.storage for lin in projections} == {"q4_1"}
+    assert all(lin.is_packed for lin in projections)  # GEMM_Q41P panels
+    # Stored once: the panels hold the blocks' bytes (and the last panel's padding).
+    blocks = sum(lin.out_features * lin.in_features // 32 * 20 for lin in projections)
+    assert sum(lin.weight.numel() for lin in projections) <= 1.1 * blocks
     assert model.embed_tokens.storage == "int8"
     reader = FastGGUFReader(q4_1_gguf)
     v = next(t for t in reader.tensors if t.name == "blk.0.attn_v.weight")
@@ -64,9 +70,14 @@ def test_loads_the_blocks_as_stored(q4_1_gguf: str) -> None:
     assert (got - ref).pow(2).mean().sqrt() < 0.05 * ref.pow(2).mean().sqrt()
 
 
-def test_fused_decode_reads_the_blocks(q4_1_gguf: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("seq_lens", [[6, 17, 3], [(5 * i) % 23 + 2 for i in range(12)]])
+def test_fused_decode_reads_the_blocks(q4_1_gguf: str, monkeypatch: pytest.MonkeyPatch,
+                                       seq_lens: list[int]) -> None:
+    """The fused decode on the Q4_1 panels, 3 rows and 12 (past the 8 of row-major
+    weights): the layer path's values (the same GEMM; norms and attention may differ in
+    the last bits)."""
     model = load_model(q4_1_gguf, torch.float32, CPU, quantization="gguf").model
-    case = _prefilled(model, [6, 17, 3], vocab=VOCAB)
+    case = _prefilled(model, seq_lens, vocab=VOCAB)
     calls, real = [], cpu_decode.llama_decode
     monkeypatch.setattr(cpu_decode, "llama_decode",
                         lambda *a, **kw: calls.append(real(*a, **kw)) or calls[-1])
