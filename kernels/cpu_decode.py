@@ -145,7 +145,8 @@ def llama_decode(x: Tensor, layer_table: DecodeLayerTable, final_norm: Tensor, *
                  num_blocks: int, block_size: int, weight_format: int = 0,
                  aux: Tensor | None = None, aux_layers: Tensor | None = None,
                  lora: LoRADecodeArgs | None = None,
-                 eagle: EagleDecodeArgs | None = None) -> bool:
+                 eagle: EagleDecodeArgs | None = None,
+                 tree_copies: tuple[Tensor, Tensor] | None = None) -> bool:
     """Runs every decoder layer and the final norm for a decode step of T single-token rows
     (one per request, or several of one request: each row's K/V are written before any row
     attends), in place: x [T, H] goes in as the embeddings and comes out as the final-normed
@@ -159,7 +160,9 @@ def llama_decode(x: Tensor, layer_table: DecodeLayerTable, final_norm: Tensor, *
     embeddings for 0), before its input norm. `lora`: the step's adapter slots (each
     token's update added to every projection, as `lora_apply` computes it), or None.
     `eagle`: the table is an EAGLE-3 draft layer's (x the embeddings; see EagleDecodeArgs),
-    without aux or lora.
+    without aux or lora. `tree_copies`: (src, dst) [S] int64 slots, a tree verification
+    step's (TreeKernelRows' src_slots / dst_slots): in every layer, after the step's K/V
+    are written and before any row attends, slot src[i]'s K/V are copied to dst[i].
     Raises IndexError, writing nothing, for a slot outside the caches; ValueError for a
     layer index out of range. Returns False, changing nothing, when the kernel does not
     apply or is not built.
@@ -177,7 +180,8 @@ def llama_decode(x: Tensor, layer_table: DecodeLayerTable, final_norm: Tensor, *
         return False
     step = layer_table.step
     if not (_set_aux(step, aux, aux_layers, t, x.shape[1]) and _set_lora(step, lora, t)
-            and _set_eagle(step, eagle, x, aux is None and lora is None)):
+            and _set_eagle(step, eagle, x, aux is None and lora is None)
+            and _set_tree_copies(step, tree_copies)):
         return False
     lib = load()
     if lib is None:
@@ -196,6 +200,22 @@ def llama_decode(x: Tensor, layer_table: DecodeLayerTable, final_norm: Tensor, *
                          f"{num_blocks * block_size} slots")
     if rc < 0:
         raise MemoryError("llama_decode: out of memory for its buffers")
+    return True
+
+
+def _set_tree_copies(step: DecodeStep, copies: tuple[Tensor, Tensor] | None) -> bool:
+    """A tree step's scratch slot copies into `step`; False where they do not fit."""
+    if copies is None:
+        step.tree_src = step.tree_dst = None
+        step.num_tree_copies = 0
+        return True
+    src, dst = copies
+    if not (src.dtype == dst.dtype == torch.int64 and src.dim() == 1 and src.shape == dst.shape
+            and src.device.type == dst.device.type == "cpu"
+            and src.is_contiguous() and dst.is_contiguous()):
+        return False
+    step.tree_src, step.tree_dst = src.data_ptr(), dst.data_ptr()
+    step.num_tree_copies = src.shape[0]
     return True
 
 

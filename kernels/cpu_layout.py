@@ -58,7 +58,8 @@ class DecodeStep(ctypes.Structure):
         ("aux", _ptr), ("aux_layers", _ptr), ("num_aux", _i64),
         ("lora", _ptr), ("token_slots", _ptr), ("lora_rank", _i64), ("lora_bf16", _i32),
         ("eagle_hidden", _ptr), ("eagle_hidden_norm", _ptr),
-        ("eagle_norm_before_residual", _i32)]
+        ("eagle_norm_before_residual", _i32),
+        ("tree_src", _ptr), ("tree_dst", _ptr), ("num_tree_copies", _i64)]
 
 
 # The mirrored structs by their C names (layout.c's table).

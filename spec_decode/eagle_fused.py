@@ -4,7 +4,9 @@ draft step, where the torch path makes ~20 (issue 32).
 
 Every row is laid out as a decode row (its own position, seq_len = position + 1, its
 request's block table): the kernel writes every row's K/V before any row attends, so a
-catch-up chunk is the same causal attention as the torch path's prefill. The projections
+catch-up chunk is the same causal attention as the torch path's prefill. Tree drafting's
+rows (eagle_tree.py) come with tables of their own (AttentionMetadata.tree_kernel), whose
+scratch slots the kernel fills after the K/V write. The projections
 run the same packed GEMM and attention the same fixed-position parts as the torch path,
 so the two give the same bits (tests/model/test_eagle_fused.py). Fail closed: anything
 else (EAGLE-1, another device or dtype, q/k norms, unpacked weights beyond a few rows, no
@@ -58,18 +60,23 @@ class FusedEagleStep:
         (logits_hidden, next_hidden), writing the rows' K/V; None, having done nothing,
         where the kernel does not apply."""
         t = emb.shape[0]
+        tree = meta.tree_kernel  # tree rows: each its own table (eagle_tree.py)
         if not (self.enabled and t > 0 and (self.packed or t <= FUSED_DECODE_MAX_TOKENS)
-                and meta.tree_masks is None  # the kernel attends causally
+                and (meta.tree_masks is None or tree is not None)  # no masks in the kernel
                 and emb.dtype == hidden.dtype == torch.float32 and kv_cache.dim() == 5):
             return None
         table = self._layer_table(kv_cache)
         if table is None:
             return None
         head, layer = self.head, self.head.layer
-        starts = meta.query_start_loc_cpu
-        query_lens = torch.tensor([b - a for a, b in zip(starts, starts[1:])])
-        tables = meta.block_tables.repeat_interleave(query_lens, dim=0).contiguous()
-        seq_lens = (positions + 1).to(torch.int32)
+        if tree is None:
+            starts = meta.query_start_loc_cpu
+            query_lens = torch.tensor([b - a for a, b in zip(starts, starts[1:])])
+            tables = meta.block_tables.repeat_interleave(query_lens, dim=0).contiguous()
+            seq_lens, copies = (positions + 1).to(torch.int32), None
+        else:
+            tables, seq_lens = tree.row_tables(), tree.row_seq_lens
+            copies = (tree.src_slots, tree.dst_slots)
         x = emb.contiguous().clone()
         next_hidden = hidden.contiguous().clone()
         _, num_blocks, block_size, _, _ = kv_cache.shape
@@ -83,5 +90,6 @@ class FusedEagleStep:
             num_blocks=num_blocks, block_size=block_size,
             weight_format=layer.qkv_proj.gemv_format,
             eagle=cpu_decode.EagleDecodeArgs(next_hidden, head.hidden_norm,
-                                             head.norm_before_residual))
+                                             head.norm_before_residual),
+            tree_copies=copies)
         return (x, next_hidden) if ran else None

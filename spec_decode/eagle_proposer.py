@@ -29,7 +29,7 @@ from torch import Tensor
 from aioengine.model.attention import build_attention_metadata
 from aioengine.request import Request
 from aioengine.spec_decode.eagle import EagleHead
-from aioengine.spec_decode.eagle_tree import draft_trees
+from aioengine.spec_decode.eagle_tree import draft_trees, num_head_scratch_blocks
 from aioengine.spec_decode.proposer import ProposeContext, Proposer
 from aioengine.spec_decode.tree import TreeConfig, supports_tree
 
@@ -41,7 +41,10 @@ class EagleProposer(Proposer):
         self.target = target  # its embedding and LM head are shared with the head
         self.k = k
         self.block_size = block_size
-        self.kv_cache = head.make_kv_cache(num_blocks, block_size)
+        # Past the pool's blocks: scratch for the C attention's tree rows (eagle_tree.py).
+        scratch = num_head_scratch_blocks(tree, block_size)
+        self.tree_scratch_blocks = list(range(num_blocks, num_blocks + scratch))
+        self.kv_cache = head.make_kv_cache(num_blocks + scratch, block_size)
         # EAGLE-3 reads the target's auxiliary layers, EAGLE-1 its final hidden states.
         self.uses_aux = head.method == "eagle3" and bool(head.aux_layer_ids)
         # Tree drafting (eagle_tree.py) for the requests tree.supports_tree takes; None: chains.
@@ -94,7 +97,7 @@ class EagleProposer(Proposer):
             for (request, _, _), tree in zip(trees, draft_trees(
                     self.head, self.target, self.kv_cache, self.tree, logits_hidden[last],
                     next_hidden[last], positions[last], [t for _, _, t in trees],
-                    self.block_size)):
+                    self.block_size, self.tree_scratch_blocks)):
                 drafts[request.request_id] = tree.tokens
                 self._tree_parents[request.request_id] = tree.parents
         return drafts

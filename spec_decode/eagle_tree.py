@@ -15,21 +15,42 @@ the root x at P), for each request:
 
 The head's rows of depth d attend to the head's context (positions < P) and their
 ancestors' rows: rows are stored in the request's own slots from P on (depth d's at
-P + (d - 1) * top_k ...), with a tree mask (AttentionMetadata.tree_masks, the torch
-attention path). The next step's catch-up rewrites the head's KV at the kept positions
-before anything reads them, as after a chain. A request whose slots cannot hold the rows
-(its last tokens) is left to the chain.
+P + (d - 1) * top_k ...), with a tree mask (AttentionMetadata.tree_masks). Where the
+proposer's scratch blocks suffice, each row also gets the C attention's table of its own
+(AttentionMetadata.tree_kernel, as the target's tree rows: worker/spec_tree.py): the
+context's tail and the row's ancestors copied into scratch blocks at positions P .. P + d - 1,
+so the row attends exactly as the chain's head row at its position, and the fused head
+step (eagle_fused.py) runs it. The next step's catch-up rewrites the head's KV at the kept
+positions before anything reads them, as after a chain. A request whose slots cannot hold
+the rows (its last tokens) is left to the chain.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from aioengine.model.attention import build_attention_metadata
+from aioengine.model.attention import AttentionMetadata, build_attention_metadata
+from aioengine.model.tree_attention import TreeKernelRows
 from aioengine.spec_decode.eagle import EagleHead
 from aioengine.spec_decode.tree import TreeConfig
+
+
+# Tree requests per propose whose head rows the C attention (and the fused head step)
+# takes: the scratch blocks are kept for this many (the target's TREE_KERNEL_MAX_REQUESTS,
+# worker/spec_tree.py); beyond, the rows take torch SDPA through their masks.
+HEAD_TREE_MAX_REQUESTS = 8
+
+
+def num_head_scratch_blocks(config: TreeConfig | None, block_size: int) -> int:
+    """Scratch blocks past the pool's in the head's cache: per head row of one depth (top_k
+    per request), the context's tail (< one block) and its path (up to depth)."""
+    if config is None:
+        return 0
+    per_row = -(-(block_size - 1 + config.depth) // block_size)
+    return HEAD_TREE_MAX_REQUESTS * config.top_k * per_row
 
 
 @dataclass
@@ -52,8 +73,10 @@ class _Frontier:
 def draft_trees(head: EagleHead, target: torch.nn.Module, kv_cache: Tensor,
                 config: TreeConfig, logits_hidden: Tensor, next_hidden: Tensor,
                 last_positions: Tensor, tables: list[list[int]], block_size: int,
+                scratch_blocks: Sequence[int] = (),
                 ) -> list[DraftTree]:
-    """One tree per request (rows of the inputs: each request's last catch-up row)."""
+    """One tree per request (rows of the inputs: each request's last catch-up row);
+    `scratch_blocks`: blocks of kv_cache past the pool's for the C attention's rows."""
     num_reqs, k = logits_hidden.shape[0], config.top_k
     logp, tokens = head.draft_topk(logits_hidden, target.lm_head, k)
     pool_tokens, pool_parents, pool_scores = [tokens], [torch.full_like(tokens, -1)], [logp]
@@ -63,7 +86,7 @@ def draft_trees(head: EagleHead, target: torch.nn.Module, kv_cache: Tensor,
     num_pool = k
     for depth in range(1, config.depth):
         out_hidden, child_hidden = _expand(head, target, kv_cache, frontier, depth,
-                                           last_positions, tables, block_size)
+                                           last_positions, tables, block_size, scratch_blocks)
         child_logp, child_tokens = head.draft_topk(out_hidden, target.lm_head, k)
         scores = frontier.scores[:, :, None] + child_logp.view(num_reqs, k, k)  # [R, K, K]
         pool_tokens.append(child_tokens.view(num_reqs, k * k))
@@ -80,7 +103,7 @@ def draft_trees(head: EagleHead, target: torch.nn.Module, kv_cache: Tensor,
 
 def _expand(head: EagleHead, target: torch.nn.Module, kv_cache: Tensor, frontier: _Frontier,
             depth: int, last_positions: Tensor, tables: list[list[int]], block_size: int,
-            ) -> tuple[Tensor, Tensor]:
+            scratch_blocks: Sequence[int]) -> tuple[Tensor, Tensor]:
     """The head's rows for the frontier of `depth` (stored from P + (depth - 1) * K)."""
     num_reqs, k = frontier.tokens.shape
     device = frontier.tokens.device
@@ -90,9 +113,48 @@ def _expand(head: EagleHead, target: torch.nn.Module, kv_cache: Tensor, frontier
     own = torch.eye(k, dtype=torch.bool, device=device).expand(num_reqs, k, k)
     masks = torch.cat((frontier.ancestors, own), dim=2)  # [R, K, depth * K]
     meta.tree_masks = {r: masks[r] for r in range(num_reqs)}
+    meta.tree_kernel = _kernel_rows(meta, masks, first, depth, tables, block_size,
+                                    scratch_blocks)
     positions = (last_positions + depth).repeat_interleave(k)
     return head(frontier.tokens.reshape(-1), frontier.hidden.reshape(num_reqs * k, -1),
                 positions, kv_cache, meta, target.embed_tokens)
+
+
+def _kernel_rows(meta: AttentionMetadata, masks: Tensor, first: list[int], depth: int,
+                 tables: list[list[int]], bs: int, scratch_blocks: Sequence[int],
+                 ) -> TreeKernelRows | None:
+    """Each head row's own table for the C attention: the request's blocks before the
+    one holding position P, then scratch blocks holding positions from that block's start
+    to P - 1 (copied from the request's slots), the row's ancestors and the row itself (P ..
+    P + depth - 1, one per depth); seq_len P + depth. None when the scratch blocks do not
+    suffice (the rows then take torch SDPA through the masks)."""
+    free = list(reversed(scratch_blocks))
+    src: list[int] = []
+    dst: list[int] = []
+    extra: list[list[int]] = []
+    seq_lens: list[int] = []
+    ancestors = masks.cpu().tolist()  # [R, K, depth * K]: the rows each row sees
+    for r, (p, table) in enumerate(zip(first, tables)):
+        b0 = p // bs
+        for seen in ancestors[r]:
+            count = -(-(p + depth - b0 * bs) // bs)
+            if len(free) < count:
+                return None
+            blocks = [free.pop() for _ in range(count)]
+            positions = list(range(b0 * bs, p)) + [p + i for i, s in enumerate(seen) if s]
+            for n, position in enumerate(positions):
+                src.append(table[position // bs] * bs + position % bs)
+                dst.append(blocks[n // bs] * bs + n % bs)
+            extra.append(table[:b0] + blocks)
+            seq_lens.append(p + depth)
+    width = max(meta.block_tables.shape[1], max(len(t) for t in extra))
+    rows = torch.tensor([t + [0] * (width - len(t)) for t in extra], dtype=torch.int32)
+    device = meta.block_tables.device
+    return TreeKernelRows(
+        block_tables=rows, row_to_req=torch.arange(len(extra), dtype=torch.int32),
+        row_seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        src_slots=torch.tensor(src, dtype=torch.long, device=device),
+        dst_slots=torch.tensor(dst, dtype=torch.long, device=device))
 
 
 def _next_frontier(frontier: _Frontier, scores: Tensor, child_tokens: Tensor,

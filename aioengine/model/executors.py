@@ -2,8 +2,9 @@
 
     LayerwiseExecutor      every step: the layers' own forward, op by op, with the model's
                            device ops and attention backend (the reference)
-    FusedCpuDecodeExecutor decode steps of a few requests on the CPU: every layer and the
-                           final norm in one C call (`cpu_decode.llama_decode`)
+    FusedCpuDecodeExecutor decode steps on the CPU (decode rows, speculative verification
+                           rows and trees): every layer and the final norm in one C call
+                           (`cpu_decode.llama_decode`)
 
 The model asks the fused executor first, per step; it runs the step only when it
 `supports` it, and it supports only what it declares: the layer features in
@@ -95,19 +96,33 @@ class FusedCpuDecodeExecutor:
         self._table = None
 
     def supports(self, x: Tensor, meta: AttentionMetadata) -> bool:
-        """The step is decode-only and small, on the CPU in float32, with the torch
-        attention backend and its C kernel, on layers with only SUPPORTED_FEATURES, no
-        sequence longer than the smallest sliding window, and no tree mask."""
+        """The step is decode rows only (or trees of the C attention's rows beside them)
+        and small, on the CPU in float32, with the torch attention backend and its C
+        kernel, on layers with only SUPPORTED_FEATURES, no sequence longer than the
+        smallest sliding window."""
         num_tokens = x.shape[0]
         backend = self.model.attn_backend
         return (self.enabled and not self.declined and bool(self.model.layers)
                 and 0 < num_tokens <= self.max_tokens()
-                and meta.num_decodes == meta.num_reqs == meta.num_actual_tokens == num_tokens
+                and meta.num_actual_tokens == num_tokens and self._rows_supported(meta)
                 and (self.max_seq_len is None or meta.max_seq_len <= self.max_seq_len)
                 and meta.layer_metas is None  # one block table for every layer
-                and meta.tree_masks is None  # causal attention only
                 and type(backend) is TorchAttentionBackend and backend.use_cpu_kernel
                 and x.device.type == "cpu" and x.dtype == torch.float32)
+
+    @staticmethod
+    def _rows_supported(meta: AttentionMetadata) -> bool:
+        """Every sequence of the step is a decode row, or a tree verification item whose
+        rows the C attention takes (AttentionMetadata.tree_kernel: each node row its own
+        table ending in scratch blocks, worker/spec_tree.py); a tree the runner left to the
+        torch masks (tree_kernel None) declines the step."""
+        if meta.tree_masks is None:
+            return meta.num_decodes == meta.num_reqs == meta.num_actual_tokens
+        if meta.tree_kernel is None:
+            return False
+        qsl = meta.query_start_loc_cpu
+        return all(qsl[i + 1] - qsl[i] == 1 or i in meta.tree_masks
+                   for i in range(meta.num_reqs))
 
     def max_tokens(self) -> int:
         """The largest decode step it takes: any size with packed weights, else a few."""
@@ -125,15 +140,21 @@ class FusedCpuDecodeExecutor:
         model, arch = self.model, self.model.arch
         lora = model.lora_source
         _, num_blocks, block_size, _, _ = kv_caches[0].shape
+        tables, seq_lens, tree_copies = meta.block_tables, meta.seq_lens, None
+        tree = meta.tree_kernel
+        if tree is not None:  # one table per row, the node rows' scratch slots filled
+            tables, seq_lens = tree.row_tables(), tree.row_seq_lens
+            tree_copies = (tree.src_slots, tree.dst_slots)
         return cpu_decode.llama_decode(
             x, table, model.norm, num_heads=arch.num_attention_heads,
             num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
             intermediate_size=arch.intermediate_size, eps=arch.rms_norm_eps,
             scale=model.layer_specs[0].scale, positions=positions, cos=model.rotary.cos,
             sin=model.rotary.sin, slot_mapping=meta.slot_mapping,
-            block_tables=meta.block_tables, seq_lens=meta.seq_lens, num_blocks=num_blocks,
+            block_tables=tables, seq_lens=seq_lens, num_blocks=num_blocks,
             block_size=block_size, weight_format=model.layers[0].qkv_proj.gemv_format,
-            aux=aux, aux_layers=aux_index, lora=None if lora is None else lora.decode_args())
+            aux=aux, aux_layers=aux_index, lora=None if lora is None else lora.decode_args(),
+            tree_copies=tree_copies)
 
     def _layer_table(self, kv_caches: list[Tensor]) -> cpu_decode.DecodeLayerTable | None:
         key = tuple(c.data_ptr() for c in kv_caches)

@@ -102,6 +102,13 @@ typedef struct {
     float *eagle_hidden;
     const float *eagle_hidden_norm;
     int32_t eagle_norm_before_residual;
+    /* Tree verification rows (worker/spec_tree.py), or NULL / 0: in every layer, once the
+     * step's K/V are written and before any row attends, the K and V of slot tree_src[i]
+     * are copied to slot tree_dst[i] (the scratch blocks the node rows' block tables end
+     * in, so that each node row sees the context and its ancestors at the positions a
+     * chain's row would). No tree_dst is a tree_src. */
+    const int64_t *tree_src, *tree_dst;
+    int64_t num_tree_copies;
 } decode_step;
 
 /* Runs the step (llama_decode.c). Returns 0; the number of slots outside the cache, having

@@ -57,6 +57,8 @@ static const layout_field decode_step_fields[] = {
     FIELD(decode_step, lora_rank),    FIELD(decode_step, lora_bf16),
     FIELD(decode_step, eagle_hidden), FIELD(decode_step, eagle_hidden_norm),
     FIELD(decode_step, eagle_norm_before_residual),
+    FIELD(decode_step, tree_src),     FIELD(decode_step, tree_dst),
+    FIELD(decode_step, num_tree_copies),
 };
 
 #define STRUCT(type) {#type, (int64_t)sizeof(type), type##_fields, \

@@ -20,7 +20,11 @@
  * layer (after qkv, the K/V write, attention, o, gate_up and down), one of them between
  * writing every token's K/V and any token attending: the
  * tokens of one request (speculative decoding's verified tokens, each its own row with its
- * own position and seq_len) read the slots the tokens before them write.
+ * own position and seq_len) read the slots the tokens before them write. A tree
+ * verification step (EAGLE-2 drafts) has a seventh, after copying the step's K/V into its
+ * node rows' scratch slots (decode_layer.h's tree_src/tree_dst; each node row's own block
+ * table ends in them): a node row then attends over its context and ancestors exactly as a
+ * chain's row at its position would, the layer path's bits (worker/spec_tree.py).
  *
  * Per layer, with x the previous layer's output (the embeddings for layer 0):
  *   residual += x (layer 0: residual = x);  h = rms_norm(residual) * input_norm
@@ -131,6 +135,16 @@ static void write_kv(float *restrict qkv_row, const decode_layer *layer,
     kv_store_row(layer->kv_cache, s->num_slots * s->kv_size + at, v, s->kv_size, s->kv_bf16);
 }
 
+/* Slot src's K and V copied to slot dst in the layer's cache (a tree node row's scratch
+ * slot, decode_layer.h): the bytes as stored, what the layer path's index_copy_ moves. */
+static void copy_kv_slot(const decode_layer *layer, const attention_step *s, int64_t src,
+                         int64_t dst) {
+    const size_t row = (size_t)s->kv_size * (s->kv_bf16 ? 2 : 4);
+    char *k = layer->kv_cache, *v = k + (size_t)s->num_slots * row;
+    memcpy(k + dst * row, k + src * row, row);
+    memcpy(v + dst * row, v + src * row, row);
+}
+
 /* Part j of token t's attention (attention.h's fixed-position parts) into `part`: the very
  * function paged_attention_f32 runs, so a fused row has the bits of a layerwise one. */
 static void attend_part(float *restrict part, const float *restrict q,
@@ -208,6 +222,10 @@ int64_t llama_decode(const decode_step *d) {
     int64_t bad = 0;
     for (int64_t t = 0; t < M; t++)
         bad += slot_mapping[t] < 0 || slot_mapping[t] >= step.num_slots;
+    const int64_t num_tree_copies = d->num_tree_copies;
+    for (int64_t i = 0; i < num_tree_copies; i++)
+        bad += d->tree_src[i] < 0 || d->tree_src[i] >= step.num_slots || d->tree_dst[i] < 0 ||
+               d->tree_dst[i] >= step.num_slots;
     if (bad) return bad;
     /* A part of a token's attention: [o: q_size | max: num_heads | sum: num_heads]. */
     const int64_t part_stride = attn_part_floats(num_heads, head_dim);
@@ -306,6 +324,11 @@ int64_t llama_decode(const decode_step *d) {
                 write_kv(qkv + t * qkv_size, layer, &step, t);
             }
             /* implicit barrier: the step's K/V written */
+            if (num_tree_copies > 0) {  /* then the tree rows' scratch slots (decode_layer.h) */
+#pragma omp for schedule(static)
+                for (int64_t i = 0; i < num_tree_copies; i++)
+                    copy_kv_slot(layer, &step, d->tree_src[i], d->tree_dst[i]);
+            } /* implicit barrier: every node row's context and path in place */
             /* The (token, part) tasks of every token over the threads, then every thread
              * combines every token's parts in order on its own copy (no barrier after): a
              * token's bits depend on its seq_len alone, never on M or the threads

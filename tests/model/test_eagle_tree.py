@@ -16,7 +16,7 @@ from aioengine.model.arch import ModelArchConfig
 from aioengine.model.attention import build_attention_metadata
 from aioengine.model.layers import Linear
 from aioengine.spec_decode.eagle import load_eagle_head
-from aioengine.spec_decode.eagle_tree import draft_trees
+from aioengine.spec_decode.eagle_tree import draft_trees, num_head_scratch_blocks
 from aioengine.spec_decode.tree import TreeConfig, node_depths, node_paths
 
 CPU = torch.device("cpu")
@@ -50,9 +50,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
     return head, target, tokens, aux
 
 
-def caught_up(head, target, tokens, aux):
-    """A fresh head cache with the catch-up prefill written; its last row's outputs."""
-    kv_cache = head.make_kv_cache(num_blocks=8, block_size=BS)
+def caught_up(head, target, tokens, aux, scratch: int = 0):
+    """A fresh head cache (8 blocks, then `scratch` more) with the catch-up prefill
+    written; its last row's outputs."""
+    kv_cache = head.make_kv_cache(num_blocks=8 + scratch, block_size=BS)
     meta, positions = build_attention_metadata([CTX], [CTX], [TABLE], BS, CPU)
     logits_hidden, next_hidden = head(tokens, aux, positions, kv_cache, meta,
                                       target.embed_tokens)
@@ -74,11 +75,19 @@ def path_topk(head, target, tokens, aux, path: list[int], k: int):
 @torch.inference_mode()
 @pytest.mark.parametrize("config", [TreeConfig(depth=3, top_k=2, num_nodes=10),
                                     TreeConfig(depth=4, top_k=3, num_nodes=12)])
-def test_tree_nodes_are_the_heads_top_k_along_their_paths(setup, config: TreeConfig) -> None:
+@pytest.mark.parametrize("kernel_rows", [False, True], ids=["masks", "kernel-rows"])
+def test_tree_nodes_are_the_heads_top_k_along_their_paths(setup, config: TreeConfig,
+                                                          kernel_rows: bool,
+                                                          fused_calls) -> None:
+    """With the masks (torch SDPA) and with the C attention's own rows (scratch blocks
+    given: the fused head step runs each depth's rows in one call)."""
     head, target, tokens, aux = setup
-    kv_cache, logits_hidden, next_hidden = caught_up(head, target, tokens, aux)
+    scratch = num_head_scratch_blocks(config, BS) if kernel_rows else 0
+    kv_cache, logits_hidden, next_hidden = caught_up(head, target, tokens, aux, scratch)
+    fused_calls.clear()
     tree, = draft_trees(head, target, kv_cache, config, logits_hidden, next_hidden,
-                        torch.tensor([CTX - 1]), [TABLE], BS)
+                        torch.tensor([CTX - 1]), [TABLE], BS, list(range(8, 8 + scratch)))
+    assert fused_calls == ([config.top_k] * (config.depth - 1) if kernel_rows else [])
     n = len(tree.tokens)
     assert n == config.num_nodes
     assert all(p < i for i, p in enumerate(tree.parents))  # parents first
