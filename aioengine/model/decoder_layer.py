@@ -114,8 +114,8 @@ class LlamaDecoderLayer(nn.Module):
         v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and not spec.qk_norm_whole:  # Qwen3: per-head q/k norm
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat((F.rms_norm(q, (self.head_dim,), self.q_norm, self.eps),
-                            F.rms_norm(k, (self.head_dim,), self.k_norm, self.eps)), dim=1)
+            qk = torch.cat((self._head_norm(q, self.q_norm), self._head_norm(k, self.k_norm)),
+                           dim=1)
         if rope is not None:
             qk = rope(qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -140,6 +140,12 @@ class LlamaDecoderLayer(nn.Module):
             return self.ops.silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)  # gelu_pytorch_tanh (GeGLU, Gemma)
         return F.gelu(gate, approximate="tanh") * up
+
+    def _head_norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        """x [T, heads, D] with each head RMS-normed by weight [D]: the ops' row kernel over
+        the T * heads rows, so the layer path rounds as the fused decode kernel does."""
+        t, n, d = x.shape
+        return self.ops.rms_norm(x.reshape(t * n, d), weight, self.eps).view(t, n, d)
 
     def _output(self, x: Tensor, norm: Tensor | None) -> Tensor:
         """An attention or MLP output as it is added to the residual stream: normed
