@@ -17,7 +17,8 @@
  * how many tokens the step has or which path ran it, so a verification step of k + 1 rows,
  * a prefill and a decode agree bit for bit and greedy speculative decoding keeps the very
  * tokens of plain decoding. Six barriers a
- * layer (after qkv, the K/V write, attention, o, gate_up and down), one of them between
+ * layer (after qkv, the K/V write, attention, o, gate_up and down; with LoRA a seventh, see
+ * below), one of them between
  * writing every token's K/V and any token attending: the
  * tokens of one request (speculative decoding's verified tokens, each its own row with its
  * own position and seq_len) read the slots the tokens before them write.
