@@ -62,9 +62,6 @@ static inline float lora_hsum(lora_v16 v) {
     return s;
 }
 
-/* The one-token case of `rows`. */
-static const int64_t lora_row0[1] = {0};
-
 /* Rank rows [begin, end) of the flattened (s, j) range [0, S * R) for nt <= LORA_BLOCK
  * tokens: u[r * u_stride + i] = a[i] . x[r * x_stride], r = rows[t]. Rows past a slice's
  * rank are skipped. */
