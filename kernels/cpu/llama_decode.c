@@ -17,7 +17,8 @@
  * how many tokens the step has or which path ran it, so a verification step of k + 1 rows,
  * a prefill and a decode agree bit for bit and greedy speculative decoding keeps the very
  * tokens of plain decoding. Six barriers a
- * layer (after qkv, the K/V write, attention, o, gate_up and down), one of them between
+ * layer (after qkv, the K/V write, attention, o, gate_up and down; with LoRA a seventh, see
+ * below), one of them between
  * writing every token's K/V and any token attending: the
  * tokens of one request (speculative decoding's verified tokens, each its own row with its
  * own position and seq_len) read the slots the tokens before them write. A tree
@@ -39,11 +40,8 @@
  *
  * With LoRA (`lora` not NULL), every token whose `token_slots` entry is >= 0 adds its
  * adapter's update to each projection's output (lora.h's rows, as the layer path's
- * lora_apply computes them) where the output is consumed, so no barrier is added: qkv's by
- * the thread that writes the token's K/V, o's, gate_up's and down's by every thread on its
- * own copy (o's and down's into the normed copy of the residual input, gate_up's into a
- * private copy of the row before SiLU-and-mul), the shrinks computed from each thread's
- * own copy of the projection's input.
+ * lora_apply computes them), the tokens of a slot in blocks and the work split over the
+ * threads as lora_decode.h describes: one barrier more a layer (after gate_up's expand).
  */
 #include <omp.h>
 #include <stdint.h>
@@ -55,35 +53,8 @@
 #include "decode_layer.h"
 #include "gemv.h"
 #include "layernorm.h"
-#include "lora.h"
+#include "lora_decode.h"
 #include "rotary_embedding.h"
-
-/* Element offsets into a slot tensor, as a byte pointer for either weight format. */
-static inline const void *lora_at(const void *base, int64_t elems, int bf16) {
-    return (const char *)base + elems * (bf16 ? 2 : 4);
-}
-
-/* One token's shrink u = A x and expand y[0, N) += B u for slot `slot` of projection p
- * (S slices of `slices`, padded rank R). */
-static void lora_shrink1(float *restrict u, const float *restrict x, const lora_proj *p,
-                         int64_t slot, int64_t S, int64_t R, int64_t K, int bf16) {
-    lora_shrink(u, 0, x, 0, lora_row0, 1, lora_at(p->a, slot * S * R * K, bf16), bf16,
-                p->ranks + slot * S, R, K, 0, S * R);
-}
-
-static void lora_expand1(float *restrict y, const float *restrict u, const lora_proj *p,
-                         int64_t slot, const int64_t *slices, int64_t S, int64_t R, int64_t N,
-                         int bf16) {
-    lora_expand(y, 0, u, 0, lora_row0, 1, lora_at(p->bt, slot * R * N, bf16), bf16,
-                p->ranks + slot * S, slices, S, R, N, 0, N);
-}
-
-static void lora_row(float *restrict y, const float *restrict x, const lora_proj *p,
-                     int64_t slot, const int64_t *slices, int64_t S, int64_t R, int64_t K,
-                     int64_t N, int bf16, float *restrict u) {
-    lora_shrink1(u, x, p, slot, S, R, K, bf16);
-    lora_expand1(y, u, p, slot, slices, S, R, N, bf16);
-}
 
 /* A projection of `layer` as gemv.h takes it. */
 static inline gemv_weight proj(const void *data, const float *scales, int fmt) {
@@ -232,14 +203,24 @@ int64_t llama_decode(const decode_step *d) {
     int64_t num_parts;
     int64_t *tasks = part_tasks(seq_lens, M, block_size, &num_parts);
     if (tasks == NULL) return -1;
-    /* Shared: the qkv projection, every token's attention parts, the gate_up projection. */
+    /* Shared: the qkv projection, every token's attention parts, the gate_up projection,
+     * the LoRA shrinks; the K/V loop's token blocks (lora_decode.h). */
     const int64_t attn_floats = num_parts * part_stride;
-    float *shared = malloc(sizeof(float) * (size_t)(M * (qkv_size + 2 * intermediate) + attn_floats));
-    if (shared == NULL) {
+    const int64_t R = lora == NULL ? 0 : lora_rank;
+    float *shared = malloc(sizeof(float) * (size_t)(M * (qkv_size + 2 * intermediate) + attn_floats +
+                                                    lora_step_floats(M, R)));
+    int64_t *kv_rows = malloc(sizeof(int64_t) * (size_t)(3 * M));
+    if (shared == NULL || kv_rows == NULL) {
+        free(kv_rows);
+        free(shared);
         free(tasks);
         return -1;
     }
     float *qkv = shared, *gate_up = qkv + M * qkv_size, *attn = gate_up + M * 2 * intermediate;
+    lora_step ls = {.R = R, .bf16 = lora_bf16};
+    lora_step_init(&ls, attn + attn_floats, M, R);
+    const int64_t num_kv_blocks =
+        lora_step_blocks(&ls, kv_rows, kv_rows + M, lora == NULL ? NULL : token_slots, M);
     int64_t wide = hidden > intermediate ? hidden : intermediate;
     wide = wide > q_size ? wide : q_size;
     wide = wide > qkv_in0 ? wide : qkv_in0;
@@ -247,18 +228,15 @@ int64_t llama_decode(const decode_step *d) {
     /* Claim counters of every projection of the step: [num_layers, 4, num_threads]. */
     gemv_claim *claims = calloc((size_t)(num_layers * 4 * num_threads), sizeof(gemv_claim));
     if (claims == NULL) {
+        free(kv_rows);
         free(shared);
         free(tasks);
         return -1;
     }
     int failed = 0;
-    const int64_t R = lora_rank;
     const int64_t qkv_slices[3] = {q_size, kv_size, kv_size};
     const int64_t gate_up_slices[2] = {intermediate, intermediate};
     const int64_t hidden_slices[1] = {hidden};
-    /* Private LoRA buffers: one token's shrink, every token's gate_up and down shrinks, one
-     * gate_up row. */
-    const int64_t lora_floats = lora == NULL ? 0 : 3 * R + M * 3 * R + 2 * intermediate;
 
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -266,15 +244,11 @@ int64_t llama_decode(const decode_step *d) {
         /* Private: the residual stream, the normed input of a projection, a rotated q,
          * every token's combined attention, one part's scores. */
         float *residual = malloc(sizeof(float) * (size_t)(M * (hidden + 2 * wide + q_size) + 16 +
-                                                          q_size + num_heads * attn_part_len(block_size) +
-                                                          lora_floats));
+                                                          q_size + num_heads * attn_part_len(block_size)));
         float *h = residual + M * hidden, *own_attn = h + M * wide, *q = own_attn + M * q_size;
         /* A projection's input as its weight format reads it (gemv_prepare_x). */
         float *xbuf = q + q_size;
         float *scores = xbuf + M * wide + 16;
-        float *lora_u = scores + num_heads * attn_part_len(block_size);
-        float *lora_gate_up = lora_u + 3 * R;
-        float *lora_down = lora_gate_up + M * 2 * R, *lora_row_buf = lora_down + M * R;
         /* A thread without memory skips the work but still meets every barrier. */
         const int ok = residual != NULL;
         failed = !ok;
@@ -283,6 +257,12 @@ int64_t llama_decode(const decode_step *d) {
             gemv_claim *c = claims + l * 4 * num_threads;
             if (ok) {
                 const int64_t qkv_in = l == 0 ? qkv_in0 : hidden;
+                if (l > 0) {  /* x with the last layer's down update (lora_decode.h) */
+                    memcpy(h, x, sizeof(float) * (size_t)(M * hidden));
+                    if (ls.nb > 0)
+                        lora_step_expand(&ls, h, hidden, ls.u_down, &lora[l - 1].down,
+                                         hidden_slices, 1, hidden, 0, hidden);
+                }
                 for (int64_t t = 0; t < M; t++) {
                     float *ht = h + t * qkv_in, *rt = residual + t * hidden;
                     if (l == 0 && eagle_hidden != NULL) {
@@ -292,10 +272,6 @@ int64_t llama_decode(const decode_step *d) {
                         memcpy(rt, x + t * hidden, sizeof(float) * (size_t)hidden);
                         rms_norm_row(ht, rt, layer->input_norm, hidden, eps);
                     } else {
-                        memcpy(ht, x + t * hidden, sizeof(float) * (size_t)hidden);
-                        if (lora != NULL && token_slots[t] >= 0)  /* the last layer's down */
-                            lora_expand1(ht, lora_down + t * R, &lora[l - 1].down,
-                                         token_slots[t], hidden_slices, 1, R, hidden, lora_bf16);
                         fused_add_rms_norm_row(ht, rt, layer->input_norm, hidden, eps);
                     }
                 }
@@ -307,6 +283,8 @@ int64_t llama_decode(const decode_step *d) {
                             for (int64_t t = 0; t < M; t++)
                                 memcpy(aux + (t * num_aux + j) * hidden, residual + t * hidden,
                                        sizeof(float) * (size_t)hidden);
+                if (ls.nb > 0)
+                    lora_step_shrink(&ls, ls.u_qkv, h, qkv_in, &lora[l].qkv, 3, hidden, tid, nt);
                 const gemv_weight w = proj(layer->qkv, layer->qkv_scales, fmt);
                 gemv_shared(qkv, gemv_prepare_x(xbuf, h, M, qkv_in, fmt), &w, layer->qkv_bias, M,
                             qkv_size, qkv_in, tid, nt, c);
@@ -316,12 +294,15 @@ int64_t llama_decode(const decode_step *d) {
              * request (speculative decoding verifies several, each its own row) read the
              * slots the ones before them write. */
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < M; t++) {
+            for (int64_t b = 0; b < num_kv_blocks; b++) {
                 if (!ok) continue;
-                if (lora != NULL && token_slots[t] >= 0)
-                    lora_row(qkv + t * qkv_size, h + t * hidden, &lora[l].qkv, token_slots[t],
-                             qkv_slices, 3, R, hidden, qkv_size, lora_bf16, lora_u);
-                write_kv(qkv + t * qkv_size, layer, &step, t);
+                if (b < ls.nb)
+                    lora_step_expand_block(&ls, b, qkv, qkv_size, ls.u_qkv, &lora[l].qkv,
+                                           qkv_slices, 3, qkv_size, 0, qkv_size);
+                for (int64_t i = 0; i < kv_rows[M + 2 * b + 1]; i++) {
+                    const int64_t t = kv_rows[kv_rows[M + 2 * b] + i];
+                    write_kv(qkv + t * qkv_size, layer, &step, t);
+                }
             }
             /* implicit barrier: the step's K/V written */
             if (num_tree_copies > 0) {  /* then the tree rows' scratch slots (decode_layer.h) */
@@ -350,59 +331,57 @@ int64_t llama_decode(const decode_step *d) {
             }
             const float *attn_out = own_attn;
             if (ok) {
+                if (ls.nb > 0)
+                    lora_step_shrink(&ls, ls.u_o, attn_out, q_size, &lora[l].o, 1, q_size, tid, nt);
                 const gemv_weight w = proj(layer->o, layer->o_scales, fmt);
                 gemv_shared(x, gemv_prepare_x(xbuf, attn_out, M, q_size, fmt), &w, NULL, M, hidden,
                             q_size, tid, nt, c + num_threads);
             }
 #pragma omp barrier
             if (ok) {
-                for (int64_t t = 0; t < M; t++) {
-                    float *ht = h + t * hidden;
-                    memcpy(ht, x + t * hidden, sizeof(float) * (size_t)hidden);
-                    if (lora != NULL && token_slots[t] >= 0)
-                        lora_row(ht, attn_out + t * q_size, &lora[l].o, token_slots[t],
-                                 hidden_slices, 1, R, q_size, hidden, lora_bf16, lora_u);
-                    fused_add_rms_norm_row(ht, residual + t * hidden, layer->post_norm, hidden,
-                                           eps);
-                }
+                memcpy(h, x, sizeof(float) * (size_t)(M * hidden));
+                if (ls.nb > 0)
+                    lora_step_expand(&ls, h, hidden, ls.u_o, &lora[l].o, hidden_slices, 1, hidden,
+                                     0, hidden);
+                for (int64_t t = 0; t < M; t++)
+                    fused_add_rms_norm_row(h + t * hidden, residual + t * hidden, layer->post_norm,
+                                           hidden, eps);
+                if (ls.nb > 0)
+                    lora_step_shrink(&ls, ls.u_gate_up, h, hidden, &lora[l].gate_up, 2, hidden,
+                                     tid, nt);
                 const gemv_weight w = proj(layer->gate_up, layer->gate_up_scales, fmt);
                 gemv_shared(gate_up, gemv_prepare_x(xbuf, h, M, hidden, fmt), &w, NULL, M,
                             2 * intermediate, hidden, tid, nt, c + 2 * num_threads);
             }
 #pragma omp barrier
+            if (ls.nb > 0) {  /* gate_up's update split by columns, in place */
+                int64_t begin, end;
+                lora_column_share(2 * intermediate, tid, nt, &begin, &end);
+                if (ok)
+                    lora_step_expand(&ls, gate_up, 2 * intermediate, ls.u_gate_up,
+                                     &lora[l].gate_up, gate_up_slices, 2, 2 * intermediate,
+                                     begin, end);
+#pragma omp barrier
+            }
             if (ok) {
-                const lora_proj *gu = lora == NULL ? NULL : &lora[l].gate_up;
-                if (gu != NULL)  /* from h before SiLU-and-mul overwrites it */
-                    for (int64_t t = 0; t < M; t++)
-                        if (token_slots[t] >= 0)
-                            lora_shrink1(lora_gate_up + t * 2 * R, h + t * hidden, gu,
-                                         token_slots[t], 2, R, hidden, lora_bf16);
                 for (int64_t t = 0; t < M; t++) {
                     const float *g = gate_up + t * 2 * intermediate;
-                    if (gu != NULL && token_slots[t] >= 0) {
-                        memcpy(lora_row_buf, g, sizeof(float) * (size_t)(2 * intermediate));
-                        lora_expand1(lora_row_buf, lora_gate_up + t * 2 * R, gu, token_slots[t],
-                                     gate_up_slices, 2, R, 2 * intermediate, lora_bf16);
-                        g = lora_row_buf;
-                    }
                     silu_and_mul_row(h + t * intermediate, g, g + intermediate, intermediate);
                 }
+                if (ls.nb > 0)  /* its update applied where the next layer (or the end) reads x */
+                    lora_step_shrink(&ls, ls.u_down, h, intermediate, &lora[l].down, 1,
+                                     intermediate, tid, nt);
                 const gemv_weight w = proj(layer->down, layer->down_scales, fmt);
                 gemv_shared(x, gemv_prepare_x(xbuf, h, M, intermediate, fmt), &w, NULL, M, hidden,
                             intermediate, tid, nt, c + 3 * num_threads);
-                if (lora != NULL)  /* applied where the next layer (or the final norm) reads x */
-                    for (int64_t t = 0; t < M; t++)
-                        if (token_slots[t] >= 0)
-                            lora_shrink1(lora_down + t * R, h + t * intermediate, &lora[l].down,
-                                         token_slots[t], 1, R, intermediate, lora_bf16);
             }
 #pragma omp barrier
         }
+        if (tid == 0 && ok && ls.nb > 0)
+            lora_step_expand(&ls, x, hidden, ls.u_down, &lora[num_layers - 1].down, hidden_slices,
+                             1, hidden, 0, hidden);
         if (tid == 0 && ok)
             for (int64_t t = 0; t < M; t++) {
-                if (lora != NULL && token_slots[t] >= 0)
-                    lora_expand1(x + t * hidden, lora_down + t * R, &lora[num_layers - 1].down,
-                                 token_slots[t], hidden_slices, 1, R, hidden, lora_bf16);
                 fused_add_rms_norm_row(x + t * hidden, residual + t * hidden, final_norm, hidden,
                                        eps);
                 if (eagle_hidden != NULL)  /* the next draft step's hidden state */
@@ -412,6 +391,7 @@ int64_t llama_decode(const decode_step *d) {
         free(residual);
     }
     free(claims);
+    free(kv_rows);
     free(shared);
     free(tasks);
     return failed ? -1 : 0;

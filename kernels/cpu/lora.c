@@ -30,17 +30,8 @@ int lora_apply_f32(float *restrict y, const float *restrict x, const void *a, co
         free(rows);
         return -1;
     }
-    int64_t *blocks = rows + T, nr = 0, nb = 0;
-    for (int64_t slot = 0; slot < L; slot++) {
-        const int64_t first = nr;
-        for (int64_t t = 0; t < T; t++)
-            if (token_slots[t] == slot) rows[nr++] = t;
-        for (int64_t b = first; b < nr; b += LORA_BLOCK) {
-            blocks[2 * nb] = b;
-            blocks[2 * nb + 1] = nr - b < LORA_BLOCK ? nr - b : LORA_BLOCK;
-            nb++;
-        }
-    }
+    int64_t *blocks = rows + T, nr;
+    const int64_t nb = lora_group_blocks(rows, blocks, &nr, token_slots, T, L);
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
@@ -51,9 +42,8 @@ int lora_apply_f32(float *restrict y, const float *restrict x, const void *a, co
                         ranks + slot * S, R, K, i, i + 1);
         }
         /* implicit barrier: every u computed */
-        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t begin = N * tid / nt / 16 * 16;
-        const int64_t end = tid == nt - 1 ? N : N * (tid + 1) / nt / 16 * 16;
+        int64_t begin, end;
+        lora_column_share(N, omp_get_thread_num(), omp_get_num_threads(), &begin, &end);
         for (int64_t b = 0; b < nb; b++) {
             const int64_t *r = rows + blocks[2 * b], slot = token_slots[r[0]];
             lora_expand(y, N, u, SR, r, blocks[2 * b + 1], bt_bytes + slot * R * N * esize, bf16,

@@ -62,9 +62,6 @@ static inline float lora_hsum(lora_v16 v) {
     return s;
 }
 
-/* The one-token case of `rows`. */
-static const int64_t lora_row0[1] = {0};
-
 /* Rank rows [begin, end) of the flattened (s, j) range [0, S * R) for nt <= LORA_BLOCK
  * tokens: u[r * u_stride + i] = a[i] . x[r * x_stride], r = rows[t]. Rows past a slice's
  * rank are skipped. */
@@ -154,6 +151,36 @@ static inline void lora_expand(float *restrict y, int64_t y_stride, const float 
     else
         lora_expand_n(y, y_stride, u, u_stride, rows, nt, bt, bf16, ranks, slices, S, R, N,
                       begin, end);
+}
+
+/* The adapter tokens of a step grouped into blocks of up to LORA_BLOCK tokens of one slot:
+ * rows [T] the tokens with token_slots[t] in [0, L), by slot, in step order within a slot;
+ * blocks [2 nb] each block's (offset into rows, count). Returns nb; *num_rows set. Every
+ * caller groups alike (lora_apply, the fused decode step), though a token's bits do not
+ * depend on its block. */
+static inline int64_t lora_group_blocks(int64_t *restrict rows, int64_t *restrict blocks,
+                                        int64_t *num_rows, const int32_t *restrict token_slots,
+                                        int64_t T, int64_t L) {
+    int64_t nr = 0, nb = 0;
+    for (int64_t slot = 0; slot < L; slot++) {
+        const int64_t first = nr;
+        for (int64_t t = 0; t < T; t++)
+            if (token_slots[t] == slot) rows[nr++] = t;
+        for (int64_t b = first; b < nr; b += LORA_BLOCK) {
+            blocks[2 * nb] = b;
+            blocks[2 * nb + 1] = nr - b < LORA_BLOCK ? nr - b : LORA_BLOCK;
+            nb++;
+        }
+    }
+    *num_rows = nr;
+    return nb;
+}
+
+/* Thread tid's share [*begin, *end) of N output columns (of nt), at multiples of 16 so a
+ * column is in the same vector or tail pass of lora_expand whatever the threads. */
+static inline void lora_column_share(int64_t N, int tid, int nt, int64_t *begin, int64_t *end) {
+    *begin = N * tid / nt / 16 * 16;
+    *end = tid == nt - 1 ? N : N * (tid + 1) / nt / 16 * 16;
 }
 
 #endif /* AIOENGINE_LORA_H */
