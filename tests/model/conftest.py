@@ -46,3 +46,13 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(cpu_decode, "llama_decode", spy)
     return calls
+
+
+@pytest.fixture(params=cpu_kernels.supported_variants())
+def variant(request):
+    """Each kernel build this CPU can run (avx2, avx512, avx512_bf16, ...), forced in turn."""
+    cpu_kernels.use_variant(request.param)
+    assert cpu_kernels.load() is not None, cpu_kernels.load_error()
+    assert cpu_kernels.variant() == request.param
+    yield request.param
+    cpu_kernels.use_variant(None)

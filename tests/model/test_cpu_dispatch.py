@@ -14,14 +14,6 @@ from aioengine.model.layers import quantize_int8_rows
 VARIANTS = cpu_kernels.supported_variants()
 
 
-@pytest.fixture(params=VARIANTS)
-def variant(request):
-    cpu_kernels.use_variant(request.param)
-    assert cpu_kernels.load() is not None, cpu_kernels.load_error()
-    assert cpu_kernels.variant() == request.param
-    yield request.param
-    cpu_kernels.use_variant(None)
-
 
 def _bf16_round(a: np.ndarray) -> np.ndarray:
     """float32 -> the nearest bf16 (ties to even), as float32."""

@@ -19,12 +19,6 @@ SHAPES = ((37, 19), (16, 1), (100, 64), (1000, 576))
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="CPU kernels not built")
 
 
-@pytest.fixture(params=VARIANTS)
-def variant(request):
-    cpu_kernels.use_variant(request.param)
-    yield request.param
-    cpu_kernels.use_variant(None)
-
 
 def _weight(fmt: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None,
                                                                torch.Tensor]:

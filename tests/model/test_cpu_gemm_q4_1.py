@@ -21,12 +21,6 @@ SHAPES = ((5, 32), (37, 64), (1000, 576))
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="CPU kernels not built")
 
 
-@pytest.fixture(params=VARIANTS)
-def variant(request):
-    cpu_kernels.use_variant(request.param)
-    yield request.param
-    cpu_kernels.use_variant(None)
-
 
 def _blocks(n: int, k: int, seed: int = 0) -> torch.Tensor:
     """GGUF Q4_1 blocks [n, k / 32 * 20] of a random weight, quantized by the gguf package."""
