@@ -17,12 +17,12 @@
  * how many tokens the step has or which path ran it, so a verification step of k + 1 rows,
  * a prefill and a decode agree bit for bit and greedy speculative decoding keeps the very
  * tokens of plain decoding. Six barriers a
- * layer (after qkv, the K/V write, attention, o, gate_up and down; with LoRA a seventh, see
- * below), one of them between
+ * layer (after qkv, the K/V write, attention, o, gate_up and down; one more with LoRA and
+ * one more in a tree step, see below), one of them between
  * writing every token's K/V and any token attending: the
  * tokens of one request (speculative decoding's verified tokens, each its own row with its
  * own position and seq_len) read the slots the tokens before them write. A tree
- * verification step (EAGLE-2 drafts) has a seventh, after copying the step's K/V into its
+ * verification step (EAGLE-2 drafts) has one more, after copying the step's K/V into its
  * node rows' scratch slots (decode_layer.h's tree_src/tree_dst; each node row's own block
  * table ends in them): a node row then attends over its context and ancestors exactly as a
  * chain's row at its position would, the layer path's bits (worker/spec_tree.py).
