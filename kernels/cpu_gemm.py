@@ -17,10 +17,12 @@ import torch
 from torch import Tensor
 
 from aioengine.kernels import cpu_build
+from aioengine.kernels.cpu_gemm_w8a8 import is_w8a8_panels, unpack_w8a8, w8a8_rows
 
 PANEL = 16  # gemm.h's GEMM_NR
 # gemm.h's GEMM_*P codes, by the packed tensor's dtype.
 PACKED_FORMATS = {torch.float32: 5, torch.bfloat16: 6, torch.int8: 7, torch.uint8: 8}
+GEMM_W8A8P = 9  # int8 panels of 4-k groups (cpu_gemm_w8a8.py), x quantized per row
 # Q4_1: 32 weights per 20-byte block; a panel's group of one 32-block is 16 such blocks.
 Q4_1_BLOCK, Q4_1_BLOCK_BYTES = 32, 20
 Q4_1_GROUP_BYTES = PANEL * Q4_1_BLOCK_BYTES
@@ -54,8 +56,20 @@ def packed_shape(weight: Tensor) -> tuple[int, int, int]:
     return -(-n // PANEL), k, PANEL
 
 
+def packed_format(packed: Tensor) -> int:
+    """The GEMM_*P code of a packed weight."""
+    return GEMM_W8A8P if is_w8a8_panels(packed) else PACKED_FORMATS[packed.dtype]
+
+
+def _k_matches(packed: Tensor, k: int) -> bool:
+    """Whether a packed weight takes x of k features."""
+    if is_w8a8_panels(packed):
+        return packed.shape[1] == 1 + -(-k // 4)
+    return packed_in_features(packed) == k
+
+
 def packed_in_features(packed: Tensor) -> int:
-    """K of a packed weight."""
+    """K of a packed weight (not of W8A8 panels, which round it up to a multiple of 4)."""
     if packed.dtype == torch.uint8:
         return packed.shape[1] * Q4_1_BLOCK
     return packed.shape[1]
@@ -114,9 +128,12 @@ def _q4_1_blocks(packed: Tensor) -> Tensor:
     return blocks.transpose(1, 2).reshape(p * PANEL, nb * Q4_1_BLOCK_BYTES)
 
 
-def unpack_weight(packed: Tensor, n: int) -> Tensor:
+def unpack_weight(packed: Tensor, n: int, k: int | None = None) -> Tensor:
     """The row-major [n, K] weight (Q4_1: the blocks [n, K / 32 * 20]) back from its packed
-    form (a copy)."""
+    form (a copy); W8A8 panels need k."""
+    if is_w8a8_panels(packed):
+        assert k is not None, "W8A8 panels need in_features to unpack"
+        return unpack_w8a8(packed, n, k)
     if packed.dtype == torch.uint8:
         return _q4_1_blocks(packed)[:n].contiguous()
     panels, k, _ = packed.shape
@@ -124,10 +141,13 @@ def unpack_weight(packed: Tensor, n: int) -> Tensor:
     return cols.transpose(1, 2).reshape(panels * PANEL, k)[:n].contiguous()
 
 
-def packed_rows(packed: Tensor, rows: Tensor) -> Tensor:
+def packed_rows(packed: Tensor, rows: Tensor, k: int | None = None) -> Tensor:
     """Rows `rows` [T] (int64) of the weight, [T, K], gathered from its packed form: the
-    embedding lookup of a table that is also the (tied) LM head. Not for Q4_1 panels
-    (ValueError): an embedding is never stored so."""
+    embedding lookup of a table that is also the (tied) LM head (W8A8 panels need k). Not
+    for Q4_1 panels (ValueError): an embedding is never stored so."""
+    if is_w8a8_panels(packed):
+        assert k is not None, "W8A8 panels need in_features to gather rows"
+        return w8a8_rows(packed, rows, k)
     if packed.dtype == torch.uint8:
         raise ValueError("packed_rows: Q4_1 panels hold no embedding table")
     col = rows % PANEL
@@ -139,12 +159,12 @@ def packed_rows(packed: Tensor, rows: Tensor) -> Tensor:
 def gemm(x: Tensor, packed: Tensor, n: int, bias: Tensor | None = None,
          scales: Tensor | None = None) -> Tensor | None:
     """x [M, K] float32 @ W^T (* scales [n]) (+ bias [n]) -> [M, n] float32 for any M, W
-    packed by `pack_weight`; None (nothing computed) where the kernel does not apply or is
+    packed by `pack_weight` (or `cpu_gemm_w8a8.pack_w8a8`: x quantized per row); None (nothing computed) where the kernel does not apply or is
     not built, so the caller takes its torch path."""
     lib = cpu_build.load()
     if (lib is None or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu"
             or not x.is_contiguous() or packed.dim() != 3 or not packed.is_contiguous()
-            or packed.dtype not in PACKED_FORMATS or packed_in_features(packed) != x.shape[1]
+            or packed.dtype not in PACKED_FORMATS or not _k_matches(packed, x.shape[1])
             or packed.shape[0] * PANEL < n
             or (packed.dtype == torch.uint8 and packed.shape[2] != Q4_1_GROUP_BYTES)
             or (packed.dtype == torch.int8) != (scales is not None)):
@@ -158,7 +178,7 @@ def gemm(x: Tensor, packed: Tensor, n: int, bias: Tensor | None = None,
     if m == 0:
         return out
     rc = lib.gemv(out.data_ptr(), x.data_ptr(), packed.data_ptr(),
-                  0 if scales is None else scales.data_ptr(), PACKED_FORMATS[packed.dtype],
+                  0 if scales is None else scales.data_ptr(), packed_format(packed),
                   0 if bias is None else bias.data_ptr(), m, n, k, torch.get_num_threads())
     if rc != 0:
         raise MemoryError("gemm: out of memory")

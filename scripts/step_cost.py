@@ -25,25 +25,35 @@ from aioengine import AsyncEngine, SamplingParams, cpu_info
 from aioengine.bench.floor import measure_read_bandwidth, weight_bytes_per_token
 
 
-def gemm_peak_flops(dtype: torch.dtype) -> float | None:
-    """FLOP/s of the any-M GEMM on a [512, 576] weight of `dtype` (L2-resident) at 48 rows,
-    best of 20; None where it is not built (an older checkout)."""
+def gemm_peak_flops(storage: str) -> float | None:
+    """FLOP/s of the any-M GEMM on a [512, 576] weight in the projections' `storage`
+    (Linear.storage: float32, bfloat16, int8, w8a8 or q4_1; L2-resident, packed as the
+    model packs it) at 48 rows, best of 20; None where it is not built or does not pack."""
     try:
         from aioengine.kernels import cpu_gemm
+        from aioengine.model.layers import Linear
     except ImportError:
         return None
+    lin = Linear(576, 512, False, torch.float32, torch.device("cpu"))
     w = torch.randn(512, 576)
-    scales = None
-    if dtype == torch.int8:
-        scales = w.abs().amax(1) / 127
-        w = (w / scales[:, None]).round().to(torch.int8)
-    packed = cpu_gemm.pack_weight(w.to(dtype) if dtype != torch.int8 else w)
+    with torch.no_grad():
+        if storage == "q4_1":
+            import gguf
+            lin.use_q4_1_storage()
+            lin.weight.copy_(torch.from_numpy(
+                gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1)))
+        else:
+            lin.weight.copy_(w)
+            lin.convert(storage)
+    lin.pack()
+    if not lin.is_packed:
+        return None
     x = torch.randn(48, 576)
     best = float("inf")
     for _ in range(20):
         start = time.perf_counter()
         for _ in range(50):
-            cpu_gemm.gemm(x, packed, 512, None, scales)
+            cpu_gemm.gemm(x, lin.weight, 512, None, lin.scales)
         best = min(best, (time.perf_counter() - start) / 50)
     return 2 * 48 * 512 * 576 / best
 
@@ -80,7 +90,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         weights = weight_bytes_per_token(model)
         params = sum(lin.in_features * lin.out_features for lin in model.linears()
                      if lin is not model.embed_tokens or lin is model.lm_head)
-        storage = model.lm_head.weight.dtype
+        storage = model.layers[0].qkv_proj.storage
     finally:
         await engine.shutdown()
     bandwidth = measure_read_bandwidth()

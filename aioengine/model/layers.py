@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aioengine.kernels import cpu as cpu_kernels
-from aioengine.kernels import cpu_gemm
+from aioengine.kernels import cpu_gemm, cpu_gemm_w8a8
 from aioengine.model import hugepages
 
 
@@ -270,7 +270,7 @@ class Linear(nn.Module):
                                 self.scales)
             if out is not None:
                 return out.view(*x.shape[:-1], self.out_features)
-        dense = cpu_gemm.unpack_weight(self.weight, self.out_features)
+        dense = self.dense_weight()
         if dense.dtype == torch.bfloat16:  # the GEMM's arithmetic: x not rounded to bf16
             dense = dense.to(x.dtype)
         return linear(x, dense, self.bias, None, self.scales, self.act_quant)
@@ -279,7 +279,7 @@ class Linear(nn.Module):
         """The weight as [out_features, in_features] in its storage dtype (a copy when
         packed; Q4_1 blocks stay blocks)."""
         if self.is_packed:
-            return cpu_gemm.unpack_weight(self.weight, self.out_features)
+            return cpu_gemm.unpack_weight(self.weight, self.out_features, self.in_features)
         return self.weight
 
     @property
@@ -304,7 +304,7 @@ class Linear(nn.Module):
         """The C kernels' code for this weight (cpu_kernels.weight_format; packed:
         cpu_gemm.PACKED_FORMATS)."""
         if self.is_packed:
-            return cpu_gemm.PACKED_FORMATS[self.weight.dtype]
+            return cpu_gemm.packed_format(self.weight)
         return cpu_kernels.weight_format(self.weight, self.act_quant)
 
     @torch.no_grad()
@@ -334,13 +334,18 @@ class Linear(nn.Module):
 
     def pack(self) -> int:
         """Repacks the weight in place into the any-M GEMM's panels where the CPU kernels
-        read its storage (float32, bf16, int8 weight-only, Q4_1 blocks: cpu_gemm), so every
+        read its storage (float32, bf16, int8 weight-only, W8A8, Q4_1 blocks: cpu_gemm), so every
         row count takes one kernel and one arithmetic; else, for float32 on the CPU, adds the
         oneDNN-packed copy `linear` uses for many-row products. Returns the bytes added
         (the panels' padding, or the copy)."""
         if self.is_packed:
             return 0
         w = self.weight
+        if self.act_quant and cpu_gemm.can_pack(w):  # W8A8 panels (cpu_gemm_w8a8)
+            shape = cpu_gemm_w8a8.packed_shape(*w.shape)
+            packed = cpu_gemm_w8a8.pack_w8a8(w, hugepages.empty(shape, torch.int8, w.device))
+            self.weight, self.packed = nn.Parameter(packed, requires_grad=False), None
+            return packed.numel() - w.numel()
         if not self.act_quant and cpu_gemm.can_pack(w):
             before = w.numel() * w.element_size()
             packed = cpu_gemm.pack_weight(
@@ -386,7 +391,7 @@ def embed(input_ids: Tensor, table: Linear, dtype: torch.dtype) -> Tensor:
     """The rows of an embedding matrix held as a Linear [V, H] (any storage) for input_ids
     [T], as [T, H] in `dtype`."""
     if table.is_packed:
-        rows = cpu_gemm.packed_rows(table.weight, input_ids).to(dtype)
+        rows = cpu_gemm.packed_rows(table.weight, input_ids, table.in_features).to(dtype)
     else:
         rows = table.weight.index_select(0, input_ids).to(dtype)
     if table.scales is not None:

@@ -12,6 +12,7 @@
 
 #include "gemm.h"
 #include "gemm_q4_1.h"
+#include "gemm_w8a8.h"
 
 typedef float g8f __attribute__((vector_size(32), aligned(4)));
 typedef uint32_t g8u __attribute__((vector_size(32), aligned(4)));
@@ -282,6 +283,11 @@ static void gemm_tile_any(float *restrict y, int64_t ldy, const float *restrict 
                           bias, mr, np);
         return;
     }
+    if (fmt == GEMM_W8A8P) {
+        gemm_w8_tile_any(y, ldy, (const uint8_t *)x, (const uint8_t *)w, panel_bytes, k, c0, n,
+                         scales, bias, mr, np);
+        return;
+    }
     const int full = np == gemm_tile_panels(mr);
     for (int64_t q = 0; q < (full ? 1 : np); q++) {
 #if defined(__AVX512BF16__)
@@ -309,6 +315,9 @@ static void gemm_tile_any(float *restrict y, int64_t ldy, const float *restrict 
     if (fmt == GEMM_Q41P) {
         gemm_q41_tile_any(y, ldy, (const uint8_t *)x, (const uint8_t *)w, panel_bytes, k, c0, n,
                           bias, mr, np);
+    } else if (fmt == GEMM_W8A8P) {
+        gemm_w8_tile_any(y, ldy, (const uint8_t *)x, (const uint8_t *)w, panel_bytes, k, c0, n,
+                         scales, bias, mr, np);
     } else if (fmt == GEMM_BF16P) {
         GEMM_TILE_CASES(GEMM_BF16P)
     } else if (fmt == GEMM_F32P) {
@@ -343,6 +352,7 @@ void gemm_range(float *restrict y, int64_t ldy, const float *restrict x,
     /* x's row stride in floats (bf16 pairs, one float's size each, where gemm_x_pairs
      * prepared x; Q4_1: q41_prepare_x's rows, 40 bytes per 32-block) */
     const int64_t x_stride = fmt == GEMM_Q41P        ? q41_x_row_bytes(k) / 4
+                             : fmt == GEMM_W8A8P    ? w8_x_row_bytes(k) / 4
                              : gemm_x_is_pairs(fmt) ? (k + 1) / 2
                                                     : k;
     for (int64_t r0 = 0; r0 < M; r0 += GEMM_ROWS_PER_PASS) {

@@ -9,7 +9,9 @@
  * in float32, bf16 or int8 (per-column float32 scales, weight-only) — the GEMM_*P formats —
  * or a GGUF's Q4_1 blocks (GEMM_Q41P, gemm_q4_1.h: a panel is k / 32 groups of 320 bytes,
  * the 16 columns' fp16 d, fp16 m and nibbles of one 32-block interleaved; x quantized per
- * 32-block to int8, integer dot products per block).
+ * 32-block to int8, integer dot products per block), or int8 W8A8 (GEMM_W8A8P,
+ * gemm_w8a8.h: 4 consecutive k of a column in one 32-bit lane, x quantized per row, exact
+ * integer sums through `vpdpbusd`).
  * One register tile of MR rows x 16 P columns of float32 accumulators walks k once: each
  * step loads 16 P weights, widens them to float32 in registers (bf16 by a shift, int8 by a
  * sign-extend and convert), broadcasts one x element per row and does the tile's fused
@@ -34,19 +36,21 @@
 
 #include <stdint.h>
 
-enum { GEMM_F32P = 5, GEMM_BF16P = 6, GEMM_I8P = 7, GEMM_Q41P = 8 };
+enum { GEMM_F32P = 5, GEMM_BF16P = 6, GEMM_I8P = 7, GEMM_Q41P = 8, GEMM_W8A8P = 9 };
 #define GEMM_NR 16
 /* Rows per pass over the panels: x's rows of a pass (48 x k floats) stay in L2. */
 #define GEMM_ROWS_PER_PASS 48
 
-static inline int gemm_is_packed(int fmt) { return fmt >= GEMM_F32P && fmt <= GEMM_Q41P; }
+static inline int gemm_is_packed(int fmt) { return fmt >= GEMM_F32P && fmt <= GEMM_W8A8P; }
 
 static inline int64_t gemm_elem_bytes(int fmt) {
     return fmt == GEMM_F32P ? 4 : fmt == GEMM_BF16P ? 2 : 1;
 }
 
-/* Bytes of one panel of k rows (Q4_1: 16 columns x 20 bytes per 32 rows). */
+/* Bytes of one panel of k rows (Q4_1: 16 columns x 20 bytes per 32 rows; W8A8: the 16
+ * columns' int32 weight sums, then 16 columns x 4 bytes per 4 rows, gemm_w8a8.h). */
 static inline int64_t gemm_panel_bytes(int fmt, int64_t k) {
+    if (fmt == GEMM_W8A8P) return 64 * (1 + (k + 3) / 4);
     return fmt == GEMM_Q41P ? k / 32 * 20 * GEMM_NR : gemm_elem_bytes(fmt) * GEMM_NR * k;
 }
 

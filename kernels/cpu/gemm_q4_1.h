@@ -60,12 +60,18 @@ static inline float q41_block_step(float acc, int32_t dot, float d, float mn, fl
 /* One chunk's 4 k of every column into a row's lanes: VNNI's u8 x s8 dot product into
  * int32, else u8 x s8 pairs into int16 (8 chunks' sums stay within 8 * 2 * 15 * 127) and
  * pairs of int16 into int32 at the block's end. */
+/* The sums live in int32-lane vectors, never __m512i (64-bit lanes) between uses: GCC keeps
+ * an array of vectors in registers only when every access has the one vector type (with
+ * __m512i it kept them on the stack, a load and a store around every multiply-add). */
+typedef int32_t q41_v16i __attribute__((vector_size(64)));
 #if defined(__AVX512VNNI__)
-#define Q41_ZMM_DOT(acc, w, x) ((acc) = _mm512_dpbusd_epi32((acc), (w), (x)))
-#define Q41_ZMM_INT32(acc) (acc)
+#define Q41_ZMM_DOT(acc, w, x) \
+    ((acc) = (q41_v16i)_mm512_dpbusd_epi32((__m512i)(acc), (w), (x)))
+#define Q41_ZMM_INT32(acc) ((__m512i)(acc))
 #else
-#define Q41_ZMM_DOT(acc, w, x) ((acc) = _mm512_add_epi16((acc), _mm512_maddubs_epi16((w), (x))))
-#define Q41_ZMM_INT32(acc) _mm512_madd_epi16((acc), _mm512_set1_epi16(1))
+#define Q41_ZMM_DOT(acc, w, x) \
+    ((acc) = (q41_v16i)_mm512_add_epi16((__m512i)(acc), _mm512_maddubs_epi16((w), (x))))
+#define Q41_ZMM_INT32(acc) _mm512_madd_epi16((__m512i)(acc), _mm512_set1_epi16(1))
 #endif
 
 /* Rows [0, MR) of x (prepared, row stride xrow bytes) against P panels from w: columns
@@ -79,10 +85,10 @@ static inline __attribute__((always_inline)) void gemm_q41_tile_zmm(
     __m512 acc[MR][P];
     for (int m = 0; m < MR; m++)
         for (int p = 0; p < P; p++) acc[m][p] = _mm512_setzero_ps();
+    q41_v16i dot[MR][P]; /* one block's integer sums (declared once: see q41_v16i) */
     for (int64_t b = 0; b < nb; b++) {
-        __m512i dot[MR][P];
         for (int m = 0; m < MR; m++)
-            for (int p = 0; p < P; p++) dot[m][p] = _mm512_setzero_si512();
+            for (int p = 0; p < P; p++) dot[m][p] = (q41_v16i){0};
         for (int j = 0; j < 4; j++)
             for (int p = 0; p < P; p++) {
                 const __m512i raw = _mm512_loadu_si512(w + p * panel_bytes +

@@ -17,7 +17,8 @@ int gemv(float *restrict y, const float *restrict x, const void *w, const float 
          int num_threads) {
     const gemv_weight W = {.data = w, .scales = scales, .fmt = fmt};
     /* bf16: x rounded; int8: x quantized (16 scales of padding + the rows). */
-    float *buf = gemv_needs_buffer(fmt) ? malloc(sizeof(float) * (size_t)(m * k + 16)) : NULL;
+    float *buf = gemv_needs_buffer(fmt) ? malloc(sizeof(float) * (size_t)gemv_buffer_floats(fmt, m, k))
+                                        : NULL;
     if (gemv_needs_buffer(fmt) && buf == NULL) return -1;
     /* Below ~64K weights one thread is done before a second would start (and see
      * parallel.h on entering OpenMP for nothing). */

@@ -34,15 +34,13 @@
 
 #include "gemm.h"
 #include "vec_math.h"
+#include "w8a8.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define GEMV_DPBF16 1
-#endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define GEMV_VNNI 1
 #endif
 
 enum { GEMV_F32 = 0, GEMV_BF16 = 1, GEMV_I8 = 2, GEMV_I8A8 = 3, GEMV_Q4_1 = 4 };
@@ -72,7 +70,16 @@ static inline int64_t gemv_row_bytes(int fmt, int64_t k) {
 /* Formats whose x gemv_prepare_x rewrites into a buffer. */
 static inline int gemv_needs_buffer(int fmt) {
     return fmt == GEMV_BF16 || fmt == GEMV_I8A8 || fmt == GEMV_Q4_1 || fmt == GEMM_Q41P ||
-           gemm_x_is_pairs(fmt);
+           fmt == GEMM_W8A8P || gemm_x_is_pairs(fmt);
+}
+
+/* Floats of the buffer gemv_prepare_x writes x into (the fused decode's are sized by the
+ * model's widths: M * max(k) + 16, which holds this for any k >= 5). */
+static inline int64_t gemv_buffer_floats(int fmt, int64_t M, int64_t k) {
+    const int64_t plain = M * k + 16;
+    if (fmt != GEMM_W8A8P) return plain;
+    const int64_t w8 = (M * w8_x_row_bytes(k) + 3) / 4;
+    return w8 > plain ? w8 : plain;
 }
 
 /* bf16 <-> float32: vec_math.h's f32_to_bf16 and bf16_to_f32. */
@@ -172,15 +179,8 @@ i8_epilogue(int32_t acc, float sx, float sw, float b) {
     return v + b;
 }
 
-/* GEMV_I8 x as gemv_prepare_x leaves it: M scales, then the quantized rows (padded to a
- * 64-byte boundary): uint8 q + 128 for VNNI, int16 q for the multiply-add path. */
-#ifdef GEMV_VNNI
-typedef uint8_t i8_xelem;
-#define I8_XOFFSET 128
-#else
-typedef int16_t i8_xelem;
-#define I8_XOFFSET 0
-#endif
+/* GEMV_I8A8 x as gemv_prepare_x leaves it: M scales, then the quantized rows (w8a8.h's
+ * elements) after a 64-byte boundary. */
 static inline const i8_xelem *i8_rows(const float *xp, int64_t M) {
     return (const i8_xelem *)(xp + ((M + 15) / 16) * 16);
 }
@@ -247,27 +247,6 @@ static inline __attribute__((always_inline)) void gemv_rows_i8(
     }
 }
 
-/* Row m of x quantized to int8 (layers.quantize_int8_tokens, bit for bit): its scale
- * into sx, q + I8_XOFFSET into q. */
-static inline void i8_quantize_row(float *restrict sx, i8_xelem *restrict q,
-                                   const float *restrict x, int64_t k) {
-    float amax = 0.0f;
-    for (int64_t i = 0; i < k; i++) {
-        const float a = __builtin_fabsf(x[i]);
-        amax = a > amax ? a : amax;
-    }
-    /* Times the float nearest 1/127, not a division: torch divides a tensor by a Python
-     * number by multiplying with its reciprocal. */
-    float s = amax * (1.0f / 127.0f);
-    s = s > 0.0f ? s : 1.0f;
-    *sx = s;
-    for (int64_t i = 0; i < k; i++) {
-        float v = __builtin_nearbyintf(x[i] / s);
-        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-        q[i] = (i8_xelem)((int32_t)v + I8_XOFFSET);
-    }
-}
-
 #include "gemv_q4_1.h"
 
 /* x [M, k] in the form format `fmt` reads, in buf (M * k floats) where it differs from x:
@@ -284,6 +263,10 @@ static inline const float *gemv_prepare_x(float *restrict buf, const float *rest
 #endif
     if (fmt == GEMV_Q4_1 || fmt == GEMM_Q41P) {  /* row-major or panel blocks alike */
         q41_prepare_x(buf, x, M, k);
+        return buf;
+    }
+    if (fmt == GEMM_W8A8P) {
+        w8_prepare_x(buf, x, M, k);
         return buf;
     }
     if (gemm_is_packed(fmt)) return x;

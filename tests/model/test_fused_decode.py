@@ -80,8 +80,8 @@ def _decode(model, fused: bool, caches, input_ids, positions, meta):
                                       [3, 6, 9, 12, 15], [2, 4, 6, 8, 10, 12, 14, 16, 18]])
 def test_fused_decode_matches_the_layer_path(model, seq_lens: list[int], fused_calls) -> None:
     """Hidden states and every layer's new K/V as the layer-by-layer path computes them,
-    for 1 to 5 requests and 9: the fused call takes 9 on packed weights (the any-M GEMM);
-    on row-major ones (w8a8) 9 is past FUSED_DECODE_MAX_TOKENS and runs layerwise."""
+    for 1 to 5 requests and 9: the fused call takes 9 on packed weights (the any-M GEMM;
+    every storage here packs); on row-major ones 9 would be past FUSED_DECODE_MAX_TOKENS."""
     case = _prefilled(model, seq_lens)
     ours, ours_caches = _decode(model, True, *case)
     expected_calls = [len(seq_lens)] if len(seq_lens) <= model.fused_decode.max_tokens() else []
