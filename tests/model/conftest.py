@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_models import FAMILY_ARCHS, TINY_ARCHS, make_tiny_model_dir
 
 from aioengine.kernels import cpu as cpu_kernels
@@ -56,3 +57,17 @@ def variant(request):
     assert cpu_kernels.variant() == request.param
     yield request.param
     cpu_kernels.use_variant(None)
+
+
+@pytest.fixture
+def one_thread():
+    """one_thread(fn): fn() run with one torch thread (the kernels' OpenMP team), the
+    thread count restored after."""
+    def run(fn):
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            return fn()
+        finally:
+            torch.set_num_threads(threads)
+    return run

@@ -53,7 +53,8 @@ def test_gemm_matches_float64_for_every_m(variant: str, fmt: str, n: int, k: int
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_a_row_has_the_same_bits_alone_and_in_any_step(variant: str, fmt: str) -> None:
+def test_a_row_has_the_same_bits_alone_and_in_any_step(variant: str, fmt: str,
+                                                      one_thread) -> None:
     """Bit for bit: a row alone, inside steps of 2..64 rows, at any place in them, and with
     one thread or two."""
     n, k = 1000, 576
@@ -66,13 +67,7 @@ def test_a_row_has_the_same_bits_alone_and_in_any_step(variant: str, fmt: str) -
         start = (m * 7) % (65 - m)
         y = cpu_gemm.gemm(x[start:start + m].contiguous(), packed, n, None, scales)
         assert torch.equal(y, alone[start:start + m]), m
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one_thread = cpu_gemm.gemm(x, packed, n, None, scales)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one_thread, alone)
+    assert torch.equal(one_thread(lambda: cpu_gemm.gemm(x, packed, n, None, scales)), alone)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])

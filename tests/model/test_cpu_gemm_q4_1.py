@@ -59,7 +59,7 @@ def test_q4_1_x_is_quantized_as_quantize_dequantize_blocks(variant: str) -> None
     assert torch.equal(y, quantize_dequantize_blocks(x))
 
 
-def test_q4_1_row_has_the_same_bits_alone_and_in_any_step(variant: str) -> None:
+def test_q4_1_row_has_the_same_bits_alone_and_in_any_step(variant: str, one_thread) -> None:
     """Bit for bit: a row alone, inside steps of 2..64 rows at any place in them, with one
     thread or two; and the AVX2 and AVX-512 builds agree (the same roundings per element)."""
     n, k = 1000, 576
@@ -70,13 +70,7 @@ def test_q4_1_row_has_the_same_bits_alone_and_in_any_step(variant: str) -> None:
         start = (m * 7) % (65 - m)
         y = cpu_gemm.gemm(x[start:start + m].contiguous(), packed, n)
         assert torch.equal(y, alone[start:start + m]), m
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one_thread = cpu_gemm.gemm(x, packed, n)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one_thread, alone)
+    assert torch.equal(one_thread(lambda: cpu_gemm.gemm(x, packed, n)), alone)
     if variant != cpu_kernels.BASELINE_VARIANT:  # without FMA: two roundings per step
         cpu_kernels.use_variant("avx2" if "avx2" in VARIANTS else variant)
         assert torch.equal(cpu_gemm.gemm(x, packed, n), alone)

@@ -48,18 +48,12 @@ def test_w8a8_gemm_gives_int_mm_bits_for_every_m(variant: str, n: int, k: int) -
     assert torch.equal(cpu_gemm.gemm(x, packed, n, None, scales), ref_nobias)
 
 
-def test_w8a8_gemm_is_the_same_with_one_thread(variant: str) -> None:
+def test_w8a8_gemm_is_the_same_with_one_thread(variant: str, one_thread) -> None:
     n, k = 1000, 576
     q, scales = _weight(n, k, seed=1)
     packed, x = pack_w8a8(q), _x(40, k, seed=1)
     two = cpu_gemm.gemm(x, packed, n, None, scales)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = cpu_gemm.gemm(x, packed, n, None, scales)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, two)
+    assert torch.equal(one_thread(lambda: cpu_gemm.gemm(x, packed, n, None, scales)), two)
 
 
 def test_w8a8_pack_round_trips_and_gathers_rows() -> None:
