@@ -10,6 +10,8 @@ bytes. `gemm` then computes x [M, K] @ W^T for any M with one arithmetic per out
 element, so a row's result does not depend on the rows beside it. With bf16 weights the
 AVX512-BF16 build rounds x to bf16 and takes k in pairs (`rounds_x_to_bf16`); the others
 keep x in float32; Q4_1 quantizes x per 32-block to int8 (`layers.quantize_dequantize_blocks`).
+W8A8's int8 weights have panels of their own (`cpu_gemm_w8a8.py`, told apart by their 64-byte
+rows: `packed_format`), x quantized per row.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from torch import Tensor
 
 from aioengine.kernels import cpu_build
 from aioengine.kernels.cpu_gemm_w8a8 import is_w8a8_panels, unpack_w8a8, w8a8_rows
+from aioengine.kernels.cpu_gemm_w8a8 import packed_shape as w8a8_packed_shape
 
 PANEL = 16  # gemm.h's GEMM_NR
 # gemm.h's GEMM_*P codes, by the packed tensor's dtype.
@@ -64,7 +67,7 @@ def packed_format(packed: Tensor) -> int:
 def _k_matches(packed: Tensor, k: int) -> bool:
     """Whether a packed weight takes x of k features."""
     if is_w8a8_panels(packed):
-        return packed.shape[1] == 1 + -(-k // 4)
+        return packed.shape[1] == w8a8_packed_shape(1, k)[1]
     return packed_in_features(packed) == k
 
 

@@ -257,7 +257,7 @@ class Linear(nn.Module):
 
     @property
     def is_packed(self) -> bool:
-        """Whether the weight is held panel-packed ([N / 16, K, 16], cpu_gemm)."""
+        """Whether the weight is held panel-packed ([N / 16, ..., ...], cpu_gemm)."""
         return self.weight.dim() == 3
 
     def _packed_forward(self, x: Tensor) -> Tensor:
@@ -302,7 +302,7 @@ class Linear(nn.Module):
     @property
     def gemv_format(self) -> int:
         """The C kernels' code for this weight (cpu_kernels.weight_format; packed:
-        cpu_gemm.PACKED_FORMATS)."""
+        cpu_gemm.packed_format)."""
         if self.is_packed:
             return cpu_gemm.packed_format(self.weight)
         return cpu_kernels.weight_format(self.weight, self.act_quant)
