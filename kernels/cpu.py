@@ -9,8 +9,8 @@ kernel: paged attention of decode and prefill rows, which would otherwise gather
 request's K/V blocks into a padded copy on each layer, split at fixed absolute positions so
 a token's bits do not depend on how its step was formed; and, in place of several small allocating torch ops per layer,
 rotary embedding in place, the K/V cache write (reshape_and_cache), RMSNorm with the residual
-add fused in, and SiLU-and-mul. For decode steps of a few requests: a gemv that streams the
-weights (float32, bf16, int8 with per-row scales, or int8 W8A8) faster than MKL's here, and
+add fused in, and SiLU-and-mul. For decode steps of a few requests: a gemv that streams
+row-major weights (float32, bf16, int8 with per-row scales) faster than MKL's here, and
 all decoder layers in one call (`llama_decode`, in `cpu_decode.py` with the LoRA kernels),
 which removes the per-layer Python work that otherwise costs a fifth of the step.
 """
@@ -27,24 +27,16 @@ from aioengine.kernels.cpu_build import (BASELINE_VARIANT, ISA_VARIANTS, load, l
 __all__ = ["BASELINE_VARIANT", "ISA_VARIANTS", "LORA_TABLE_WIDTH", "load", "load_error",
            "reset", "supported_variants", "use_variant", "variant"]
 
-# GEMV_* of gemv.h: the storage formats of a projection's weight (int8 weight-only; with
-# act_quant, GEMV_I8A8: W8A8).
-# uint8: the GGUF's Q4_1 blocks, [N, K / 32 * 20].
-WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 4}
-GEMV_I8A8 = 3
-Q4_1_BLOCK, Q4_1_BLOCK_BYTES = 32, 20
+# GEMV_* of gemv.h: the row-major storage formats the gemv reads (int8: weight-only). W8A8
+# and a GGUF's Q4_1 blocks are read packed only (cpu_gemm's GEMM_*P; codes 3 and 4, their
+# retired row-major forms, are never passed).
+WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 
-def weight_format(weight: Tensor, act_quant: bool = False) -> int:
-    """The GEMV_* code of a weight: by dtype, W8A8 for int8 with quantized activations."""
-    return GEMV_I8A8 if act_quant else WEIGHT_FORMATS[weight.dtype]
-
-
-def weight_in_features(weight: Tensor) -> int:
-    """K of a weight [N, K] (Q4_1 blocks: 32 per 20 bytes)."""
-    if weight.dtype == torch.uint8:
-        return weight.shape[-1] // Q4_1_BLOCK_BYTES * Q4_1_BLOCK
-    return weight.shape[-1]
+def weight_format(weight: Tensor, act_quant: bool = False) -> int | None:
+    """The GEMV_* code of a row-major weight by its dtype; None where the gemv does not
+    read it (W8A8, Q4_1 blocks, fp16): the caller takes its torch path."""
+    return None if act_quant else WEIGHT_FORMATS.get(weight.dtype)
 
 
 # The K/V cache element types the C attention reads (bf16 widened to float32 as read).
@@ -245,28 +237,25 @@ def silu_and_mul(x: Tensor) -> Tensor | None:
 
 def _weight_ok(weight: Tensor, scales: Tensor | None) -> bool:
     """A projection weight [N, K] the gemv reads: float32 or bf16, or int8 with float32
-    scales [N]; contiguous on the CPU."""
+    scales [N] (weight-only); contiguous on the CPU."""
     if not (weight.dim() == 2 and weight.device.type == "cpu" and weight.is_contiguous()
             and weight.dtype in WEIGHT_FORMATS):
         return False
-    if weight.dtype == torch.uint8:
-        return scales is None and weight.shape[1] % Q4_1_BLOCK_BYTES == 0
     if weight.dtype == torch.int8:
         return scales is not None and scales.shape == weight.shape[:1] and _f32_rows(scales)
     return scales is None
 
 
 def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None,
-         scales: Tensor | None = None, act_quant: bool = False) -> Tensor | None:
+         scales: Tensor | None = None) -> Tensor | None:
     """x [M, K] @ weight [N, K]^T (* scales [N]) (+ bias [N]) -> [M, N] float32, for a few
     rows of x (decode; any M works, 4 rows at a time). x float32; weight float32, bf16
     (x and the result rounded to bf16, as oneDNN's bf16 matmul computes) or int8 with
-    per-row scales: weight-only (x stays float32) or, with act_quant, W8A8 (x quantized
-    per row, exact integer sums: layers._w8a8_linear's bits); or the GGUF's Q4_1 blocks
-    (uint8 [N, K / 32 * 20]; x quantized per 32-block, kernels/cpu/gemv_q4_1.h). None when
-    the kernel does not apply or is not built."""
-    if not (x.dim() == 2 and x.shape[1] == weight_in_features(weight) and _f32_rows(x)
-            and _weight_ok(weight, scales) and (not act_quant or weight.dtype == torch.int8)
+    per-row scales, weight-only (x stays float32). None when the kernel does not apply
+    (any other weight: a GGUF's Q4_1 blocks and W8A8 weights are read packed only, by
+    `cpu_gemm.gemm`) or is not built."""
+    if not (x.dim() == 2 and x.shape[1] == weight.shape[-1] and _f32_rows(x)
+            and _weight_ok(weight, scales)
             and (bias is None or (bias.shape == weight.shape[:1] and _f32_rows(bias)))):
         return None
     lib = load()
@@ -275,7 +264,7 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     m, n, k = x.shape[0], weight.shape[0], x.shape[1]
     out = x.new_empty((m, n))
     rc = lib.gemv(out.data_ptr(), x.data_ptr(), weight.data_ptr(),
-                  0 if scales is None else scales.data_ptr(), weight_format(weight, act_quant),
+                  0 if scales is None else scales.data_ptr(), WEIGHT_FORMATS[weight.dtype],
                   0 if bias is None else bias.data_ptr(), m, n, k, torch.get_num_threads())
     if rc != 0:
         raise MemoryError("gemv: out of memory for its input buffer")

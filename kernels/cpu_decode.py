@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from aioengine.kernels.cpu import KV_CACHE_DTYPES, _f32_rows, _weight_ok, load
+from aioengine.kernels.cpu import KV_CACHE_DTYPES, WEIGHT_FORMATS, _f32_rows, _weight_ok, load
 from aioengine.kernels import cpu_gemm
 from aioengine.kernels.cpu_layout import LORA_TABLE_WIDTH, DecodeLayer, DecodeStep
 
@@ -23,6 +23,9 @@ from aioengine.kernels.cpu_layout import LORA_TABLE_WIDTH, DecodeLayer, DecodeSt
 DECODE_LAYER_FIELDS = tuple(name for name, _ in DecodeLayer._fields_)
 _DECODE_LAYER_KEYS = frozenset(DECODE_LAYER_FIELDS)
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
+# The weight format codes the kernel reads: row-major GEMV_* and packed GEMM_*P (gemv.h).
+_WEIGHT_FORMAT_CODES = frozenset((*WEIGHT_FORMATS.values(), *cpu_gemm.PACKED_FORMATS.values(),
+                                  cpu_gemm.GEMM_W8A8P))
 # The ones a model may lack (null pointers for the kernel).
 _OPTIONAL_DECODE_FIELDS = frozenset({"qkv_bias", "q_norm", "k_norm", "qkv_scales", "o_scales",
                                      "gate_up_scales", "down_scales"})
@@ -44,8 +47,8 @@ class DecodeLayerTable:
 
 
 def _projection_ok(weight: Tensor, scales: Tensor | None) -> bool:
-    """A projection weight the kernel reads: row-major (gemv.h) or panel-packed (gemm.h,
-    cpu_gemm.pack_weight; int8 with its scales)."""
+    """A projection weight the kernel reads: row-major (gemv.h: float32, bf16, int8 with
+    its scales) or panel-packed (gemm.h, cpu_gemm.pack_weight; int8 with its scales)."""
     if weight.dim() != 3:
         return _weight_ok(weight, scales)
     return (weight.device.type == "cpu" and weight.is_contiguous()
@@ -142,7 +145,7 @@ def llama_decode(x: Tensor, layer_table: DecodeLayerTable, final_norm: Tensor, *
                  num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int,
                  eps: float, scale: float, positions: Tensor, cos: Tensor, sin: Tensor,
                  slot_mapping: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                 num_blocks: int, block_size: int, weight_format: int = 0,
+                 num_blocks: int, block_size: int, weight_format: int | None = 0,
                  aux: Tensor | None = None, aux_layers: Tensor | None = None,
                  lora: LoRADecodeArgs | None = None,
                  eagle: EagleDecodeArgs | None = None,
@@ -154,7 +157,9 @@ def llama_decode(x: Tensor, layer_table: DecodeLayerTable, final_norm: Tensor, *
 
     layer_table from `decode_layer_table`; positions and slot_mapping [T] int64;
     block_tables [T, max_blocks] and seq_lens [T] int32 (AttentionMetadata's); cos/sin
-    [max_positions, head_dim / 2]; weight_format the projections' WEIGHT_FORMATS value.
+    [max_positions, head_dim / 2]; weight_format the projections' code (Linear.gemv_format:
+    a WEIGHT_FORMATS value, or cpu_gemm.packed_format's; None, which declines, for weights
+    no C kernel reads, e.g. W8A8 not packed).
     aux [T, L * H] float32 with aux_layers [L] int64 (each in [0, num_layers)), or both
     None: aux[:, j*H:(j+1)*H] receives the residual stream into layer aux_layers[j] (the
     embeddings for 0), before its input norm. `lora`: the step's adapter slots (each
@@ -176,7 +181,8 @@ def llama_decode(x: Tensor, layer_table: DecodeLayerTable, final_norm: Tensor, *
             and block_tables.dtype == seq_lens.dtype == torch.int32
             and block_tables.dim() == 2 and block_tables.shape[0] == t
             and block_tables.is_contiguous() and seq_lens.shape == (t,)
-            and seq_lens.is_contiguous() and cos.shape[-1] * 2 == head_dim):
+            and seq_lens.is_contiguous() and cos.shape[-1] * 2 == head_dim
+            and weight_format in _WEIGHT_FORMAT_CODES):
         return False
     step = layer_table.step
     if not (_set_aux(step, aux, aux_layers, t, x.shape[1]) and _set_lora(step, lora, t)

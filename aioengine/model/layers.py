@@ -61,19 +61,20 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     """x [M, K] @ weight [N, K]^T (* scales [N]) (+ bias) -> [M, N] in x's dtype.
 
     `weight` is float32, bf16 or fp16, or int8 with per-row `scales`: weight-only, or with
-    `act_quant` W8A8 (x quantized per row). `F.linear` on the CPU goes to MKL, which on these AMD cores runs fp32 at
-    ~140 GFLOP/s and threads few-row products badly (a 1-row product streams the weight at
-    a third of the memory bandwidth). So with float32 x on the CPU:
+    `act_quant` W8A8 (x quantized per row: `_w8a8_linear` at any row count, the packed
+    GEMM's bits; a W8A8 weight the kernels read is packed, `Linear.pack`), or a GGUF's Q4_1
+    blocks (`_q4_1_linear`, likewise). `F.linear` on the CPU goes to MKL, which on these
+    AMD cores runs fp32 at ~140 GFLOP/s and threads few-row products badly (a 1-row product
+    streams the weight at a third of the memory bandwidth). So with float32 x on the CPU:
     - up to GEMV_MAX_ROWS rows (PACKED_GEMV_MAX_ROWS with `packed`; decode of a few
-      requests): the C gemv (`cpu_kernels.gemv`, any of the three formats), which streams
+      requests): the C gemv (`cpu_kernels.gemv`: float32, bf16, int8), which streams
       each thread's weight rows in order; without the kernels, one `bmm` over chunks of the
       weight's rows (a view, no copy), so every thread streams whole chunks;
     - otherwise oneDNN's matmul: float32 on `packed` (the weight reordered once into
       oneDNN's blocked layout, `pack_linear_weight`) when the model has it; bf16 weights
       take x rounded to bf16 and give a bf16 result (oneDNN accumulates in fp32), which the
       gemv reproduces; int8 weights are widened for the call (weight-only,
-      `_int8_linear`) or take x quantized per row (W8A8, `_w8a8_linear`), each as the gemv
-      computes it (W8A8 bit for bit).
+      `_int8_linear`), as the gemv computes it.
     Measured over SmolLM2-135M's 30 layers of weights, 2 cores: 1 row 40 -> 17 ms
     (F.linear -> chunked gemv); in a later run chunked gemv -> C gemv 14.6 -> 14.1 ms at 1
     row, 17.5 -> 15.1 ms at 2, the LM head 3.6 -> 3.0 ms at 1; 32 rows 87 (F.linear) -> 62
@@ -81,10 +82,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     13 -> 10 ms.
     """
     if act_quant:
-        if x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[0] <= GEMV_MAX_ROWS:
-            out = cpu_kernels.gemv(x, weight, bias, scales, act_quant=True)
-            if out is not None:
-                return out
         return _w8a8_linear(x, weight, bias, scales)
     if x.device.type != "cpu" or x.dtype != torch.float32:
         return _torch_linear(x, weight, bias, scales)
@@ -133,17 +130,17 @@ def dequantize_q4_1(blocks: Tensor) -> Tensor:
 
 
 def quantize_dequantize_blocks(x: Tensor) -> Tensor:
-    """x [M, K] as the Q4_1 gemv sees it: each 32-block quantized to int8 with its own
-    scale (`quantize_int8_rows` over blocks, as kernels/cpu/gemv_q4_1.h), then multiplied
+    """x [M, K] as the Q4_1 GEMM sees it: each 32-block quantized to int8 with its own
+    scale (`quantize_int8_rows` over blocks, as kernels/cpu/q4_1.h), then multiplied
     back."""
     q, s = quantize_int8_rows(x.reshape(-1, 32))
     return (q.float() * s[:, None]).view_as(x)
 
 
 def _q4_1_linear(x: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
-    """The GGUF's Q4_1 weights where no kernel takes them (no CPU kernels, unpacked blocks
-    of many rows): dequantized for this call (transient), x quantized per 32-block and
-    back: the GEMM's and the gemv's arithmetic up to float rounding."""
+    """The GGUF's Q4_1 weights where no kernel takes them (no CPU kernels, blocks not
+    packed): dequantized for this call (transient), x quantized per 32-block and back: the
+    GEMM's arithmetic up to float rounding."""
     out = F.linear(quantize_dequantize_blocks(x), dequantize_q4_1(blocks))
     return out if bias is None else out.add_(bias)
 
@@ -179,7 +176,7 @@ def _w8a8_linear(x: Tensor, weight: Tensor, bias: Tensor | None,
     """W8A8: x quantized per row (`quantize_int8_rows`), int8 x int8 -> int32 products
     summed exactly (`torch._int_mm`, ~0.7-0.8 TOPS here against ~0.3-0.4 TFLOP/s for
     oneDNN's bf16 matmul), then (acc * s_x) * s_w (+ bias). Integer sums are exact, so the
-    C gemv (VNNI or 16-bit multiply-adds) gives the same bits for a decode row: a request's
+    packed GEMM (`cpu_gemm`, GEMM_W8A8P) gives the same bits for any row: a request's
     tokens do not depend on how many others share its step."""
     assert scales is not None, "an int8 weight needs its scales"
     xq, x_scales = quantize_int8_rows(x)
@@ -300,9 +297,10 @@ class Linear(nn.Module):
                              device=self.weight.device)
 
     @property
-    def gemv_format(self) -> int:
+    def gemv_format(self) -> int | None:
         """The C kernels' code for this weight (cpu_kernels.weight_format; packed:
-        cpu_gemm.packed_format)."""
+        cpu_gemm.packed_format); None where no C kernel reads it (W8A8 or Q4_1 blocks not
+        packed, fp16): the fused decode then declines."""
         if self.is_packed:
             return cpu_gemm.packed_format(self.weight)
         return cpu_kernels.weight_format(self.weight, self.act_quant)

@@ -16,8 +16,8 @@
  * lane and sums into the column's int32 lane. Every load of a chunk, d and m serves every
  * row of the tile. The last panel's columns past n are zero blocks.
  *
- * x is quantized per 32-block to int8 (q4_1.h's q41_prepare_x, as the Q4_1 gemv). Per
- * output element (column c, row r) and block b, in the order b = 0, 1, ...:
+ * x is quantized per 32-block to int8 (q4_1.h's q41_prepare_x). Per output element
+ * (column c, row r) and block b, in the order b = 0, 1, ...:
  *
  *   dot = sum_j q_j qx_j                        (an exact int32, in any order)
  *   acc = fma((float)dot, d_c * s_b, acc)       (d_c * s_b rounded to float32)

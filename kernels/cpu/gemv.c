@@ -10,11 +10,13 @@
 
 #include "gemv.h"
 
-/* x [m, k] float32, w [n, k] in format fmt (GEMV_*), scales [n] for the int8 ones, y [m, n],
- * bias [n] or NULL; all contiguous. Returns 0, or -1 when out of memory. */
+/* x [m, k] float32, w [n, k] in format fmt (GEMV_* row-major or GEMM_*P packed), scales [n]
+ * for the int8 ones, y [m, n], bias [n] or NULL; all contiguous. Returns 0, -1 when out of
+ * memory, or -2 (computing nothing) for a format code it does not know (gemv_format_known). */
 int gemv(float *restrict y, const float *restrict x, const void *w, const float *scales,
          int fmt, const float *restrict bias, int64_t m, int64_t n, int64_t k,
          int num_threads) {
+    if (!gemv_format_known(fmt)) return -2;
     const gemv_weight W = {.data = w, .scales = scales, .fmt = fmt};
     /* bf16: x rounded; int8: x quantized (16 scales of padding + the rows). */
     float *buf = gemv_needs_buffer(fmt) ? malloc(sizeof(float) * (size_t)gemv_buffer_floats(fmt, m, k))

@@ -9,11 +9,11 @@
  *              inputs, fp32 accumulation, a bf16 result) computes, up to summation order
  *   GEMV_I8    int8 with one float32 scale per output row, weight-only: x stays float32,
  *              y = (x . q_r) * scale[r]
- *   GEMV_I8A8  the same weights, W8A8: each row of x quantized
- *              to int8 with its own scale s_x = max|x| / 127, exact int32 sums of the
- *              int8 products, y = (acc * s_x) * scale[r] (+ bias): the bits torch's
- *              `_int_mm` path gives (layers._int8_linear); with AVX512-VNNI through
- *              `vpdpbusd`, else 16-bit multiply-adds
+ *
+ * W8A8 and a GGUF's Q4_1 blocks have no row-major form here: every such weight is packed
+ * at load into the any-M GEMM's panels (gemm.h: GEMM_W8A8P, GEMM_Q41P), which
+ * gemv_prepare_x / gemv_range / gemv_shared hand on to it. Codes 3 (row-major W8A8) and 4
+ * (row-major Q4_1) are retired: never passed, never reused.
  *
  * Decode on the CPU is bound by streaming the weights from memory, so the loop is written
  * for that: each thread walks its own contiguous range of weight rows one row at a time
@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include "gemm.h"
+#include "q4_1.h"
 #include "vec_math.h"
 #include "w8a8.h"
 
@@ -43,9 +44,10 @@
 #define GEMV_DPBF16 1
 #endif
 
-enum { GEMV_F32 = 0, GEMV_BF16 = 1, GEMV_I8 = 2, GEMV_I8A8 = 3, GEMV_Q4_1 = 4 };
+/* 3 and 4 retired (row-major W8A8 and Q4_1, see above); the GEMM_*P codes start at 5. */
+enum { GEMV_F32 = 0, GEMV_BF16 = 1, GEMV_I8 = 2 };
 
-/* A weight in its storage format; `scales` [n] for GEMV_I8 and GEMV_I8A8, else NULL. */
+/* A weight in its storage format; `scales` [n] for the int8 ones, else NULL. */
 typedef struct {
     const void *data;
     const float *scales;
@@ -58,19 +60,23 @@ typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
 typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
 typedef int8_t v8b __attribute__((vector_size(8), aligned(1)));
 
+/* A format code gemv_range reads: row-major (not the retired 3 and 4) or packed. */
+static inline int gemv_format_known(int fmt) {
+    return fmt == GEMV_F32 || fmt == GEMV_BF16 || fmt == GEMV_I8 || gemm_is_packed(fmt);
+}
+
 static inline float hsum_v8f(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-/* Bytes of one weight row of k elements (Q4_1: 20-byte blocks of 32). */
+/* Bytes of one row-major weight row of k elements. */
 static inline int64_t gemv_row_bytes(int fmt, int64_t k) {
-    return fmt == GEMV_F32 ? 4 * k : fmt == GEMV_BF16 ? 2 * k : fmt == GEMV_Q4_1 ? k / 32 * 20 : k;
+    return fmt == GEMV_F32 ? 4 * k : fmt == GEMV_BF16 ? 2 * k : k;
 }
 
 /* Formats whose x gemv_prepare_x rewrites into a buffer. */
 static inline int gemv_needs_buffer(int fmt) {
-    return fmt == GEMV_BF16 || fmt == GEMV_I8A8 || fmt == GEMV_Q4_1 || fmt == GEMM_Q41P ||
-           fmt == GEMM_W8A8P || gemm_x_is_pairs(fmt);
+    return fmt == GEMV_BF16 || fmt == GEMM_Q41P || fmt == GEMM_W8A8P || gemm_x_is_pairs(fmt);
 }
 
 /* Floats of the buffer gemv_prepare_x writes x into (the fused decode's are sized by the
@@ -169,90 +175,10 @@ static inline __attribute__((always_inline)) void gemv_rows_dpbf16(
 }
 #endif
 
-/* (acc * s_x) * s_w + b, each rounded on its own, in that order (no fused multiply-add,
- * no reassociation), as torch's
- * separate mul_ / mul_ / add_ round them. */
-__attribute__((noinline, optimize("no-associative-math", "fp-contract=off"))) static float
-i8_epilogue(int32_t acc, float sx, float sw, float b) {
-    float v = (float)acc * sx;
-    v = v * sw;
-    return v + b;
-}
-
-/* GEMV_I8A8 x as gemv_prepare_x leaves it: M scales, then the quantized rows (w8a8.h's
- * elements) after a 64-byte boundary. */
-static inline const i8_xelem *i8_rows(const float *xp, int64_t M) {
-    return (const i8_xelem *)(xp + ((M + 15) / 16) * 16);
-}
-
-static inline __attribute__((always_inline)) void gemv_rows_i8(
-    float *restrict y, int64_t y_stride, const float *restrict xp, int64_t M_all,
-    const gemv_weight *W, const float *restrict bias, int64_t lo, int64_t hi, int64_t k,
-    int64_t m0, const int M) {
-    const float *sx = xp + m0;
-    const i8_xelem *xq = i8_rows(xp, M_all) + m0 * k;
-#ifdef GEMV_VNNI
-    const int64_t k_vec = k - k % 64, k_scalar = k; /* VNNI takes its tail masked */
-#elif defined(__AVX2__)
-    const int64_t k_vec = k - k % 32, k_scalar = k_vec;
-#else
-    const int64_t k_vec = 0, k_scalar = 0; /* the scalar loop does it all */
-#endif
-    for (int64_t r = lo; r < hi; r++) {
-        const int8_t *wr = (const int8_t *)W->data + r * k;
-        int32_t t[4] = {0, 0, 0, 0};
-#ifdef GEMV_VNNI
-        __m512i acc[4], wsum = _mm512_setzero_si512();
-        const __m512i ones = _mm512_set1_epi8(1);
-        for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_si512();
-        for (int64_t d = 0; d < k_vec; d += 64) {
-            const __m512i wv = _mm512_loadu_si512(wr + d);
-            wsum = _mm512_dpbusd_epi32(wsum, ones, wv);
-            for (int m = 0; m < M; m++)
-                acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_loadu_si512(xq + m * k + d), wv);
-        }
-        if (k_vec < k) {  /* the tail by masked loads (zeros add nothing to either sum) */
-            const __mmask64 tail = (~0ULL) >> (64 - (k - k_vec));
-            const __m512i wv = _mm512_maskz_loadu_epi8(tail, wr + k_vec);
-            wsum = _mm512_dpbusd_epi32(wsum, ones, wv);
-            for (int m = 0; m < M; m++)
-                acc[m] = _mm512_dpbusd_epi32(
-                    acc[m], _mm512_maskz_loadu_epi8(tail, xq + m * k + k_vec), wv);
-        }
-        const int32_t ws = _mm512_reduce_add_epi32(wsum);
-        for (int m = 0; m < M; m++) t[m] = _mm512_reduce_add_epi32(acc[m]) - I8_XOFFSET * ws;
-#elif defined(__AVX2__)
-        __m256i acc[4];
-        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_si256();
-        for (int64_t d = 0; d < k_vec; d += 32) {
-            const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + d)));
-            const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + d + 16)));
-            for (int m = 0; m < M; m++) {
-                const i8_xelem *xm = xq + m * k + d;
-                acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xm)));
-                acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xm + 16))));
-            }
-        }
-        for (int m = 0; m < M; m++) {
-            int32_t lanes[8];
-            _mm256_storeu_si256((__m256i *)lanes, acc[m]);
-            for (int i = 0; i < 8; i++) t[m] += lanes[i];
-        }
-#endif
-        for (int m = 0; m < M; m++)
-            for (int64_t d = k_scalar; d < k; d++)
-                t[m] += (int32_t)wr[d] * ((int32_t)xq[m * k + d] - I8_XOFFSET);
-        const float b = bias ? bias[r] : 0.0f, sw = W->scales[r];
-        for (int m = 0; m < M; m++) y[m * y_stride + r] = i8_epilogue(t[m], sx[m], sw, b);
-    }
-}
-
-#include "gemv_q4_1.h"
-
-/* x [M, k] in the form format `fmt` reads, in buf (M * k floats) where it differs from x:
- * the rows themselves for float32 and int8, rounded to bf16 for GEMV_BF16 (packed to bf16
- * where the dot-product instruction reads them), quantized per 32-block for Q4_1 (row-major
- * or panels: q4_1.h). */
+/* x [M, k] in the form format `fmt` reads, in buf (gemv_buffer_floats) where it differs
+ * from x: the rows themselves for float32 and int8 weight-only, rounded to bf16 for GEMV_BF16
+ * (packed to bf16 where the dot-product instruction reads them), quantized per 32-block for
+ * Q4_1 panels (q4_1.h) and per row for W8A8 panels (w8a8.h). */
 static inline const float *gemv_prepare_x(float *restrict buf, const float *restrict x,
                                           int64_t M, int64_t k, int fmt) {
 #if defined(__AVX512BF16__)
@@ -261,18 +187,12 @@ static inline const float *gemv_prepare_x(float *restrict buf, const float *rest
         return buf;
     }
 #endif
-    if (fmt == GEMV_Q4_1 || fmt == GEMM_Q41P) {  /* row-major or panel blocks alike */
+    if (fmt == GEMM_Q41P) {
         q41_prepare_x(buf, x, M, k);
         return buf;
     }
     if (fmt == GEMM_W8A8P) {
         w8_prepare_x(buf, x, M, k);
-        return buf;
-    }
-    if (gemm_is_packed(fmt)) return x;
-    if (fmt == GEMV_I8A8) {
-        i8_xelem *q = (i8_xelem *)i8_rows(buf, M);
-        for (int64_t m = 0; m < M; m++) i8_quantize_row(buf + m, q + m * k, x + m * k, k);
         return buf;
     }
     if (fmt != GEMV_BF16) return x;
@@ -291,16 +211,6 @@ static inline const float *gemv_prepare_x(float *restrict buf, const float *rest
     case 2: gemv_rows(ym, n, xm, W, bias, lo, hi, k, 2, 4, F); break;                      \
     case 3: gemv_rows(ym, n, xm, W, bias, lo, hi, k, 3, 2, F); break;                      \
     default: gemv_rows(ym, n, xm, W, bias, lo, hi, k, 4, 2, F); break;                     \
-    }
-
-/* The kernels whose x gemv_prepare_x quantized (all M rows in one buffer): rows m0 to
- * m0 + m4 of it. */
-#define QUANTIZED_X_CASES(fn)                                                               \
-    switch (m4) {                                                                          \
-    case 1: fn(ym, n, xp, M, W, bias, lo, hi, k, m0, 1); break;                            \
-    case 2: fn(ym, n, xp, M, W, bias, lo, hi, k, m0, 2); break;                            \
-    case 3: fn(ym, n, xp, M, W, bias, lo, hi, k, m0, 3); break;                            \
-    default: fn(ym, n, xp, M, W, bias, lo, hi, k, m0, 4); break;                           \
     }
 
 /* Rows [lo, hi) of y = x w^T (+ bias); x [M, k] as gemv_prepare_x leaves it, y [M, n],
@@ -325,11 +235,7 @@ static inline void gemv_range(float *restrict y, const float *restrict xp, const
             GEMV_CASES(GEMV_F32)
         } else if (W->fmt == GEMV_I8) {
             GEMV_CASES(GEMV_I8)
-        } else if (W->fmt == GEMV_Q4_1) {
-            QUANTIZED_X_CASES(gemv_rows_q41)
-        } else if (W->fmt == GEMV_I8A8) {
-            QUANTIZED_X_CASES(gemv_rows_i8)
-        } else {
+        } else {  /* GEMV_BF16 */
 #ifdef GEMV_DPBF16
             const uint16_t *xb = (const uint16_t *)xm;
             switch (m4) {

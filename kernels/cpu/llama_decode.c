@@ -1,7 +1,8 @@
 /*
  * The decoder layers of a Llama-family model for a decode step (one token per request; any
  * number on panel-packed weights, up to 8 on row-major ones) on the CPU, in one call:
- * float32 activations, the projections' weights float32, bf16, int8 or GGUF Q4_1 (gemv.h, gemm.h).
+ * float32 activations, the projections' weights float32, bf16 or int8 weight-only (row-major:
+ * gemv.h), or panel-packed in those, W8A8 or GGUF Q4_1 (gemm.h).
  *
  * At a few tokens the layers are bound by streaming their weights from memory (14 MB a
  * layer for SmolLM2-135M) and everything else is small; but layer by layer from Python each

@@ -1,7 +1,6 @@
 /*
- * What the two Q4_1 kernels share: the GGUF block's fp16 fields and x quantized per
- * 32-block, as the row-major gemv (gemv_q4_1.h) and the panel GEMM (gemm_q4_1.h, format
- * GEMM_Q41P) read it. A GGUF Q4_1 block is 20 bytes for 32 weights: fp16 d, fp16 m, 16
+ * What the Q4_1 panel GEMM (gemm_q4_1.h, format GEMM_Q41P) reads besides its panels: the
+ * GGUF block's fp16 fields and x quantized per 32-block. A GGUF Q4_1 block is 20 bytes for 32 weights: fp16 d, fp16 m, 16
  * bytes of nibbles (byte j holds weight j in its low half, weight j + 16 in its high half);
  * w = d q + m. x is quantized per 32-block to int8 (llama.cpp's Q8_1 idea, our rounding):
  * s_b = max|x_b| * (the float nearest 1/127), 1 for a zero block, qx = round_half_even(x /

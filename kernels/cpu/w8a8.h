@@ -1,9 +1,8 @@
 /*
  * W8A8's activations: each row of x quantized to int8 with its own scale, as
  * layers.quantize_int8_rows does, bit for bit: s_x = max|x| * (the float nearest 1/127), 1
- * for a zero row; q = round_half_even(x / s_x) clamped to [-127, 127]. Both W8A8 kernels
- * read it: the row-major gemv (gemv.h, GEMV_I8A8) and the panel GEMM (gemm_w8a8.h,
- * GEMM_W8A8P). An element is stored as the build's multiply wants it: q + 128 as uint8
+ * for a zero row; q = round_half_even(x / s_x) clamped to [-127, 127], as the panel GEMM
+ * (gemm_w8a8.h, GEMM_W8A8P) reads it. An element is stored as the build's multiply wants it: q + 128 as uint8
  * where AVX512-VNNI's `vpdpbusd` (unsigned x signed bytes) runs, else q as int16 (16-bit
  * multiply-adds). Either way the products' sums are exact integers.
  */

@@ -12,7 +12,8 @@ import torch
 
 from aioengine.kernels import cpu as cpu_kernels
 from aioengine.kernels import cpu_gemm
-from aioengine.model.layers import Linear, dequantize_q4_1, quantize_dequantize_blocks
+from aioengine.model.layers import (Linear, _q4_1_linear, dequantize_q4_1,
+                                    quantize_dequantize_blocks)
 
 VARIANTS = cpu_kernels.supported_variants()
 # (N, K): one edge panel, a few panels and an edge one, a full-sized projection.
@@ -106,19 +107,23 @@ def test_q4_1_gemm_declines_what_it_does_not_take() -> None:
 def test_q4_1_linear_packs_in_place_and_unpacks_without_kernels(set_cpu_kernels) -> None:
     """A Linear's Q4_1 blocks repack into panels of the same bytes, its forward is the GEMM
     for every row count, and with the kernels off it computes the same values from the
-    blocks (dequantized per call, x quantized per 32-block the same way)."""
+    blocks (dequantized per call, x quantized per 32-block the same way). Before packing
+    (no row-major Q4_1 kernel) it is _q4_1_linear itself, and no C kernel claims it."""
     lin = Linear(96, 70, True, torch.float32, torch.device("cpu"))
     lin.use_q4_1_storage()
     blocks = _blocks(70, 96, seed=2)
     with torch.no_grad():
         lin.weight.copy_(blocks)
         lin.bias.copy_(torch.randn(70))
+    x = torch.randn(9, 96)
+    assert lin.gemv_format is None
+    for m in (1, 4):
+        assert torch.equal(lin(x[:m]), _q4_1_linear(x[:m], blocks, lin.bias))
     before = lin.nbytes()
     # No second copy: the panels replace the blocks, plus the 10 padding columns' blocks.
     assert lin.pack() == 10 * 3 * 20 and lin.is_packed and lin.storage == "q4_1"
     assert lin.nbytes() == before + 10 * 3 * 20 and lin.packed is None
     assert torch.equal(lin.dense_weight(), blocks)
-    x = torch.randn(9, 96)
     for m in (1, 4, 9):
         assert torch.equal(lin(x[:m]), cpu_gemm.gemm(x[:m], lin.weight, 70, lin.bias))
     fast = lin(x)

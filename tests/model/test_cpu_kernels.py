@@ -215,6 +215,11 @@ def test_gemv_declines_what_it_does_not_handle(set_cpu_kernels) -> None:
     assert cpu_kernels.gemv(x, w.t().contiguous().t()) is None  # not contiguous
     assert cpu_kernels.gemv(x, torch.randn(6, 9)) is None  # shapes do not chain
     assert cpu_kernels.gemv(x, w, torch.randn(5)) is None  # bias of the wrong size
+    # Q4_1 blocks and W8A8 weights are read packed only (cpu_gemm): no row-major code.
+    blocks = torch.zeros(5, 20, dtype=torch.uint8)
+    assert cpu_kernels.gemv(torch.randn(2, 32), blocks) is None
+    assert cpu_kernels.weight_format(blocks) is None
+    assert cpu_kernels.weight_format(torch.zeros(6, 8, dtype=torch.int8), act_quant=True) is None
     set_cpu_kernels("0")
     assert cpu_kernels.gemv(x, w) is None
 

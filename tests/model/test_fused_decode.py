@@ -25,7 +25,7 @@ BLOCK_SIZE = 4
 # rounds x where the torch fallback (kernels off) does not, so a last-bit difference can
 # become a bf16 ulp, amplified by the tiny random models' layers; w8a8 quantizes each
 # projection's input, so one can become a quantization step (the projections themselves
-# are bit-exact: tests/model/test_cpu_dispatch.py).
+# are bit-exact: tests/model/test_cpu_gemm_w8a8.py).
 STORAGES = {"float32": (torch.float32, None, 1e-5), "bfloat16": (torch.bfloat16, None, 6e-2),
             "int8": (torch.float32, "int8", 1e-4), "w8a8": (torch.float32, "w8a8", 3e-2)}
 
@@ -140,6 +140,24 @@ def test_fused_decode_runs_only_where_it_applies(model, set_cpu_kernels, fused_c
     tol = model.test_tolerance
     torch.testing.assert_close(torch_attention, fused, atol=tol, rtol=tol)
     torch.testing.assert_close(kernels_off, fused, atol=tol, rtol=tol)
+
+
+def test_fused_decode_declines_w8a8_weights_left_unpacked(tiny_model_dirs, fused_calls) -> None:
+    """W8A8 has no row-major kernel (only its panels: Linear.pack packs every such weight
+    the kernels read): with the weights unpacked the fused call declines (gemv_format None)
+    and the step takes the layer path (`_w8a8_linear`), with the packed step's values."""
+    loaded = load_model(str(tiny_model_dirs["qwen2"]), torch.float32, CPU, "w8a8").model
+    case = _prefilled(loaded, [7, 10])
+    packed, _ = _decode(loaded, True, *case)
+    assert fused_calls == [2]
+    for lin in (p for layer in loaded.layers for p in layer.projections()):
+        lin.weight = torch.nn.Parameter(lin.dense_weight(), requires_grad=False)
+        assert not lin.is_packed and lin.storage == "w8a8" and lin.gemv_format is None
+    loaded.fused_decode.reset()  # raw pointers to the old weights
+    unpacked, _ = _decode(loaded, True, *case)
+    assert fused_calls == [2]  # declined: no second call ran
+    tol = STORAGES["w8a8"][2]
+    torch.testing.assert_close(unpacked, packed, atol=tol, rtol=tol)
 
 
 def test_decode_layer_table_declines_what_the_kernel_cannot_read() -> None:
