@@ -75,6 +75,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--n-predict", type=int, default=None,
                    help="draft tokens the engine uses when speculative_config gives no "
                         "num_speculative_tokens, written to config.json (default: --ttt-steps)")
+    t.add_argument("--init-head", default=None, metavar="DIR",
+                   help="start from this exported head's trained weights (fine-tune it on "
+                        "the data; its draft vocabulary may differ)")
     t.add_argument("--max-train-minutes", type=float, default=None,
                    help="stop training (and save) after this many minutes")
     p.add_argument("--seed", type=int, default=0)
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             batch_tokens=args.batch_tokens, lr=args.lr, warmup_steps=args.warmup_steps,
             weight_decay=args.weight_decay, grad_clip=args.grad_clip, bf16=args.bf16,
             eval_every=args.eval_every, max_train_minutes=args.max_train_minutes,
-            n_predict=args.n_predict,
+            n_predict=args.n_predict, init_head=args.init_head,
             seed=args.seed)
         train(cfg)
     return 0

@@ -210,11 +210,37 @@ def load_exported_head(head_dir: str, arch: ModelArchConfig, embed: Tensor, lm_h
     d2t = tensors["d2t"].long()
     draft_ids = torch.arange(len(d2t)) + d2t
     model = TrainableEagle3(arch, aux, embed, lm_head, draft_ids)
+    _copy_trained(model, tensors)
+    t2d = torch.full((arch.vocab_size,), -1, dtype=torch.long)
+    t2d[draft_ids] = torch.arange(len(draft_ids))
+    return model.eval(), t2d
+
+
+def _copy_trained(model: TrainableEagle3, tensors: dict[str, Tensor]) -> None:
+    """The trained tensors (fc, the layer, the norms) of an exported head into `model`."""
     with torch.no_grad():
         for name, attr in _LINEARS.items():
             getattr(model, attr).weight.copy_(tensors[f"{name}.weight"].float())
         for name, attr in _NORMS.items():
             getattr(model, attr).copy_(tensors[f"{name}.weight"].float())
-    t2d = torch.full((arch.vocab_size,), -1, dtype=torch.long)
-    t2d[draft_ids] = torch.arange(len(draft_ids))
-    return model.eval(), t2d
+
+
+def init_from_head(model: TrainableEagle3, head_dir: str) -> None:
+    """Starts `model` from an exported head's trained tensors (fine-tuning it on new
+    data). The LM head is not among them: it is the target's rows for the draft vocabulary
+    in either head, so the two may differ in their draft vocabularies. Raises ValueError
+    when the head was trained for other aux layers or another shape."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(head_dir, "config.json")) as f:
+        config = json.load(f)
+    aux = tuple(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    if aux != model.aux_layer_ids:
+        raise ValueError(f"{head_dir}: aux layers {aux}, the data's {model.aux_layer_ids}")
+    tensors = load_file(os.path.join(head_dir, "model.safetensors"))
+    for name, attr in _LINEARS.items():
+        have, want = tensors[f"{name}.weight"].shape, getattr(model, attr).weight.shape
+        if have != want:
+            raise ValueError(f"{head_dir}: {name} is {tuple(have)}, the target's head "
+                             f"{tuple(want)}")
+    _copy_trained(model, tensors)

@@ -21,7 +21,7 @@ from torch import Tensor
 from aioengine.spec_decode.train.data import make_recorder
 from aioengine.spec_decode.train.dataset import (Batch, Dataset, draft_vocabulary, make_batches,
                                                  pad)
-from aioengine.spec_decode.train.head import TrainableEagle3, export_head
+from aioengine.spec_decode.train.head import TrainableEagle3, export_head, init_from_head
 
 logger = logging.getLogger("aioengine.train")
 
@@ -45,6 +45,7 @@ class TrainConfig:
     eval_every: int = 100
     max_train_minutes: float | None = None
     n_predict: int | None = None  # written to config.json (default: ttt_steps)
+    init_head: str | None = None  # an exported head to start from (fine-tuning)
     seed: int = 0
     log_every: int = 10
 
@@ -166,6 +167,9 @@ def train(cfg: TrainConfig) -> dict:
     if os.path.exists(os.path.join(ckpt, "state.json")):
         state = _load_checkpoint(ckpt, model, opt)
         logger.info("resumed at step %d of %d", state["step"], total_steps)
+    elif cfg.init_head:
+        init_from_head(model, cfg.init_head)
+        logger.info("starting from the head in %s", cfg.init_head)
     held_batches = [pad(held_set, g, recorder) for g in make_batches(held_set, cfg.batch_tokens,
                                                             cfg.seed, 0, shuffle=False)]
     coverage = train_set.coverage(draft_ids)

@@ -94,3 +94,23 @@ def test_an_exported_head_reads_back_for_the_trainers_checks(tmp_path) -> None:
         assert torch.equal(p, q), name
     assert t2d[draft_ids].tolist() == [0, 1, 2, 3, 4]
     assert int((t2d >= 0).sum()) == 5
+
+
+def test_fine_tuning_starts_from_an_exported_heads_weights(tmp_path) -> None:
+    """init_from_head (train-eagle --init-head) copies every trained tensor of an exported
+    head into a head with another draft vocabulary, whose LM head stays the target's rows
+    for its own vocabulary; a head for other aux layers is refused."""
+    from aioengine.spec_decode.train.head import init_from_head
+
+    arch = ModelArchConfig.from_hf_config(make_tiny_config("llama", num_hidden_layers=4))
+    trained, embed = _random_head(arch, (1, 3), torch.tensor([3, 17, 40, 41, 900]), seed=4)
+    export_head(trained, str(tmp_path), dtype=torch.float32)
+    wider = torch.tensor([0, 3, 5, 17, 40, 41, 77, 900])
+    fresh = TrainableEagle3(arch, (1, 3), embed.weight, embed.weight, wider, max_positions=64)
+    init_from_head(fresh, str(tmp_path))
+    for (name, p), (_, q) in zip(trained.named_parameters(), fresh.named_parameters()):
+        assert torch.equal(p, q), name
+    assert torch.equal(fresh.lm_head, embed.weight[wider])
+    other = TrainableEagle3(arch, (0, 3), embed.weight, embed.weight, wider, max_positions=64)
+    with pytest.raises(ValueError, match="aux layers"):
+        init_from_head(other, str(tmp_path))
