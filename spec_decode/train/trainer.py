@@ -267,6 +267,7 @@ def _save_checkpoint(ckpt: str, model: TrainableEagle3, opt: torch.optim.Optimiz
     with open(os.path.join(ckpt, "state.json.tmp"), "w") as f:
         json.dump({**state, "config": dataclasses.asdict(cfg)}, f)
     os.replace(os.path.join(ckpt, "state.json.tmp"), os.path.join(ckpt, "state.json"))
+    logger.info("checkpoint saved at step %d (safe to stop)", state["step"])
 
 
 def _load_checkpoint(ckpt: str, model: TrainableEagle3, opt: torch.optim.Optimizer) -> dict:
