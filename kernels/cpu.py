@@ -266,6 +266,8 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     rc = lib.gemv(out.data_ptr(), x.data_ptr(), weight.data_ptr(),
                   0 if scales is None else scales.data_ptr(), WEIGHT_FORMATS[weight.dtype],
                   0 if bias is None else bias.data_ptr(), m, n, k, torch.get_num_threads())
+    if rc == -2:  # never for a WEIGHT_FORMATS code: a Python/C mismatch, not memory
+        raise ValueError(f"gemv: the kernel does not know format {WEIGHT_FORMATS[weight.dtype]}")
     if rc != 0:
         raise MemoryError("gemv: out of memory for its input buffer")
     return out
