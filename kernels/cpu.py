@@ -9,10 +9,11 @@ kernel: paged attention of decode and prefill rows, which would otherwise gather
 request's K/V blocks into a padded copy on each layer, split at fixed absolute positions so
 a token's bits do not depend on how its step was formed; and, in place of several small allocating torch ops per layer,
 rotary embedding in place, the K/V cache write (reshape_and_cache), RMSNorm with the residual
-add fused in, and SiLU-and-mul. For decode steps of a few requests: a gemv that streams
-row-major weights (float32, bf16, int8 with per-row scales) faster than MKL's here, and
-all decoder layers in one call (`llama_decode`, in `cpu_decode.py` with the LoRA kernels),
-which removes the per-layer Python work that otherwise costs a fifth of the step.
+add fused in, and SiLU-and-mul. The projections run on weights packed at load, by the any-M
+GEMM (`cpu_gemm.py`; there is no row-major kernel: an unpacked weight takes the torch path),
+and for decode steps all decoder layers in one call (`llama_decode`, in `cpu_decode.py` with
+the LoRA kernels), which removes the per-layer Python work that otherwise costs a fifth of
+the step.
 """
 from __future__ import annotations
 
@@ -26,18 +27,6 @@ from aioengine.kernels.cpu_build import (BASELINE_VARIANT, ISA_VARIANTS, load, l
 
 __all__ = ["BASELINE_VARIANT", "ISA_VARIANTS", "LORA_TABLE_WIDTH", "load", "load_error",
            "reset", "supported_variants", "use_variant", "variant"]
-
-# GEMV_* of gemv.h: the row-major storage formats the gemv reads (int8: weight-only). W8A8
-# and a GGUF's Q4_1 blocks are read packed only (cpu_gemm's GEMM_*P; codes 3 and 4, their
-# retired row-major forms, are never passed).
-WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
-
-
-def weight_format(weight: Tensor, act_quant: bool = False) -> int | None:
-    """The GEMV_* code of a row-major weight by its dtype; None where the gemv does not
-    read it (W8A8, Q4_1 blocks, fp16): the caller takes its torch path."""
-    return None if act_quant else WEIGHT_FORMATS.get(weight.dtype)
-
 
 # The K/V cache element types the C attention reads (bf16 widened to float32 as read).
 KV_CACHE_DTYPES = (torch.float32, torch.bfloat16)
@@ -232,42 +221,4 @@ def silu_and_mul(x: Tensor) -> Tensor | None:
     d = x.shape[1] // 2
     out = x.new_empty((x.shape[0], d))
     lib.silu_and_mul_f32(out.data_ptr(), x.data_ptr(), x.shape[0], d, torch.get_num_threads())
-    return out
-
-
-def _weight_ok(weight: Tensor, scales: Tensor | None) -> bool:
-    """A projection weight [N, K] the gemv reads: float32 or bf16, or int8 with float32
-    scales [N] (weight-only); contiguous on the CPU."""
-    if not (weight.dim() == 2 and weight.device.type == "cpu" and weight.is_contiguous()
-            and weight.dtype in WEIGHT_FORMATS):
-        return False
-    if weight.dtype == torch.int8:
-        return scales is not None and scales.shape == weight.shape[:1] and _f32_rows(scales)
-    return scales is None
-
-
-def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None,
-         scales: Tensor | None = None) -> Tensor | None:
-    """x [M, K] @ weight [N, K]^T (* scales [N]) (+ bias [N]) -> [M, N] float32, for a few
-    rows of x (decode; any M works, 4 rows at a time). x float32; weight float32, bf16
-    (x and the result rounded to bf16, as oneDNN's bf16 matmul computes) or int8 with
-    per-row scales, weight-only (x stays float32). None when the kernel does not apply
-    (any other weight: a GGUF's Q4_1 blocks and W8A8 weights are read packed only, by
-    `cpu_gemm.gemm`) or is not built."""
-    if not (x.dim() == 2 and x.shape[1] == weight.shape[-1] and _f32_rows(x)
-            and _weight_ok(weight, scales)
-            and (bias is None or (bias.shape == weight.shape[:1] and _f32_rows(bias)))):
-        return None
-    lib = load()
-    if lib is None:
-        return None
-    m, n, k = x.shape[0], weight.shape[0], x.shape[1]
-    out = x.new_empty((m, n))
-    rc = lib.gemv(out.data_ptr(), x.data_ptr(), weight.data_ptr(),
-                  0 if scales is None else scales.data_ptr(), WEIGHT_FORMATS[weight.dtype],
-                  0 if bias is None else bias.data_ptr(), m, n, k, torch.get_num_threads())
-    if rc == -2:  # never for a WEIGHT_FORMATS code: a Python/C mismatch, not memory
-        raise ValueError(f"gemv: the kernel does not know format {WEIGHT_FORMATS[weight.dtype]}")
-    if rc != 0:
-        raise MemoryError("gemv: out of memory for its input buffer")
     return out

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from aioengine.kernels.cpu import KV_CACHE_DTYPES, WEIGHT_FORMATS, _f32_rows, _weight_ok, load
+from aioengine.kernels.cpu import KV_CACHE_DTYPES, _f32_rows, load
 from aioengine.kernels import cpu_gemm
 from aioengine.kernels.cpu_layout import LORA_TABLE_WIDTH, DecodeLayer, DecodeStep
 
@@ -23,9 +23,9 @@ from aioengine.kernels.cpu_layout import LORA_TABLE_WIDTH, DecodeLayer, DecodeSt
 DECODE_LAYER_FIELDS = tuple(name for name, _ in DecodeLayer._fields_)
 _DECODE_LAYER_KEYS = frozenset(DECODE_LAYER_FIELDS)
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
-# The weight format codes the kernel reads: row-major GEMV_* and packed GEMM_*P (gemv.h).
-_WEIGHT_FORMAT_CODES = frozenset((*WEIGHT_FORMATS.values(), *cpu_gemm.PACKED_FORMATS.values(),
-                                  cpu_gemm.GEMM_W8A8P))
+# The weight format codes the kernel reads: the packed GEMM_*P (gemm.h; the row-major codes
+# 0-4 are retired, gemv.h).
+_WEIGHT_FORMAT_CODES = frozenset((*cpu_gemm.PACKED_FORMATS.values(), cpu_gemm.GEMM_W8A8P))
 # The ones a model may lack (null pointers for the kernel).
 _OPTIONAL_DECODE_FIELDS = frozenset({"qkv_bias", "q_norm", "k_norm", "qkv_scales", "o_scales",
                                      "gate_up_scales", "down_scales"})
@@ -47,11 +47,10 @@ class DecodeLayerTable:
 
 
 def _projection_ok(weight: Tensor, scales: Tensor | None) -> bool:
-    """A projection weight the kernel reads: row-major (gemv.h: float32, bf16, int8 with
-    its scales) or panel-packed (gemm.h, cpu_gemm.pack_weight; int8 with its scales)."""
-    if weight.dim() != 3:
-        return _weight_ok(weight, scales)
-    return (weight.device.type == "cpu" and weight.is_contiguous()
+    """A projection weight the kernel reads: panel-packed (gemm.h, cpu_gemm.pack_weight;
+    int8 with its scales). A row-major weight [N, K] is not: the caller keeps its torch
+    path."""
+    return (weight.dim() == 3 and weight.device.type == "cpu" and weight.is_contiguous()
             and weight.dtype in cpu_gemm.PACKED_FORMATS
             and (scales is not None) == (weight.dtype == torch.int8))
 
@@ -80,10 +79,10 @@ def _decode_layer_ok(layer: dict[str, Tensor | None], formats: set,
 def decode_layer_table(layers: list[dict[str, Tensor | None]]) -> DecodeLayerTable | None:
     """The decode_layer structs llama_decode takes, one per layer from a dict keyed by
     DECODE_LAYER_FIELDS (biases, q/k norms and, but for int8 projections, the scales may be
-    None). None when a tensor does not fit: every projection of the model in one format of
-    WEIGHT_FORMATS (int8 with its scales), every KV cache in one of KV_CACHE_DTYPES,
-    everything else float32; all contiguous on the CPU. Raises ValueError for a dict with a
-    key too many or too few."""
+    None). None when a tensor does not fit: every projection of the model packed, in one
+    format of cpu_gemm.PACKED_FORMATS (int8 with its scales), every KV cache in one of
+    KV_CACHE_DTYPES, everything else float32; all contiguous on the CPU. Raises ValueError
+    for a dict with a key too many or too few."""
     formats: set = set()
     kv_dtypes: set = set()
     for layer in layers:
@@ -158,8 +157,8 @@ def llama_decode(x: Tensor, layer_table: DecodeLayerTable, final_norm: Tensor, *
     layer_table from `decode_layer_table`; positions and slot_mapping [T] int64;
     block_tables [T, max_blocks] and seq_lens [T] int32 (AttentionMetadata's); cos/sin
     [max_positions, head_dim / 2]; weight_format the projections' code (Linear.gemv_format:
-    a WEIGHT_FORMATS value, or cpu_gemm.packed_format's; None, which declines, for weights
-    no C kernel reads, e.g. W8A8 not packed).
+    cpu_gemm.packed_format's; None, which declines, for a weight left unpacked, which no C
+    kernel reads).
     aux [T, L * H] float32 with aux_layers [L] int64 (each in [0, num_layers)), or both
     None: aux[:, j*H:(j+1)*H] receives the residual stream into layer aux_layers[j] (the
     embeddings for 0), before its input norm. `lora`: the step's adapter slots (each
@@ -204,6 +203,8 @@ def llama_decode(x: Tensor, layer_table: DecodeLayerTable, final_norm: Tensor, *
     if rc > 0:
         raise IndexError(f"llama_decode: {rc} slot(s) outside the cache's "
                          f"{num_blocks * block_size} slots")
+    if rc == -2:  # never for a _WEIGHT_FORMAT_CODES code: a Python/C mismatch, not memory
+        raise ValueError(f"llama_decode: the kernel does not know format {weight_format}")
     if rc < 0:
         raise MemoryError("llama_decode: out of memory for its buffers")
     return True

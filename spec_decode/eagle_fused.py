@@ -9,8 +9,8 @@ rows (eagle_tree.py) come with tables of their own (AttentionMetadata.tree_kerne
 scratch slots the kernel fills after the K/V write. The projections
 run the same packed GEMM and attention the same fixed-position parts as the torch path,
 so the two give the same bits (tests/model/test_eagle_fused.py). Fail closed: anything
-else (EAGLE-1, another device or dtype, q/k norms, unpacked weights beyond a few rows, no
-kernel library) returns None and the caller runs the torch path.
+else (EAGLE-1, another device or dtype, q/k norms, weights left unpacked, no kernel
+library) returns None and the caller runs the torch path.
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from torch import Tensor
 
 from aioengine.kernels import cpu_decode
 from aioengine.model.attention import AttentionMetadata, TorchAttentionBackend
-from aioengine.model.executors import FUSED_DECODE_MAX_TOKENS
 
 if TYPE_CHECKING:
     from aioengine.spec_decode.eagle import EagleHead
@@ -61,7 +60,7 @@ class FusedEagleStep:
         where the kernel does not apply."""
         t = emb.shape[0]
         tree = meta.tree_kernel  # tree rows: each its own table (eagle_tree.py)
-        if not (self.enabled and t > 0 and (self.packed or t <= FUSED_DECODE_MAX_TOKENS)
+        if not (self.enabled and self.packed and t > 0
                 and (meta.tree_masks is None or tree is not None)  # no masks in the kernel
                 and emb.dtype == hidden.dtype == torch.float32 and kv_cache.dim() == 5):
             return None

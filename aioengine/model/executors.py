@@ -27,15 +27,10 @@ from aioengine.model.layer_spec import smallest_window, unsupported
 if TYPE_CHECKING:
     from aioengine.model.llama import LlamaForCausalLM
 
-# Decode-only steps of up to this many tokens run the decoder layers in one C call where it
-# applies. Forward + LM head on 2 cores, against the layer path in the same process: 1 token
-# 20.4-21.8 -> 17.5-18.1 ms (the ~4 ms of per-layer Python and op dispatch gone), 2 tokens
-# 25.8 -> 21.1, 4 tokens 33.4-33.8 -> 23.8-28.4, 8 tokens 37.6 -> 34.2; at 12 they are even
-# (oneDNN's GEMM takes over), at 16 the layer path wins (52.6 vs 58.1).
-FUSED_DECODE_MAX_TOKENS = 8
-# With panel-packed weights (the any-M GEMM of kernels/cpu/gemm.h, which reads each weight
-# once per step whatever the rows) the fused call takes decode steps of any size: this bounds
-# only its scratch (a few MB).
+# The fused call reads panel-packed weights only (the any-M GEMM of kernels/cpu/gemm.h,
+# which reads each weight once per step whatever the rows; the row-major gemv that once
+# bounded it at 8 tokens is retired): it takes decode steps of any size, this bounds only its
+# scratch (a few MB).
 FUSED_DECODE_MAX_TOKENS_PACKED = 1024
 
 
@@ -125,10 +120,11 @@ class FusedCpuDecodeExecutor:
                    for i in range(meta.num_reqs))
 
     def max_tokens(self) -> int:
-        """The largest decode step it takes: any size with packed weights, else a few."""
+        """The largest decode step it takes: any size with packed weights; none (0) with
+        weights left unpacked (no kernels, fp16), which the kernel does not read."""
         layers = self.model.layers
         packed = bool(layers) and getattr(layers[0].qkv_proj, "is_packed", False)
-        return FUSED_DECODE_MAX_TOKENS_PACKED if packed else FUSED_DECODE_MAX_TOKENS
+        return FUSED_DECODE_MAX_TOKENS_PACKED if packed else 0
 
     def run(self, x: Tensor, positions: Tensor, kv_caches: list[Tensor],
             meta: AttentionMetadata, aux: Tensor | None, aux_index: Tensor | None) -> bool:

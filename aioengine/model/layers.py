@@ -1,10 +1,12 @@
 """Projections: `Linear`, which owns its weight in a storage format, and `linear`, the
 matmul it runs (vLLM's names and semantics); the embedding lookup and the LM head.
 
-`linear` takes the C gemv of `aioengine.kernels.cpu` where it applies (float32 activations
-on the CPU, few rows, kernels built), oneDNN for many rows, and the plain torch op otherwise;
-the torch op is the reference the kernels are tested against. The norms and activations
-between projections are the device ops' (`aioengine.model.ops`).
+A `Linear` whose weight is packed at load (`Linear.pack`, wherever the CPU kernels are
+built) runs the any-M GEMM of `aioengine.kernels.cpu_gemm` for every row count; `linear`
+is the path of a weight left unpacked (no kernels, CUDA, fp16): a chunked `bmm` for few
+float32 rows on the CPU, oneDNN for many, and the plain torch op otherwise, the reference
+the kernels are tested against. The norms and activations between projections are the
+device ops' (`aioengine.model.ops`).
 
 A model builds every projection through a `LinearFactory` (`ProjectionSpec` says which
 one): a feature that needs to wrap projections (LoRA) supplies the factory when the model is
@@ -20,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aioengine.kernels import cpu as cpu_kernels
 from aioengine.kernels import cpu_gemm, cpu_gemm_w8a8
 from aioengine.model import hugepages
 
@@ -65,21 +66,20 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     GEMM's bits; a W8A8 weight the kernels read is packed, `Linear.pack`), or a GGUF's Q4_1
     blocks (`_q4_1_linear`, likewise). `F.linear` on the CPU goes to MKL, which on these
     AMD cores runs fp32 at ~140 GFLOP/s and threads few-row products badly (a 1-row product
-    streams the weight at a third of the memory bandwidth). So with float32 x on the CPU:
-    - up to GEMV_MAX_ROWS rows (PACKED_GEMV_MAX_ROWS with `packed`; decode of a few
-      requests): the C gemv (`cpu_kernels.gemv`: float32, bf16, int8), which streams
-      each thread's weight rows in order; without the kernels, one `bmm` over chunks of the
-      weight's rows (a view, no copy), so every thread streams whole chunks;
+    streams the weight at a third of the memory bandwidth). This is the path of a weight
+    left unpacked (no CPU kernels, CUDA, fp16; a weight the kernels read is packed at load,
+    `Linear.pack`, and takes the any-M GEMM instead: there is no row-major C kernel). So
+    with float32 x on the CPU:
+    - a float32 weight, up to GEMV_MAX_ROWS rows (PACKED_GEMV_MAX_ROWS with `packed`;
+      decode of a few requests): one `bmm` over chunks of the weight's rows (a view, no
+      copy), so every thread streams whole chunks;
     - otherwise oneDNN's matmul: float32 on `packed` (the weight reordered once into
       oneDNN's blocked layout, `pack_linear_weight`) when the model has it; bf16 weights
-      take x rounded to bf16 and give a bf16 result (oneDNN accumulates in fp32), which the
-      gemv reproduces; int8 weights are widened for the call (weight-only,
-      `_int8_linear`), as the gemv computes it.
+      take x rounded to bf16 and give a bf16 result (oneDNN accumulates in fp32); int8
+      weights are widened for the call (weight-only, `_int8_linear`).
     Measured over SmolLM2-135M's 30 layers of weights, 2 cores: 1 row 40 -> 17 ms
-    (F.linear -> chunked gemv); in a later run chunked gemv -> C gemv 14.6 -> 14.1 ms at 1
-    row, 17.5 -> 15.1 ms at 2, the LM head 3.6 -> 3.0 ms at 1; 32 rows 87 (F.linear) -> 62
-    (oneDNN) -> 52 ms (packed); 512 rows 725 -> 541 -> 526 ms; the LM head at 32 rows 33 ->
-    13 -> 10 ms.
+    (F.linear -> chunked gemv); 32 rows 87 (F.linear) -> 62 (oneDNN) -> 52 ms (packed); 512
+    rows 725 -> 541 -> 526 ms; the LM head at 32 rows 33 -> 13 -> 10 ms.
     """
     if act_quant:
         return _w8a8_linear(x, weight, bias, scales)
@@ -88,8 +88,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     m, (n, k) = x.shape[0], weight.shape
     # Packed oneDNN already beats the chunked gemv from 3-4 rows on (4 rows: 19.5 vs 25.5 ms).
     gemv_max_rows = GEMV_MAX_ROWS if packed is None else PACKED_GEMV_MAX_ROWS
-    if m <= gemv_max_rows and (out := cpu_kernels.gemv(x, weight, bias, scales)) is not None:
-        return out
     if weight.dtype != torch.float32:
         return _torch_linear(x, weight, bias, scales)
     if m <= gemv_max_rows and (c := _num_chunks(n)) > 1:
@@ -163,9 +161,9 @@ def quantize_int8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
 def _int8_linear(x: Tensor, weight: Tensor, bias: Tensor | None,
                  scales: Tensor | None) -> Tensor:
     """Weight-only int8: q widened to x's dtype (exact: |q| <= 127), then one matmul and a
-    per-row scale: the gemv's arithmetic (x unrounded, float32 sums), so a request's tokens
-    do not depend on how many others share its step. The widened copy lives for this call
-    only: resident memory stays the int8 bytes."""
+    per-row scale: the packed GEMM's arithmetic (x unrounded, float32 sums), so a request's
+    tokens do not depend on how many others share its step. The widened copy lives for this
+    call only: resident memory stays the int8 bytes."""
     assert scales is not None, "an int8 weight needs its scales"
     out = F.linear(x, weight.to(x.dtype)).mul_(scales.to(x.dtype))
     return out if bias is None else out.add_(bias)
@@ -298,12 +296,10 @@ class Linear(nn.Module):
 
     @property
     def gemv_format(self) -> int | None:
-        """The C kernels' code for this weight (cpu_kernels.weight_format; packed:
-        cpu_gemm.packed_format); None where no C kernel reads it (W8A8 or Q4_1 blocks not
-        packed, fp16): the fused decode then declines."""
-        if self.is_packed:
-            return cpu_gemm.packed_format(self.weight)
-        return cpu_kernels.weight_format(self.weight, self.act_quant)
+        """The C kernels' code for this weight (cpu_gemm.packed_format); None where no C
+        kernel reads it (a weight left unpacked: no row-major kernel): the fused decode then
+        declines."""
+        return cpu_gemm.packed_format(self.weight) if self.is_packed else None
 
     @torch.no_grad()
     def convert(self, storage: str) -> None:
@@ -325,7 +321,7 @@ class Linear(nn.Module):
                 return
             new = hugepages.empty(tuple(w.shape), dtype, w.device).copy_(w)
             if self.bias is not None and dtype != self.bias.dtype:
-                # The bias as the low-precision matmul adds it (in its dtype), so the gemv
+                # The bias as the low-precision matmul adds it (in its dtype), so the GEMM
                 # and oneDNN add the same value.
                 self.bias.copy_(self.bias.to(dtype))
         self.weight = nn.Parameter(new, requires_grad=False)
@@ -372,7 +368,7 @@ def lm_head_logits(x: Tensor, head: Linear) -> Tensor:
     France?" with "L'Étoile..." instead of "The capital of France is Paris."). So with bf16
     weights each row's LOGITS_REFINE_TOP largest logits are recomputed as float32 sums of
     the same bf16 products: argmax, top-k and the head of the distribution at float32
-    resolution, the tail in bf16, the same whether the gemv or oneDNN computed the rest."""
+    resolution, the tail in bf16 (an unpacked head's: oneDNN's matmul at every row count)."""
     logits = head(x).float()
     w = head.weight
     if head.is_packed or w.dtype != torch.bfloat16 or x.dtype != torch.float32:

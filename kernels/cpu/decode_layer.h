@@ -52,7 +52,7 @@ _Static_assert(sizeof(lora_layer) == LORA_LAYER_POINTERS * sizeof(void *),
  * x [num_tokens, hidden]: the embeddings in, the final-normed hidden states out.
  * positions, slot_mapping [num_tokens] int64; block_tables [num_tokens, table_stride] and
  * seq_lens [num_tokens] int32 (as for paged_attention_f32, one row per token); cos/sin tables
- * [max_positions, head_dim / 2]; weight_fmt the projections' GEMV_* format (gemv.h); K/V
+ * [max_positions, head_dim / 2]; weight_fmt the projections' packed GEMM_*P format (gemm.h); K/V
  * are written to the caches rounded to bf16 (as torch rounds) and read back widened where
  * kv_bf16 is set.
  * aux NULL, or [num_tokens, num_aux * hidden]: its j-th hidden-wide column block receives
@@ -112,7 +112,8 @@ typedef struct {
 } decode_step;
 
 /* Runs the step (llama_decode.c). Returns 0; the number of slots outside the cache, having
- * written nothing; or -1 when out of memory. */
+ * written nothing; -1 when out of memory; or -2, having done nothing, for a weight_fmt it
+ * does not read (gemv.h's gemv_format_known: the retired row-major codes included). */
 int64_t llama_decode(const decode_step *step);
 
 #endif /* AIOENGINE_DECODE_LAYER_H */

@@ -1,7 +1,7 @@
 /*
- * y = x w^T (* scales) (+ bias): the kernels of gemv.h (a few rows, row-major weights) and
- * gemm.h (any rows, panel-packed weights) on their own, for the projections `linear` runs
- * outside the fused decode of llama_decode.c (the LM head, prefill chunks, mixed steps).
+ * y = x w^T (* scales) (+ bias) on panel-packed weights (gemm.h, dispatched by gemv.h) on
+ * their own, for the projections run outside the fused decode of llama_decode.c (the LM
+ * head, prefill chunks, mixed steps): cpu_gemm.gemm's entry point, for any number of rows.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -10,15 +10,16 @@
 
 #include "gemv.h"
 
-/* x [m, k] float32, w [n, k] in format fmt (GEMV_* row-major or GEMM_*P packed), scales [n]
- * for the int8 ones, y [m, n], bias [n] or NULL; all contiguous. Returns 0, -1 when out of
- * memory, or -2 (computing nothing) for a format code it does not know (gemv_format_known). */
+/* x [m, k] float32, w [n, k] packed in format fmt (GEMM_*P), scales [n] for the int8 ones,
+ * y [m, n], bias [n] or NULL; all contiguous. Returns 0, -1 when out of memory, or -2
+ * (computing nothing) for a format code it does not know (gemv_format_known: the retired
+ * row-major codes 0-4 included). */
 int gemv(float *restrict y, const float *restrict x, const void *w, const float *scales,
          int fmt, const float *restrict bias, int64_t m, int64_t n, int64_t k,
          int num_threads) {
     if (!gemv_format_known(fmt)) return -2;
     const gemv_weight W = {.data = w, .scales = scales, .fmt = fmt};
-    /* bf16: x rounded; int8: x quantized (16 scales of padding + the rows). */
+    /* bf16 pairs (AVX512-BF16), or x quantized for Q4_1 and W8A8 panels. */
     float *buf = gemv_needs_buffer(fmt) ? malloc(sizeof(float) * (size_t)gemv_buffer_floats(fmt, m, k))
                                         : NULL;
     if (gemv_needs_buffer(fmt) && buf == NULL) return -1;
@@ -26,7 +27,7 @@ int gemv(float *restrict y, const float *restrict x, const void *w, const float 
      * parallel.h on entering OpenMP for nothing). */
     if (n * k < 65536 || num_threads < 2) {
         gemv_range(y, gemv_prepare_x(buf, x, m, k, fmt), &W, bias, m, n, k, 0,
-                   gemm_is_packed(fmt) ? gemm_num_panels(n) : n);
+                   gemm_num_panels(n));
     } else {
         gemv_claim claims[num_threads];
         memset(claims, 0, sizeof(claims));

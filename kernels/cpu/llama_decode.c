@@ -1,13 +1,13 @@
 /*
- * The decoder layers of a Llama-family model for a decode step (one token per request; any
- * number on panel-packed weights, up to 8 on row-major ones) on the CPU, in one call:
- * float32 activations, the projections' weights float32, bf16 or int8 weight-only (row-major:
- * gemv.h), or panel-packed in those, W8A8 or GGUF Q4_1 (gemm.h).
+ * The decoder layers of a Llama-family model for a decode step (one token per request, any
+ * number of requests) on the CPU, in one call: float32 activations, the projections'
+ * weights panel-packed (gemm.h, through gemv.h) in float32, bf16, int8 weight-only, W8A8 or
+ * GGUF Q4_1. Row-major weights are not read (their format codes are retired, gemv.h).
  *
  * At a few tokens the layers are bound by streaming their weights from memory (14 MB a
  * layer for SmolLM2-135M) and everything else is small; but layer by layer from Python each
  * layer is ~12 torch ops and kernel calls, ~130 us, 4 ms of a 19 ms step. Here one OpenMP
- * region runs every layer: the projections split by weight rows across the threads, each
+ * region runs every layer: the projections split by panels across the threads, each
  * thread taking the rest of another's share once done with its own (gemv_shared in gemv.h);
  * the per-token work (residual add, RMSNorm, SiLU-and-mul) done by every thread on its own
  * copy of the residual stream, which is cheaper than a barrier. Attention splits every
@@ -191,6 +191,7 @@ int64_t llama_decode(const decode_step *d) {
         .block_size = block_size, .table_stride = table_stride, .eps = eps, .scale = scale,
         .kv_bf16 = d->kv_bf16, .positions = positions, .slot_mapping = slot_mapping, .block_tables = block_tables,
         .seq_lens = seq_lens, .cos_table = cos_table, .sin_table = sin_table};
+    if (!gemv_format_known(weight_fmt)) return -2;
     int64_t bad = 0;
     for (int64_t t = 0; t < M; t++)
         bad += slot_mapping[t] < 0 || slot_mapping[t] >= step.num_slots;

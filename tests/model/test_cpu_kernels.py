@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from aioengine.kernels import cpu as cpu_kernels
 from aioengine.model.attention import TorchAttentionBackend, build_attention_metadata
 from aioengine.model import layers
-from aioengine.model.layers import GEMV_MAX_ROWS, _num_chunks, linear, pack_linear_weight
+from aioengine.model.layers import (GEMV_MAX_ROWS, Linear, _num_chunks, linear,
+                                    pack_linear_weight)
 from aioengine.model.ops import CpuOps
 from aioengine.model.rotary import apply_rope
 
@@ -190,38 +191,28 @@ def test_norm_and_activation_kernels_decline_what_they_do_not_handle(set_cpu_ker
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7])
-@pytest.mark.parametrize("in_features,out_features", [
-    (576, 960),    # SmolLM2's qkv: 4-wide accumulators with no tail, threaded
-    (48, 97),      # a tail of 16 (1-2 rows) or none (3+), one thread
-    (37, 3072),    # a tail of 5, threaded
-    (7, 5),        # shorter than one vector
-])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_gemv_matches_f_linear(rows: int, in_features: int, out_features: int,
-                               with_bias: bool) -> None:
-    gen = torch.Generator().manual_seed(rows * in_features)
-    x = torch.randn(rows, in_features, generator=gen)
-    weight = torch.randn(out_features, in_features, generator=gen)
-    bias = torch.randn(out_features, generator=gen) if with_bias else None
-    out = cpu_kernels.gemv(x, weight, bias)
-    assert out is not None and out.shape == (rows, out_features)
-    torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
-
-
-def test_gemv_declines_what_it_does_not_handle(set_cpu_kernels) -> None:
-    x, w = torch.randn(2, 8), torch.randn(6, 8)
-    assert cpu_kernels.gemv(x.double(), w.double()) is None
-    assert cpu_kernels.gemv(x, w.t().contiguous().t()) is None  # not contiguous
-    assert cpu_kernels.gemv(x, torch.randn(6, 9)) is None  # shapes do not chain
-    assert cpu_kernels.gemv(x, w, torch.randn(5)) is None  # bias of the wrong size
-    # Q4_1 blocks and W8A8 weights are read packed only (cpu_gemm): no row-major code.
-    blocks = torch.zeros(5, 20, dtype=torch.uint8)
-    assert cpu_kernels.gemv(torch.randn(2, 32), blocks) is None
-    assert cpu_kernels.weight_format(blocks) is None
-    assert cpu_kernels.weight_format(torch.zeros(6, 8, dtype=torch.int8), act_quant=True) is None
-    set_cpu_kernels("0")
-    assert cpu_kernels.gemv(x, w) is None
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "int8"])
+def test_an_unpacked_linear_takes_the_torch_path(storage: str) -> None:
+    """There is no row-major C kernel (the loader packs every weight the kernels read,
+    Linear.pack): with the kernels built, a Linear left unpacked computes `linear`'s torch
+    path at every row count, and no C kernel claims it (gemv_format None: the fused decode
+    declines it)."""
+    lin = Linear(48, 97, True, torch.float32, CPU)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(97, 48, generator=gen))
+        lin.bias.copy_(torch.randn(97, generator=gen))
+    lin.convert(storage)
+    assert not lin.is_packed and lin.gemv_format is None
+    x = torch.randn(9, 48, generator=gen)
+    for m in (1, 2, GEMV_MAX_ROWS, 9):
+        out = lin(x[:m])
+        if storage == "float32":  # the chunked bmm or oneDNN: F.linear up to summation order
+            torch.testing.assert_close(out, F.linear(x[:m], lin.weight, lin.bias),
+                                       atol=1e-5, rtol=1e-5)
+        else:  # oneDNN's bf16 matmul (x and the result rounded); int8 widened per call
+            assert torch.equal(out, layers._torch_linear(x[:m], lin.weight, lin.bias,
+                                                         lin.scales))
 
 
 @pytest.mark.parametrize("cpu_kernels_on", [True, False])
@@ -230,8 +221,8 @@ def test_gemv_declines_what_it_does_not_handle(set_cpu_kernels) -> None:
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_matches_f_linear(rows: int, out_features: int, with_bias: bool,
                                  cpu_kernels_on: bool, set_cpu_kernels) -> None:
-    """Few rows take the C gemv (the chunked bmm with the kernels off), more take oneDNN
-    (present in this torch build)."""
+    """Few rows take the chunked bmm (kernels on or off: no row-major C kernel), more take
+    oneDNN (present in this torch build)."""
     set_cpu_kernels("1" if cpu_kernels_on else "0")
     assert layers._ONEDNN_LINEAR is not None
     gen = torch.Generator().manual_seed(rows)

@@ -102,3 +102,11 @@ def test_fused_step_declines_what_it_does_not_run(tmp_path) -> None:
     assert head.fused.run(emb, hidden, positions, kv_cache, meta) is not None
     head.fused.enabled = False
     assert head.fused.run(emb, hidden, positions, kv_cache, meta) is None
+    # Projections left unpacked (load_eagle_head packs them where the kernels are built):
+    # no row-major kernel, so the step declines at any row count.
+    for lin in head.layer.projections():
+        lin.weight = torch.nn.Parameter(lin.dense_weight(), requires_grad=False)
+    unpacked = eagle_fused.FusedEagleStep(head)
+    assert unpacked.enabled and not unpacked.packed
+    meta, positions = build_attention_metadata([1], [3], [[1]], BLOCK_SIZE, CPU)
+    assert unpacked.run(emb[:1], hidden[:1], positions, kv_cache, meta) is None

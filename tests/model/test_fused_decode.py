@@ -10,22 +10,23 @@ import torch
 from tiny_models import TINY_ARCHS
 
 from aioengine.kernels import cpu as cpu_kernels
-from aioengine.kernels import cpu_decode
+from aioengine.kernels import cpu_decode, cpu_gemm
 from aioengine.model.attention import TorchAttentionBackend, build_attention_metadata
 from aioengine.model.llama import make_kv_caches
 from aioengine.model.loader import load_model
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 4
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 # Weight storage -> (dtype, quantization) and the tolerance of fused vs layer path: the same
-# arithmetic up to summation order, except where bf16 rounds: the row-major bf16 paths round
-# each projection's x and output (2^-8 relative), and the AVX512-BF16 build's packed GEMM
-# rounds x where the torch fallback (kernels off) does not, so a last-bit difference can
-# become a bf16 ulp, amplified by the tiny random models' layers; w8a8 quantizes each
-# projection's input, so one can become a quantization step (the projections themselves
-# are bit-exact: tests/model/test_cpu_gemm_w8a8.py).
+# arithmetic up to summation order, except where bf16 rounds: an unpacked bf16 weight's
+# torch path (oneDNN) rounds each projection's x and output (2^-8 relative), and the
+# AVX512-BF16 build's packed GEMM rounds x where the torch fallback (kernels off) does not,
+# so a last-bit difference can become a bf16 ulp, amplified by the tiny random models'
+# layers; w8a8 quantizes each projection's input, so one can become a quantization step
+# (the projections themselves are bit-exact: tests/model/test_cpu_gemm_w8a8.py).
 STORAGES = {"float32": (torch.float32, None, 1e-5), "bfloat16": (torch.bfloat16, None, 6e-2),
             "int8": (torch.float32, "int8", 1e-4), "w8a8": (torch.float32, "w8a8", 3e-2)}
 
@@ -80,8 +81,8 @@ def _decode(model, fused: bool, caches, input_ids, positions, meta):
                                       [3, 6, 9, 12, 15], [2, 4, 6, 8, 10, 12, 14, 16, 18]])
 def test_fused_decode_matches_the_layer_path(model, seq_lens: list[int], fused_calls) -> None:
     """Hidden states and every layer's new K/V as the layer-by-layer path computes them,
-    for 1 to 5 requests and 9: the fused call takes 9 on packed weights (the any-M GEMM;
-    every storage here packs); on row-major ones 9 would be past FUSED_DECODE_MAX_TOKENS."""
+    for 1 to 5 requests and 9: the fused call takes any step on packed weights (the any-M
+    GEMM; every storage here packs)."""
     case = _prefilled(model, seq_lens)
     ours, ours_caches = _decode(model, True, *case)
     expected_calls = [len(seq_lens)] if len(seq_lens) <= model.fused_decode.max_tokens() else []
@@ -142,27 +143,42 @@ def test_fused_decode_runs_only_where_it_applies(model, set_cpu_kernels, fused_c
     torch.testing.assert_close(kernels_off, fused, atol=tol, rtol=tol)
 
 
-def test_fused_decode_declines_w8a8_weights_left_unpacked(tiny_model_dirs, fused_calls) -> None:
-    """W8A8 has no row-major kernel (only its panels: Linear.pack packs every such weight
-    the kernels read): with the weights unpacked the fused call declines (gemv_format None)
-    and the step takes the layer path (`_w8a8_linear`), with the packed step's values."""
-    loaded = load_model(str(tiny_model_dirs["qwen2"]), torch.float32, CPU, "w8a8").model
+@pytest.mark.parametrize("storage", list(STORAGES))
+def test_fused_decode_declines_weights_left_unpacked(tiny_model_dirs, fused_calls,
+                                                     storage: str) -> None:
+    """The fused call reads packed weights only (Linear.pack packs every weight the kernels
+    read; the row-major gemvs are retired): with the weights unpacked it declines
+    (gemv_format None, max_tokens 0) and the step takes the layer path (`linear`'s torch
+    path), with the packed step's values."""
+    dtype, quantization, tol = STORAGES[storage]
+    loaded = load_model(str(tiny_model_dirs["qwen2"]), dtype, CPU, quantization).model
     case = _prefilled(loaded, [7, 10])
     packed, _ = _decode(loaded, True, *case)
     assert fused_calls == [2]
     for lin in (p for layer in loaded.layers for p in layer.projections()):
         lin.weight = torch.nn.Parameter(lin.dense_weight(), requires_grad=False)
-        assert not lin.is_packed and lin.storage == "w8a8" and lin.gemv_format is None
+        assert not lin.is_packed and lin.storage == storage and lin.gemv_format is None
     loaded.fused_decode.reset()  # raw pointers to the old weights
+    assert loaded.fused_decode.max_tokens() == 0
     unpacked, _ = _decode(loaded, True, *case)
-    assert fused_calls == [2]  # declined: no second call ran
-    tol = STORAGES["w8a8"][2]
+    assert fused_calls == [2] and loaded.last_executor == "layerwise"  # declined
     torch.testing.assert_close(unpacked, packed, atol=tol, rtol=tol)
+
+
+def test_llama_decode_computes_nothing_for_a_row_major_format() -> None:
+    """The kernel's own check (fail closed behind the Python one): codes 0-4, the retired
+    row-major formats, return -2 before anything is read or written."""
+    from aioengine.kernels.cpu_layout import DecodeStep
+
+    lib = cpu_kernels.load()
+    for code in range(5):
+        assert lib.llama_decode(DecodeStep(weight_fmt=code)) == -2
 
 
 def test_decode_layer_table_declines_what_the_kernel_cannot_read() -> None:
     w = torch.ones(4, 4)
-    row = {name: None if name.endswith("_scales") else w
+    packed = cpu_gemm.pack_weight(w)  # [1, 4, 16]: one panel
+    row = {name: None if name.endswith("_scales") else packed if name in PROJECTIONS else w
            for name in cpu_decode.DECODE_LAYER_FIELDS}
     table = cpu_decode.decode_layer_table([row, {**row, "qkv_bias": None, "q_norm": None,
                                                   "k_norm": None}])
@@ -170,16 +186,21 @@ def test_decode_layer_table_declines_what_the_kernel_cannot_read() -> None:
     assert [table.layers[1].qkv_bias, table.layers[1].q_norm, table.layers[1].k_norm] == [None] * 3
     assert table.layers[0].input_norm == w.data_ptr() and table.layers[0].qkv_scales is None
     assert table.step.layers == ctypes.addressof(table.layers) and table.step.num_layers == 2
-    q, s = torch.ones(4, 4, dtype=torch.int8), torch.ones(4)
-    int8_row = {**row, **{p: q for p in ("qkv", "o", "gate_up", "down")},
-                **{f"{p}_scales": s for p in ("qkv", "o", "gate_up", "down")}}
+    q, s = cpu_gemm.pack_weight(torch.ones(4, 4, dtype=torch.int8)), torch.ones(4)
+    int8_row = {**row, **{p: q for p in PROJECTIONS}, **{f"{p}_scales": s for p in PROJECTIONS}}
     assert cpu_decode.decode_layer_table([int8_row]) is not None
     assert cpu_decode.decode_layer_table([{**int8_row, "o_scales": None}]) is None  # int8 needs them
-    assert cpu_decode.decode_layer_table([{**row, "qkv": w.bfloat16()}]) is None  # mixed formats
+    mixed = {**row, "qkv": packed.bfloat16()}
+    assert cpu_decode.decode_layer_table([mixed]) is None  # mixed formats
     assert cpu_decode.decode_layer_table([{**row, "qkv_scales": s}]) is None  # scales on float
     assert cpu_decode.decode_layer_table([{**row, "o": None}]) is None  # required
-    assert cpu_decode.decode_layer_table([{**row, "down": w.t()}]) is None  # not contiguous
-    assert cpu_decode.decode_layer_table([{**row, "qkv": w.double()}]) is None
+    assert cpu_decode.decode_layer_table([{**row, "down": packed.transpose(1, 2)}]) is None
+    assert cpu_decode.decode_layer_table([{**row, "qkv": packed.double()}]) is None
+    # Row-major weights, in any storage: no kernel reads them (the gemvs are retired).
+    for dense, scales in ((w, None), (w.bfloat16(), None), (w.to(torch.int8), s)):
+        row_major = {**row, **{p: dense for p in PROJECTIONS},
+                     **{f"{p}_scales": scales for p in PROJECTIONS}}
+        assert cpu_decode.decode_layer_table([row_major]) is None
     # A key the layer struct lacks, or one missing: the caller's mistake, not a decline.
     with pytest.raises(ValueError, match="unknown keys"):
         cpu_decode.decode_layer_table([{**row, "gate": w}])
