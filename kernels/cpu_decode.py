@@ -24,7 +24,7 @@ DECODE_LAYER_FIELDS = tuple(name for name, _ in DecodeLayer._fields_)
 _DECODE_LAYER_KEYS = frozenset(DECODE_LAYER_FIELDS)
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 # The weight format codes the kernel reads: the packed GEMM_*P (gemm.h; the row-major codes
-# 0-4 are retired, gemv.h).
+# 0-4 are retired, projection.h).
 _WEIGHT_FORMAT_CODES = frozenset((*cpu_gemm.PACKED_FORMATS.values(), cpu_gemm.GEMM_W8A8P))
 # The ones a model may lack (null pointers for the kernel).
 _OPTIONAL_DECODE_FIELDS = frozenset({"qkv_bias", "q_norm", "k_norm", "qkv_scales", "o_scales",
@@ -48,11 +48,14 @@ class DecodeLayerTable:
 
 def _projection_ok(weight: Tensor, scales: Tensor | None) -> bool:
     """A projection weight the kernel reads: panel-packed (gemm.h, cpu_gemm.pack_weight;
-    int8 with its scales). A row-major weight [N, K] is not: the caller keeps its torch
-    path."""
+    int8 with its scales [n], one per output row of the panels). A row-major weight [N, K]
+    is not: the caller keeps its torch path. (The scales' dtype and layout are checked with
+    the other float32 fields.)"""
     return (weight.dim() == 3 and weight.device.type == "cpu" and weight.is_contiguous()
             and weight.dtype in cpu_gemm.PACKED_FORMATS
-            and (scales is not None) == (weight.dtype == torch.int8))
+            and (scales is not None) == (weight.dtype == torch.int8)
+            and (scales is None or scales.dim() == 1
+                 and -(-scales.shape[0] // cpu_gemm.PANEL) == weight.shape[0]))
 
 
 def _decode_layer_ok(layer: dict[str, Tensor | None], formats: set,
@@ -156,7 +159,7 @@ def llama_decode(x: Tensor, layer_table: DecodeLayerTable, final_norm: Tensor, *
 
     layer_table from `decode_layer_table`; positions and slot_mapping [T] int64;
     block_tables [T, max_blocks] and seq_lens [T] int32 (AttentionMetadata's); cos/sin
-    [max_positions, head_dim / 2]; weight_format the projections' code (Linear.gemv_format:
+    [max_positions, head_dim / 2]; weight_format the projections' code (Linear.kernel_format:
     cpu_gemm.packed_format's; None, which declines, for a weight left unpacked, which no C
     kernel reads).
     aux [T, L * H] float32 with aux_layers [L] int64 (each in [0, num_layers)), or both

@@ -87,7 +87,7 @@ class FusedEagleStep:
             positions=positions.contiguous(), cos=head.rotary.cos, sin=head.rotary.sin,
             slot_mapping=meta.slot_mapping, block_tables=tables, seq_lens=seq_lens,
             num_blocks=num_blocks, block_size=block_size,
-            weight_format=layer.qkv_proj.gemv_format,
+            weight_format=layer.qkv_proj.kernel_format,
             eagle=cpu_decode.EagleDecodeArgs(next_hidden, head.hidden_norm,
                                              head.norm_before_residual),
             tree_copies=copies)

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 # which reads each weight once per step whatever the rows; the row-major gemv that once
 # bounded it at 8 tokens is retired): it takes decode steps of any size, this bounds only its
 # scratch (a few MB).
-FUSED_DECODE_MAX_TOKENS_PACKED = 1024
+FUSED_DECODE_MAX_TOKENS = 1024
 
 
 class LayerwiseExecutor:
@@ -124,7 +124,7 @@ class FusedCpuDecodeExecutor:
         weights left unpacked (no kernels, fp16), which the kernel does not read."""
         layers = self.model.layers
         packed = bool(layers) and getattr(layers[0].qkv_proj, "is_packed", False)
-        return FUSED_DECODE_MAX_TOKENS_PACKED if packed else 0
+        return FUSED_DECODE_MAX_TOKENS if packed else 0
 
     def run(self, x: Tensor, positions: Tensor, kv_caches: list[Tensor],
             meta: AttentionMetadata, aux: Tensor | None, aux_index: Tensor | None) -> bool:
@@ -148,7 +148,7 @@ class FusedCpuDecodeExecutor:
             scale=model.layer_specs[0].scale, positions=positions, cos=model.rotary.cos,
             sin=model.rotary.sin, slot_mapping=meta.slot_mapping,
             block_tables=tables, seq_lens=seq_lens, num_blocks=num_blocks,
-            block_size=block_size, weight_format=model.layers[0].qkv_proj.gemv_format,
+            block_size=block_size, weight_format=model.layers[0].qkv_proj.kernel_format,
             aux=aux, aux_layers=aux_index, lora=None if lora is None else lora.decode_args(),
             tree_copies=tree_copies)
 

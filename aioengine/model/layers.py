@@ -228,7 +228,7 @@ class Linear(nn.Module):
     owning its weight in a storage format: float32 (with an optional oneDNN-packed copy),
     bf16, fp16, int8 with per-output-row scales (weight-only, or w8a8 with `act_quant`), or
     a GGUF's Q4_1 blocks. Callers never branch on the format: `forward` and the fused
-    decode's pointer table (LlamaForCausalLM._decode_layer_table, `gemv_format`) read it
+    decode's pointer table (LlamaForCausalLM._decode_layer_table, `kernel_format`) read it
     from here.
 
     Built in the checkpoint's load dtype; `load_weights` fills `weight` (and `bias`) row
@@ -295,7 +295,7 @@ class Linear(nn.Module):
                              device=self.weight.device)
 
     @property
-    def gemv_format(self) -> int | None:
+    def kernel_format(self) -> int | None:
         """The C kernels' code for this weight (cpu_gemm.packed_format); None where no C
         kernel reads it (a weight left unpacked: no row-major kernel): the fused decode then
         declines."""

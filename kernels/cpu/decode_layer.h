@@ -113,7 +113,7 @@ typedef struct {
 
 /* Runs the step (llama_decode.c). Returns 0; the number of slots outside the cache, having
  * written nothing; -1 when out of memory; or -2, having done nothing, for a weight_fmt it
- * does not read (gemv.h's gemv_format_known: the retired row-major codes included). */
+ * does not read (projection.h's proj_format_known: the retired row-major codes included). */
 int64_t llama_decode(const decode_step *step);
 
 #endif /* AIOENGINE_DECODE_LAYER_H */

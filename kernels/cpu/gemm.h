@@ -17,7 +17,7 @@
  * sign-extend and convert), broadcasts one x element per row and does the tile's fused
  * multiply-adds, so every weight load serves every row of the tile. The tile's shape follows
  * M (gemm.c: 1 x 64, 2 x 48, 3 x 32, 4-6 x 16 with AVX2's 16 ymm registers; 1 x 128, 2 x 96,
- * 3-6 x 64 with AVX-512's 32 zmm), threads split the panels (claims as gemv_shared, so a
+ * 3-6 x 64 with AVX-512's 32 zmm), threads split the panels (claims as proj_shared, so a
  * preempted thread delays a step by one claim), and a thread runs all the step's rows over a
  * panel group while it is in L1/L2: a weight crosses memory once per step whatever M is.
  * The AVX512-BF16 build multiplies bf16 weights by x rounded to bf16, two k at a time

@@ -1,16 +1,17 @@
 /*
  * The decoder layers of a Llama-family model for a decode step (one token per request, any
  * number of requests) on the CPU, in one call: float32 activations, the projections'
- * weights panel-packed (gemm.h, through gemv.h) in float32, bf16, int8 weight-only, W8A8 or
- * GGUF Q4_1. Row-major weights are not read (their format codes are retired, gemv.h).
+ * weights panel-packed (gemm.h, through projection.h) in float32, bf16, int8 weight-only,
+ * W8A8 or GGUF Q4_1. Row-major weights are not read (their format codes are retired,
+ * projection.h).
  *
  * At a few tokens the layers are bound by streaming their weights from memory (14 MB a
  * layer for SmolLM2-135M) and everything else is small; but layer by layer from Python each
  * layer is ~12 torch ops and kernel calls, ~130 us, 4 ms of a 19 ms step. Here one OpenMP
  * region runs every layer: the projections split by panels across the threads, each
- * thread taking the rest of another's share once done with its own (gemv_shared in gemv.h);
- * the per-token work (residual add, RMSNorm, SiLU-and-mul) done by every thread on its own
- * copy of the residual stream, which is cheaper than a barrier. Attention splits every
+ * thread taking the rest of another's share once done with its own (proj_shared,
+ * projection.h); the per-token work (residual add, RMSNorm, SiLU-and-mul) done by every
+ * thread on its own copy of the residual stream, which is cheaper than a barrier. Attention splits every
  * token's context into parts at fixed absolute positions (attention.h), shares the
  * (token, part) tasks over the threads and every thread combines each token's parts in
  * order on its own copy, with the very functions of the layerwise kernel
@@ -52,14 +53,14 @@
 #include "activation.h"
 #include "attention.h"
 #include "decode_layer.h"
-#include "gemv.h"
+#include "projection.h"
 #include "layernorm.h"
 #include "lora_decode.h"
 #include "rotary_embedding.h"
 
-/* A projection of `layer` as gemv.h takes it. */
-static inline gemv_weight proj(const void *data, const float *scales, int fmt) {
-    return (gemv_weight){.data = data, .scales = scales, .fmt = fmt};
+/* A projection of `layer` as projection.h takes it. */
+static inline proj_weight proj(const void *data, const float *scales, int fmt) {
+    return (proj_weight){.data = data, .scales = scales, .fmt = fmt};
 }
 
 static void head_rms_norm(float *restrict x, const float *restrict weight, int64_t num_heads,
@@ -191,7 +192,7 @@ int64_t llama_decode(const decode_step *d) {
         .block_size = block_size, .table_stride = table_stride, .eps = eps, .scale = scale,
         .kv_bf16 = d->kv_bf16, .positions = positions, .slot_mapping = slot_mapping, .block_tables = block_tables,
         .seq_lens = seq_lens, .cos_table = cos_table, .sin_table = sin_table};
-    if (!gemv_format_known(weight_fmt)) return -2;
+    if (!proj_format_known(weight_fmt)) return -2;
     int64_t bad = 0;
     for (int64_t t = 0; t < M; t++)
         bad += slot_mapping[t] < 0 || slot_mapping[t] >= step.num_slots;
@@ -228,7 +229,7 @@ int64_t llama_decode(const decode_step *d) {
     wide = wide > qkv_in0 ? wide : qkv_in0;
     const int fmt = weight_fmt;
     /* Claim counters of every projection of the step: [num_layers, 4, num_threads]. */
-    gemv_claim *claims = calloc((size_t)(num_layers * 4 * num_threads), sizeof(gemv_claim));
+    proj_claim *claims = calloc((size_t)(num_layers * 4 * num_threads), sizeof(proj_claim));
     if (claims == NULL) {
         free(kv_rows);
         free(shared);
@@ -248,7 +249,7 @@ int64_t llama_decode(const decode_step *d) {
         float *residual = malloc(sizeof(float) * (size_t)(M * (hidden + 2 * wide + q_size) + 16 +
                                                           q_size + num_heads * attn_part_len(block_size)));
         float *h = residual + M * hidden, *own_attn = h + M * wide, *q = own_attn + M * q_size;
-        /* A projection's input as its weight format reads it (gemv_prepare_x). */
+        /* A projection's input as its weight format reads it (proj_prepare_x). */
         float *xbuf = q + q_size;
         float *scores = xbuf + M * wide + 16;
         /* A thread without memory skips the work but still meets every barrier. */
@@ -256,7 +257,7 @@ int64_t llama_decode(const decode_step *d) {
         failed = !ok;
         for (int64_t l = 0; l < num_layers; l++) {
             const decode_layer *layer = layers + l;
-            gemv_claim *c = claims + l * 4 * num_threads;
+            proj_claim *c = claims + l * 4 * num_threads;
             if (ok) {
                 const int64_t qkv_in = l == 0 ? qkv_in0 : hidden;
                 if (l > 0) {  /* x with the last layer's down update (lora_decode.h) */
@@ -287,8 +288,8 @@ int64_t llama_decode(const decode_step *d) {
                                        sizeof(float) * (size_t)hidden);
                 if (ls.nb > 0)
                     lora_step_shrink(&ls, ls.u_qkv, h, qkv_in, &lora[l].qkv, 3, hidden, tid, nt);
-                const gemv_weight w = proj(layer->qkv, layer->qkv_scales, fmt);
-                gemv_shared(qkv, gemv_prepare_x(xbuf, h, M, qkv_in, fmt), &w, layer->qkv_bias, M,
+                const proj_weight w = proj(layer->qkv, layer->qkv_scales, fmt);
+                proj_shared(qkv, proj_prepare_x(xbuf, h, M, qkv_in, fmt), &w, layer->qkv_bias, M,
                             qkv_size, qkv_in, tid, nt, c);
             }
 #pragma omp barrier
@@ -335,8 +336,8 @@ int64_t llama_decode(const decode_step *d) {
             if (ok) {
                 if (ls.nb > 0)
                     lora_step_shrink(&ls, ls.u_o, attn_out, q_size, &lora[l].o, 1, q_size, tid, nt);
-                const gemv_weight w = proj(layer->o, layer->o_scales, fmt);
-                gemv_shared(x, gemv_prepare_x(xbuf, attn_out, M, q_size, fmt), &w, NULL, M, hidden,
+                const proj_weight w = proj(layer->o, layer->o_scales, fmt);
+                proj_shared(x, proj_prepare_x(xbuf, attn_out, M, q_size, fmt), &w, NULL, M, hidden,
                             q_size, tid, nt, c + num_threads);
             }
 #pragma omp barrier
@@ -351,8 +352,8 @@ int64_t llama_decode(const decode_step *d) {
                 if (ls.nb > 0)
                     lora_step_shrink(&ls, ls.u_gate_up, h, hidden, &lora[l].gate_up, 2, hidden,
                                      tid, nt);
-                const gemv_weight w = proj(layer->gate_up, layer->gate_up_scales, fmt);
-                gemv_shared(gate_up, gemv_prepare_x(xbuf, h, M, hidden, fmt), &w, NULL, M,
+                const proj_weight w = proj(layer->gate_up, layer->gate_up_scales, fmt);
+                proj_shared(gate_up, proj_prepare_x(xbuf, h, M, hidden, fmt), &w, NULL, M,
                             2 * intermediate, hidden, tid, nt, c + 2 * num_threads);
             }
 #pragma omp barrier
@@ -373,8 +374,8 @@ int64_t llama_decode(const decode_step *d) {
                 if (ls.nb > 0)  /* its update applied where the next layer (or the end) reads x */
                     lora_step_shrink(&ls, ls.u_down, h, intermediate, &lora[l].down, 1,
                                      intermediate, tid, nt);
-                const gemv_weight w = proj(layer->down, layer->down_scales, fmt);
-                gemv_shared(x, gemv_prepare_x(xbuf, h, M, intermediate, fmt), &w, NULL, M, hidden,
+                const proj_weight w = proj(layer->down, layer->down_scales, fmt);
+                proj_shared(x, proj_prepare_x(xbuf, h, M, intermediate, fmt), &w, NULL, M, hidden,
                             intermediate, tid, nt, c + 3 * num_threads);
             }
 #pragma omp barrier

@@ -7,7 +7,7 @@
  * block. The work is split over the threads, not repeated by each:
  *   - a projection's shrink: this thread's share of the (block, rank row) tasks, from its
  *     own copy of the projection's input into a buffer shared by the threads, done before
- *     the projection's GEMM so the GEMM's claims (gemv.h) even out the shares, and read
+ *     the projection's GEMM so the GEMM's claims (projection.h) even out the shares, and read
  *     after the GEMM's barrier;
  *   - qkv's expand: by block, in the loop that writes the tokens' K/V (llama_decode.c puts
  *     the base tokens in blocks of one after the adapter blocks: with no adapter that loop

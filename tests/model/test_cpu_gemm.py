@@ -90,13 +90,13 @@ def test_gemm_declines_what_it_does_not_take() -> None:
     assert cpu_gemm.gemm(torch.randn(3, 8), packed, 20, scales=torch.ones(20)) is None
     assert cpu_gemm.gemm(torch.randn(8, 3).t(), packed, 20) is None  # not contiguous
     assert cpu_gemm.gemm(torch.randn(0, 8), packed, 20).shape == (0, 20)
-    # Codes 0-4 (the row-major gemvs, retired: gemv.h) are unknown to the entry point, which
-    # computes nothing for them.
+    # Codes 0-4 (the row-major gemvs, retired: projection.h) are unknown to the entry point,
+    # which computes nothing for them.
     lib = cpu_kernels.load()
     x, out = torch.randn(3, 8), torch.full((3, 20), 7.0)
     for code in range(5):
-        assert lib.gemv(out.data_ptr(), x.data_ptr(), w.data_ptr(), None, code, None, 3, 20, 8,
-                        1) == -2
+        assert lib.packed_gemm(out.data_ptr(), x.data_ptr(), w.data_ptr(), None, code, None,
+                               3, 20, 8, 1) == -2
     assert (out == 7.0).all()
 
 

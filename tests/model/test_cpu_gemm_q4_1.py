@@ -116,7 +116,7 @@ def test_q4_1_linear_packs_in_place_and_unpacks_without_kernels(set_cpu_kernels)
         lin.weight.copy_(blocks)
         lin.bias.copy_(torch.randn(70))
     x = torch.randn(9, 96)
-    assert lin.gemv_format is None
+    assert lin.kernel_format is None
     for m in (1, 4):
         assert torch.equal(lin(x[:m]), _q4_1_linear(x[:m], blocks, lin.bias))
     before = lin.nbytes()

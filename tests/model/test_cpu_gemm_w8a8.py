@@ -88,7 +88,7 @@ def test_w8a8_linear_packs_in_place(set_cpu_kernels) -> None:
     """A Linear stored as w8a8 repacks into panels (+4 bytes a column, no second copy), its
     forward is the GEMM for every row count with _w8a8_linear's bits, and with the kernels
     off it unpacks for the call and computes the same bits. Before packing (no row-major
-    W8A8 kernel) it is _w8a8_linear itself, and no C kernel claims it (gemv_format)."""
+    W8A8 kernel) it is _w8a8_linear itself, and no C kernel claims it (kernel_format)."""
     lin = Linear(96, 70, True, torch.float32, torch.device("cpu"))
     with torch.no_grad():
         lin.weight.copy_(torch.randn(70, 96))
@@ -97,14 +97,14 @@ def test_w8a8_linear_packs_in_place(set_cpu_kernels) -> None:
     q, scales = lin.weight.clone(), lin.scales
     x = torch.randn(33, 96)
     ref = _w8a8_linear(x, q, lin.bias, scales)
-    assert lin.gemv_format is None
+    assert lin.kernel_format is None
     for m in (1, 4):
         assert torch.equal(lin(x[:m]), ref[:m])
     before = lin.nbytes()
     added = lin.pack()
     assert lin.is_packed and lin.storage == "w8a8" and lin.packed is None
     assert added == 80 * 4 + 10 * 96 and lin.nbytes() == before + added  # sums, padding
-    assert lin.gemv_format == cpu_gemm.GEMM_W8A8P
+    assert lin.kernel_format == cpu_gemm.GEMM_W8A8P
     assert torch.equal(lin.dense_weight(), q)
     for m in (1, 4, 9, 33):
         assert torch.equal(lin(x[:m]), ref[:m])

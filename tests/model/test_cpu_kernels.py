@@ -195,7 +195,7 @@ def test_norm_and_activation_kernels_decline_what_they_do_not_handle(set_cpu_ker
 def test_an_unpacked_linear_takes_the_torch_path(storage: str) -> None:
     """There is no row-major C kernel (the loader packs every weight the kernels read,
     Linear.pack): with the kernels built, a Linear left unpacked computes `linear`'s torch
-    path at every row count, and no C kernel claims it (gemv_format None: the fused decode
+    path at every row count, and no C kernel claims it (kernel_format None: the fused decode
     declines it)."""
     lin = Linear(48, 97, True, torch.float32, CPU)
     gen = torch.Generator().manual_seed(1)
@@ -203,7 +203,7 @@ def test_an_unpacked_linear_takes_the_torch_path(storage: str) -> None:
         lin.weight.copy_(torch.randn(97, 48, generator=gen))
         lin.bias.copy_(torch.randn(97, generator=gen))
     lin.convert(storage)
-    assert not lin.is_packed and lin.gemv_format is None
+    assert not lin.is_packed and lin.kernel_format is None
     x = torch.randn(9, 48, generator=gen)
     for m in (1, 2, GEMV_MAX_ROWS, 9):
         out = lin(x[:m])

@@ -148,7 +148,7 @@ def test_fused_decode_declines_weights_left_unpacked(tiny_model_dirs, fused_call
                                                      storage: str) -> None:
     """The fused call reads packed weights only (Linear.pack packs every weight the kernels
     read; the row-major gemvs are retired): with the weights unpacked it declines
-    (gemv_format None, max_tokens 0) and the step takes the layer path (`linear`'s torch
+    (kernel_format None, max_tokens 0) and the step takes the layer path (`linear`'s torch
     path), with the packed step's values."""
     dtype, quantization, tol = STORAGES[storage]
     loaded = load_model(str(tiny_model_dirs["qwen2"]), dtype, CPU, quantization).model
@@ -157,7 +157,7 @@ def test_fused_decode_declines_weights_left_unpacked(tiny_model_dirs, fused_call
     assert fused_calls == [2]
     for lin in (p for layer in loaded.layers for p in layer.projections()):
         lin.weight = torch.nn.Parameter(lin.dense_weight(), requires_grad=False)
-        assert not lin.is_packed and lin.storage == storage and lin.gemv_format is None
+        assert not lin.is_packed and lin.storage == storage and lin.kernel_format is None
     loaded.fused_decode.reset()  # raw pointers to the old weights
     assert loaded.fused_decode.max_tokens() == 0
     unpacked, _ = _decode(loaded, True, *case)
@@ -190,6 +190,10 @@ def test_decode_layer_table_declines_what_the_kernel_cannot_read() -> None:
     int8_row = {**row, **{p: q for p in PROJECTIONS}, **{f"{p}_scales": s for p in PROJECTIONS}}
     assert cpu_decode.decode_layer_table([int8_row]) is not None
     assert cpu_decode.decode_layer_table([{**int8_row, "o_scales": None}]) is None  # int8 needs them
+    # Scales the kernel would read past or misread: more rows than the panels hold, a 2-D
+    # tensor, another dtype.
+    for bad in (torch.ones(17), torch.ones(1, 4), torch.ones(4, dtype=torch.float64)):
+        assert cpu_decode.decode_layer_table([{**int8_row, "down_scales": bad}]) is None
     mixed = {**row, "qkv": packed.bfloat16()}
     assert cpu_decode.decode_layer_table([mixed]) is None  # mixed formats
     assert cpu_decode.decode_layer_table([{**row, "qkv_scales": s}]) is None  # scales on float
