@@ -14,12 +14,15 @@ per draft position, and whether every output equalled `off`'s.
     --specs off,ngram,eagle3:2,eagle3:4     off | ngram (k=3, lookup 2..5) | ngramK |
                                             eagle3[:K] (the shipped head, or --draft-model) |
                                             eagle3tree:D:K:N (tree: depth, top_k, nodes)
+                                            ...@DIR: an eagle entry with the head in DIR,
+                                            so two heads run interleaved in one run
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -31,7 +34,15 @@ DEFAULT_SPECS = "off,ngram,eagle3:2,eagle3:3,eagle3:4,eagle3:5,eagle3:6"
 
 
 def parse_spec(name: str, draft_model: str | None) -> dict[str, Any] | None:
-    """A --specs entry -> its speculative_config (None for off)."""
+    """A --specs entry -> its speculative_config (None for off). An EAGLE entry may name its
+    own head, `eagle3:2@DIR`, over `draft_model`."""
+    base, at, head = name.partition("@")
+    if at:
+        spec = parse_spec(base, head) if head else None
+        if spec is None or spec["method"] not in ("eagle", "eagle3"):
+            raise argparse.ArgumentTypeError(
+                f"--specs {name!r}: @DIR names a draft head: eagle[3][tree][:...]@DIR")
+        return spec
     if name == "off":
         return None
     if name.startswith("ngram"):
@@ -65,7 +76,8 @@ def add_spec_parser(sub: Any) -> None:
                    help=f"comma-separated configurations (default {DEFAULT_SPECS}): off, "
                         "ngram (k=3, lookup 2..5), ngramK, eagle3[:K] (K draft tokens; "
                         "without K the head's n_predict), eagle3tree:D:K:N (EAGLE-2 tree "
-                        "drafting: depth D, top_k K, N nodes)")
+                        "drafting: depth D, top_k K, N nodes); an eagle entry ending in @DIR "
+                        "uses the head in DIR (two heads compared in one interleaved run)")
     p.add_argument("--draft-model", default=None,
                    help="the EAGLE head's directory (default: the one shipped for the model)")
     p.add_argument("--prompts", choices=("held-out", "grounded"), default="held-out",
@@ -178,24 +190,25 @@ def summarize(runs: dict[str, list[dict]], baseline: str = "off") -> dict[str, A
 def format_spec(report: dict[str, Any]) -> str:
     from aioengine.bench.report import cpu_line
 
+    width = max(12, *(len(name) for name in report["summary"]))
     lines = [cpu_line(report["environment"]),
              f"{report['num_prompts']} {report.get('prompts', 'held-out')} chat prompts, "
              f"greedy, <= "
              f"{report['output_len']} tokens, one request at a time",
-             f"{'config':<12} {'k':>2} {'TPOT ms':>8} {'speedup':>8} {'TTFT ms':>8} "
+             f"{'config':<{width}} {'k':>2} {'TPOT ms':>8} {'speedup':>8} {'TTFT ms':>8} "
              f"{'accept len':>10}  per-position acceptance  equal"]
     for name, s in report["summary"].items():
         acc = s["mean_acceptance_length"]
         per = s["per_position_acceptance_rate"]
         lines.append(
-            f"{name:<12} {report['num_speculative_tokens'][name]:>2} {s['tpot_ms']:>8.2f} "
+            f"{name:<{width}} {report['num_speculative_tokens'][name]:>2} {s['tpot_ms']:>8.2f} "
             f"{s.get('speedup_vs_off', float('nan')):>7.2f}x {s['ttft_ms_median']:>8.1f} "
             f"{acc if acc is None else round(acc, 2)!s:>10}  "
             f"{' '.join(f'{p:.2f}' for p in per) if per else '-':<23}  "
             f"{s['greedy_equal_to_off']}")
     lines.append("mean decode step (ms): prepare / forward / sample / propose")
     for name, p in report["decode_step_ms"].items():
-        lines.append(f"{name:<12} {p['prepare']:.2f} / {p['forward']:.2f} / "
+        lines.append(f"{name:<{width}} {p['prepare']:.2f} / {p['forward']:.2f} / "
                      f"{p['sample']:.2f} / {p['propose']:.2f}  ({p['num_steps']} steps)")
     return "\n".join(lines)
 
@@ -213,7 +226,11 @@ def spec_main(args: argparse.Namespace) -> int:
     from aioengine.config import engine_kwargs
 
     set_threads(None)
-    specs = {name: parse_spec(name, args.draft_model) for name in args.specs.split(",")}
+    try:
+        specs = {name: parse_spec(name, args.draft_model) for name in args.specs.split(",")}
+    except argparse.ArgumentTypeError as e:  # a usage error, not a traceback
+        print(f"aioengine bench spec: error: {e}", file=sys.stderr)
+        return 2
     prompts = _prompt_texts(args.prompts)[:args.num_prompts]
     result = asyncio.run(run_spec(args.model, specs, prompts, args.output_len, args.warmup,
                                   engine_kwargs(args)))
