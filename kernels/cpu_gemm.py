@@ -181,8 +181,9 @@ def gemm(x: Tensor, packed: Tensor, n: int, bias: Tensor | None = None,
     if m == 0:
         return out
     rc = lib.packed_gemm(out.data_ptr(), x.data_ptr(), packed.data_ptr(),
-                  0 if scales is None else scales.data_ptr(), packed_format(packed),
-                  0 if bias is None else bias.data_ptr(), m, n, k, torch.get_num_threads())
+                         0 if scales is None else scales.data_ptr(), packed_format(packed),
+                         0 if bias is None else bias.data_ptr(), m, n, k,
+                         torch.get_num_threads())
     if rc == -2:  # never for a packed_format code: a Python/C mismatch, not memory
         raise ValueError(f"gemm: the kernel does not know format {packed_format(packed)}")
     if rc != 0:

@@ -225,12 +225,12 @@ def spec_main(args: argparse.Namespace) -> int:
     from aioengine.bench.report import environment_info
     from aioengine.config import engine_kwargs
 
-    set_threads(None)
     try:
         specs = {name: parse_spec(name, args.draft_model) for name in args.specs.split(",")}
     except argparse.ArgumentTypeError as e:  # a usage error, not a traceback
         print(f"aioengine bench spec: error: {e}", file=sys.stderr)
         return 2
+    set_threads(None)
     prompts = _prompt_texts(args.prompts)[:args.num_prompts]
     result = asyncio.run(run_spec(args.model, specs, prompts, args.output_len, args.warmup,
                                   engine_kwargs(args)))

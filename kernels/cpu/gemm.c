@@ -1,8 +1,8 @@
 /*
  * The any-M GEMM's register tiles and their walk over the panels (gemm.h describes the
  * packed layout, the tiles and why a row's bits do not depend on the step). One
- * translation unit, so projection.c and llama_decode.c share one copy of the tiles (and the build
- * compiles them once).
+ * translation unit, so projection.c and llama_decode.c share one copy of the tiles (and the
+ * build compiles them once).
  */
 #include <stdint.h>
 

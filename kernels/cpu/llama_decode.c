@@ -11,10 +11,10 @@
  * region runs every layer: the projections split by panels across the threads, each
  * thread taking the rest of another's share once done with its own (proj_shared,
  * projection.h); the per-token work (residual add, RMSNorm, SiLU-and-mul) done by every
- * thread on its own copy of the residual stream, which is cheaper than a barrier. Attention splits every
- * token's context into parts at fixed absolute positions (attention.h), shares the
- * (token, part) tasks over the threads and every thread combines each token's parts in
- * order on its own copy, with the very functions of the layerwise kernel
+ * thread on its own copy of the residual stream, which is cheaper than a barrier.
+ * Attention splits every token's context into parts at fixed absolute positions
+ * (attention.h), shares the (token, part) tasks over the threads and every thread combines
+ * each token's parts in order on its own copy, with the very functions of the layerwise kernel
  * (paged_decode_attention.c): a token's arithmetic depends on its seq_len alone, not on
  * how many tokens the step has or which path ran it, so a verification step of k + 1 rows,
  * a prefill and a decode agree bit for bit and greedy speculative decoding keeps the very
@@ -53,9 +53,9 @@
 #include "activation.h"
 #include "attention.h"
 #include "decode_layer.h"
-#include "projection.h"
 #include "layernorm.h"
 #include "lora_decode.h"
+#include "projection.h"
 #include "rotary_embedding.h"
 
 /* A projection of `layer` as projection.h takes it. */
