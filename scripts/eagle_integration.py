@@ -17,7 +17,7 @@ Equal counts (within bf16 noise) mean no integration loss: positions, aux-state 
 the KV the chain sees match training.
 
     .venv/bin/python scripts/eagle_integration.py --head DIR [--num-prompts 65] \\
-        [--max-tokens 320] [--k 1,4]
+        [--max-tokens 320] [--k 1,4] [--head-quantization none|int8]
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ from aioengine.spec_decode.train.trainer import load_target_tables, step_losses
 
 
 def engine_runs(head: str, chats: list, max_tokens: int, dtype: str, ks: list[int],
+                quantization: str,
                 ) -> tuple[list[list[int]], list[list[int]], dict[int, dict], bool]:
     """(prompt ids, greedy responses, each k's spec-decode delta, every run's tokens equal
     the plain run's)."""
@@ -45,7 +46,7 @@ def engine_runs(head: str, chats: list, max_tokens: int, dtype: str, ks: list[in
     deltas, same = {}, True
     for k in ks:
         spec = {"method": "eagle3", "model": head, "num_speculative_tokens": k,
-                "disable_by_batch_size": None}
+                "disable_by_batch_size": None, "quantization": quantization}
         llm = LLM(dtype=dtype, speculative_config=spec)
         before = llm.stats()
         drafted = llm.chat(chats, greedy, use_tqdm=False)
@@ -114,12 +115,15 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=320)
     p.add_argument("--k", default="1,4", help="draft lengths to check")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--head-quantization", default="none", choices=("none", "int8"),
+                   help="the engine's head weights: none (the trainer's, in --dtype: the "
+                        "integration check) or int8 (the engine's default on the CPU)")
     args = p.parse_args()
     ks = [int(k) for k in args.k.split(",")]
     held = split_prompts()[1][:args.num_prompts]
     chats = [[{"role": "user", "content": q}] for q in held]
     prompts, responses, deltas, same = engine_runs(args.head, chats, args.max_tokens,
-                                                   args.dtype, ks)
+                                                   args.dtype, ks, args.head_quantization)
     matches = teacher_forced_matches(args.head, prompts, responses, args.dtype, max(ks))
     print(f"CPU: {cpu_info.cpu_model()}; flags: {' '.join(cpu_info.relevant_flags())}")
     print(f"{len(chats)} held-out prompts, {sum(map(len, responses))} greedy response "

@@ -19,7 +19,7 @@ def make_proposer(config: SpeculativeConfig | None, loaded: LoadedModel, num_blo
                   block_size: int, dtype: torch.dtype, device: torch.device,
                   ) -> Proposer | None:
     """The runner's proposer for `config` (None = no speculative decoding). An EAGLE head
-    is loaded (its projections stored in `dtype`, as the target's) and checked against the
+    is loaded (its projections stored as `head_weight_storage` says) and checked against the
     target here: errors are ConfigErrors naming the `speculative_config` field. For EAGLE-3
     the target is told to hand out the head's auxiliary layers."""
     if config is None:
@@ -31,13 +31,29 @@ def make_proposer(config: SpeculativeConfig | None, loaded: LoadedModel, num_blo
     from aioengine.spec_decode.eagle import load_eagle_head
     from aioengine.spec_decode.eagle_proposer import EagleProposer
     assert config.model is not None  # SpeculativeConfig.parse checked
-    head = load_eagle_head(config.model, config.method, loaded.arch, dtype, device)
+    head = load_eagle_head(config.model, config.method, loaded.arch, dtype, device,
+                           storage=head_weight_storage(config.quantization, dtype, device))
     if head.aux_layer_ids:
         loaded.model.aux_hidden_state_layers = head.aux_layer_ids
     if config.tree is not None:
         _check_tree_support(loaded)
     return EagleProposer(head, loaded.model, config.num_speculative_tokens, num_blocks,
                          block_size, tree=config.tree)
+
+
+def head_weight_storage(quantization: str | None, dtype: torch.dtype,
+                        device: torch.device) -> str:
+    """The draft head's weight storage (layers.WEIGHT_STORAGES) for its config's
+    `quantization` (config.HEAD_QUANTIZATIONS) and the target's dtype. Fail closed: auto
+    takes int8 only where the packed CPU kernels run it."""
+    from aioengine.kernels import cpu_build
+
+    target = str(dtype).removeprefix("torch.")
+    if quantization == "int8":
+        return "int8"
+    if quantization in (None, "auto") and device.type == "cpu" and cpu_build.load() is not None:
+        return "int8"
+    return target
 
 
 def _check_tree_support(loaded: LoadedModel) -> None:

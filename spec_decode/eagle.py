@@ -184,12 +184,14 @@ class EagleHead(nn.Module):
 
 
 def load_eagle_head(path: str, method: str, target_arch: ModelArchConfig,
-                    dtype: torch.dtype, device: torch.device) -> EagleHead:
+                    dtype: torch.dtype, device: torch.device, *,
+                    storage: str | None = None) -> EagleHead:
     """The draft head in `path` (config.json + weights in the EAGLE / vLLM formats) for
-    `target_arch`; projections stored in `dtype`, computing in activation_dtype (float32
-    on the CPU), as the target. Raises SpeculativeConfigError naming speculative_config.model
-    for a missing directory or weights, a head that does not fit the target (hidden size,
-    vocabulary, d2t, aux layers) and unknown, missing or misshapen weights."""
+    `target_arch`; projections stored in `storage` (layers.WEIGHT_STORAGES; default
+    `dtype`), computing in activation_dtype(dtype) (float32 on the CPU), as the target.
+    Raises SpeculativeConfigError naming speculative_config.model for a missing directory
+    or weights, a head that does not fit the target (hidden size, vocabulary, d2t, aux
+    layers) and unknown, missing or misshapen weights."""
     if method not in EAGLE_METHODS:
         raise SpeculativeConfigError(f"speculative_config.method must be one of "
                                      f"{list(EAGLE_METHODS)} for a draft head, got {method!r}")
@@ -232,7 +234,7 @@ def load_eagle_head(path: str, method: str, target_arch: ModelArchConfig,
                                             else None, arch.vocab_size, path)
     if head.draft_to_target is not None:
         head.draft_to_target = head.draft_to_target.to(device)
-    storage = str(dtype).removeprefix("torch.")
+    storage = storage or str(dtype).removeprefix("torch.")
     for lin in head.linears():
         if storage != str(compute).removeprefix("torch."):
             lin.convert(storage)

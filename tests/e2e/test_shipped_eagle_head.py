@@ -8,8 +8,10 @@ import json
 import os
 
 import pytest
+import torch
 
 from aioengine import LLM, SamplingParams
+from aioengine.kernels import cpu_build
 from aioengine.metrics import spec_decode_delta
 from aioengine.sampling_params import StructuredOutputs
 from aioengine.spec_decode.shipped import HEADS_DIR, SHIPPED_HEADS
@@ -62,6 +64,9 @@ def test_greedy_chat_equal_with_the_shipped_head(engines) -> None:
     assert spec.core.speculative_config.model == HEAD_DIR
     assert spec.core.speculative_config.num_speculative_tokens == json.load(
         open(os.path.join(HEAD_DIR, "config.json")))["n_predict"]
+    head = spec.core.runner.proposer.head
+    if cpu_build.load() is not None:  # the default storage of a head on the CPU
+        assert {lin.weight.dtype for lin in head.linears()} == {torch.int8}
     delta = greedy_chats_equal(plain, spec)
     # An untrained head gives ~1.0; the shipped one kept 1.44 tokens per step in the benchmark.
     assert delta["num_drafts"] > 0 and delta["mean_acceptance_length"] > 1.25, delta

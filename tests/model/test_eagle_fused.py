@@ -1,7 +1,8 @@
 """The EAGLE-3 head's fused C step (spec_decode/eagle_fused.py) against its torch path: a
 catch-up over two requests' chunks, then two chain steps of decode rows, in float32 and
-bf16 storage, with and without norm_before_residual: the same bits in the outputs and in
-the head's KV cache, and the kernel really ran."""
+bf16 and int8 storage (int8: a head's default on the CPU), with and without
+norm_before_residual: the same bits in the outputs and in the head's KV cache, and the
+kernel really ran."""
 from __future__ import annotations
 
 import json
@@ -36,6 +37,8 @@ def _head(tmp_path: Path, storage: torch.dtype, norm_before_residual: bool) -> E
         cfg = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**cfg, "norm_before_residual": True}))
     arch = ModelArchConfig.from_hf_config(make_tiny_config("llama", num_hidden_layers=4))
+    if storage == torch.int8:  # as make_proposer loads a head on the CPU by default
+        return load_eagle_head(str(path), "eagle3", arch, torch.bfloat16, CPU, storage="int8")
     return load_eagle_head(str(path), "eagle3", arch, storage, CPU)
 
 
@@ -54,7 +57,7 @@ def _run(head: EagleHead, fused: bool, steps, embed: Linear) -> tuple[list, torc
     return outs, kv_cache
 
 
-@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("norm_before_residual", [False, True])
 def test_fused_step_gives_the_torch_paths_bits(tmp_path, monkeypatch, storage,
                                                norm_before_residual) -> None:
