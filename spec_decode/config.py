@@ -6,9 +6,9 @@
     {"method": "eagle3"}   (the head shipped for the target, its n_predict draft tokens:
                             filled in by spec_decode.shipped once the target is known)
     {"method": "eagle3", "tree": {"depth": 4, "top_k": 4, "num_nodes": 8}}
-    {"method": "eagle3", "quantization": "none"}   (the head's weights as the target's dtype;
-     left out: int8 on the CPU, see HEAD_QUANTIZATIONS)
                            (EAGLE-2 dynamic tree drafting: spec_decode/tree.py)
+    {"method": "eagle3", "quantization": "none"}   (the head's weights in the target's
+                           dtype; left out: int8 on the CPU, see HEAD_QUANTIZATIONS)
 
 Every error is a ConfigError naming the offending field, raised at engine start-up.
 """
