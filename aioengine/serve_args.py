@@ -14,6 +14,7 @@ from aioengine import envs
 from aioengine.config import (EngineArgs, FlagSpec, add_dataclass_flags, add_engine_args, flag,
                               flag_values)
 from aioengine.ray_serve.options import add_ray_args
+from aioengine.server.request_limits import RequestLimits
 from aioengine.server.server_config import ServerConfig
 from aioengine.pooling_params import POOLING_TYPES
 from aioengine.tool_parsers import TOOL_PARSERS
@@ -58,6 +59,42 @@ SERVER_FLAGS: dict[str, FlagSpec] = {
     "max_queued_requests": flag("--max-queued-requests", type=int, metavar="N",
                                 help="beyond N waiting requests new ones get 503 with "
                                      "Retry-After (SGLang's flag; default: unlimited)"),
+    "allowed_hosts": flag(
+        "--allowed-hosts", nargs="+", metavar="HOST",
+        help="Host header names answered; any other gets a 421 (DNS rebinding). '*': any. "
+             "Default: localhost, 127.0.0.1 and ::1 when bound to a loopback address, "
+             "any otherwise"),
+    "allowed_origins": flag(
+        "--allowed-origins", nargs="+", metavar="ORIGIN", default=(),
+        help="origins (scheme://host:port) whose pages may read responses (CORS); '*': "
+             "any. Default: none"),
+}
+# RequestLimits field -> its flag: the work budget of one request (400 past each).
+LIMIT_FLAGS: dict[str, FlagSpec] = {
+    "max_json_depth": flag("--max-json-depth", type=int, metavar="N",
+                           help="nesting of a request body's JSON (default: %(default)s)"),
+    "max_pooling_inputs": flag(
+        "--max-pooling-inputs", type=int, metavar="N",
+        help="inputs of one embeddings or pooling call, documents of one score or rerank "
+             "call (default: %(default)s)"),
+    "max_stop_strings": flag("--max-stop-strings", type=int, metavar="N",
+                             help="stop strings of one request (default: %(default)s)"),
+    "max_stop_chars": flag("--max-stop-chars", type=int, metavar="N",
+                           help="characters of one request's stop strings in all "
+                                "(default: %(default)s)"),
+    "max_logit_bias": flag("--max-logit-bias", type=int, metavar="N",
+                           help="logit_bias entries of one request (default: %(default)s, "
+                                "OpenAI's)"),
+    "max_tools": flag("--max-tools", type=int, metavar="N",
+                      help="tools of one request (default: %(default)s, OpenAI's)"),
+    "max_schema_bytes": flag(
+        "--max-schema-bytes", type=int, metavar="BYTES",
+        help="size of one request's output schema, and of its tools in all, as JSON "
+             "(default: %(default)s)"),
+    "max_stored_response_bytes": flag(
+        "--max-stored-response-bytes", type=int, metavar="BYTES",
+        help="bytes the Responses store keeps in all; the least recently stored are "
+             "dropped first (default: %(default)s)"),
 }
 # Multi-LoRA under vLLM's flag names (serve only): EngineArgs fields ...
 LORA_ENGINE_FLAGS: dict[str, FlagSpec] = {
@@ -106,6 +143,11 @@ TOOL_FLAGS: dict[str, FlagSpec] = {
         "--max-stored-responses", type=int,
         help="responses kept for previous_response_id and GET /v1/responses/ID (least "
              "recently stored dropped first; default: 1024)"),
+    "trust_message_special_tokens": flag(
+        "--trust-message-special-tokens", action="store_true",
+        help="for trusted callers only: special tokens written in message content act as "
+             "control tokens and any role renders (default: content is tokenized as text "
+             "and roles are checked against the template's)"),
 }
 
 
@@ -124,8 +166,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_dataclass_flags(parser, ServerConfig, _some(
         SERVER_FLAGS, "api_key", "metrics_without_api_key", "max_request_body_bytes",
         "keepalive_timeout", "body_read_timeout", "stream_write_timeout", "max_connections",
-        "max_queued_requests"))
+        "max_queued_requests", "allowed_hosts", "allowed_origins"))
     parser.set_defaults(api_key=envs.AIOENGINE_API_KEY)  # read when the parser is built
+    add_dataclass_flags(parser.add_argument_group("request limits (a 400 past each)"),
+                        RequestLimits, LIMIT_FLAGS)
     add_engine_args(parser)
     lora = parser.add_argument_group("LoRA adapters")
     add_dataclass_flags(lora, EngineArgs, _some(LORA_ENGINE_FLAGS, "enable_lora"))
@@ -198,7 +242,10 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     values = {**flag_values(args, SERVER_FLAGS), **flag_values(args, LORA_SERVER_FLAGS),
               **flag_values(args, TOOL_FLAGS)}
     values["lora_modules"] = tuple(values["lora_modules"] or ())
-    return ServerConfig(**values)
+    for name in ("allowed_hosts", "allowed_origins"):
+        if values[name] is not None:
+            values[name] = tuple(values[name])
+    return ServerConfig(**values, limits=RequestLimits(**flag_values(args, LIMIT_FLAGS)))
 
 
 def default_model_name(model: str | None) -> str:
@@ -244,6 +291,9 @@ def _check_server_args(parser: argparse.ArgumentParser, args: argparse.Namespace
     for name in ("keepalive_timeout", "body_read_timeout", "stream_write_timeout"):
         if not getattr(args, name) > 0:  # NaN too
             parser.error(f"--{name.replace('_', '-')} must be > 0")
+    for name in LIMIT_FLAGS:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
 
 
 def _check_lora_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

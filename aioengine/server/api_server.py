@@ -295,7 +295,8 @@ async def build_serving_context(engine: AsyncEngine, served_model_names: list[st
     on_demand = config.lora_modules if config.load_lora_modules_on_demand else ()
     ctx = ServingContext(engine, ServingModels(engine, served_model_names, on_demand), tools,
                          config.chat_template, config.max_queued_requests,
-                         pooling=config.pooling)
+                         pooling=config.pooling, limits=config.limits,
+                         trust_message_special_tokens=config.trust_message_special_tokens)
     if not on_demand:
         await ctx.models.init_static_loras(list(config.lora_modules))
     return ctx

@@ -4,8 +4,10 @@ serve`, or each Ray Serve replica). Its fields are the defaults of the server fl
 building the command line's parser does not import the server."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from aioengine.server.request_limits import RequestLimits
 
 if TYPE_CHECKING:
     from aioengine.server.serving_models import LoRAModulePath
@@ -62,3 +64,13 @@ class ServerConfig:
     # Overload: beyond this many waiting requests new ones get 503 + Retry-After (SGLang's
     # --max-queued-requests); None = unlimited.
     max_queued_requests: int | None = None
+    # The work budget of one request (request_limits.py; the --max-* limit flags).
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    # Browser safety: the Host names served (None: the loopback names when bound to a
+    # loopback address, any otherwise; "*" any), and the origins CORS lets read responses
+    # (none unless given; "*" any).
+    allowed_hosts: tuple[str, ...] | None = None
+    allowed_origins: tuple[str, ...] = ()
+    # Special tokens in message content are tokenized as text and roles are checked against
+    # the template's, unless the callers are trusted with control tokens.
+    trust_message_special_tokens: bool = False

@@ -23,6 +23,7 @@ from aioengine.outputs import CompletionOutput, RequestOutput
 from aioengine.sampling_params import SamplingParams
 from aioengine.server.offload import PromptWork, encode_text
 from aioengine.server.protocol import ApiError, StreamSpec, error_body, structured_outputs_field
+from aioengine.server.request_limits import RequestLimits
 from aioengine.server.server_config import DEFAULT_STREAM_WRITE_TIMEOUT
 from aioengine.server.serving_models import ServingModels
 from aioengine.server.tools import ToolServingConfig
@@ -62,6 +63,10 @@ class ServingContext:
     work: PromptWork = field(default_factory=PromptWork)
     # --pooling: the embedding routes' pooling unless a request names one.
     pooling: str = "last"
+    # The work budget of one request (--max-json-depth, --max-pooling-inputs, ...).
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    # --trust-message-special-tokens: message content may hold control tokens, any role.
+    trust_message_special_tokens: bool = False
 
     @property
     def served_model_names(self) -> list[str]:
