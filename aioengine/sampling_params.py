@@ -21,6 +21,25 @@ class SamplingParamsError(InvalidRequestError):
 
 
 _CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+# Nesting of a schema or structural tag: far beyond any real schema, and far below what the
+# recursive code that reads one (the compiler, json.dumps, jsonschema) can follow.
+MAX_SCHEMA_DEPTH = 128
+
+
+def nesting_depth(value: Any) -> int:
+    """Levels of dicts and lists in `value`, walked without recursion (a value nested
+    thousands deep is measured, not a RecursionError)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = (item.values() if isinstance(item, dict)
+                    else item if isinstance(item, list) else None)
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children
+                     if isinstance(child, (dict, list)))
+    return deepest
 
 
 @dataclass(frozen=True)
@@ -59,6 +78,9 @@ class StructuredOutputs:
             if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
                 raise SamplingParamsError(f"structured_outputs.{name} must be a JSON object",
                                           "structured_outputs")
+            if nesting_depth(getattr(self, name)) > MAX_SCHEMA_DEPTH:
+                raise SamplingParamsError(f"structured_outputs.{name} nests deeper than "
+                                          f"{MAX_SCHEMA_DEPTH} levels", "structured_outputs")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -70,6 +92,11 @@ class StructuredOutputs:
                 raise SamplingParamsError("structured_outputs.choice must be a non-empty list "
                                           "of non-empty strings", "structured_outputs")
             object.__setattr__(self, "choice", tuple(self.choice))
+
+    def __deepcopy__(self, memo: dict) -> StructuredOutputs:
+        # Immutable by contract (frozen; its schema is only ever read): SamplingParams.clone
+        # shares it rather than copying a schema per request.
+        return self
 
     @property
     def key(self) -> tuple[str, Any]:

@@ -20,7 +20,7 @@ import hmac
 import logging
 import signal
 import socket
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
@@ -43,6 +43,7 @@ from aioengine.server.serving_engine import (STREAM_WRITE_TIMEOUT, ServingContex
 from aioengine.server.serving_models import ServingModels
 from aioengine.server.serving_responses import ResponsesHandler
 from aioengine.server.serving_score import ScoreHandler
+from aioengine.server.request_limits import RequestLimits, check_json_depth, check_request
 from aioengine.server.server_config import ServerConfig
 from aioengine.server.tools import ToolServingConfig, chat_tool_plan
 
@@ -97,6 +98,7 @@ def auth_middleware(api_key: str | None, metrics_without_api_key: bool = False) 
     and /debug/faults too, and an unknown route is a 401 rather than a 404, so nothing
     about the server is told without the key."""
     open_paths = {"/health", *PAGE_PATHS}
+    key = api_key.encode() if api_key is not None else b""
     if metrics_without_api_key:
         open_paths.add("/metrics")
 
@@ -105,18 +107,33 @@ def auth_middleware(api_key: str | None, metrics_without_api_key: bool = False) 
         if api_key is not None and request.path not in open_paths:
             header = request.headers.get("Authorization", "")
             token = header[len("Bearer "):] if header.startswith("Bearer ") else ""
-            if not hmac.compare_digest(token.encode(), api_key.encode()):
+            if not hmac.compare_digest(_header_bytes(token), key):
                 raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
         return await handler(request)
     return check_api_key
 
 
+def _header_bytes(value: str) -> bytes:
+    """A header's value as the bytes the client sent (aiohttp decodes them as UTF-8 with
+    surrogate escapes), so that any bytes compare, timing-safe, as bytes."""
+    return value.encode("utf-8", "surrogateescape")
+
+
+def _parse_large_body(chunks: list[bytes], limits: RequestLimits) -> Any:
+    """A large body's JSON value, on a prompt thread: its depth is checked before the
+    parser builds anything (ijson has no depth limit of its own)."""
+    check_json_depth(b"".join(chunks), limits)
+    return parse_json_chunks(chunks)
+
+
 async def read_json(request: web.Request, limit: int, timeout: float | None = None,
-                    work: PromptWork | None = None) -> dict:
+                    work: PromptWork | None = None,
+                    limits: RequestLimits = RequestLimits()) -> dict:
     """The body as a JSON object; 413 past `limit` bytes (the excess is drained first), 408
-    if it has not all come within `timeout` seconds (a slow-loris body). Its size is kept
-    for the handler (offload.body_bytes). A body of PARSE_OFF_LOOP_BYTES or more is parsed
-    on one of `work`'s threads."""
+    if it has not all come within `timeout` seconds (a slow-loris body), 400 if it nests
+    deeper than `limits.max_json_depth` (checked before parsing, on every path). Its size
+    is kept for the handler (offload.body_bytes). A body of PARSE_OFF_LOOP_BYTES or more is
+    checked and parsed on one of `work`'s threads."""
     chunks: list[bytes] = []
     total = 0
     try:
@@ -135,9 +152,11 @@ async def read_json(request: web.Request, limit: int, timeout: float | None = No
         raise ApiError(413, f"the request body is larger than the limit of {limit} bytes",
                        code="request_too_large")
     if work is None or total < PARSE_OFF_LOOP_BYTES:
-        return parse_json_object(b"".join(chunks))
+        raw = b"".join(chunks)
+        check_json_depth(raw, limits)
+        return parse_json_object(raw)
     try:
-        return json_object(await work.run_off_loop(parse_json_chunks, chunks))
+        return json_object(await work.run_off_loop(_parse_large_body, chunks, limits))
     except ValueError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
 
@@ -191,7 +210,9 @@ class OpenAIServer:
     def _json(self, handler: JsonHandler) -> Handler:
         async def route(request: web.Request) -> web.StreamResponse:
             body = await read_json(request, self.config.max_request_body_bytes,
-                                   self.config.body_read_timeout, self.ctx.work)
+                                   self.config.body_read_timeout, self.ctx.work,
+                                   self.config.limits)
+            check_request(body, self.config.limits)
             return await handler(request, body)
         return route
 

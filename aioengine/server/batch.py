@@ -33,6 +33,7 @@ import orjson
 
 from aioengine.errors import EngineDeadError
 from aioengine.server.protocol import ApiError, get_stream
+from aioengine.server.request_limits import check_request, json_depth
 from aioengine.server.serving_chat import ChatHandler
 from aioengine.server.serving_completions import CompletionsHandler
 from aioengine.server.serving_embedding import EmbeddingsHandler
@@ -119,8 +120,13 @@ class BatchSummary:
                 f"{tps:.1f} completion tokens/s")
 
 
-def parse_line(raw: bytes, number: int, endpoints: dict[str, BatchEndpoint | None]) -> BatchLine:
-    """One input line checked as a Batch request (LineError otherwise)."""
+def parse_line(raw: bytes, number: int, endpoints: dict[str, BatchEndpoint | None],
+               max_depth: int | None = None) -> BatchLine:
+    """One input line checked as a Batch request (LineError otherwise); one nested deeper
+    than `max_depth` (--max-json-depth) is refused before it is parsed."""
+    if max_depth is not None and (depth := json_depth(raw)) > max_depth:
+        raise LineError(f"line {number} nests {depth} levels deep; at most {max_depth} are "
+                        "allowed (--max-json-depth)")
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
@@ -239,6 +245,7 @@ class BatchRunner:
             if get_stream(line.body).stream:
                 raise LineError(f"line {line.number}: stream is not supported in a batch",
                                 "stream")
+            check_request(line.body, self.ctx.limits)
             status, body = await endpoint(line.body, line.size)
         except LineError as e:
             self.write(line_error_record(line.custom_id, e), line.number)
@@ -262,7 +269,8 @@ class BatchRunner:
                 break
             self.summary.total += 1
             try:
-                line = parse_line(raw, number, self.endpoints)
+                line = parse_line(raw, number, self.endpoints,
+                                  self.ctx.limits.max_json_depth)
             except LineError as e:
                 custom_id = custom_id_of(raw)
                 if custom_id is not None and custom_id in done:

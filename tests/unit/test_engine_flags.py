@@ -46,7 +46,10 @@ SERVE_FLAG_NAMES = {
     "--ray-max-adapters-per-replica", "--ray-metrics-export-port",
     "--ray-health-check-period", "--ray-graceful-shutdown-timeout",
     "--metrics-without-api-key", "--keepalive-timeout", "--body-read-timeout",
-    "--max-connections", "--stream-write-timeout", "--pooling"}
+    "--max-connections", "--stream-write-timeout", "--pooling", "--allowed-hosts",
+    "--allowed-origins", "--trust-message-special-tokens", "--max-json-depth",
+    "--max-pooling-inputs", "--max-stop-strings", "--max-stop-chars", "--max-logit-bias",
+    "--max-tools", "--max-schema-bytes", "--max-stored-response-bytes"}
 
 
 def _parsed(command: list[str]):
@@ -147,6 +150,10 @@ def test_every_serve_flag_keeps_its_name_and_dest() -> None:
                              "--ray-graceful-shutdown-timeout", "7", "--ray-router", "pow2"])
     config = server_config_from_args(args)
     assert (config.host, config.port, config.api_key) == ("::", 9, "k")
+    limits = server_config_from_args(parse_serve_args(
+        ["--max-tools", "3", "--max-json-depth", "9", "--allowed-hosts", "a", "b"]))
+    assert (limits.limits.max_tools, limits.limits.max_json_depth) == (3, 9)
+    assert limits.allowed_hosts == ("a", "b")
     assert (config.max_queued_requests, config.max_stored_responses) == (4, 0)
     assert (args.ray_replicas, args.ray_health_check_period) == (3, 1.5)
     assert (args.ray_graceful_shutdown_timeout, args.ray_router) == (7.0, "pow2")
