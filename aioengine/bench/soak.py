@@ -177,6 +177,7 @@ async def run_soak(cfg: SoakConfig, url: str, pid: int | None,
                                                or plan.near_context_tokens(max_model_len)),
                           keepalive_timeout_s=plan.keepalive_timeout_s,
                           body_read_timeout_s=plan.body_read_timeout_s)
+        greedy_before = await greedy_text(session, url, model, headers)
         alone = await ttft_alone(traffic, 4, cfg.seed)
         traffic.t0 = t0 = time.monotonic()
         samples: list[dict] = []
@@ -190,13 +191,27 @@ async def run_soak(cfg: SoakConfig, url: str, pid: int | None,
         await sampling
         idle = await wait_idle(session, url, cfg.idle_timeout_s, headers)
         idle.update(proc_sample(pid))
+        greedy_after = await greedy_text(session, url, model, headers)
     before_n = before.get(GAUGES["preemptions"], 0)
     preemptions = None if idle["preemptions"] is None else idle["preemptions"] - before_n
     return {"model": model, "traffic_s": round(traffic_s, 1), "results": alone + results,
             "samples": samples, "idle": idle, "preemptions": preemptions,
             "server_gone": traffic.stop.is_set(), "max_model_len": max_model_len,
+            "greedy_unchanged": greedy_before is not None and greedy_before == greedy_after,
 
             "near_context_tokens": traffic.near_context_tokens}
+
+
+async def greedy_text(session: aiohttp.ClientSession, url: str, model: str,
+                      headers: dict[str, str]) -> str | None:
+    """One greedy completion's text (None if it failed): the same before and after the
+    traffic, or something the traffic did changed what the server computes."""
+    body = {"model": model, "prompt": "The capital of France is", "max_tokens": 16,
+            "temperature": 0}
+    async with session.post(url + "/v1/completions", json=body, headers=headers) as r:
+        if r.status != 200:
+            return None
+        return (await r.json())["choices"][0]["text"]
 
 
 def _plan(cfg: SoakConfig) -> SoakPlan:

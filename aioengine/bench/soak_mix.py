@@ -24,6 +24,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from aioengine.bench.soak_clients import needed_s, slow_body, slow_head, slow_reader
+from aioengine.bench.soak_hostile import hostile
 from aioengine.bench.soak_traffic import (SHORT_KINDS, WORDS, Kind, Outcome, Traffic,
                                           choices_check, expect_error, exchange, stream_kind,
                                           timed)
@@ -91,6 +92,7 @@ async def _over_context(t: Traffic, rng: random.Random) -> list[Outcome]:
 KINDS: dict[str, tuple[int, Kind]] = {
     "slow_head": (1, slow_head), "slow_body": (1, slow_body), "slow_reader": (1, slow_reader),
     "over_context": (1, _over_context), "malformed": SHORT_KINDS["malformed"],
+    "hostile": (1, hostile),
     "long": (1, _long), **{k: v for k, v in SHORT_KINDS.items() if k != "malformed"},
     "near_context": (1, _near_context)}
 BACKGROUND = frozenset({"slow_head", "slow_body", "slow_reader"})

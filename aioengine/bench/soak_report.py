@@ -147,6 +147,8 @@ def _verdict(report: dict[str, Any], results: list[Outcome], expect: str) -> lis
         reasons.append("no requests finished")
     if report["server_gone"]:
         reasons.append("the server process went away during the traffic")
+    if not report["greedy_unchanged"]:
+        reasons.append("a greedy completion differs after the traffic from before it")
     idle = report["after_idle"]
     if not idle["idle"]:
         reasons.append(f"not idle after {idle['waited_s']} s: KV usage {idle['kv_usage']}, "
@@ -179,6 +181,7 @@ def build_report(config: dict[str, Any], run: dict[str, Any], url: str,
         "threads": _trend(samples, "threads", warmup_s),
         "cpu_cores": _cpu_cores(samples),
         "preemptions": run["preemptions"], "server_gone": run["server_gone"],
+        "greedy_unchanged": run["greedy_unchanged"],
         "max_kv_usage": max((s.get("kv_usage") or 0 for s in samples), default=None),
         "max_waiting": max((s.get("waiting") or 0 for s in samples), default=None),
         "after_idle": idle, "server_exit": server_exit,

@@ -22,8 +22,9 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 UNEXPECTED = ("unexpected_4xx", "5xx", "conn_error", "timeout", "bad_output", "held_open")
-KINDS = {"long", "stream", "cancel", "malformed", "tools", "structured", "completion",
-         "chat_n", "slow_head", "slow_body", "slow_reader", "near_context", "over_context"}
+KINDS = {"long", "stream", "cancel", "malformed", "hostile", "tools", "structured",
+         "completion", "chat_n", "slow_head", "slow_body", "slow_reader", "near_context",
+         "over_context"}
 ALONE = 4  # short streams on the idle server before the traffic (the TTFT baseline)
 KEEPALIVE_S, BODY_READ_S = 2, 3
 MAX_MODEL_LEN = 512
@@ -35,7 +36,7 @@ def _labels(report: dict, kind: str) -> dict[str, dict]:
 
 def test_short_soak(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
-    # 8 workers: their first turns cover the 13 kinds (the slow clients run in the
+    # 8 workers: their first turns cover the 14 kinds (the slow clients run in the
     # background); 64 blocks of 16 tokens, so the burst of three long prompts (40% of the
     # cache each) must preempt; a context of half the cache, so that a prompt near it
     # leaves room for the others (a 25 s soak); timeouts of a few seconds, so that the
@@ -51,6 +52,8 @@ def test_short_soak(tmp_path: Path) -> None:
     counts = report["counts"]
     assert set(counts) == KINDS | {"alone"} and counts["alone"]["ok"] == ALONE, table
     assert report["num_5xx"] == 0, table
+    assert report["greedy_unchanged"], table
+    assert counts["hostile"]["expected_4xx"] > 0, table
     assert all(row[o] == 0 for row in counts.values() for o in UNEXPECTED), table
     assert counts["malformed"]["expected_4xx"] > 0 and counts["long"]["ok"] > 0, table
     assert report["preemptions"] > 0, table
