@@ -29,6 +29,7 @@ from aioengine import envs
 from aioengine.engine.async_engine import AsyncEngine
 from aioengine.errors import EngineDeadError, InvalidRequestError, NotFoundError
 from aioengine.metrics import CONTENT_TYPE
+from aioengine.server.browser_safety import BrowserSafety
 from aioengine.server.chat_page import PAGE_PATHS, add_chat_page
 from aioengine.server.connections import CappedSockSite, client_error_log
 from aioengine.server.offload import (BODY_BYTES, PARSE_OFF_LOOP_BYTES, PromptWork,
@@ -176,7 +177,12 @@ class OpenAIServer:
 
     def build_app(self) -> web.Application:
         auth = auth_middleware(self.config.api_key, self.config.metrics_without_api_key)
-        app = web.Application(middlewares=[error_middleware, auth])
+        # The Host check, CORS preflights and JSON-only POSTs come before the key's check
+        # (browser_safety.py); the bound address picks the default Host names.
+        safety = BrowserSafety.from_config(self.config.allowed_hosts,
+                                           self.config.allowed_origins, self.config.host)
+        app = web.Application(middlewares=[error_middleware, safety.middleware(), auth])
+        safety.install(app)
         app[STREAM_WRITE_TIMEOUT] = self.config.stream_write_timeout
         add_chat_page(app)
         app.router.add_get("/health", self.health)
