@@ -33,6 +33,7 @@ from typing import Callable
 from transformers import PreTrainedTokenizerBase
 
 from aioengine.sampling_params import SamplingParams
+from aioengine.stop_strings import StopStringCursor, stop_string_matcher
 
 # Prompt tokens decoded as context in front of the first output token (vLLM uses 5).
 _PROMPT_CONTEXT_TOKENS = 5
@@ -61,37 +62,6 @@ def make_decode_fn(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool
                                         clean_up_tokenization_spaces=False)
 
 
-def find_stop_string(text: str, stop: list[str], search_from: int,
-                     include_in_output: bool) -> tuple[str, int] | None:
-    """The stop string whose first occurrence ending after `search_from` ends earliest
-    (what a character-by-character stream would meet first; on a tie the one that starts
-    earlier), and the length to truncate `text` to. None if there is none."""
-    best: tuple[int, int, str] | None = None  # (end, start, stop string)
-    for s in stop:
-        start = text.find(s, max(0, search_from - len(s) + 1))
-        if start < 0:
-            continue
-        cand = (start + len(s), start, s)
-        if best is None or cand[:2] < best[:2]:
-            best = cand
-    if best is None:
-        return None
-    end, start, s = best
-    return s, (end if include_in_output else start)
-
-
-def partial_stop_len(text: str, stop: list[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a stop string:
-    exactly the text that may still become (part of) a stop string."""
-    longest = 0
-    for s in stop:
-        for k in range(min(len(s) - 1, len(text)), longest, -1):
-            if text.endswith(s[:k]):
-                longest = k
-                break
-    return longest
-
-
 class IncrementalDetokenizer:
     """Per-sample streaming detokenizer (one per sample of a request).
 
@@ -112,6 +82,10 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
                  params: SamplingParams) -> None:
         self.stop: list[str] = list(params.stop or [])
+        # One automaton for all stop strings (shared by the samples with this list), built
+        # here once: each step then costs O(new characters), however many stop strings.
+        self._stop_cursor = StopStringCursor(stop_string_matcher(self.stop)) \
+            if self.stop else None
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         self._decode = make_decode_fn(tokenizer, params.skip_special_tokens)
@@ -165,12 +139,12 @@ class IncrementalDetokenizer:
             new_token_ids = new_token_ids[:-1]
         for token_id in new_token_ids:
             self._token_ids.append(token_id)
+            fed = len(self._text)
             self._text += self._decode_next(token_id)
             if len(self._token_ids) <= self.min_tokens:
                 # vLLM's min_tokens: no stop string may end inside the first min_tokens.
                 self._stop_search_from = len(self._text)
-                continue
-            if self.stop and self._check_stop():
+            if self._stop_cursor is not None and self._check_stop(fed):
                 return self._stop_str
         if skipped_stop_token is not None:
             self._token_ids.append(skipped_stop_token)
@@ -188,8 +162,10 @@ class IncrementalDetokenizer:
                 self._text += self._tail
             self._tail = ""
         end = len(self._text)
-        if not finished and self._stop_str is None and self.stop:
-            end -= partial_stop_len(self._text[self._num_emitted:], self.stop)
+        if not finished and self._stop_str is None and self._stop_cursor is not None:
+            # The cursor has seen all of _text; what it holds never reaches into text
+            # already emitted (that was held back then if it could still become a stop).
+            end -= min(self._stop_cursor.partial_len, end - self._num_emitted)
         start = self._num_emitted
         # Never take back text already handed out (the hold-back never covers it anyway).
         self._num_emitted = max(end, start)
@@ -247,14 +223,16 @@ class IncrementalDetokenizer:
         self._prefix_offset = start
         self._consumed = len(text)
 
-    def _check_stop(self) -> bool:
-        """Looks for a stop string ending in the text added since the last check."""
-        found = find_stop_string(self._text, self.stop, self._stop_search_from,
-                                 self.include_stop_str_in_output)
+    def _check_stop(self, fed: int) -> bool:
+        """Feeds the text added since character `fed` (_text only ever grows until a stop:
+        _decode_next returns only final characters, an incomplete one waits in _tail) and
+        truncates at the first stop string ending after _stop_search_from, if any."""
+        found = self._stop_cursor.feed(self._text, fed, self._stop_search_from)
         self._stop_search_from = len(self._text)
         if found is None:
             return False
-        self._stop_str, truncate_to = found
-        self._text = self._text[:truncate_to]
+        self._stop_str, end = found
+        self._text = self._text[:end if self.include_stop_str_in_output
+                                else end - len(self._stop_str)]
         self._tail = ""
         return True

@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from aioengine.detokenizer import (IncrementalDetokenizer, find_stop_string, make_decode_fn,
-                                   partial_stop_len)
+from aioengine.detokenizer import IncrementalDetokenizer, make_decode_fn
 from aioengine.sampling_params import SamplingParams
 
 SENTENCES = ["the quick brown fox jumps over the lazy dog", "hello world, hello there",
@@ -337,18 +336,3 @@ def test_transformers_decode_path_matches_backend(tokenizers_by_kind):
         for skip in (True, False):
             fast, slow = make_decode_fn(tok, skip), make_decode_fn(tok, skip, use_backend=False)
             assert fast(ids) == slow(ids) == tok.decode(ids, skip_special_tokens=skip)
-
-
-def test_find_stop_string():
-    assert find_stop_string("abcabc", ["c"], 0, False) == ("c", 2)
-    assert find_stop_string("abcabc", ["c"], 3, False) == ("c", 5)  # must end after char 3
-    assert find_stop_string("abcabc", ["bca", "ca"], 0, True) == ("bca", 4)
-    assert find_stop_string("abcabc", ["x"], 0, True) is None
-
-
-def test_partial_stop_len():
-    assert partial_stop_len("the EN", ["END"]) == 2
-    assert partial_stop_len("the END", ["END"]) == 0  # a full match is not a proper prefix
-    assert partial_stop_len("xab", ["abc", "bx", "b"]) == 2
-    assert partial_stop_len("a", ["aaa"]) == 1
-    assert partial_stop_len("", ["a"]) == 0
