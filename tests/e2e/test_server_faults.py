@@ -91,7 +91,7 @@ async def test_a_client_that_stops_reading_does_not_stall_others(server) -> None
     stalled.connect((host, int(port)))
     payload = json.dumps({"model": MODEL, "messages": ASK, "stream": True,
                           "max_tokens": 2000, "ignore_eos": True}).encode()
-    stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+    stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
                     b"Content-Type: application/json\r\nContent-Length: "
                     + str(len(payload)).encode() + b"\r\n\r\n" + payload)
     try:  # never read: the server's writes to it block once the buffers are full

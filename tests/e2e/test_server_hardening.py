@@ -112,8 +112,8 @@ def _read_all(sock: socket.socket) -> bytes:
 
 def test_idle_and_half_sent_connections_are_closed(server: ServerProcess) -> None:
     idle, half_head, half_body = (_connect(server) for _ in range(3))
-    half_head.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
-    half_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+    half_head.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Le")
+    half_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
                       b"application/json\r\nContent-Length: 1000\r\nAuthorization: Bearer "
                       + API_KEY.encode() + b"\r\n\r\n{\"prompt\": \"he")
     start = time.monotonic()
@@ -141,7 +141,7 @@ def test_a_stream_whose_client_stops_reading_is_dropped(server: ServerProcess) -
     body = orjson.dumps({"model": MODEL, "stream": True, "max_tokens": 700, "n": 8,
                          "ignore_eos": True, "logprobs": True, "top_logprobs": 20,
                          "messages": [{"role": "user", "content": "Tell a long story."}]})
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
                  b"application/json\r\nAuthorization: Bearer " + API_KEY.encode()
                  + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     deadline = time.monotonic() + 120
