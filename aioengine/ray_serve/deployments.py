@@ -58,7 +58,8 @@ METRICS_UPDATE_INTERVAL_S = 2.0
 # from the client to the app (the body it gets may be cut at the size limit).
 _DROPPED_HEADERS = frozenset({"content-length", "transfer-encoding", "connection",
                               "keep-alive", "date", "server"})
-_NOT_FORWARDED = _DROPPED_HEADERS | {"host", "expect", "te", "upgrade"}
+# The client's Host is relayed: the app checks it (server/browser_safety.py, DNS rebinding).
+_NOT_FORWARDED = _DROPPED_HEADERS | {"expect", "te", "upgrade"}
 
 
 @dataclass(frozen=True)
