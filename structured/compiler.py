@@ -1,8 +1,8 @@
-"""Grammar compilation: a constraint -> an xgrammar CompiledGrammar, on a thread pool.
+"""Grammar compilation: a constraint -> an xgrammar CompiledGrammar, in worker processes.
 
 Compiles are cached by the constraint's key (`StructuredOutputs.key`), as futures, so a
 burst of requests with one schema compiles it once and every later request finds it
-done. A failed compile is cached too: the same bad schema fails fast.
+done. An invalid constraint's failure is cached too: the same bad schema fails fast.
 
 Bounds (issue 27): xgrammar compiles are C++ and cannot be interrupted, and some small
 inputs compile for minutes (a 40,000-value enum takes 11 s on 2 EPYC cores, growing
@@ -10,13 +10,24 @@ inputs compile for minutes (a 40,000-value enum takes 11 s on 2 EPYC cores, grow
 - constraints above a documented size (MAX_ENUM_VALUES enum / choice values,
   MAX_CONSTRAINT_CHARS of schema, regex or grammar text, MAX_REGEX_REPEAT items that a
   regex's bounded repetitions expand to, in a regex or a schema's "pattern") are refused
-  up front (400): no compile starts, so none is left running past its budget;
-- every compile has a time budget (`--structured-outputs-compile-timeout`): past it the
-  compile's future fails with a 400 naming the budget, the key stays failed (a retry
-  fails fast instead of starting another compile), and the grammar, when the C++ call
-  finally returns, is dropped rather than cached;
+  up front (400): no compile starts;
 - the cache is bounded in bytes (`CompiledGrammar.memory_size_bytes`) as well as entries,
   and xgrammar's own (unbounded) compiler cache is off: ours is the only one.
+
+Isolation (issue 48): a compile runs in a worker process (structured/compile_worker.py),
+so it can be stopped, and one request's compile never spends another's budget:
+- the budget (`--structured-outputs-compile-timeout`) starts when the compile starts in a
+  worker, not when it is queued; past it the worker is killed (the core is free at once),
+  the waiters get a 400 naming the budget, and the key is forgotten: a timeout is not the
+  constraint's result (the machine may just have been busy), the next request tries again;
+- a compile whose waiters have all left (`compile_async` cancelled: the server cancels a
+  handler whose client disconnects) is abandoned: dequeued, or its worker killed. Only
+  `compile_async` callers count as waiters; `submit` hands out the future itself, so a
+  compile someone `submit`ted always runs to its end (or its budget);
+- `max_workers` general workers take queued compiles first come, first served, and one
+  more worker takes only small ones (`compile_cost` <= SMALL_COMPILE_COST: a choice, a
+  short regex, a schema of a few KB): slow compiles, hostile or not, can hold every
+  general worker for a budget each, and a small compile still starts at once.
 """
 from __future__ import annotations
 
@@ -24,9 +35,9 @@ import asyncio
 import json
 import re
 import threading
-import time
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import OrderedDict, deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 import xgrammar as xgr
@@ -40,10 +51,9 @@ except ImportError:  # Python 3.10
 
 from aioengine.errors import InvalidRequestError
 from aioengine.sampling_params import StructuredOutputs
+from aioengine.structured.compile_worker import CompileWorker, WorkerDied
 from aioengine.structured.request_state import FirstByteTable
 
-# xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:123: "; users need the rest.
-_XGR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
 _KIND_NAMES = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex",
                "choice": "choice", "grammar": "grammar",
                "structural_tag": "structural tag"}
@@ -57,6 +67,13 @@ MAX_CONSTRAINT_CHARS = 256 * 1024
 MAX_REGEX_REPEAT = 4096
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
+# The small-compile worker's bound (compile_cost): a 4 KB schema without long patterns
+# compiles in well under a second; a choice of a few words in milliseconds.
+SMALL_COMPILE_COST = 4096
+
+# A job's states; every change happens under GrammarCompileCache._lock.
+QUEUED, RUNNING, DONE, STOPPED = "queued", "running", "done", "stopped"
+
 
 class GrammarCompileError(InvalidRequestError):
     """The schema, regex or grammar of a request does not compile (HTTP 400)."""
@@ -68,11 +85,24 @@ def choice_grammar(choices: tuple[str, ...]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+@dataclass(eq=False)
+class _Job:
+    """One constraint's compile: queued, running in a worker, or done (its future)."""
+    constraint: StructuredOutputs
+    small: bool
+    future: Future = field(default_factory=Future)
+    state: str = QUEUED
+    waiters: int = 0  # compile_async callers awaiting it now
+    pinned: bool = False  # handed out by submit(): never abandoned
+    worker: CompileWorker | None = None
+    timer: threading.Timer | None = None
+
+
 class GrammarCompileCache:
     """Compiles constraints for one tokenizer; thread-safe, futures cached by key.
 
-    `TokenizerInfo` is built lazily on the first compile (in the pool): an engine that
-    never sees a constrained request never pays for it. Every compiled grammar carries
+    `TokenizerInfo` and the workers are made on the first compile: an engine that never
+    sees a constrained request never pays for them. Every compiled grammar carries
     `first_bytes` (a FirstByteTable), which bounded jump-forward reads.
     """
 
@@ -82,147 +112,315 @@ class GrammarCompileCache:
                  max_cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         if compile_timeout_s <= 0:
             raise ValueError(f"compile_timeout_s must be > 0, got {compile_timeout_s}")
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
-        self._pool = ThreadPoolExecutor(max_workers=max_workers,
-                                        thread_name_prefix="aioengine-grammar")
         self._lock = threading.Lock()
-        self._compiler: xgr.GrammarCompiler | None = None
+        self._work = threading.Condition(self._lock)  # a job queued, or shut down
+        self._queue: deque[_Job] = deque()
+        self._cache: OrderedDict[tuple, _Job] = OrderedDict()
+        self._max_workers = max_workers
+        self._workers: list[CompileWorker] = []
+        self._closed = False
+        self._info: xgr.TokenizerInfo | None = None
+        self._info_json: str | None = None
         self._first_bytes: FirstByteTable | None = None
-        self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._max_entries = max_entries
         self._max_cache_bytes = max_cache_bytes
         self.compile_timeout_s = compile_timeout_s
         self.compile_seconds: list[float] = []  # one per compile actually run
         self.num_timeouts = 0
+        self.num_abandoned = 0
 
     @property
     def cache_bytes(self) -> int:
         """Bytes held by the cached compiled grammars (xgrammar's estimate)."""
         with self._lock:
-            return sum(_grammar_bytes(f) for f in self._cache.values())
+            return sum(_grammar_bytes(job.future) for job in self._cache.values())
+
+    @property
+    def worker_pids(self) -> list[int | None]:
+        """The workers' process ids (None: not running); the last one is the small one."""
+        return [w.pid for w in self._workers]
+
+    # ---- callers ----------------------------------------------------------------------
 
     def submit(self, constraint: StructuredOutputs) -> Future:
         """The compile future of `constraint` (a cache hit, or a new compile). It fails
-        with GrammarCompileError when the constraint is too large or its compile runs
-        past the budget."""
-        key = constraint.key
-        with self._lock:
-            future = self._cache.get(key)
-            if future is not None:
-                self._cache.move_to_end(key)
-                return future
-            future = Future()
-            future.set_running_or_notify_cancel()
-            self._cache[key] = future
-        try:
-            check_constraint_size(constraint)
-        except GrammarCompileError as e:
-            future.set_exception(e)
-            return future
-        timer = threading.Timer(self.compile_timeout_s, self._time_out, (future, constraint))
-        timer.daemon = True
-        timer.start()
-        self._pool.submit(self._run, constraint, future, timer)
-        return future
+        with GrammarCompileError when the constraint is invalid or too large, or its
+        compile runs past the budget. The compile is never abandoned (see compile_async)."""
+        job = self._job(constraint)
+        job.pinned = True
+        return job.future
 
     def compile(self, constraint: StructuredOutputs) -> xgr.CompiledGrammar:
         """Blocks until compiled; raises GrammarCompileError for a bad constraint."""
         return self.submit(constraint).result()
 
     async def compile_async(self, constraint: StructuredOutputs) -> xgr.CompiledGrammar:
-        """Awaits the compile without blocking the event loop."""
-        return await asyncio.wrap_future(self.submit(constraint))
+        """Awaits the compile without blocking the event loop. Cancelling the await (the
+        client left) abandons the compile if nobody else awaits or holds it."""
+        job = self._job(constraint, waiter=True)
+        try:
+            return await asyncio.wrap_future(job.future)
+        finally:
+            self._leave(job)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Fails queued compiles, kills the workers; the driving threads then exit."""
+        with self._lock:
+            self._closed = True
+            queued, self._queue = list(self._queue), deque()
+            self._work.notify_all()
+        for job in queued:
+            _fail(job.future, GrammarCompileError("the engine is shutting down",
+                                                  "structured_outputs"))
+        for worker in self._workers:
+            worker.kill()
 
-    def _run(self, constraint: StructuredOutputs, future: Future,
-             timer: threading.Timer) -> None:
-        """Pool task: compiles and resolves `future`, unless the budget already failed it
-        (then the grammar is dropped: nobody may use a compile that took too long)."""
-        try:
-            grammar = self._compile(constraint)
-        except BaseException as e:  # noqa: BLE001 - handed to the waiters
-            timer.cancel()
-            if not future.done():
-                try:
-                    future.set_exception(e)
-                except Exception:  # noqa: BLE001 - the budget failed it first
-                    pass
-            return
-        timer.cancel()
-        try:
-            future.set_result(grammar)
-        except Exception:  # noqa: BLE001 - timed out: drop it, the key stays failed
-            return
-        self._evict()
+    # ---- the cache and the queue ------------------------------------------------------
 
-    def _time_out(self, future: Future, constraint: StructuredOutputs) -> None:
-        if future.done():
-            return
-        if self._compiler is None:  # the one-time TokenizerInfo build is not the request's
-            timer = threading.Timer(self.compile_timeout_s, self._time_out, (future, constraint))
-            timer.daemon = True
-            timer.start()
-            return
-        self.num_timeouts += 1
-        kind = _KIND_NAMES[constraint.key[0]]
+    def _job(self, constraint: StructuredOutputs, waiter: bool = False) -> _Job:
+        """The cached job of `constraint`, or a new one queued (or failed, if too large).
+        The size checks run outside the lock (a 256 KiB schema takes milliseconds)."""
+        key = constraint.key
+        with self._lock:
+            if (job := self._hit(key, waiter)) is not None:
+                return job
+        job = _Job(constraint, small=compile_cost(constraint) <= SMALL_COMPILE_COST)
+        job.future.set_running_or_notify_cancel()  # cancel() is not how it stops
         try:
-            future.set_exception(GrammarCompileError(
-                f"compiling the {kind} took longer than the {self.compile_timeout_s:g} s "
-                f"budget (--structured-outputs-compile-timeout); simplify it",
-                "structured_outputs"))
-        except Exception:  # noqa: BLE001 - the compile finished in between
-            pass
+            check_constraint_size(constraint)
+            refused = None
+        except GrammarCompileError as e:
+            refused = e
+        with self._lock:
+            if (hit := self._hit(key, waiter)) is not None:  # another thread was first
+                return hit
+            job.waiters += waiter
+            self._cache[key] = job
+            if refused is None and self._closed:
+                refused = GrammarCompileError("the engine is shutting down",
+                                              "structured_outputs")
+            if refused is not None:
+                job.state = DONE
+                job.future.set_exception(refused)
+                return job
+            self._queue.append(job)
+            self._start_workers()
+            self._work.notify_all()
+        return job
+
+    def _hit(self, key: tuple, waiter: bool) -> _Job | None:
+        """Under the lock: the cached job of `key` (counted as awaited), or None."""
+        job = self._cache.get(key)
+        if job is not None:
+            self._cache.move_to_end(key)
+            job.waiters += waiter
+        return job
+
+    def _leave(self, job: _Job) -> None:
+        """A compile_async caller is done with `job`; the last one to leave an unfinished,
+        unpinned compile abandons it (dequeued, or its worker killed)."""
+        with self._lock:
+            job.waiters -= 1
+            if job.waiters > 0 or job.pinned or job.state not in (QUEUED, RUNNING):
+                return
+            if job.state == QUEUED:
+                self._queue.remove(job)
+            self._stop(job)
+            self.num_abandoned += 1
+        _fail(job.future, GrammarCompileError("abandoned: no request waits for it",
+                                              "structured_outputs"))
+
+    def _stop(self, job: _Job) -> None:
+        """Under the lock: `job` ends unfinished (abandoned or out of budget). Its worker
+        is killed, and its key forgotten, so the next request compiles afresh."""
+        was_running, job.state = job.state == RUNNING, STOPPED
+        if job.timer is not None:
+            job.timer.cancel()
+        if was_running and job.worker is not None:
+            job.worker.kill()
+        if self._cache.get(job.constraint.key) is job:
+            del self._cache[job.constraint.key]
+
+    def _next_job(self, small_only: bool) -> _Job | None:
+        """Blocks for the first queued job this worker may take (None: shut down)."""
+        with self._lock:
+            while not self._closed:
+                for job in self._queue:
+                    if job.small or not small_only:
+                        self._queue.remove(job)
+                        job.state = RUNNING
+                        return job
+                self._work.wait()
+            return None
 
     def _evict(self) -> None:
         """Drops least recently used finished entries past max_entries or max_cache_bytes
-        (never a compile in flight: someone waits on it)."""
+        (never a compile queued or running: someone waits on it)."""
         with self._lock:
-            total = sum(_grammar_bytes(f) for f in self._cache.values())
+            total = sum(_grammar_bytes(job.future) for job in self._cache.values())
             for key in list(self._cache):
                 if len(self._cache) <= self._max_entries and total <= self._max_cache_bytes:
                     break
-                f = self._cache[key]
-                if not f.done():
+                job = self._cache[key]
+                if job.state != DONE:
                     continue
-                total -= _grammar_bytes(f)
+                total -= _grammar_bytes(job.future)
                 del self._cache[key]
 
-    def _get_compiler(self) -> xgr.GrammarCompiler:
+    # ---- the workers ------------------------------------------------------------------
+
+    def _start_workers(self) -> None:
+        """Under the lock, once: max_workers general workers and one small-only worker,
+        each driven by its own daemon thread."""
+        if self._workers:
+            return
+        for i in range(self._max_workers + 1):
+            small_only = i == self._max_workers
+            worker = CompileWorker(f"aioengine-grammar-{'small' if small_only else i}")
+            self._workers.append(worker)
+            threading.Thread(target=self._drive, args=(worker, small_only), daemon=True,
+                             name=worker.name).start()
+
+    def _drive(self, worker: CompileWorker, small_only: bool) -> None:
+        """A worker's thread: (re)start the process, take a job, run it, repeat. Starting
+        is not budgeted: a killed worker is replaced before the next job is taken."""
+        while not self._closed:
+            try:
+                worker.start(self._tokenizer_info_json())
+            except Exception as e:  # noqa: BLE001 - fail one job, not every waiter forever
+                if (job := self._next_job(small_only)) is not None:
+                    self._finish(job, ("failed", 0.0, f"no compile worker: {e!r}"))
+                threading.Event().wait(1.0)
+                continue
+            job = self._next_job(small_only)
+            if job is None:
+                break
+            self._run(worker, job)
+        worker.reap()
+
+    def _run(self, worker: CompileWorker, job: _Job) -> None:
         with self._lock:
-            if self._compiler is None:
+            if job.state != RUNNING:  # abandoned between taking it and here
+                return
+            job.worker = worker
+            job.timer = threading.Timer(self.compile_timeout_s, self._time_out, (job,))
+            job.timer.daemon = True
+            job.timer.start()  # the budget starts now, not when it was queued
+        method, text = request_text(job.constraint)
+        try:
+            outcome: tuple[str, float, str] | None = worker.compile(method, text)
+        except WorkerDied:
+            outcome = None
+        self._finish(job, outcome)
+
+    def _finish(self, job: _Job, outcome: tuple[str, float, str] | None) -> None:
+        with self._lock:
+            if job.state != RUNNING:  # out of budget or abandoned: already answered
+                return
+            job.state = DONE
+            if job.timer is not None:
+                job.timer.cancel()
+        self._resolve(job, outcome)
+
+    def _resolve(self, job: _Job, outcome: tuple[str, float, str] | None) -> None:
+        """Answers a finished compile: the grammar, or why not. Only an invalid input's
+        error stays cached; a crashed worker's is forgotten like a timeout."""
+        kind = _KIND_NAMES[job.constraint.key[0]]
+        if outcome is None or outcome[0] == "failed":
+            with self._lock:
+                if self._cache.get(job.constraint.key) is job:
+                    del self._cache[job.constraint.key]
+            detail = "the compile worker died" if outcome is None else outcome[2]
+            _fail(job.future, GrammarCompileError(
+                f"compiling the {kind} failed ({detail}); try again", "structured_outputs"))
+            return
+        status, seconds, payload = outcome
+        self.compile_seconds.append(seconds)
+        if status == "invalid":
+            _fail(job.future, GrammarCompileError(f"invalid {kind}: {payload}",
+                                                  "structured_outputs"))
+            return
+        try:
+            grammar = xgr.CompiledGrammar.deserialize_json(payload, self._info)
+        except Exception as e:  # noqa: BLE001 - this thread must live on: forget, fail
+            self._resolve(job, ("failed", seconds, f"deserializing it: {e!r}"))
+            return
+        grammar.first_bytes = self._first_bytes
+        job.future.set_result(grammar)
+        self._evict()
+
+    def _time_out(self, job: _Job) -> None:
+        with self._lock:
+            if job.state != RUNNING:
+                return
+            self._stop(job)
+            self.num_timeouts += 1
+        kind = _KIND_NAMES[job.constraint.key[0]]
+        _fail(job.future, GrammarCompileError(
+            f"compiling the {kind} took longer than the {self.compile_timeout_s:g} s "
+            f"budget (--structured-outputs-compile-timeout); simplify it",
+            "structured_outputs"))
+
+    def _tokenizer_info_json(self) -> str:
+        """The serialized TokenizerInfo the workers start from (built once, here: the
+        server keeps it to deserialize grammars, and the FirstByteTable from it)."""
+        with self._lock:
+            if self._info_json is None:
                 info = xgr.TokenizerInfo.from_huggingface(
                     self._tokenizer, vocab_size=self._vocab_size,
                     stop_token_ids=self._stop_token_ids)
                 self._first_bytes = FirstByteTable(info.decoded_vocab)
-                # Our cache is the only one: xgrammar's is unbounded by default.
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1,
-                                                     cache_enabled=False)
-            return self._compiler
+                self._info, self._info_json = info, info.serialize_json()
+            return self._info_json
 
-    def _compile(self, constraint: StructuredOutputs) -> xgr.CompiledGrammar:
-        compiler = self._get_compiler()
-        kind = constraint.key[0]
-        start = time.perf_counter()
+
+def _fail(future: Future, error: BaseException) -> None:
+    if not future.done():
         try:
-            grammar = _compile_one(compiler, constraint)
-        except (RuntimeError, ValueError, TypeError) as e:  # InvalidStructuralTagError too
-            message = _XGR_PREFIX.sub("", str(e).strip()).splitlines()[0] if str(e) else repr(e)
-            raise GrammarCompileError(
-                f"invalid {_KIND_NAMES[kind]}: {message}",
-                "structured_outputs") from None
-        self.compile_seconds.append(time.perf_counter() - start)
-        grammar.first_bytes = self._first_bytes
-        return grammar
+            future.set_exception(error)
+        except Exception:  # noqa: BLE001 - resolved in between
+            pass
 
 
 def _grammar_bytes(future: Future) -> int:
     if not future.done() or future.exception() is not None:
         return 0
     return future.result().memory_size_bytes
+
+
+def request_text(constraint: StructuredOutputs) -> tuple[str, str]:
+    """(method, text) for compile_worker.compile_text."""
+    if constraint.json is not None:
+        return "json_schema", json.dumps(constraint.json)
+    if constraint.json_object:
+        return "json_object", ""
+    if constraint.regex is not None:
+        return "regex", constraint.regex
+    if constraint.choice is not None:
+        return "grammar", choice_grammar(tuple(constraint.choice))
+    if constraint.structural_tag is not None:
+        return "structural_tag", json.dumps(constraint.structural_tag)
+    assert constraint.grammar is not None
+    return "grammar", constraint.grammar
+
+
+def compile_cost(constraint: StructuredOutputs) -> int:
+    """A rough size of the compile: characters of its text, plus the items its patterns'
+    bounded repetitions expand to, plus its enum values. Only compares to
+    SMALL_COMPILE_COST (the small-compile worker's bound)."""
+    method, text = request_text(constraint)
+    cost = len(text)
+    if constraint.regex is not None:
+        cost += regex_repeat_items(constraint.regex)
+    elif constraint.json is not None:
+        cost += sum(regex_repeat_items(p) for p in _schema_patterns(constraint.json))
+        cost += _count_enum_values(constraint.json)
+    return cost
 
 
 def check_constraint_size(constraint: StructuredOutputs) -> None:
@@ -311,23 +509,3 @@ def _count_enum_values(node: Any) -> int:
         elif isinstance(item, list):
             stack.extend(item)
     return count
-
-
-def _compile_one(compiler: xgr.GrammarCompiler,
-                 constraint: StructuredOutputs) -> xgr.CompiledGrammar:
-    # Compact JSON (no free whitespace): a small model cannot wander into endless
-    # whitespace, and fixed separators give jump-forward more to skip.
-    if constraint.json is not None:
-        return compiler.compile_json_schema(json.dumps(constraint.json), any_whitespace=False)
-    if constraint.json_object:
-        # strict_mode=False: any properties are allowed (strict would mean `{}` only).
-        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
-                                            strict_mode=False)
-    if constraint.regex is not None:
-        return compiler.compile_regex(constraint.regex)
-    if constraint.choice is not None:
-        return compiler.compile_grammar(choice_grammar(tuple(constraint.choice)))
-    if constraint.structural_tag is not None:
-        return compiler.compile_structural_tag(json.dumps(constraint.structural_tag))
-    assert constraint.grammar is not None
-    return compiler.compile_grammar(constraint.grammar)

@@ -39,7 +39,8 @@ class StructuredOutputManager(EngineFeature):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.jump_forward = jump_forward
-        # Compile budget and byte-bounded cache: see structured/compiler.py (issue 27).
+        # Compile budget and byte-bounded cache (issue 27); compiles in worker processes,
+        # killed past their budget or when their clients left (issue 48): compiler.py.
         self.compiler = GrammarCompileCache(tokenizer, vocab_size, sorted(stop_token_ids),
                                             max_workers=max_workers,
                                             compile_timeout_s=compile_timeout_s,
@@ -53,7 +54,8 @@ class StructuredOutputManager(EngineFeature):
         self.compiler.compile(constraint)
 
     async def compile_async(self, constraint: StructuredOutputs) -> None:
-        """Compiles on the pool; raises GrammarCompileError before anything is queued."""
+        """Compiles in a worker; raises GrammarCompileError before anything is queued.
+        Cancelling it (the client left) abandons a compile nobody else waits for."""
         await self.compiler.compile_async(constraint)
 
     def new_request_state(self, params: SamplingParams) -> StructuredRequestState | None:
@@ -145,6 +147,8 @@ class StructuredOutputManager(EngineFeature):
             "structured_jump_forwards": self.stats.num_jump_forwards,
             "structured_compiles": len(times),
             "structured_compile_seconds_median": statistics.median(times) if times else 0.0,
+            "structured_compile_timeouts": self.compiler.num_timeouts,
+            "structured_compiles_abandoned": self.compiler.num_abandoned,
         }
 
     def shutdown(self) -> None:
