@@ -29,7 +29,8 @@ import pytest
 from server_process import MODEL, ServerProcess, serving
 
 import aioengine.lora
-from aioengine.server.browser_safety import allowed_host_names, bound_to_loopback, host_name
+from aioengine.server.browser_safety import (BrowserSafety, allowed_host_names,
+                                             bound_to_loopback, host_name)
 
 pytestmark = pytest.mark.slow
 
@@ -124,6 +125,15 @@ def test_host_names_and_the_default_by_bound_address() -> None:
     assert allowed_host_names(("*",), "127.0.0.1") is None
     assert allowed_host_names(("Api.Example.com:443", "[::1]"), "0.0.0.0") == {
         "api.example.com", "::1"}
+
+
+def test_allowed_origins_match_as_browsers_send_them() -> None:
+    listed = BrowserSafety.from_config(None, ("http://A.example:8080/",), "127.0.0.1")
+    assert listed.allow_origin("http://a.example:8080") == "http://a.example:8080"
+    assert listed.allow_origin("http://a.example:8081") is None
+    assert listed.allow_origin("null") is None and listed.allow_origin(None) is None
+    assert BrowserSafety.from_config(None, ("*",), "127.0.0.1").allow_origin("null") == "*"
+    assert BrowserSafety.from_config(None, (), "127.0.0.1").allow_origin("http://x") is None
 
 
 # ---- CSRF: JSON bodies only -----------------------------------------------------------------
