@@ -8,16 +8,25 @@ as Hugging Face templates expect them (arguments as objects). Any other template
 the bundled SmolLM2's, gets the default tool prompt instead: a system block listing the
 tools and the call format of the server's tool-call parser; past calls are written back in
 that format and tool results become user turns in `<tool_response>` blocks.
+
+The prompt boundary (`render_chat`): unless the caller is trusted, a message's role must be
+one the template takes, and special-token text in anything a message or tool carries is
+tokenized as plain text (tokenizer_utils.PromptBoundary), so message text cannot open or
+close turns; only the template's own special tokens are control tokens.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
+import unicodedata
+from dataclasses import dataclass
 from typing import Any
 
 from aioengine.tool_parsers import ToolParser
-from aioengine.tokenizer_utils import ChatTemplateError, render_chat_template
+from aioengine.tokenizer_utils import (ChatTemplateError, PromptBoundary, prompt_boundary,
+                                       render_chat_template)
 
 DEFAULT_TOOL_PROMPT = """\
 You are a function calling AI model. You may call one or more functions to assist with \
@@ -29,6 +38,12 @@ the available functions:
 {call_format}"""
 
 _TOOLS_RE = re.compile(r"\btools\b")
+# The roles every template is given (developer as sent: Chat Completions does not map it),
+# and those a template names where it compares a message's role (e.g. Llama 3.1's ipython).
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+_ROLE_TEST_RE = re.compile(
+    r"""role['"]?\]?\s*(?:==|!=|is\s+not|is|(?:not\s+)?in)\s*[\[(]?((?:\s*['"][\w-]+['"]\s*,?)+)""")
+_QUOTED_RE = re.compile(r"""['"]([\w-]+)['"]""")
 
 
 def tool_dict(name: str, description: str | None, parameters: dict) -> dict:
@@ -154,13 +169,87 @@ def _with_system_block(messages: list[dict], block: str) -> list[dict]:
     return [{"role": "system", "content": block}, *messages]
 
 
+@functools.lru_cache(maxsize=16)
+def _named_roles(template: str) -> frozenset[str]:
+    return frozenset(role for group in _ROLE_TEST_RE.findall(template)
+                     for role in _QUOTED_RE.findall(group))
+
+
+def template_roles(template: str | dict | None) -> frozenset[str]:
+    """CHAT_ROLES plus the roles `template` compares a message's role with."""
+    texts = template.values() if isinstance(template, dict) else [template]
+    named = frozenset().union(*(_named_roles(t) for t in texts if isinstance(t, str)))
+    return frozenset(CHAT_ROLES) | named
+
+
+def _has_control_chars(text: str) -> bool:
+    return any(unicodedata.category(c)[0] in "CZ" for c in text)  # Z: spaces, separators
+
+
+def check_roles(messages: list, template: str | dict | None,
+                boundary: PromptBoundary) -> None:
+    """ChatTemplateError for a role the template does not take: a role is written into the
+    prompt as text, so one with a newline or a special token would forge turns."""
+    allowed = None
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if not isinstance(role, str) or not role:
+            continue  # normalize_messages says what is wrong with it
+        if _has_control_chars(role) or boundary.has_special(role):
+            raise ChatTemplateError(f"messages[{i}].role must not contain whitespace, control "
+                                    f"characters or special tokens, got {role[:40]!r}")
+        allowed = allowed or template_roles(template)
+        if role not in allowed:
+            raise ChatTemplateError(f"messages[{i}].role {role[:40]!r} is not one of this "
+                                    f"chat template's roles: {', '.join(sorted(allowed))}")
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A rendered chat. `boundary` None: `text` is encoded as it is (special tokens
+    recognized: there was no special-token text in the messages, or the caller is
+    trusted); else `text` holds sentinels and only `boundary.encode` tokenizes it."""
+    text: str
+    boundary: PromptBoundary | None = None
+
+    def encode(self, tokenizer: Any) -> list[int]:
+        if self.boundary is not None:
+            return self.boundary.encode(self.text)
+        return list(tokenizer.encode(self.text, add_special_tokens=False))
+
+
+def render_chat(tokenizer: Any, messages: Any, tools: list[dict], parser: ToolParser,
+                chat_template: str | None = None, add_generation_prompt: bool = True,
+                chat_template_kwargs: dict | None = None,
+                trust_special_tokens: bool = False) -> ChatPrompt:
+    """`messages` with `tools` offered, rendered behind the prompt boundary (module doc);
+    `trust_special_tokens`: as rendered before it (any role; special-token text in messages
+    acts as control tokens). ChatTemplateError for malformed messages or roles."""
+    if trust_special_tokens:
+        return ChatPrompt(render_chat_text(tokenizer, messages, tools, parser, chat_template,
+                                           add_generation_prompt, chat_template_kwargs))
+    if not isinstance(messages, list) or not messages:
+        raise ChatTemplateError("messages must be a non-empty list")
+    boundary = prompt_boundary(tokenizer)
+    check_roles(messages, chat_template or getattr(tokenizer, "chat_template", None), boundary)
+    escaped_messages, escaped_tools = boundary.escape(messages), boundary.escape(tools)
+    try:
+        text = render_chat_text(tokenizer, escaped_messages, escaped_tools, parser,
+                                chat_template, add_generation_prompt, chat_template_kwargs)
+    except ChatTemplateError as e:  # its message may quote escaped text
+        raise ChatTemplateError(boundary.unescape(str(e))) from e.__cause__
+    if escaped_messages is messages and escaped_tools is tools:
+        return ChatPrompt(text)  # nothing escaped: the ids are those of the text as it is
+    return ChatPrompt(text, boundary)
+
+
 def render_chat_text(tokenizer: Any, messages: Any, tools: list[dict],
                      parser: ToolParser, chat_template: str | None = None,
                      add_generation_prompt: bool = True,
                      chat_template_kwargs: dict | None = None) -> str:
     """The prompt text of `messages` with `tools` offered (empty: none); the template
     writes its own special tokens, so it is encoded without adding any. ChatTemplateError
-    for malformed messages or a failing template."""
+    for malformed messages or a failing template. No prompt boundary: `render_chat`."""
     if not isinstance(messages, list) or not messages:
         raise ChatTemplateError("messages must be a non-empty list")
     template = chat_template or getattr(tokenizer, "chat_template", None)
@@ -178,8 +267,9 @@ def render_chat_text(tokenizer: Any, messages: Any, tools: list[dict],
 def render_chat_prompt(tokenizer: Any, messages: Any, tools: list[dict],
                        parser: ToolParser, chat_template: str | None = None,
                        add_generation_prompt: bool = True,
-                       chat_template_kwargs: dict | None = None) -> list[int]:
-    """Token ids of `messages` with `tools` offered (render_chat_text, encoded)."""
-    text = render_chat_text(tokenizer, messages, tools, parser, chat_template,
-                            add_generation_prompt, chat_template_kwargs)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+                       chat_template_kwargs: dict | None = None,
+                       trust_special_tokens: bool = False) -> list[int]:
+    """Token ids of `messages` with `tools` offered (render_chat, encoded)."""
+    return render_chat(tokenizer, messages, tools, parser, chat_template,
+                       add_generation_prompt, chat_template_kwargs,
+                       trust_special_tokens).encode(tokenizer)

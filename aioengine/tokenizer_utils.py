@@ -1,7 +1,13 @@
-"""Prompt-side tokenizer helpers: plain prompts, chat templates, EOS ids."""
+"""Prompt-side tokenizer helpers: plain prompts, chat templates, EOS ids, and the boundary
+between a chat template's control tokens and the text of the messages (PromptBoundary)."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+import re
+import secrets
+import threading
+import weakref
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -114,3 +120,182 @@ def get_eos_token_ids(tokenizer: PreTrainedTokenizerBase, hf_config: Any = None)
         else:
             ids |= _as_id_set(getattr(hf_config, "eos_token_id", None))
     return ids
+
+
+# Sentinels (content's special-token text while the template renders) and twins (the
+# template's own special tokens while the split tokenizer encodes) are a per-process secret
+# prefix of private-use characters plus one index character, so message text cannot spell
+# them: Jinja passes them through untouched (strip/trim, tojson with ensure_ascii=False).
+_SENTINEL_PLANE, _TWIN_PLANE = 0xF0000, 0x100000  # Supplementary Private Use Areas A and B
+_SECRET_CHARS = 4
+
+
+def _secret(plane: int) -> str:
+    return "".join(chr(plane + secrets.randbelow(0xFFF0)) for _ in range(_SECRET_CHARS))
+
+
+def _alternation(words: list[str]) -> str:
+    """A regex matching `words` leftmost-longest, as the tokenizer's added-token matcher."""
+    return "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))
+
+
+class PromptBoundary:
+    """Keeps special-token text that comes from messages (content, names, tool calls and
+    results, tool definitions) plain text, while the chat template's own special tokens
+    stay control tokens (transformers' and vLLM's `split_special_tokens` semantics, applied
+    to the messages only).
+
+    `escape` replaces the special-token text of a message string by sentinels before the
+    template renders; every special token left in the rendered text is the template's.
+    `encode` then swaps those for twins (non-special added tokens with the same matching
+    flags) and the sentinels back to their text, encodes with a tokenizer that does not
+    match special tokens (`encode_special_tokens`) but matches the twins, and maps twins
+    to the special ids: one encode of the whole text, so the ids equal what the model's
+    tokenizer gives wherever the messages hold no special-token text.
+    Invariant: a special token id in `encode`'s output came from the template's text."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        added = {i: a for i, a in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                 if getattr(a, "content", "")}
+        self.special_ids = {a.content: i for i, a in added.items() if a.special}
+        specials = list(self.special_ids)
+        self._special_re = re.compile(_alternation(specials)) if specials else None
+        sentinel, self._twin_prefix = _secret(_SENTINEL_PLANE), _secret(_TWIN_PLANE)
+        self._sentinel = {c: sentinel + chr(_SENTINEL_PLANE + k) for k, c in enumerate(specials)}
+        self._twin = {c: self._twin_prefix + chr(_TWIN_PLANE + k) for k, c in enumerate(specials)}
+        # A sentinel and its JSON escape (json.dumps with ensure_ascii, as tool parsers and
+        # some templates' tojson write it) -> the special-token text, written alike.
+        self._unescape = {v: k for k, v in self._sentinel.items()}
+        self._unescape.update({json.dumps(v)[1:-1]: json.dumps(k)[1:-1]
+                               for k, v in self._sentinel.items()})
+        # Sentinels, and every added token (non-special ones map to themselves, so a special
+        # is replaced exactly where the tokenizer would have matched it).
+        words = [*self._unescape, *{a.content for a in added.values()}]
+        self._swap_re = re.compile(_alternation(words) or "(?!)")
+        self._split: tuple[Any, dict[int, int]] | None = None
+        self._lock = threading.Lock()
+
+    def has_special(self, text: str) -> bool:
+        return self._special_re is not None and self._special_re.search(text) is not None
+
+    def escape(self, value: Any) -> Any:
+        """`value` (a string, or lists and dicts of them, keys included) with special-token
+        text replaced by sentinels; the very same object when there was none."""
+        if isinstance(value, str):
+            if not self.has_special(value):
+                return value
+            assert self._special_re is not None
+            return self._special_re.sub(lambda m: self._sentinel[m.group()], value)
+        if isinstance(value, list):
+            items = [self.escape(v) for v in value]
+            return value if all(a is b for a, b in zip(items, value)) else items
+        if isinstance(value, Mapping):
+            pairs = [(self.escape(k), self.escape(v)) for k, v in value.items()]
+            if all(k2 is k and v2 is v for (k2, v2), (k, v) in zip(pairs, value.items())):
+                return value
+            return dict(pairs)
+        return value
+
+    def unescape(self, text: str) -> str:
+        """`text` with sentinels back to the special-token text they stand for."""
+        return self._swap_re.sub(lambda m: self._unescape.get(m.group(), m.group()), text)
+
+    def _swap(self, match: re.Match) -> str:
+        word = match.group()
+        if word in self._unescape:
+            return self._unescape[word]
+        return self._twin.get(word, word)
+
+    def encode(self, rendered: str, check_length: Callable[[int], None] | None = None
+               ) -> list[int]:
+        """Token ids of a prompt rendered from escaped messages (no special tokens added);
+        `check_length(count)` is called with the token count first."""
+        if self._twin_prefix in rendered:  # unreachable without the process's secret
+            raise ChatTemplateError("the messages hold reserved private-use characters")
+        split = self._split_tokenizer()
+        if split is None:
+            ids = self._encode_pieces(rendered)
+            if check_length is not None:
+                check_length(len(ids))
+            return ids
+        backend, twin_ids = split
+        # The batch call releases the GIL (this runs on a prompt thread for large bodies).
+        encoding = backend.encode_batch_fast([self._swap_re.sub(self._swap, rendered)],
+                                             add_special_tokens=False)[0]
+        if check_length is not None:
+            check_length(len(encoding))
+        return [twin_ids.get(i, i) for i in encoding.ids]
+
+    def _split_tokenizer(self) -> tuple[Any, dict[int, int]] | None:
+        with self._lock:
+            if self._split is None:
+                self._split = _split_tokenizer(self._tokenizer, self._twin,  # type: ignore
+                                               self.special_ids)
+            return self._split or None
+
+    def _encode_pieces(self, rendered: str) -> list[int]:
+        """For a tokenizer without a Rust backend: the text between the template's special
+        tokens encoded piece by piece with `split_special_tokens` (as its slow tokenize
+        splits at added tokens; lstrip/rstrip flags are not applied here)."""
+        ids: list[int] = []
+        pos = 0
+        pieces = [] if self._special_re is None else list(self._special_re.finditer(rendered))
+        for match in [*pieces, None]:
+            end = match.start() if match is not None else len(rendered)
+            text = self.unescape(rendered[pos:end])
+            if text:
+                ids += self._tokenizer.encode(text, add_special_tokens=False,
+                                              split_special_tokens=True)
+            if match is not None:
+                ids.append(self.special_ids[match.group()])
+                pos = match.end()
+        return ids
+
+
+def _split_tokenizer(tokenizer: Any, twins: dict[str, str], special_ids: dict[str, int]
+                     ) -> tuple[Any, dict[int, int]] | tuple:
+    """A Rust tokenizer encoding as the model's does with `encode_special_tokens` set, plus
+    the twins as non-special added tokens; and the twins' ids -> the special ids. It shares
+    the model's vocabulary and pipeline objects (built in well under a millisecond; a full
+    copy of the bundled tokenizer takes ~0.2 s holding the GIL). () when the model's
+    tokenizer has no backend, or one that truncates or pads."""
+    from tokenizers import AddedToken, Tokenizer
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.truncation is not None or backend.padding is not None:
+        return ()
+    added = sorted(backend.get_added_tokens_decoder().items())
+    split = Tokenizer(backend.model)
+    for part in ("normalizer", "pre_tokenizer", "post_processor", "decoder"):
+        setattr(split, part, getattr(backend, part))
+    for token_id, token in added:
+        (split.add_special_tokens if token.special else split.add_tokens)([token])
+        if split.token_to_id(token.content) != token_id:  # ids out of order: copy it all
+            split = Tokenizer.from_str(backend.to_str())
+            break
+    split.encode_special_tokens = True
+    flags = {t.content: t for _, t in added}
+    twin_ids = {}
+    for content, twin in twins.items():
+        like = flags.get(content) or AddedToken(content, special=True)
+        split.add_tokens([AddedToken(twin, single_word=like.single_word, lstrip=like.lstrip,
+                                     rstrip=like.rstrip, normalized=like.normalized,
+                                     special=False)])
+        twin_ids[split.token_to_id(twin)] = special_ids[content]
+    return split, twin_ids
+
+
+_BOUNDARIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BOUNDARIES_LOCK = threading.Lock()
+
+
+def prompt_boundary(tokenizer: Any) -> PromptBoundary:
+    """The tokenizer's PromptBoundary (one per tokenizer and size of its vocabulary)."""
+    key = len(getattr(tokenizer, "added_tokens_decoder", {}))
+    with _BOUNDARIES_LOCK:
+        cached = _BOUNDARIES.get(tokenizer)
+        if cached is None or cached[0] != key:
+            cached = (key, PromptBoundary(tokenizer))
+            _BOUNDARIES[tokenizer] = cached
+        return cached[1]

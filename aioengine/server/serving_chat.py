@@ -10,13 +10,13 @@ OpenAI's tool-call deltas (a call's index, id and name first, then argument frag
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 
 from aioengine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from aioengine.sampling_params import SamplingParams
-from aioengine.chat_prompt import render_chat_text
+from aioengine.chat_prompt import ChatPrompt, render_chat
 from aioengine.server.offload import body_bytes, encode_text
 from aioengine.server.protocol import (ApiError, chat_sampling_params, get_bool, get_priority,
                                        get_stream, structured_outputs_field)
@@ -58,22 +58,33 @@ def apply_tool_plan(plan: ToolPlan | None, params: SamplingParams,
 def render_messages(ctx: ServingContext, messages: Any, plan: ToolPlan | None,
                     add_generation_prompt: bool = True, param: str = "messages",
                     check: bool = False) -> list[int]:
-    """Prompt ids of chat messages, with the plan's tools offered (400 on bad messages;
-    `check`: and for a prompt that could never run, counted before it is listed)."""
+    """Prompt ids of chat messages, with the plan's tools offered, behind the prompt
+    boundary unless --trust-message-special-tokens (400 on bad messages or roles; `check`:
+    and for a prompt that could never run, counted before it is listed)."""
     tokenizer = ctx.engine.tokenizer
     try:
-        text = render_chat_text(tokenizer, messages,
-                                [t.chat_dict() for t in plan.tools] if plan else [],
-                                plan.parser if plan else ctx.tools.parser,
-                                ctx.chat_template, add_generation_prompt)
+        prompt = render_chat(tokenizer, messages,
+                             [t.chat_dict() for t in plan.tools] if plan else [],
+                             plan.parser if plan else ctx.tools.parser,
+                             ctx.chat_template, add_generation_prompt,
+                             trust_special_tokens=ctx.trust_message_special_tokens)
+        if not check:
+            return _encode_prompt(tokenizer, prompt)
+        with ctx.prompt_errors(param):
+            ids = _encode_prompt(tokenizer, prompt, ctx.engine.check_prompt_length)
+            ctx.engine.check_prompt(ids)
+        return ids
     except ChatTemplateError as e:
         raise ApiError(400, str(e), param) from None
-    if not check:
-        return encode_text(tokenizer, text, add_special_tokens=False)
-    with ctx.prompt_errors(param):
-        ids = encode_text(tokenizer, text, False, ctx.engine.check_prompt_length)
-        ctx.engine.check_prompt(ids)
-    return ids
+
+
+def _encode_prompt(tokenizer: Any, prompt: ChatPrompt,
+                   check_length: Callable[[int], None] | None = None) -> list[int]:
+    """A rendered chat's ids: content's special-token text as text (the boundary), or the
+    text as it is through the fast backend (encode_text) when nothing was escaped."""
+    if prompt.boundary is not None:
+        return prompt.boundary.encode(prompt.text, check_length)
+    return encode_text(tokenizer, prompt.text, False, check_length)
 
 
 def chat_prompt(ctx: ServingContext, body: dict) -> tuple[ToolPlan | None, list[int]]:
