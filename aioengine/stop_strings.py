@@ -65,7 +65,15 @@ class StopStringMatcher:
                 v = edges.get(key)
                 if v is None:
                     v = len(depth)
-                    fail.append(self._failure_target(parent, c))
+                    # Failure target: the longest proper suffix of (parent's string + c)
+                    # that is a prefix of some stop string (all shallower states exist).
+                    f = fail[parent] if parent else -1
+                    while f >= 0:
+                        t = edges.get((f << _CHAR_BITS) | c)
+                        if t is not None:
+                            break
+                        f = fail[f] if f else -1
+                    fail.append(t if f >= 0 else 0)
                     edges[key] = v
                     depth.append(d + 1)
                     match.append(-1)
@@ -84,20 +92,6 @@ class StopStringMatcher:
             if match[v] < 0:
                 match[v] = match[fail[v]]
             hold.append(depth[v] if has_child[v] else hold[fail[v]])
-
-    def _failure_target(self, parent: int, c: int) -> int:
-        """The state of the longest proper suffix of (parent's string + c) that is a prefix
-        of some stop string (all shallower states exist)."""
-        if parent == 0:
-            return 0
-        f = self.fail[parent]
-        while True:
-            nxt = self.edges.get((f << _CHAR_BITS) | c)
-            if nxt is not None:
-                return nxt
-            if f == 0:
-                return 0
-            f = self.fail[f]
 
 
 class StopStringCursor:
