@@ -5,6 +5,11 @@ output items and stream events.
 previous response's conversation become chat messages, which the same chat-template path as
 /v1/chat/completions renders. The model's output becomes output items: a `message` with one
 `output_text` part, and one `function_call` per call.
+
+A response that has ended keeps its output items as JSON bytes (`ResponseState.freeze`): a
+stored response is then a handful of objects the garbage collector tracks, whatever its
+size, so a full collection never walks the store (issue 48: an object-heavy store made
+every collection a loop stall).
 """
 from __future__ import annotations
 
@@ -14,8 +19,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from aioengine.outputs import CompletionOutput
 from aioengine.server.protocol import ApiError
+from aioengine.server.request_limits import (METADATA_MAX_KEY_CHARS, METADATA_MAX_KEYS,
+                                             METADATA_MAX_VALUE_CHARS)
 from aioengine.server.serving_engine import check_failed, failure_body
 from aioengine.tool_parsers import (ContentDelta, ToolCallArgsDelta, ToolCallStart,
                                            ToolEvent)
@@ -27,6 +36,31 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 
 def new_item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def check_metadata(value: Any) -> dict[str, str]:
+    """`metadata` under OpenAI's rules: an object of at most 16 string keys of at most 64
+    characters, each value a string of at most 512; a 400 (param "metadata") otherwise.
+    None is {}."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ApiError(400, f"metadata must be an object, got {type(value).__name__}",
+                       "metadata")
+    if len(value) > METADATA_MAX_KEYS:
+        raise ApiError(400, f"metadata has {len(value)} keys; at most {METADATA_MAX_KEYS} are "
+                       "allowed", "metadata")
+    for key, item in value.items():
+        if len(key) > METADATA_MAX_KEY_CHARS:
+            raise ApiError(400, f"metadata key {key[:20]!r}... has {len(key)} characters; at "
+                           f"most {METADATA_MAX_KEY_CHARS} are allowed", "metadata")
+        if not isinstance(item, str):
+            raise ApiError(400, f"metadata[{key!r}] must be a string, got "
+                           f"{type(item).__name__}", "metadata")
+        if len(item) > METADATA_MAX_VALUE_CHARS:
+            raise ApiError(400, f"metadata[{key!r}] has {len(item)} characters; at most "
+                           f"{METADATA_MAX_VALUE_CHARS} are allowed", "metadata")
+    return value
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -128,13 +162,25 @@ class ResponseState:
 
     id: str
     model: str
-    request: dict[str, Any]  # the echoed request settings (tools, instructions, ...)
+    # The echoed request settings (tools, instructions, ...); a large value may be an
+    # orjson.Fragment (its JSON, serialized once).
+    request: dict[str, Any]
     created_at: int = field(default_factory=lambda: int(time.time()))
     status: str = "in_progress"
     output: list[dict[str, Any]] = field(default_factory=list)
     usage: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
     incomplete_details: dict[str, Any] | None = None
+    # The output items as JSON once the response has ended (`freeze`); `output` is then [].
+    output_json: bytes | None = None
+
+    def freeze(self) -> int:
+        """Keeps the ended response's output items as JSON (no more items come); returns
+        their size in bytes."""
+        if self.output_json is None:
+            self.output_json = orjson.dumps(self.output)
+            self.output = []
+        return len(self.output_json)
 
     def set_usage(self, prompt: int, cached: int, completion: int) -> None:
         self.usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
@@ -145,7 +191,8 @@ class ResponseState:
     def body(self) -> dict[str, Any]:
         return {"id": self.id, "object": "response", "created_at": self.created_at,
                 "status": self.status, "model": self.model,
-                "output": copy.deepcopy(self.output),
+                "output": copy.deepcopy(self.output) if self.output_json is None
+                else orjson.Fragment(self.output_json),
                 "usage": self.usage, "error": self.error,
                 "incomplete_details": self.incomplete_details, **self.request}
 

@@ -14,9 +14,26 @@ both builds the output items and, when streaming, sends the Responses events:
                   function_call_arguments.done, output_item.done
     response.completed | response.incomplete (max_output_tokens) | response.failed
 
-Stored responses (`store`, default true) live in a bounded in-memory store, least recently
-stored dropped first; `background: true` runs the response as a task that GET polls and
-cancel stops.
+Stored responses (`store`, default true) live in an in-memory store bounded in entries
+(--max-stored-responses) and in bytes (--max-stored-response-bytes), each response counted as
+the size of its JSON; `background: true` runs the response as a task that GET polls and
+cancel stops. The store's rules (`ResponsesStore`):
+
+- Finished responses are dropped least recently stored first (a response is stored anew
+  when it ends: its result is what a client comes back for).
+- A background response is never dropped while it runs, as with OpenAI, whose store never
+  drops one: its client can always fetch and cancel it. A new background response that does
+  not fit beside the running ones is refused: 429 while they fill the store, 400 if it could
+  never fit (a store of 0 entries, or its request alone over the byte budget).
+- A foreground response that does not fit (the running background ones fill the store, or
+  it alone is over the byte budget) is answered all the same, unstored: its `store` reads
+  false. A response counts as its request while it runs and with its output once it ends;
+  if it then no longer fits beside the running ones, it is dropped, and reads store: false
+  (a background one too: only with a byte budget smaller than a few responses).
+
+So the store holds at most --max-stored-response-bytes of JSON, plus the outputs of the
+responses still running. A stored response keeps its echoed settings, conversation and output
+as JSON bytes, a few objects whatever their size: the garbage collector never walks them.
 """
 from __future__ import annotations
 
@@ -27,13 +44,14 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from aioengine.sampling_params import SamplingParams
 from aioengine.server.protocol import (ApiError, build_sampling_params, get_bool, get_int,
                                        get_priority, get_str)
-from aioengine.server.responses_items import (ResponseBuilder, ResponseState, input_messages,
-                                              new_item_id, output_messages)
+from aioengine.server.responses_items import (ResponseBuilder, ResponseState, check_metadata,
+                                              input_messages, new_item_id, output_messages)
 from aioengine.server.serving_chat import apply_tool_plan, render_messages
 from aioengine.server.serving_engine import (Outputs, SSEStream, ServingContext, UsageTracker,
                                              failure_body, json_response, merged_outputs)
@@ -98,25 +116,92 @@ def response_prompt(ctx: ServingContext, body: dict, history: list[dict[str, Any
     return messages, plan, prompt_ids
 
 
+# What a stored response costs besides its JSON (its id, state and their objects).
+ENTRY_OVERHEAD_BYTES = 1024
+
+
 @dataclass
 class StoredResponse:
     state: ResponseState
-    messages: list[dict[str, Any]]  # the conversation without instructions, output included
+    # The conversation without instructions: while the response runs, the previous
+    # response's and the input as messages; once it has ended ([] here), with the output
+    # too, as JSON in `messages_json`.
+    messages: list[dict[str, Any]]
+    background: bool = False
+    request_bytes: int = 0  # the JSON of its echoed settings (`_echo`)
     task: asyncio.Task | None = None  # a background response while it runs
+    messages_json: bytes | None = None
+    ended: bool = False
+    nbytes: int = 0  # as the store counts it
+
+    @property
+    def pinned(self) -> bool:
+        """A background response that still runs: the store never drops it."""
+        return self.background and not self.ended
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The conversation, output included, of a response that has ended."""
+        assert self.messages_json is not None
+        return orjson.loads(self.messages_json)
 
 
 class ResponsesStore:
-    """Responses by id, at most `max_entries`, the least recently stored dropped first."""
+    """Responses by id, at most `max_entries` of them and `max_bytes` in all (each counted
+    as `StoredResponse.nbytes`). Finished responses are dropped least recently stored
+    first; running background ones never (`pinned`). Invariant: after every `admit` and
+    `update`, both bounds hold, each response counted as the store last saw it."""
 
-    def __init__(self, max_entries: int) -> None:
+    def __init__(self, max_entries: int, max_bytes: int = 256 << 20) -> None:
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.nbytes = 0
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
 
-    def put(self, stored: StoredResponse) -> None:
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a response of `nbytes` fits an empty store."""
+        return self.max_entries > 0 and nbytes <= self.max_bytes
+
+    def admit(self, stored: StoredResponse, nbytes: int) -> bool:
+        """Stores a new response counted as `nbytes`, dropping finished ones to make room;
+        False, with nothing dropped, if the running background ones leave no room."""
+        pinned = [s for s in self._entries.values() if s.pinned]
+        if (len(pinned) >= self.max_entries
+                or sum(s.nbytes for s in pinned) + nbytes > self.max_bytes):
+            return False
+        stored.nbytes = nbytes
         self._entries[stored.state.id] = stored
+        self.nbytes += nbytes
+        self._evict()
+        return True
+
+    def update(self, stored: StoredResponse, nbytes: int) -> bool:
+        """A stored response has ended: it is counted as `nbytes` now and is the most
+        recently stored; finished ones are dropped until the bounds hold, itself last.
+        False if it is not (or no longer) stored."""
+        if self._entries.get(stored.state.id) is not stored:
+            return False
+        self.nbytes += nbytes - stored.nbytes
+        stored.nbytes = nbytes
         self._entries.move_to_end(stored.state.id)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        self._evict()
+        return stored.state.id in self._entries
+
+    def _within(self) -> bool:
+        return len(self._entries) <= self.max_entries and self.nbytes <= self.max_bytes
+
+    def _evict(self) -> None:
+        if self._within():
+            return
+        for response_id, stored in list(self._entries.items()):  # least recently stored first
+            if stored.pinned:
+                continue
+            del self._entries[response_id]
+            self.nbytes -= stored.nbytes
+            if self._within():
+                return
 
     def get(self, response_id: str) -> StoredResponse:
         stored = self._entries.get(response_id)
@@ -126,21 +211,44 @@ class ResponsesStore:
         return stored
 
 
-def _echo(body: dict, instructions: str | None, params: SamplingParams,
-          plan: ToolPlan | None) -> dict[str, Any]:
-    """The request settings a Response object repeats."""
-    return {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
-            "metadata": body.get("metadata") or {},
+_FORMAT_KEYS = ("type", "name", "description", "schema", "strict")
+
+
+def _echo_text(body: dict) -> dict[str, Any]:
+    """`text` as a Response repeats it: its format's own fields (validated by
+    _response_format; a schema is bounded by --max-schema-bytes), nothing else."""
+    text = body.get("text")
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(fmt, dict):
+        return {"format": {"type": "text"}}
+    return {"format": {k: fmt[k] for k in _FORMAT_KEYS if k in fmt}}
+
+
+def _echo(body: dict, instructions: str | None, metadata: dict[str, str],
+          params: SamplingParams, plan: ToolPlan | None) -> tuple[dict[str, Any], int]:
+    """The request settings a Response object repeats, and their size as JSON. The ones of
+    unbounded shape (tools, text, tool_choice, metadata) are kept as their JSON
+    (orjson.Fragment): serialized once here, a single object for the garbage collector."""
+    echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
+            "metadata": metadata,
             "parallel_tool_calls": plan.parallel if plan else
             bool(get_bool(body, "parallel_tool_calls", True)),
             "previous_response_id": body.get("previous_response_id"),
             "store": bool(get_bool(body, "store", True)),
             "background": bool(get_bool(body, "background", False)),
             "temperature": params.temperature, "top_p": params.top_p,
-            "text": body.get("text") or {"format": {"type": "text"}},
+            "text": _echo_text(body),
             "tool_choice": body.get("tool_choice") or ("auto" if body.get("tools") else "none"),
             "tools": body.get("tools") or [], "truncation": "disabled",
-            "user": body.get("user")}
+            "user": get_str(body, "user", None)}
+    nbytes = 0
+    for key in ("metadata", "text", "tool_choice", "tools"):
+        raw = orjson.dumps(echo[key])
+        echo[key] = orjson.Fragment(raw)
+        nbytes += len(raw)
+    for key in ("instructions", "previous_response_id", "user"):
+        nbytes += len((echo[key] or "").encode("utf-8", "surrogatepass"))
+    return echo, nbytes
 
 
 _TAGGED_ID = re.compile(r"resp_([A-Za-z0-9]+)_[0-9a-f]+")
@@ -162,7 +270,7 @@ class ResponsesHandler:
         """`id_tag`: put in every response id (new_response_id), so a router in front of
         several servers can send a follow-up to the server that stores the response."""
         self.ctx = ctx
-        self.store = ResponsesStore(max_stored)
+        self.store = ResponsesStore(max_stored, ctx.limits.max_stored_response_bytes)
         self.id_tag = id_tag
 
     def _history(self, body: dict) -> list[dict[str, Any]]:
@@ -175,10 +283,10 @@ class ResponsesHandler:
             except ApiError as e:
                 e.param = "previous_response_id"
                 raise
-            if previous.state.status in ("queued", "in_progress"):
+            if not previous.ended:
                 raise ApiError(400, f"response {previous_id!r} is still in progress",
                                "previous_response_id")
-            history = previous.messages
+            history = previous.conversation()
         if body.get("input") is None:
             raise ApiError(400, "input is required", "input")
         return history
@@ -194,6 +302,7 @@ class ResponsesHandler:
                            "background")
         if background and stream:
             raise ApiError(400, "background responses cannot be streamed here", "stream")
+        metadata = check_metadata(body.get("metadata"))
         instructions = get_str(body, "instructions", None)
         history = self._history(body)
         params = responses_sampling_params(body)
@@ -203,17 +312,19 @@ class ResponsesHandler:
         prepared = await ctx.prepare([prompt_ids], params, lora_request, body,
                                      prompt_param="input",
                                      grammar_param="tools" if plan else "text")
-        state = ResponseState(new_response_id(self.id_tag), model,
-                              _echo(body, instructions, params, plan))
-        stored = StoredResponse(state, messages)
+        echo, echo_bytes = _echo(body, instructions, metadata, params, plan)
+        state = ResponseState(new_response_id(self.id_tag), model, echo)
+        stored = StoredResponse(state, messages, background, echo_bytes)
+        if store:
+            self._admit(stored)  # before the engine request starts: a refusal costs nothing
         run = ResponseBuilder(state, plan)
         outputs = merged_outputs(ctx.engine, prepared, state.id, get_priority(body))
         usage = UsageTracker([len(prompt_ids)])
-        if store:
-            self.store.put(stored)
         if background:
             state.status = "queued"
             stored.task = asyncio.create_task(self._collect(run, outputs, usage, stored))
+            # A task cancelled before its first step never runs _collect's `finally`.
+            stored.task.add_done_callback(lambda _: self._end(run, usage, stored))
             return json_response(state.body())
         if stream:
             return await self._stream(request, run, outputs, usage, stored)
@@ -223,12 +334,53 @@ class ResponsesHandler:
             return json_response(error_body, status)
         return json_response(state.body())
 
-    @staticmethod
-    def _finish(run: ResponseBuilder, usage: UsageTracker, stored: StoredResponse) -> None:
+    def _admit(self, stored: StoredResponse) -> None:
+        """Stores a new response, counted as its request while it runs. One that does not
+        fit is answered unstored (`store` reads false), but a background one must be
+        stored: 400 if it never could be, 429 while running background ones fill the
+        store."""
+        nbytes = (ENTRY_OVERHEAD_BYTES + stored.request_bytes
+                  + len(orjson.dumps(stored.messages)))  # bounded by the context length
+        if self.store.admit(stored, nbytes):
+            return
+        limits = (f"--max-stored-responses {self.store.max_entries}, "
+                  f"--max-stored-response-bytes {self.store.max_bytes}")
+        if stored.background and not self.store.fits(nbytes):
+            raise ApiError(400, f"a background response must be stored, and this one "
+                           f"({nbytes} bytes) cannot be ({limits})", "background")
+        if stored.background:
+            raise ApiError(429, "the Responses store is full of running background "
+                           f"responses ({limits}); retry when one has ended or cancel one",
+                           "background", type="rate_limit_error")
+        stored.state.request["store"] = False
+
+    def _finish(self, run: ResponseBuilder, usage: UsageTracker,
+                stored: StoredResponse) -> None:
+        """The response has ended (once; later calls do nothing): its usage set, its
+        conversation and output kept as JSON, and the store told its final size (it may
+        drop it: then `store` reads false)."""
+        if stored.ended:
+            return
+        state = run.state
         u = usage.body()
-        run.state.set_usage(u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"],
-                            u["completion_tokens"])
-        stored.messages = stored.messages + output_messages(run.state.output)
+        state.set_usage(u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"],
+                        u["completion_tokens"])
+        stored.messages_json = orjson.dumps(stored.messages + output_messages(state.output))
+        stored.messages = []
+        nbytes = (ENTRY_OVERHEAD_BYTES + stored.request_bytes + len(stored.messages_json)
+                  + state.freeze())
+        stored.ended = True
+        if state.request["store"] and not self.store.update(stored, nbytes):
+            state.request["store"] = False
+
+    def _end(self, run: ResponseBuilder, usage: UsageTracker, stored: StoredResponse) -> None:
+        """Ends a response that stopped before it finished (cancelled, or its client left)
+        as "cancelled"; one that has ended already is left as it is."""
+        if stored.ended:
+            return
+        run.close("incomplete")
+        run.state.status = "cancelled"
+        self._finish(run, usage, stored)
 
     async def _collect(self, run: ResponseBuilder, outputs: Outputs, usage: UsageTracker,
                        stored: StoredResponse) -> BaseException | None:
@@ -242,10 +394,11 @@ class ResponsesHandler:
                     for c in out.outputs:
                         run.advance(c)
         except asyncio.CancelledError:
+            # Cancelled (POST .../cancel), or its client went away: closing `outputs` has
+            # aborted its engine request (KV blocks freed) either way.
+            self._end(run, usage, stored)
             if stored.task is None:
-                raise  # the client went away: its request is aborted
-            run.close("incomplete")
-            run.state.status = "cancelled"
+                raise
         except Exception as e:  # noqa: BLE001 - the engine's failure, not the caller's
             run.fail(e)
             return e
@@ -273,7 +426,11 @@ class ResponsesHandler:
             self._finish(run, usage, stored)
             await send(run.final_event())
         except ConnectionError:  # the client left; closing `outputs` aborted its request
+            self._end(run, usage, stored)
             return sse.response
+        except asyncio.CancelledError:
+            self._end(run, usage, stored)
+            raise
         except Exception as e:  # noqa: BLE001 - sent as the stream's last event
             self._finish(run, usage, stored)
             try:

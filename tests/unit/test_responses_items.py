@@ -1,10 +1,15 @@
-"""Responses API items -> chat messages, and the bounded store of responses."""
+"""Responses API items -> chat messages, `metadata`'s rules, a Response's frozen output, and
+the store of responses, bounded in entries and bytes (running background ones pinned)."""
 from __future__ import annotations
 
+import gc
+
+import orjson
 import pytest
 
 from aioengine.server.protocol import ApiError
-from aioengine.server.responses_items import ResponseState, input_messages, output_messages
+from aioengine.server.responses_items import (ResponseState, check_metadata, input_messages,
+                                              message_item, output_messages)
 from aioengine.server.serving_responses import ResponsesStore, StoredResponse
 
 
@@ -30,11 +35,85 @@ def test_items_become_chat_turns() -> None:
     assert e.value.param == "input"
 
 
-def test_the_store_drops_the_oldest_beyond_its_size() -> None:
+def test_metadata_follows_openais_limits() -> None:
+    most = {f"{i:064d}": "v" * 512 for i in range(16)}
+    assert check_metadata(most) is most and check_metadata(None) == {}
+    for bad, why in [([], "must be an object"), ("x", "must be an object"),
+                     ({f"k{i}": "v" for i in range(17)}, "17 keys; at most 16"),
+                     ({"k" * 65: "v"}, "65 characters; at most 64"),
+                     ({"k": "v" * 513}, "513 characters; at most 512"),
+                     ({"k": 1}, "must be a string"), ({"k": {"a": "b"}}, "must be a string"),
+                     ({"k": None}, "must be a string")]:
+        with pytest.raises(ApiError, match=why) as e:
+            check_metadata(bad)
+        assert e.value.status == 400 and e.value.param == "metadata"
+
+
+def test_an_ended_response_keeps_its_output_as_json() -> None:
+    state = ResponseState("resp_1", "m", {"metadata": orjson.Fragment(b'{"a":"b"}')})
+    state.output.append(message_item("hello"))
+    before = orjson.loads(orjson.dumps(state.body()))
+    assert state.freeze() == len(orjson.dumps(before["output"]))
+    assert state.output == [] and not gc.is_tracked(orjson.Fragment(state.output_json))
+    after = orjson.loads(orjson.dumps(state.body()))
+    assert after == before and after["metadata"] == {"a": "b"}
+
+
+def _response(i: int, background: bool = False) -> StoredResponse:
+    return StoredResponse(ResponseState(f"resp_{i}", "m", {"store": True}), [], background)
+
+
+def _ids(store: ResponsesStore) -> list[str]:
+    ids = []
+    for i in range(20):
+        try:
+            ids.append(store.get(f"resp_{i}").state.id)
+        except ApiError as e:
+            assert e.status == 404
+    return ids
+
+
+def test_the_store_drops_the_oldest_beyond_its_entries() -> None:
     store = ResponsesStore(max_entries=2)
     for i in range(3):
-        store.put(StoredResponse(ResponseState(f"resp_{i}", "m", {}), []))
-    with pytest.raises(ApiError) as e:
-        store.get("resp_0")
-    assert e.value.status == 404
-    assert [store.get(f"resp_{i}").state.id for i in (1, 2)] == ["resp_1", "resp_2"]
+        assert store.admit(_response(i), 10)
+    assert _ids(store) == ["resp_1", "resp_2"] and store.nbytes == 20
+
+
+def test_the_store_drops_the_oldest_beyond_its_bytes() -> None:
+    store = ResponsesStore(max_entries=10, max_bytes=100)
+    for i in range(3):
+        assert store.admit(_response(i), 40)
+    assert _ids(store) == ["resp_1", "resp_2"] and store.nbytes == 80
+    # One bigger than the whole budget is not stored, and nothing is dropped for it.
+    assert not store.admit(_response(3), 101) and not store.fits(101)
+    assert _ids(store) == ["resp_1", "resp_2"]
+    # A response that has ended is stored anew: the older one goes first.
+    ended = store.get("resp_1")
+    ended.ended = True
+    assert store.update(ended, 45) and store.admit(_response(4), 40)
+    assert _ids(store) == ["resp_1", "resp_4"] and store.nbytes == 85
+
+
+def test_running_background_responses_are_never_dropped() -> None:
+    store = ResponsesStore(max_entries=2, max_bytes=100)
+    running = _response(0, background=True)
+    assert store.admit(running, 30)
+    for i in range(1, 4):  # finished ones come and go around it
+        assert store.admit(_response(i), 30)
+    assert _ids(store) == ["resp_0", "resp_3"]
+    assert store.admit(_response(4, background=True), 60)
+    assert _ids(store) == ["resp_0", "resp_4"]
+    # Only running ones are left: no room, and none of them is dropped.
+    assert not store.admit(_response(5), 10) and not store.admit(_response(6, True), 10)
+    assert store.fits(10) and _ids(store) == ["resp_0", "resp_4"]
+    # One that ends larger than the running ones leave room for is dropped, itself last.
+    running.ended = True
+    assert not store.update(running, 50)
+    assert _ids(store) == ["resp_4"] and store.nbytes == 60
+    assert not store.update(running, 10)  # no longer stored
+
+
+def test_a_store_of_no_entries_stores_nothing() -> None:
+    store = ResponsesStore(max_entries=0)
+    assert not store.fits(1) and not store.admit(_response(0), 1) and len(store) == 0
