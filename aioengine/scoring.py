@@ -51,3 +51,14 @@ def cosine_similarity(a: torch.Tensor, b: torch.Tensor) -> float:
     a64, b64 = a.to(torch.float64), b.to(torch.float64)
     denom = float(a64.norm() * b64.norm())
     return 0.0 if denom == 0.0 else float(a64 @ b64) / denom
+
+
+def cosine_similarities(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> list[float]:
+    """`cosine_similarity(a[i], b[i])` of each i, in a few tensor calls: one call per pair
+    held the server's event loop ~0.15 s for 2,048 rerank documents."""
+    if not a:
+        return []
+    a64, b64 = torch.stack(list(a)).to(torch.float64), torch.stack(list(b)).to(torch.float64)
+    denom = a64.norm(dim=-1) * b64.norm(dim=-1)
+    dots = (a64 * b64).sum(dim=-1)
+    return torch.where(denom == 0, 0.0, dots / denom).tolist()
