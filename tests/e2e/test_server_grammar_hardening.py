@@ -7,12 +7,18 @@
   machine's memory);
 - extreme temperatures / repetition penalties under any constraint answer 200 with output
   the constraint allows (they were 500 "generation failed");
-- a 100,000-value enum is a fast 400 naming the limit (it compiled for minutes).
+- a 20,000-value enum is a fast 400 naming the limit (100,000 compiled for minutes);
+- issue 48: slow schemas from clients that leave do not starve the compile pool: their
+  compiles stop, another user's guided_choice compiles at once, and a compile's failure
+  to finish in time is never cached as the constraint's answer (it was: the victim's
+  choice was a 400 for as long as the cache kept it).
 """
 from __future__ import annotations
 
 import json
+import os
 import re
+import threading
 import time
 from collections.abc import Iterator
 
@@ -110,8 +116,9 @@ def test_a_forced_tool_call_with_an_extreme_temperature(server: ServerProcess) -
 
 
 def test_a_huge_enum_is_a_fast_400(server: ServerProcess) -> None:
+    # 20,000 short values: under --max-schema-bytes (256 KiB), over the 10,000-value limit.
     schema = {"type": "object", "properties": {
-        "x": {"type": "string", "enum": [f"value_{i}" for i in range(100_000)]}},
+        "x": {"type": "string", "enum": [f"v{i}" for i in range(20_000)]}},
         "required": ["x"]}
     start = time.monotonic()
     status, body = completion(server, response_format={
@@ -119,4 +126,74 @@ def test_a_huge_enum_is_a_fast_400(server: ServerProcess) -> None:
     assert status == 400, body
     assert time.monotonic() - start < 10
     assert "enum" in body["error"]["message"] and "at most" in body["error"]["message"]
+    assert_health_fast(server)
+
+
+SLOW_PATTERN = "^[a-z]{1,40}[0-9]{1,40}$"  # x 120: 7 s to compile on 2 shared EPYC cores
+
+
+def slow_schema(tag: str, n: int = 120) -> dict:
+    names = [f"{tag}{i}" for i in range(n)]
+    return {"type": "object", "required": names,
+            "properties": {name: {"type": "string", "pattern": SLOW_PATTERN} for name in names}}
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of `pid` and its live descendants (the compile workers
+    are the grammar zygote's children)."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        times[int(entry)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tree, grew = {pid}, True
+    while grew:
+        more = {child for child, parent in parents.items() if parent in tree} - tree
+        tree |= more
+        grew = bool(more)
+    return sum(times.get(p, 0.0) for p in tree)
+
+
+def test_slow_schemas_from_clients_that_left_do_not_starve_a_choice(
+        server: ServerProcess) -> None:
+    victim = {"guided_choice": ["alpha-victim", "beta-victim"], "temperature": 0,
+              "max_tokens": 8}
+    status, body = completion(server, guided_choice=["warm-a", "warm-b"])  # workers up
+    assert status == 200, body
+
+    def leave_early(tag: str) -> None:  # sends the schema, gives up after 1 s
+        payload = {"model": server.model, "prompt": "Answer:", "max_tokens": 16,
+                   "guided_json": slow_schema(tag)}
+        try:
+            server.request("POST", "/v1/completions", payload, timeout=1.0)
+        except OSError:
+            pass
+
+    attackers = [threading.Thread(target=leave_early, args=(tag,)) for tag in "pq"]
+    for thread in attackers:
+        thread.start()
+    for thread in attackers:
+        thread.join()
+    time.sleep(0.5)  # the server sees the disconnects and kills their compiles
+    cpu_before, wall_before = tree_cpu_seconds(server.proc.pid), time.monotonic()
+    start = time.monotonic()
+    status, body = completion(server, **victim)
+    elapsed = time.monotonic() - start
+    assert status == 200, body  # was a 400: "took longer than the 10 s budget"
+    assert body["choices"][0]["text"] in victim["guided_choice"]
+    assert elapsed < 5, elapsed  # was 10 s: queued behind both slow compiles
+    time.sleep(1.0)
+    busy = ((tree_cpu_seconds(server.proc.pid) - cpu_before)
+            / (time.monotonic() - wall_before))
+    assert busy < 0.8, f"abandoned compiles still use {busy:.2f} cores"  # were 2 cores
+    # The same choice again: answered (from the cache), never a cached failure.
+    status, body = completion(server, **victim)
+    assert status == 200, body
     assert_health_fast(server)
