@@ -7,10 +7,11 @@ import gc
 import orjson
 import pytest
 
+from aioengine.sampling_params import SamplingParams
 from aioengine.server.protocol import ApiError
 from aioengine.server.responses_items import (ResponseState, check_metadata, input_messages,
                                               message_item, output_messages)
-from aioengine.server.serving_responses import ResponsesStore, StoredResponse
+from aioengine.server.serving_responses import ResponsesStore, StoredResponse, _echo
 
 
 def test_items_become_chat_turns() -> None:
@@ -57,6 +58,23 @@ def test_an_ended_response_keeps_its_output_as_json() -> None:
     assert state.output == [] and not gc.is_tracked(orjson.Fragment(state.output_json))
     after = orjson.loads(orjson.dumps(state.body()))
     assert after == before and after["metadata"] == {"a": "b"}
+
+
+def test_the_echoed_settings_are_kept_as_json() -> None:
+    """What a stored response repeats of its request holds no container the garbage
+    collector would walk on every full collection, and `text` only its format's fields."""
+    tool = {"type": "function", "name": "f", "parameters": {
+        "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(500)}}}
+    body = {"tools": [tool], "tool_choice": {"type": "function", "name": "f"},
+            "text": {"format": {"type": "json_object", "junk": [{"a": 1}] * 1000},
+                     "junk": [{"a": 1}] * 1000}}
+    echo, nbytes = _echo(body, "Be brief.", {"k": "v"}, SamplingParams(), None)
+    assert not any(gc.is_tracked(v) for v in echo.values())
+    assert nbytes == sum(len(orjson.dumps(echo[k])) for k in
+                         ("metadata", "text", "tool_choice", "tools")) + len("Be brief.")
+    shown = orjson.loads(orjson.dumps(echo))
+    assert shown["tools"] == [tool] and shown["text"] == {"format": {"type": "json_object"}}
+    assert shown["metadata"] == {"k": "v"} and shown["instructions"] == "Be brief."
 
 
 def _response(i: int, background: bool = False) -> StoredResponse:
