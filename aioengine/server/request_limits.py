@@ -34,9 +34,11 @@ class RequestLimits:
     max_json_depth: int = 64
     # Inputs of one /v1/embeddings, /pooling call; documents of one /score or /rerank call.
     max_pooling_inputs: int = 2048
-    # Stop strings of one request: how many, and their characters in all.
+    # Stop strings of one request: how many, and their characters in all. The request's
+    # stop automaton is built on the event loop at ~3-10 us a character (stop_strings.py),
+    # so the characters bound that one-time stall (~50-150 ms at the limit).
     max_stop_strings: int = 1024
-    max_stop_chars: int = 65536
+    max_stop_chars: int = 16384
     # `logit_bias` entries (OpenAI allows 300).
     max_logit_bias: int = 300
     # Tools of one chat or Responses request (OpenAI allows 128).
