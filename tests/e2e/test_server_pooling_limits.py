@@ -74,8 +74,8 @@ def test_over_the_limit_is_a_400_before_any_work(server: ServerProcess, path: st
     start = time.monotonic()
     status, raw = server.request("POST", path, body)
     elapsed = time.monotonic() - start
-    err = orjson.loads(raw)["error"]
     assert status == 400, raw[:300]
+    err = orjson.loads(raw)["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error"
     assert f"at most {LIMIT}" in err["message"] and "--max-pooling-inputs" in err["message"]
     # Tokenizing and embedding 2,049 texts takes tens of seconds here; counting them none.
