@@ -142,7 +142,8 @@ TOOL_FLAGS: dict[str, FlagSpec] = {
     "max_stored_responses": flag(
         "--max-stored-responses", type=int,
         help="responses kept for previous_response_id and GET /v1/responses/ID (least "
-             "recently stored dropped first; default: 1024)"),
+             "recently stored dropped first, never a running background one: a new "
+             "background response that does not fit beside them gets a 429; default: 1024)"),
     "trust_message_special_tokens": flag(
         "--trust-message-special-tokens", action="store_true",
         help="for trusted callers only: special tokens written in message content act as "
