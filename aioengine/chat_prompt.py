@@ -170,16 +170,18 @@ def _with_system_block(messages: list[dict], block: str) -> list[dict]:
 
 
 @functools.lru_cache(maxsize=16)
-def _named_roles(template: str) -> frozenset[str]:
-    return frozenset(role for group in _ROLE_TEST_RE.findall(template)
-                     for role in _QUOTED_RE.findall(group))
+def _roles(template: str) -> frozenset[str]:
+    named = (role for group in _ROLE_TEST_RE.findall(template)
+             for role in _QUOTED_RE.findall(group))
+    return frozenset(CHAT_ROLES).union(named)  # words only (_QUOTED_RE)
 
 
 def template_roles(template: str | dict | None) -> frozenset[str]:
     """CHAT_ROLES plus the roles `template` compares a message's role with."""
-    texts = template.values() if isinstance(template, dict) else [template]
-    named = frozenset().union(*(_named_roles(t) for t in texts if isinstance(t, str)))
-    return frozenset(CHAT_ROLES) | named
+    if isinstance(template, str):
+        return _roles(template)
+    texts = template.values() if isinstance(template, dict) else []
+    return frozenset(CHAT_ROLES).union(*(_roles(t) for t in texts if isinstance(t, str)))
 
 
 def _has_control_chars(text: str) -> bool:
@@ -190,18 +192,16 @@ def check_roles(messages: list, template: str | dict | None,
                 boundary: PromptBoundary) -> None:
     """ChatTemplateError for a role the template does not take: a role is written into the
     prompt as text, so one with a newline or a special token would forge turns."""
-    allowed = None
+    allowed = template_roles(template)  # clean words: a role in it needs no other check
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
-        if not isinstance(role, str) or not role:
-            continue  # normalize_messages says what is wrong with it
+        if not isinstance(role, str) or not role or role in allowed:
+            continue  # (normalize_messages says what is wrong with a missing role)
         if _has_control_chars(role) or boundary.has_special(role):
             raise ChatTemplateError(f"messages[{i}].role must not contain whitespace, control "
                                     f"characters or special tokens, got {role[:40]!r}")
-        allowed = allowed or template_roles(template)
-        if role not in allowed:
-            raise ChatTemplateError(f"messages[{i}].role {role[:40]!r} is not one of this "
-                                    f"chat template's roles: {', '.join(sorted(allowed))}")
+        raise ChatTemplateError(f"messages[{i}].role {role[:40]!r} is not one of this "
+                                f"chat template's roles: {', '.join(sorted(allowed))}")
 
 
 @dataclass(frozen=True)

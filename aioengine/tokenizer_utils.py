@@ -10,6 +10,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import orjson
 from transformers import PreTrainedTokenizerBase
 
 
@@ -161,6 +162,7 @@ class PromptBoundary:
         self.special_ids = {a.content: i for i, a in added.items() if a.special}
         specials = list(self.special_ids)
         self._special_re = re.compile(_alternation(specials)) if specials else None
+        self._json_spells_specials = all(orjson.dumps(c).decode() == f'"{c}"' for c in specials)
         sentinel, self._twin_prefix = _secret(_SENTINEL_PLANE), _secret(_TWIN_PLANE)
         self._sentinel = {c: sentinel + chr(_SENTINEL_PLANE + k) for k, c in enumerate(specials)}
         self._twin = {c: self._twin_prefix + chr(_TWIN_PLANE + k) for k, c in enumerate(specials)}
@@ -182,16 +184,33 @@ class PromptBoundary:
     def escape(self, value: Any) -> Any:
         """`value` (a string, or lists and dicts of them, keys included) with special-token
         text replaced by sentinels; the very same object when there was none."""
+        if self._special_re is None:
+            return value
+        if self._json_spells_specials and not isinstance(value, str):
+            # One C serialization and one search instead of a Python walk of every string
+            # (25,000 messages: ~4 ms instead of ~50); JSON writes special tokens as they
+            # are (_json_spells_specials), so none in the JSON means none in any string.
+            try:
+                text = orjson.dumps(value).decode()
+            except (TypeError, orjson.JSONEncodeError):  # not JSON (LLM.chat's callers)
+                text = None
+            if text is not None and not self.has_special(text):
+                return value
+        return self._escape(value)
+
+    def _escape(self, value: Any) -> Any:
         if isinstance(value, str):
             if not self.has_special(value):
                 return value
             assert self._special_re is not None
             return self._special_re.sub(lambda m: self._sentinel[m.group()], value)
-        if isinstance(value, list):
-            items = [self.escape(v) for v in value]
-            return value if all(a is b for a, b in zip(items, value)) else items
+        if isinstance(value, (list, tuple)):
+            items = [self._escape(v) for v in value]
+            if all(a is b for a, b in zip(items, value)):
+                return value
+            return items if isinstance(value, list) else tuple(items)
         if isinstance(value, Mapping):
-            pairs = [(self.escape(k), self.escape(v)) for k, v in value.items()]
+            pairs = [(self._escape(k), self._escape(v)) for k, v in value.items()]
             if all(k2 is k and v2 is v for (k2, v2), (k, v) in zip(pairs, value.items())):
                 return value
             return dict(pairs)
