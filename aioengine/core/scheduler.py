@@ -68,8 +68,10 @@ class Scheduler:
     def _enqueue_waiting(self, request: Request) -> None:
         """Inserts by (priority,) arrival time: a preempted request keeps its arrival time,
         so it goes back in front of everything that arrived after it."""
-        keys = [self._queue_key(r) for r in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, self._queue_key(request)), request)
+        # Keys computed only along the bisection: building all of them made each insertion
+        # O(queue), so a 2,048-input pooling call O(n^2) on the event loop.
+        self.waiting.insert(bisect.bisect_right(self.waiting, self._queue_key(request),
+                                                key=self._queue_key), request)
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
