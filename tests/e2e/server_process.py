@@ -48,6 +48,24 @@ class ServerProcess:
         except urllib.error.HTTPError as e:
             return e.code, e.read()
 
+    def post_polling_health(self, path: str, body: bytes | dict,
+                            headers: dict[str, str] | None = None, timeout: float = 600,
+                            interval: float = 0.05) -> tuple[int, bytes, list[float]]:
+        """POSTs `body` on a thread while polling /health every `interval` seconds: (status,
+        raw answer, the sorted /health latencies). Every poll must answer 200."""
+        result: list[tuple[int, bytes]] = []
+        worker = threading.Thread(target=lambda: result.append(
+            self.request("POST", path, body, headers=headers, timeout=timeout)))
+        worker.start()
+        latencies = []
+        while worker.is_alive():
+            start = time.monotonic()
+            assert self.request("GET", "/health", timeout=30)[0] == 200
+            latencies.append(time.monotonic() - start)
+            time.sleep(interval)
+        worker.join()
+        return *result[0], sorted(latencies)
+
     def metrics(self) -> dict[str, float]:
         """/metrics as {"name{labels}": value}; also {"name": sum over label sets}."""
         auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None

@@ -7,7 +7,6 @@ timeouts are short here, so no client pool reuses a connection the server has cl
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,24 +37,6 @@ def post(server: ServerProcess, path: str, body: dict | bytes,
     return status, orjson.loads(raw)
 
 
-def _health_latencies_while(server: ServerProcess, path: str,
-                            body: bytes) -> tuple[int, list[float]]:
-    """(status of POST `path` `body`, /health latencies measured while it ran)."""
-    result: list[int] = []
-    worker = threading.Thread(
-        target=lambda: result.append(server.request("POST", path, body, headers=AUTH,
-                                                    timeout=120)[0]))
-    worker.start()
-    latencies = []
-    while worker.is_alive():
-        start = time.monotonic()
-        assert server.request("GET", "/health", timeout=30)[0] == 200
-        latencies.append(time.monotonic() - start)
-        time.sleep(0.02)
-    worker.join()
-    return result[0], sorted(latencies)
-
-
 LARGE_BODIES = [
     # (route, body, status): ~1 MB of text to tokenize (over the context), 25,000 chat
     # messages to render, 500,000 ids to detokenize; each blocked the loop 1-4 s before.
@@ -73,7 +54,8 @@ LARGE_BODIES = [
 @pytest.mark.parametrize("path,body,status", LARGE_BODIES, ids=[b[0] for b in LARGE_BODIES])
 def test_health_answers_while_a_large_body_is_processed(server: ServerProcess, path: str,
                                                          body: dict, status: int) -> None:
-    got, latencies = _health_latencies_while(server, path, orjson.dumps(body))
+    got, _, latencies = server.post_polling_health(path, orjson.dumps(body), AUTH, 120,
+                                                   interval=0.02)
     assert got == status
     p95 = latencies[int(len(latencies) * 0.95)]
     assert p95 < 0.1 and latencies[-1] < 0.5, (len(latencies), p95, latencies[-5:])

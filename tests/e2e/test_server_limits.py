@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from urllib.parse import urlparse
@@ -34,21 +33,6 @@ def _rss_mb(server: ServerProcess) -> float:
     return psutil.Process(server.proc.pid).memory_info().rss / 2**20
 
 
-def _health_while(server: ServerProcess, path: str, body: bytes) -> tuple[int, dict, list[float]]:
-    """(status, body) of POST `path` and the /health latencies measured while it ran."""
-    result: list[tuple[int, dict]] = []
-    worker = threading.Thread(target=lambda: result.append(post(server, path, body, 120)))
-    worker.start()
-    latencies = []
-    while worker.is_alive():
-        start = time.monotonic()
-        assert server.request("GET", "/health", timeout=30)[0] == 200
-        latencies.append(time.monotonic() - start)
-        time.sleep(0.05)
-    worker.join()
-    return *result[0], sorted(latencies)
-
-
 def _nested(depth: int) -> bytes:
     return b"[" * depth + b"]" * depth
 
@@ -61,7 +45,8 @@ def test_deep_nesting_is_a_400_before_parsing(server: ServerProcess, pad: int) -
     body = head[:-1] + b', "junk": ' + _nested(20_000) + b"}"
     before = _rss_mb(server)
     start = time.monotonic()
-    status, answer, latencies = _health_while(server, "/v1/completions", body)
+    status, raw, latencies = server.post_polling_health("/v1/completions", body, AUTH)
+    answer = orjson.loads(raw)
     assert status == 400, answer
     assert "--max-json-depth" in answer["error"]["message"]
     assert time.monotonic() - start < 1.0

@@ -6,7 +6,6 @@ the limit completes while /health keeps answering and the server's memory comes 
 One server for the module."""
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 
@@ -38,25 +37,6 @@ def rss_mb(server: ServerProcess) -> float:
     with open(f"/proc/{server.proc.pid}/status") as status:
         kb = next(line for line in status if line.startswith("VmRSS")).split()[1]
     return int(kb) / 1024
-
-
-def health_latencies_while(server: ServerProcess, path: str,
-                           body: dict) -> tuple[int, bytes, list[float]]:
-    """(status and body of POST `path`, sorted /health latencies measured while it ran,
-    one poll every 50 ms)."""
-    result: list[tuple[int, bytes]] = []
-    data = orjson.dumps(body)
-    worker = threading.Thread(target=lambda: result.append(
-        server.request("POST", path, data, timeout=600)))
-    worker.start()
-    latencies = []
-    while worker.is_alive():
-        start = time.monotonic()
-        assert server.request("GET", "/health", timeout=30)[0] == 200
-        latencies.append(time.monotonic() - start)
-        time.sleep(0.05)
-    worker.join()
-    return result[0][0], result[0][1], sorted(latencies)
 
 
 @pytest.mark.parametrize("path,body,param", [
@@ -104,7 +84,7 @@ def _check_answer(path: str, answer: dict) -> None:
 def test_a_call_at_the_limit_keeps_health_answering(server: ServerProcess, warm: None,
                                                     path: str, body: dict) -> None:
     rss_before = rss_mb(server)
-    status, raw, latencies = health_latencies_while(server, path, body)
+    status, raw, latencies = server.post_polling_health(path, body)
     assert status == 200, raw[:300]
     _check_answer(path, orjson.loads(raw))
     del raw

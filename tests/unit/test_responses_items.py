@@ -11,7 +11,8 @@ from aioengine.sampling_params import SamplingParams
 from aioengine.server.protocol import ApiError
 from aioengine.server.responses_items import (ResponseState, check_metadata, input_messages,
                                               message_item, output_messages)
-from aioengine.server.serving_responses import ResponsesStore, StoredResponse, _echo
+from aioengine.server.responses_store import ResponsesStore, StoredResponse
+from aioengine.server.serving_responses import _echo
 
 
 def test_items_become_chat_turns() -> None:
