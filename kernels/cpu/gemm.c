@@ -12,6 +12,7 @@
 
 #include "gemm.h"
 #include "gemm_q4_1.h"
+#include "gemm_blocks.h"
 #include "gemm_w8a8.h"
 
 typedef float g8f __attribute__((vector_size(32), aligned(4)));
@@ -283,6 +284,11 @@ static void gemm_tile_any(float *restrict y, int64_t ldy, const float *restrict 
                           bias, mr, np);
         return;
     }
+    if (gemm_is_block(fmt)) {
+        gemm_blk_tile_any(fmt, y, ldy, (const uint8_t *)x, (const uint8_t *)w, panel_bytes, k,
+                          c0, n, bias, mr, np);
+        return;
+    }
     if (fmt == GEMM_W8A8P) {
         gemm_w8_tile_any(y, ldy, (const uint8_t *)x, (const uint8_t *)w, panel_bytes, k, c0, n,
                          scales, bias, mr, np);
@@ -315,6 +321,9 @@ static void gemm_tile_any(float *restrict y, int64_t ldy, const float *restrict 
     if (fmt == GEMM_Q41P) {
         gemm_q41_tile_any(y, ldy, (const uint8_t *)x, (const uint8_t *)w, panel_bytes, k, c0, n,
                           bias, mr, np);
+    } else if (gemm_is_block(fmt)) {
+        gemm_blk_tile_any(fmt, y, ldy, (const uint8_t *)x, (const uint8_t *)w, panel_bytes, k,
+                          c0, n, bias, mr, np);
     } else if (fmt == GEMM_W8A8P) {
         gemm_w8_tile_any(y, ldy, (const uint8_t *)x, (const uint8_t *)w, panel_bytes, k, c0, n,
                          scales, bias, mr, np);
@@ -350,8 +359,8 @@ void gemm_range(float *restrict y, int64_t ldy, const float *restrict x,
                               int64_t p_lo, int64_t p_hi) {
     const int64_t panel_bytes = gemm_panel_bytes(fmt, k);
     /* x's row stride in floats (bf16 pairs, one float's size each, where gemm_x_pairs
-     * prepared x; Q4_1: q41_prepare_x's rows, 40 bytes per 32-block) */
-    const int64_t x_stride = fmt == GEMM_Q41P        ? q41_x_row_bytes(k) / 4
+     * prepared x; block formats: q41_prepare_x's rows, 44 bytes per 32-block) */
+    const int64_t x_stride = gemm_is_block(fmt)      ? q41_x_row_bytes(k) / 4
                              : fmt == GEMM_W8A8P    ? w8_x_row_bytes(k) / 4
                              : gemm_x_is_pairs(fmt) ? (k + 1) / 2
                                                     : k;

@@ -36,22 +36,42 @@
 
 #include <stdint.h>
 
-enum { GEMM_F32P = 5, GEMM_BF16P = 6, GEMM_I8P = 7, GEMM_Q41P = 8, GEMM_W8A8P = 9 };
+enum { GEMM_F32P = 5, GEMM_BF16P = 6, GEMM_I8P = 7, GEMM_Q41P = 8, GEMM_W8A8P = 9,
+       /* a GGUF's other block formats (gemm_blocks.h; kernels/cpu_blocks.py packs them) */
+       GEMM_Q80P = 10, GEMM_Q40P = 11, GEMM_Q4KP = 12, GEMM_Q5KP = 13, GEMM_Q6KP = 14 };
 #define GEMM_NR 16
 /* Rows per pass over the panels: x's rows of a pass (48 x k floats) stay in L2. */
 #define GEMM_ROWS_PER_PASS 48
 
-static inline int gemm_is_packed(int fmt) { return fmt >= GEMM_F32P && fmt <= GEMM_W8A8P; }
+static inline int gemm_is_packed(int fmt) { return fmt >= GEMM_F32P && fmt <= GEMM_Q6KP; }
+
+/* Whether fmt is a GGUF block format: x quantized per 32-block (q41_prepare_x). */
+static inline int gemm_is_block(int fmt) { return fmt == GEMM_Q41P || fmt >= GEMM_Q80P; }
+
+/* A block format's weights per panel group and bytes per group (16 columns' block). */
+static inline int64_t gemm_block_weights(int fmt) { return fmt >= GEMM_Q4KP ? 256 : 32; }
+
+static inline int64_t gemm_group_bytes(int fmt) {
+    switch (fmt) {
+    case GEMM_Q41P: return 320;
+    case GEMM_Q80P: return 544;
+    case GEMM_Q40P: return 288;
+    case GEMM_Q4KP: return 2368;
+    case GEMM_Q5KP: return 2880;
+    default: return 3360; /* GEMM_Q6KP */
+    }
+}
 
 static inline int64_t gemm_elem_bytes(int fmt) {
     return fmt == GEMM_F32P ? 4 : fmt == GEMM_BF16P ? 2 : 1;
 }
 
-/* Bytes of one panel of k rows (Q4_1: 16 columns x 20 bytes per 32 rows; W8A8: the 16
+/* Bytes of one panel of k rows (block formats: k / block weights groups; W8A8: the 16
  * columns' int32 weight sums, then 16 columns x 4 bytes per 4 rows, gemm_w8a8.h). */
 static inline int64_t gemm_panel_bytes(int fmt, int64_t k) {
     if (fmt == GEMM_W8A8P) return 64 * (1 + (k + 3) / 4);
-    return fmt == GEMM_Q41P ? k / 32 * 20 * GEMM_NR : gemm_elem_bytes(fmt) * GEMM_NR * k;
+    if (gemm_is_block(fmt)) return k / gemm_block_weights(fmt) * gemm_group_bytes(fmt);
+    return gemm_elem_bytes(fmt) * GEMM_NR * k;
 }
 
 static inline int64_t gemm_num_panels(int64_t n) { return (n + GEMM_NR - 1) / GEMM_NR; }

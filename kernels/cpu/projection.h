@@ -33,7 +33,7 @@ static inline int proj_format_known(int fmt) { return gemm_is_packed(fmt); }
 
 /* Formats whose x proj_prepare_x rewrites into a buffer. */
 static inline int proj_needs_buffer(int fmt) {
-    return fmt == GEMM_Q41P || fmt == GEMM_W8A8P || gemm_x_is_pairs(fmt);
+    return gemm_is_block(fmt) || fmt == GEMM_W8A8P || gemm_x_is_pairs(fmt);
 }
 
 /* Floats of the buffer proj_prepare_x writes x into (the fused decode's are sized by the
@@ -47,7 +47,7 @@ static inline int64_t proj_buffer_floats(int fmt, int64_t M, int64_t k) {
 
 /* x [M, k] in the form format `fmt` reads, in buf (proj_buffer_floats) where it differs
  * from x: bf16 pairs where the AVX512-BF16 build's dot-product instruction reads them,
- * quantized per 32-block for Q4_1 panels (q4_1.h) and per row for W8A8 panels (w8a8.h);
+ * quantized per 32-block for the GGUF block formats (q4_1.h) and per row for W8A8 panels (w8a8.h);
  * else the rows themselves. */
 static inline const float *proj_prepare_x(float *restrict buf, const float *restrict x,
                                           int64_t M, int64_t k, int fmt) {
@@ -57,7 +57,7 @@ static inline const float *proj_prepare_x(float *restrict buf, const float *rest
         return buf;
     }
 #endif
-    if (fmt == GEMM_Q41P) {
+    if (gemm_is_block(fmt)) {
         q41_prepare_x(buf, x, M, k);
         return buf;
     }

@@ -37,8 +37,9 @@ static inline float q41_half(const uint8_t *p) {
 }
 
 /* x [M, k] per 32-block: per row, nb = k / 32 scales (float), nb block sums of qx (int32),
- * then k int8; rows one after another. */
-static inline int64_t q41_x_row_bytes(int64_t k) { return (k / 32) * 8 + k; }
+ * nb sums of each block's first 16 qx (int32: Q6_K's 16-weight scales), then k int8; rows
+ * one after another. Every GGUF block format reads this one form (gemm_blocks.h). */
+static inline int64_t q41_x_row_bytes(int64_t k) { return (k / 32) * 12 + k; }
 
 static inline void q41_prepare_x(float *restrict buf, const float *restrict x, int64_t M,
                                  int64_t k) {
@@ -46,8 +47,8 @@ static inline void q41_prepare_x(float *restrict buf, const float *restrict x, i
     for (int64_t m = 0; m < M; m++) {
         uint8_t *row = (uint8_t *)buf + m * q41_x_row_bytes(k);
         float *s = (float *)row;
-        int32_t *sums = (int32_t *)(row + nb * 4);
-        int8_t *q = (int8_t *)(row + nb * 8);
+        int32_t *sums = (int32_t *)(row + nb * 4), *half_sums = (int32_t *)(row + nb * 8);
+        int8_t *q = (int8_t *)(row + nb * 12);
         for (int64_t b = 0; b < nb; b++) {
             const float *xb = x + m * k + b * 32;
             float amax = 0.0f;
@@ -59,7 +60,7 @@ static inline void q41_prepare_x(float *restrict buf, const float *restrict x, i
             sb = sb > 0.0f ? sb : 1.0f;
             /* In two passes that vectorise (a division and a rounding per lane, as the
              * scalar code rounds them), then the int8 values and their sum. */
-            int32_t v[32], total = 0;
+            int32_t v[32], total = 0, half = 0;
             for (int j = 0; j < 32; j++) {
                 const float r = __builtin_nearbyintf(xb[j] / sb);
                 v[j] = (int32_t)(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
@@ -67,16 +68,18 @@ static inline void q41_prepare_x(float *restrict buf, const float *restrict x, i
             for (int j = 0; j < 32; j++) {
                 q[b * 32 + j] = (int8_t)v[j];
                 total += v[j];
+                half += j < 16 ? v[j] : 0;
             }
             s[b] = sb;
             sums[b] = total;
+            half_sums[b] = half;
         }
     }
 }
 
 
 /* Row `row` of x as q41_prepare_x leaves it (k = 32 nb): block b's scale s_b, the sum of
- * its quantized values, and those 32 values. */
+ * its quantized values (and of its first 16), and those 32 values. */
 static inline float q41_x_scale(const uint8_t *row, int64_t b) {
     float s;
     memcpy(&s, row + 4 * b, 4);
@@ -89,8 +92,14 @@ static inline int32_t q41_x_sum(const uint8_t *row, int64_t nb, int64_t b) {
     return t;
 }
 
+static inline int32_t q41_x_half_sum(const uint8_t *row, int64_t nb, int64_t b) {
+    int32_t t;
+    memcpy(&t, row + nb * 8 + 4 * b, 4);
+    return t;
+}
+
 static inline const int8_t *q41_x_quants(const uint8_t *row, int64_t nb, int64_t b) {
-    return (const int8_t *)(row + nb * 8) + 32 * b;
+    return (const int8_t *)(row + nb * 12) + 32 * b;
 }
 
 #endif /* AIOENGINE_Q4_1_H */
