@@ -14,6 +14,7 @@ from aioengine.core.block_pool import PREFIX_CACHING_HASH_ALGOS
 # ConfigError is defined with the other typed errors, so that aioengine.spec_decode.config
 # need not import this module (no import circle); callers import it from here.
 from aioengine.errors import ConfigError
+from aioengine.generation_config import check_generation_config_setting
 from aioengine.spec_decode.config import SpeculativeConfig
 
 QUANTIZATIONS = ("int8", "w8a8", "gguf")
@@ -92,6 +93,10 @@ class EngineArgs:
     # CUDA: the share of the device's memory the engine may use (weights, activations of
     # the largest step, KV cache); the KV cache gets what the profiling run leaves.
     gpu_memory_utilization: float = 0.9
+    # vLLM's name. The sampling defaults of a request that omits a field: "auto" the
+    # model's own (generation_config.json, GGUF general.sampling.*, the bundled model's
+    # shipped ones), "vllm" none (SamplingParams'), or a directory's generation_config.json.
+    generation_config: str = "auto"
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineArgs:
@@ -155,6 +160,7 @@ class EngineArgs:
                               f"got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ConfigError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
+        check_generation_config_setting(self.generation_config)
 
 
 @dataclass(frozen=True)
@@ -345,6 +351,11 @@ ENGINE_FLAGS: dict[str, FlagSpec] = {
     "gpu_memory_utilization": flag("--gpu-memory-utilization", type=float,
                                    help="CUDA: share of device memory for the engine "
                                         "(default 0.9); the KV cache gets what is left"),
+    "generation_config": flag(
+        "--generation-config", metavar="auto|vllm|DIR",
+        help="sampling defaults of a request that leaves a field out: auto = the model's "
+             "(generation_config.json, GGUF general.sampling.*, the bundled model's), vllm = "
+             "none (temperature 1, top_p 1), DIR = DIR/generation_config.json"),
 }
 
 

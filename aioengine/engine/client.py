@@ -98,6 +98,12 @@ class EngineClient:
         return self.core.dtype_info()
 
     @property
+    def default_sampling(self) -> dict[str, Any]:
+        """The model's sampling defaults (aioengine/generation_config.py): SamplingParams
+        field -> value, for the fields a request leaves out."""
+        return self.core.default_sampling
+
+    @property
     def speculative_config(self) -> SpeculativeConfig | None:
         return self.core.speculative_config
 

@@ -26,6 +26,7 @@ from aioengine.core.scheduler import Scheduler
 from aioengine.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from aioengine.core.spec_stats import SpecDecodingStats
 from aioengine.engine.admission import RequestAdmission
+from aioengine.generation_config import model_sampling_defaults
 from aioengine.engine.client import PreparedRequest
 from aioengine.engine.features import EngineFeature, feature_stats, prepare_step
 from aioengine.model.llama import kv_cache_bytes_per_block
@@ -77,6 +78,9 @@ class EngineCore(RequestAdmission):
                                  tokenizer=args.tokenizer,
                                  linear_factory=None if self.lora is None
                                  else self.lora.linear_factory, lora_source=self.lora)
+        # What a request leaving a sampling field out gets (--generation-config; logged).
+        self.default_sampling = model_sampling_defaults(args.generation_config,
+                                                        self.loaded.model_path)
         if self.lora is not None:
             check_lora_architecture(self.loaded.arch.architecture)
             logger.info("LoRA: %d slots of rank %d (%.1f MiB), up to %d adapters in CPU memory",

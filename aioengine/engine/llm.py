@@ -31,13 +31,19 @@ class LLM(EngineClient):
         self.processor = OutputProcessor(self.core.tokenizer)
         self._num_requests = 0
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the params a prompt without its own gets, SamplingParams with the model's
+        defaults (--generation-config; SamplingParams() under "vllm")."""
+        return SamplingParams(**self.default_sampling)
+
     def prepare(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                 lora_request: LoRARequest | None = None) -> PreparedRequest:
         """Admits a request once, queueing nothing: its adapter loaded if its name is not
         (blocking) and resolved, the prompt rendered and validated with its own copy of the
         params, the grammar compiled (blocking). Raises InvalidRequestError (a bad prompt,
         params, schema, regex or grammar), LoRANotFoundError, LoRAError."""
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = (sampling_params if sampling_params is not None
+                  else self.get_default_sampling_params())
         self.core.load_lora_if_missing(lora_request)
         text, token_ids = render_prompt(self.tokenizer, prompt)
         prepared = self.core.prepare(token_ids, params, lora_request, text)

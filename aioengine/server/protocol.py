@@ -7,7 +7,7 @@ send extras. A JSON `null` means "not given" for every optional field.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import orjson
 
@@ -266,20 +266,24 @@ def get_structured_outputs(body: dict) -> StructuredOutputs | None:
 
 
 def build_sampling_params(body: dict, max_tokens: int | None, logprobs: int | None,
-                          prompt_logprobs: int | None = None) -> SamplingParams:
+                          prompt_logprobs: int | None = None,
+                          defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     """The fields completions and chat share, plus vLLM's extras. `max_tokens=None` means
-    up to the context (the engine resolves it per prompt)."""
+    up to the context (the engine resolves it per prompt). `defaults`: the model's
+    (aioengine/generation_config.py), for the fields the body leaves out or sends null."""
     get_str(body, "user", None)  # accepted and type-checked, not used
+    model = defaults or {}
     try:
         return SamplingParams(
             n=get_int(body, "n", 1, lo=1, hi=128),
-            temperature=get_float(body, "temperature", 1.0),
-            top_p=get_float(body, "top_p", 1.0),
-            top_k=get_int(body, "top_k", 0, lo=-1),
-            min_p=get_float(body, "min_p", 0.0),
+            temperature=get_float(body, "temperature", model.get("temperature", 1.0)),
+            top_p=get_float(body, "top_p", model.get("top_p", 1.0)),
+            top_k=get_int(body, "top_k", model.get("top_k", 0), lo=-1),
+            min_p=get_float(body, "min_p", model.get("min_p", 0.0)),
             presence_penalty=get_float(body, "presence_penalty", 0.0),
             frequency_penalty=get_float(body, "frequency_penalty", 0.0),
-            repetition_penalty=get_float(body, "repetition_penalty", 1.0),
+            repetition_penalty=get_float(body, "repetition_penalty",
+                                         model.get("repetition_penalty", 1.0)),
             logit_bias=get_logit_bias(body),
             # torch generators take 64-bit seeds; sample i of n uses seed + i.
             seed=get_int(body, "seed", None, lo=-(1 << 63), hi=(1 << 63) - 1),
@@ -298,28 +302,38 @@ def build_sampling_params(body: dict, max_tokens: int | None, logprobs: int | No
         raise ApiError.invalid(e) from None
 
 
-def completion_sampling_params(body: dict) -> tuple[SamplingParams, bool]:
-    """SamplingParams of a /v1/completions body, and `echo`."""
-    # vLLM's default: 16 new tokens when max_tokens is absent; an explicit null = the context.
-    max_tokens = get_int(body, "max_tokens", None, lo=1) if "max_tokens" in body else 16
+def completion_sampling_params(body: dict, defaults: Mapping[str, Any] | None = None
+                               ) -> tuple[SamplingParams, bool]:
+    """SamplingParams of a /v1/completions body, and `echo` (`defaults`: the model's)."""
+    # vLLM's default: 16 new tokens when max_tokens is absent (at most the model's default,
+    # as vLLM caps it); an explicit null = the context.
+    if "max_tokens" in body:
+        max_tokens = get_int(body, "max_tokens", None, lo=1)
+    else:
+        max_tokens = min(16, (defaults or {}).get("max_tokens", 16))
     logprobs = get_int(body, "logprobs", None, lo=0, hi=_MAX_LOGPROBS)
     echo = bool(get_bool(body, "echo", False))
     params = build_sampling_params(body, max_tokens, logprobs,
-                                   prompt_logprobs=logprobs if echo else None)
+                                   prompt_logprobs=logprobs if echo else None,
+                                   defaults=defaults)
     return params, echo
 
 
-def chat_sampling_params(body: dict) -> SamplingParams:
-    """SamplingParams of a /v1/chat/completions body (max_tokens defaults to the context)."""
+def chat_sampling_params(body: dict, defaults: Mapping[str, Any] | None = None
+                         ) -> SamplingParams:
+    """SamplingParams of a /v1/chat/completions body (max_tokens defaults to the model's
+    default, else the context; `defaults`: the model's)."""
     max_tokens = get_int(body, "max_completion_tokens", None, lo=1)
     if max_tokens is None:
         max_tokens = get_int(body, "max_tokens", None, lo=1)
+    if max_tokens is None:
+        max_tokens = (defaults or {}).get("max_tokens")
     want_logprobs = bool(get_bool(body, "logprobs", False))
     top_logprobs = get_int(body, "top_logprobs", None, lo=0, hi=_MAX_LOGPROBS)
     if top_logprobs is not None and not want_logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (top_logprobs or 0) if want_logprobs else None
-    return build_sampling_params(body, max_tokens, logprobs)
+    return build_sampling_params(body, max_tokens, logprobs, defaults=defaults)
 
 
 def _is_id_list(value: Any, check_length: Callable[[int], None] | None) -> bool:

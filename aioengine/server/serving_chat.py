@@ -123,7 +123,7 @@ class ChatHandler:
         ctx = self.ctx
         model, lora_request = ctx.resolve_model(body)
         stream = get_stream(body)
-        params = chat_sampling_params(body)
+        params = chat_sampling_params(body, ctx.engine.default_sampling)
         priority = get_priority(body)
         plan, prompt_ids = await ctx.work.run_sized(body_size, chat_prompt, ctx, body)
         apply_tool_plan(plan, params, structured_outputs_field(body))

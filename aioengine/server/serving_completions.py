@@ -81,7 +81,7 @@ class CompletionsHandler:
         ctx = self.ctx
         model, lora_request = ctx.resolve_model(body)
         stream = get_stream(body)
-        params, echo = completion_sampling_params(body)
+        params, echo = completion_sampling_params(body, ctx.engine.default_sampling)
         priority = get_priority(body)
         prompts, prompt_ids = await ctx.work.run_sized(body_size, completion_prompts, ctx, body)
         prepared = await ctx.prepare(prompt_ids, params, lora_request, body)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import re
 from contextlib import aclosing
-from typing import Any
+from typing import Any, Mapping
 
 import orjson
 from aiohttp import web
@@ -65,14 +65,18 @@ def _response_format(body: dict) -> dict[str, Any] | None:
                    f"{kind!r:.40}", "text")
 
 
-def responses_sampling_params(body: dict) -> SamplingParams:
+def responses_sampling_params(body: dict, defaults: Mapping[str, Any] | None = None
+                              ) -> SamplingParams:
+    """SamplingParams of a /v1/responses body (`defaults`: the model's)."""
     derived = {k: body[k] for k in _SAMPLING_FIELDS if k in body}
     fmt = _response_format(body)
     if fmt is not None:
         derived["response_format"] = fmt
     max_tokens = get_int(body, "max_output_tokens", None, lo=1)
+    if max_tokens is None:
+        max_tokens = (defaults or {}).get("max_tokens")
     try:
-        return build_sampling_params(derived, max_tokens, None)
+        return build_sampling_params(derived, max_tokens, None, defaults=defaults)
     except ApiError as e:
         if e.param == "response_format":
             e.param = "text"
@@ -192,7 +196,7 @@ class ResponsesHandler:
         metadata = check_metadata(body.get("metadata"))
         instructions = get_str(body, "instructions", None)
         history = self._history(body)
-        params = responses_sampling_params(body)
+        params = responses_sampling_params(body, ctx.engine.default_sampling)
         messages, plan, prompt_ids = await ctx.work.run(request, response_prompt, ctx, body,
                                                         history, instructions)
         apply_tool_plan(plan, params, "text")

@@ -32,7 +32,8 @@ FLAG_NAMES = {
     "--no-enforce-eager", "--gpu-memory-utilization",
     "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
     "--no-structured-jump-forward", "--no-async-scheduling", "--long-prefill-token-threshold",
-    "--structured-outputs-compile-timeout", "--long-prefill-attention-budget"}
+    "--structured-outputs-compile-timeout", "--long-prefill-attention-budget",
+    "--generation-config"}
 # The other flags of `serve`: its own, LoRA, tool calling and --ray-* (those of
 # aioengine/cli.py before they were generated from their dataclasses).
 SERVE_FLAG_NAMES = {

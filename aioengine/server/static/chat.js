@@ -56,6 +56,7 @@ async function loadModels() {
       if (!response.ok) throw new Error(await errorMessage(response));
       const { data } = await response.json();
       $("model").replaceChildren(...data.map((card) => new Option(card.id, card.id)));
+      showModelDefaults(data[0]);
       setStatus(`ready: ${data.length} model${data.length === 1 ? "" : "s"}`);
       return;
     } catch (e) {
@@ -63,6 +64,15 @@ async function loadModels() {
       const refused = sessionStorage.getItem(KEY_STORAGE) ? "That key was refused." : "";
       await askForKey(refused);
     }
+  }
+}
+
+// The served model's sampling defaults (its card's generation_config, e.g. the bundled
+// SmolLM2's temperature 0.2, top_p 0.9) as the settings' starting values.
+function showModelDefaults(card) {
+  const defaults = (card && card.generation_config) || {};
+  for (const name of ["temperature", "top_p"]) {
+    if (typeof defaults[name] === "number") $(name).value = String(defaults[name]);
   }
 }
 
