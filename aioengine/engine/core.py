@@ -77,7 +77,8 @@ class EngineCore(RequestAdmission):
         self.loaded = load_model(args.model, self.dtype, self.device, args.quantization,
                                  tokenizer=args.tokenizer,
                                  linear_factory=None if self.lora is None
-                                 else self.lora.linear_factory, lora_source=self.lora)
+                                 else self.lora.linear_factory, lora_source=self.lora,
+                                 native_gguf=args.dtype == "auto")
         # What a request leaving a sampling field out gets (--generation-config; logged).
         self.default_sampling = model_sampling_defaults(args.generation_config,
                                                         self.loaded.model_path)

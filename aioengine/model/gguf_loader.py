@@ -1,18 +1,24 @@
-"""Reading llama.cpp GGUF files: config from metadata, weights dequantized to Hugging Face names.
+"""Reading llama.cpp GGUF files: config from metadata, tensors under Hugging Face names.
 
 What each llama.cpp architecture's metadata and tensor names mean, and what its converter
-did to the weights, is `gguf_arch.py`'s table; this module reads a file through it (tensors,
-Q4_1 blocks, the start-up cache). Only the `gguf` package is used (its reader and
-dequantizer), so any quantization it can dequantize loads; the model then runs in the
-requested float dtype.
+did to the weights, is `gguf_arch.py`'s table; this module reads a file through it. Tensors
+are read in place from the file's memory map, one at a time (`iter_gguf_tensors`: each a
+`GGUFTensor`, its blocks as stored or its values dequantized, its pages dropped once
+consumed), so the loader copies each once into the model's storage; `iter_gguf_weights`
+dequantizes every tensor to float32 (stacked experts split). Only the `gguf` package is
+used (its reader and dequantizer), so any type it can dequantize loads.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import logging
+import mmap
 import re
 import shutil
+import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,15 +28,16 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from aioengine.kernels import cpu_blocks
 from aioengine.model.arch import ModelArchConfig
-from aioengine.model.gguf_arch import (EXPERT_TENSORS, GGUF_ARCHITECTURES, ROPE_FACTORS,
+from aioengine.model.gguf_arch import (EXPERT_TENSORS, ROPE_FACTORS,
                                        ROPE_FREQS, SHARED_EXPERT_GATE, GGUFArchitecture,
                                        GGUFFormatError, field_value, file_architecture,
                                        gguf_hf_config_kwargs)
 from aioengine.model.moe_config import MoeSpec
 
-__all__ = ["FastGGUFReader", "GGUFFormatError", "gguf_hf_config", "iter_gguf_weights",
-           "iter_gguf_q4_1_blocks", "load_gguf_parts", "rope_freq_factors"]
+__all__ = ["FastGGUFReader", "GGUFFormatError", "GGUFTensor", "gguf_hf_config",
+           "iter_gguf_tensors", "iter_gguf_weights", "load_gguf_parts", "rope_freq_factors"]
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +165,7 @@ def iter_gguf_weights(reader: Any, num_heads: int,
                                       f"[{num_experts} experts, rows, cols]")
             for name, data in zip(experts, stacked):
                 yield name, torch.from_numpy(data.copy())
+            release_pages(tensor.data)
             continue
         name = hf_name(tensor.name, spec)
         if name is None:
@@ -167,43 +175,113 @@ def iter_gguf_weights(reader: Any, num_heads: int,
         if not data.flags.writeable:  # F32 tensors are read-only views of the memory map
             data = data.copy()
         yield name, torch.from_numpy(data)
+        release_pages(tensor.data)
 
 
-# The projections whose Q4_1 blocks `--quantization gguf` keeps as the file stores them.
-_PROJECTION_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
-                        "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+# The HF names whose GGUF blocks may be kept as stored (the projections, the embedding
+# and the LM head): everything else (norms, biases, routers) is read as float32.
+BLOCK_TENSOR_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+                         "gate_proj.weight", "up_proj.weight", "down_proj.weight",
+                         "model.embed_tokens.weight", "lm_head.weight")
 
 
-def iter_gguf_q4_1_blocks(reader: Any, num_heads: int,
-                          num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (HF name, uint8 [rows, cols / 32 * 20]) for every projection, its Q4_1 blocks
-    as stored (q/k rows put back in HF order: blocks run along a row, so rows move whole).
-    Raises GGUFFormatError for a projection in another format, or an architecture whose
-    files this path is not checked on."""
-    from gguf import GGMLQuantizationType
+@dataclass(eq=False)
+class GGUFTensor:
+    """One tensor of a GGUF file as the Hugging Face tensor it was converted from, read on
+    demand from the file's memory map: `blocks()` its stored bytes with rows in HF order,
+    `dequantized()` its float32 values. Neither is kept: the loader copies what it takes
+    into the model's storage, then `release()` drops this tensor's pages of the mapping
+    from the process (they stay in the page cache), so reading a file never makes the
+    whole file resident beside the model."""
+    name: str  # the HF name
+    gguf_name: str
+    ggml_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # HF order: (rows, cols)
+    spec: GGUFArchitecture
+    heads: int  # the q/k row groups of a permuted projection (0: rows in HF order)
+    raw: np.ndarray  # the reader's view of the stored bytes (or values, for float types)
 
+    @property
+    def block_type(self) -> str | None:
+        """cpu_blocks' name of the stored type where the kernels run it; None otherwise."""
+        return cpu_blocks.block_type_of(self.ggml_type)
+
+    def blocks(self) -> torch.Tensor:
+        """uint8 [rows, row_bytes]: the stored rows in HF order (a view of the mapping
+        unless q/k rows are un-permuted: blocks run along a row, so rows move whole)."""
+        data = self.raw.view(np.uint8).reshape(self.shape[0], -1)
+        if self.heads:
+            data = np.ascontiguousarray(_unpermute_rows(data, self.heads))
+        with warnings.catch_warnings():  # a read-only view: only ever read
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(data)
+
+    def dequantized(self) -> torch.Tensor:
+        """float32, HF-shaped, what the converter did undone (a new tensor)."""
+        try:
+            data = dequantize(self.raw, self.ggml_type)
+        except NotImplementedError as e:
+            raise GGUFFormatError(
+                f"{self.gguf_name}: cannot dequantize {self.ggml_type.name}: {e}") from e
+        data = _as_hf(self.spec, self.gguf_name, self.name, data.reshape(self.shape),
+                      self.heads, self.heads)
+        return torch.from_numpy(np.array(data, dtype=np.float32, copy=True))
+
+    def release(self) -> None:
+        release_pages(self.raw)
+
+
+def release_pages(array: np.ndarray) -> None:
+    """Drops the whole pages under `array` (a view of a read-only file mapping) from the
+    process: its RSS no longer counts them; a later read faults them in again from the
+    page cache. A no-op off Linux."""
+    if _LIBC is None or array.nbytes == 0:
+        return
+    page = mmap.PAGESIZE
+    start = array.__array_interface__["data"][0]
+    first, last = -(-start // page) * page, (start + array.nbytes) // page * page
+    if last > first:
+        _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
+
+def _libc() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        lib = ctypes.CDLL(None, use_errno=True)
+        lib.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc()
+_MADV_DONTNEED = 4
+
+
+def iter_gguf_tensors(reader: Any, num_heads: int,
+                      num_kv_heads: int) -> Iterator[tuple[str, GGUFTensor]]:
+    """Yields (HF name, GGUFTensor) for every weight of a file without stacked experts,
+    one at a time, each tensor's pages released once the consumer moves on (so consume
+    each before asking for the next). RoPE factors are not weights (rope_freq_factors)."""
     spec = file_architecture(reader)
-    if spec.experts is not None:
-        raise GGUFFormatError("quantization 'gguf' does not cover a mixture of experts' "
-                              "expert weights; load without it")
-    if not spec.q4_1_blocks:
-        checked = [a.gguf_name for a in GGUF_ARCHITECTURES.values() if a.q4_1_blocks]
-        raise GGUFFormatError(f"quantization 'gguf' (the file's own Q4_1 blocks) is "
-                              f"implemented for {', '.join(checked)} files, not "
-                              f"{spec.gguf_name}; load without it")
     for tensor in reader.tensors:
         name = hf_name(tensor.name, spec)
-        if name is None or not name.endswith(_PROJECTION_SUFFIXES):
+        if name is None:
             continue
-        if tensor.tensor_type != GGMLQuantizationType.Q4_1:
-            raise GGUFFormatError(f"{tensor.name} is {tensor.tensor_type.name}: quantization "
-                                  f"'gguf' reads Q4_1 projections only")
-        data = np.asarray(tensor.data)
-        if spec.permuted_qk and name.endswith("q_proj.weight"):
-            data = _unpermute_rows(data, num_heads)
-        elif spec.permuted_qk and name.endswith("k_proj.weight"):
-            data = _unpermute_rows(data, num_kv_heads)
-        yield name, torch.from_numpy(np.array(data, copy=True))
+        if _expert_names(tensor.name, spec, 1) is not None:
+            raise GGUFFormatError(f"{tensor.name}: stacked expert tensors are read by "
+                                  "iter_gguf_weights")
+        heads = 0
+        if spec.permuted_qk and ".self_attn.q_proj." in name:
+            heads = num_heads
+        elif spec.permuted_qk and ".self_attn.k_proj." in name:
+            heads = num_kv_heads
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists the fastest first
+        source = GGUFTensor(name, tensor.name, tensor.tensor_type, shape, spec, heads,
+                            tensor.data)
+        yield name, source
+        source.release()
 
 
 def rope_freq_factors(reader: Any) -> torch.Tensor | None:
@@ -213,27 +291,27 @@ def rope_freq_factors(reader: Any) -> torch.Tensor | None:
     return None
 
 
-# ---- once per start: the file parsed at most once, its results cached on disk ----------
+# ---- once per start: the file parsed once, its config cached on disk ---------------------
 
 _CACHE_SECTION = "weights"
-_WEIGHT_PREFIX, _BLOCK_PREFIX, _ROPE_NAME = "w/", "q/", "rope_freqs"
+_ROPE_NAME = "rope_freqs"
 
 
 @dataclass
 class GGUFParts:
     """What loading a GGUF takes from it: the config (class name and kwargs, and the
-    ModelArchConfig made of it), the HF-named float32 weights (dequantized, q/k rows in HF
-    order), the projections' Q4_1 blocks (quantization "gguf" only) and llama3's RoPE
-    factors. Read from the start-up cache (weight_cache) when an entry for the file's bytes
-    exists, else from the file, parsed once, and then cached. `weights` / `q4_1_blocks` are
-    iterated once. The arch is cached too: building the transformers config imports ~1 s of
-    transformers modules (torch.distributed among them), which a start from the cache does
-    on the side (`hf_config`) while the weights load."""
+    ModelArchConfig made of it), llama3's RoPE factors, and the parsed file, whose tensors
+    the model reads in place (`tensors`). The config and the factors are read from the
+    start-up cache (weight_cache) when an entry for the file's bytes exists: building the
+    transformers config imports ~1 s of transformers modules (torch.distributed among
+    them), which a start from the cache does on the side (`hf_config`) while the weights
+    load. The weights are not cached: the file is itself the mapped source of the bytes
+    the model keeps (its blocks, packed once), and a dequantized copy is what made a
+    start-up cache of them 8x the file."""
     config_class: str
     config_kwargs: dict[str, Any]
     arch: ModelArchConfig
-    weights: Iterator[tuple[str, torch.Tensor]]
-    q4_1_blocks: Iterator[tuple[str, torch.Tensor]] | None
+    reader: Any  # FastGGUFReader
     rope_freq_factors: torch.Tensor | None
     from_cache: bool
 
@@ -244,6 +322,32 @@ class GGUFParts:
             raise GGUFFormatError("the start-up cache's model config differs from the "
                                   "file's; remove the cache directory")
         return config
+
+    @property
+    def has_experts(self) -> bool:
+        return file_architecture(self.reader).experts is not None
+
+    def tensors(self) -> Iterator[tuple[str, GGUFTensor]]:
+        """Every weight but stacked experts', read in place (iter_gguf_tensors)."""
+        kw = self.config_kwargs
+        return iter_gguf_tensors(self.reader, kw["num_attention_heads"],
+                                 kw["num_key_value_heads"])
+
+    def tensor_types(self) -> dict[str, Any]:
+        """HF name -> GGMLQuantizationType of every weight `tensors` yields (no data read)."""
+        spec = file_architecture(self.reader)
+        out = {}
+        for tensor in self.reader.tensors:
+            name = hf_name(tensor.name, spec)
+            if name is not None:
+                out[name] = tensor.tensor_type
+        return out
+
+    def float_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight dequantized to float32, one at a time (experts split)."""
+        kw = self.config_kwargs
+        return iter_gguf_weights(self.reader, kw["num_attention_heads"],
+                                 kw["num_key_value_heads"])
 
 
 def _arch_json(arch: ModelArchConfig) -> str:
@@ -263,59 +367,40 @@ def _arch_from_json(text: str) -> ModelArchConfig:
     return ModelArchConfig(**fields)
 
 
-def load_gguf_parts(path: str, with_q4_1_blocks: bool) -> GGUFParts:
-    """GGUFParts of the file at `path`, from the cache or from the file (see GGUFParts).
-    Raises GGUFFormatError / OSError / ValueError for a file we cannot read."""
+def load_gguf_parts(path: str) -> GGUFParts:
+    """GGUFParts of the file at `path` (see GGUFParts): the file is parsed once; its config
+    comes from the cache or is computed and cached. Raises GGUFFormatError / OSError /
+    ValueError for a file we cannot read."""
     from aioengine.model import weight_cache
 
     import transformers
 
-    kind = (f"gguf-parts:float32{'+q4_1' if with_q4_1_blocks else ''}:"
-            f"transformers-{transformers.__version__}")
+    reader = FastGGUFReader(path)
+    kind = f"gguf-config:transformers-{transformers.__version__}"
     name = weight_cache.entry_name(weight_cache.file_digest(path), kind)
     entry = weight_cache.lookup(_CACHE_SECTION, name)
     if entry is not None:
         try:
-            return _parts_from_entry(entry)
+            return _parts_from_entry(entry, reader)
         except (OSError, ValueError, KeyError) as e:  # verified, yet unreadable: rebuild
             logger.warning("start-up cache entry %s unreadable, rebuilding it: %s", entry, e)
             shutil.rmtree(entry, ignore_errors=True)
-    parts, tensors = _parts_from_file(path, with_q4_1_blocks)
-    meta = {"config_class": parts.config_class, "arch": _arch_json(parts.arch),
-            "config_kwargs": json.dumps(parts.config_kwargs)}
+    cls_name, kwargs = gguf_hf_config_kwargs(reader)
+    arch = ModelArchConfig.from_hf_config(hf_config_from_kwargs(cls_name, kwargs))
+    rope = rope_freq_factors(reader)
+    meta = {"config_class": cls_name, "arch": _arch_json(arch),
+            "config_kwargs": json.dumps(kwargs)}
+    tensors = {} if rope is None else {_ROPE_NAME: rope}
     weight_cache.store(_CACHE_SECTION, name, kind,
                        lambda tmp: weight_cache.save_tensors(tmp, tensors, meta))
-    return parts
+    return GGUFParts(cls_name, kwargs, arch, reader, rope, from_cache=False)
 
 
-def _parts_from_entry(entry: Any) -> GGUFParts:
+def _parts_from_entry(entry: Any, reader: Any) -> GGUFParts:
     from aioengine.model import weight_cache
 
     meta = weight_cache.read_metadata(entry)
-    # Copies: a view would keep the whole file's mapping (and its pages) alive.
+    # A copy: a view would keep the entry's mapping alive.
     rope = next((t.clone() for _, t in weight_cache.iter_tensors(entry, _ROPE_NAME)), None)
-    has_blocks = next(weight_cache.iter_tensors(entry, _BLOCK_PREFIX), None) is not None
     return GGUFParts(meta["config_class"], json.loads(meta["config_kwargs"]),
-                     _arch_from_json(meta["arch"]), weight_cache.iter_tensors(entry, _WEIGHT_PREFIX),
-                     weight_cache.iter_tensors(entry, _BLOCK_PREFIX) if has_blocks else None,
-                     rope, from_cache=True)
-
-
-def _parts_from_file(path: str, with_q4_1_blocks: bool
-                     ) -> tuple[GGUFParts, dict[str, torch.Tensor]]:
-    """The parts read from the file (its one parse this start), and the same tensors by
-    cache name."""
-    reader = FastGGUFReader(path)
-    cls_name, kwargs = gguf_hf_config_kwargs(reader)
-    arch = ModelArchConfig.from_hf_config(hf_config_from_kwargs(cls_name, kwargs))
-    heads, kv_heads = kwargs["num_attention_heads"], kwargs["num_key_value_heads"]
-    weights = list(iter_gguf_weights(reader, heads, kv_heads))
-    blocks = list(iter_gguf_q4_1_blocks(reader, heads, kv_heads)) if with_q4_1_blocks else None
-    rope = rope_freq_factors(reader)
-    tensors = {_WEIGHT_PREFIX + n: t for n, t in weights}
-    tensors.update({_BLOCK_PREFIX + n: t for n, t in blocks or ()})
-    if rope is not None:
-        tensors[_ROPE_NAME] = rope
-    parts = GGUFParts(cls_name, kwargs, arch, iter(weights), None if blocks is None else iter(blocks),
-                      rope, from_cache=False)
-    return parts, tensors
+                     _arch_from_json(meta["arch"]), reader, rope, from_cache=True)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aioengine.kernels import cpu_gemm, cpu_gemm_w8a8
+from aioengine.kernels import cpu_blocks, cpu_gemm, cpu_gemm_w8a8
 from aioengine.model import hugepages
 
 
@@ -227,13 +227,14 @@ class Linear(nn.Module):
     """y = x W^T (+ b): one projection (q/k/v fused, gate/up fused, o, down, the LM head),
     owning its weight in a storage format: float32 (with an optional oneDNN-packed copy),
     bf16, fp16, int8 with per-output-row scales (weight-only, or w8a8 with `act_quant`), or
-    a GGUF's Q4_1 blocks. Callers never branch on the format: `forward` and the fused
-    decode's pointer table (LlamaForCausalLM._decode_layer_table, `kernel_format`) read it
-    from here.
+    a GGUF's own blocks (`blocks`: cpu_blocks' packed panels, one part per run of rows of
+    one block type). Callers never branch on the format: `forward` and the fused decode's
+    pointer table (FusedCpuDecodeExecutor, `kernel_format`) read it from here.
 
-    Built in the checkpoint's load dtype; `load_weights` fills `weight` (and `bias`) row
-    ranges; `convert` then moves the weight to its storage format (or `use_q4_1_storage`
-    makes room for the GGUF's blocks, which `load_weights` then fills the same way)."""
+    Built in the activations' dtype; `use_float_storage` / `use_block_storage` first
+    replace the (untouched) weight by one in its storage format, which the loader fills
+    tensor by tensor (`load_weights`: float rows copied in, converting; blocks packed into
+    their place, `load_block_rows`); `convert` moves a loaded weight to another format."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -244,8 +245,12 @@ class Linear(nn.Module):
         self.scales: Tensor | None = None  # int8: [out_features] float32
         self.act_quant = False  # w8a8: x quantized per row for every product
         self.packed: Tensor | None = None  # float32: oneDNN's blocked copy
+        # A GGUF's blocks: `weight` is then uint8 [layout.nbytes], the parts' panels.
+        self.blocks: cpu_blocks.BlockLayout | None = None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.blocks is not None:
+            return self._block_forward(x)
         if self.is_packed:
             return self._packed_forward(x)
         return linear(x, self.weight, self.bias, self.packed, self.scales, self.act_quant)
@@ -270,35 +275,92 @@ class Linear(nn.Module):
             dense = dense.to(x.dtype)
         return linear(x, dense, self.bias, None, self.scales, self.act_quant)
 
+    def _block_forward(self, x: Tensor) -> Tensor:
+        """cpu_blocks' GEMM on the packed blocks (x quantized per 32-block), else its torch
+        reference (the weight dequantized for the call)."""
+        assert self.blocks is not None
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        out = cpu_blocks.gemm(rows, self.weight, self.blocks, self.bias)
+        if out is None:
+            out = cpu_blocks.reference_linear(rows, self.weight, self.blocks, self.bias)
+        return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
     def dense_weight(self) -> Tensor:
         """The weight as [out_features, in_features] in its storage dtype (a copy when
-        packed; Q4_1 blocks stay blocks)."""
+        packed; blocks dequantized to float32, a transient copy)."""
+        if self.blocks is not None:
+            return cpu_blocks.dequantize_weight(self.weight, self.blocks)
         if self.is_packed:
             return cpu_gemm.unpack_weight(self.weight, self.out_features, self.in_features)
         return self.weight
 
     @property
     def storage(self) -> str:
-        """One of WEIGHT_STORAGES, or "q4_1" (the GGUF's own blocks, `use_q4_1_storage`)."""
-        if self.weight.dtype == torch.uint8:
-            return "q4_1"
+        """One of WEIGHT_STORAGES, or a GGUF block type ("q4_k"; "mixed:q4_k+q6_k" for a
+        weight of parts of several types: BlockLayout.storage)."""
+        if self.blocks is not None:
+            return self.blocks.storage
         return "w8a8" if self.act_quant else str(self.weight.dtype).removeprefix("torch.")
 
-    def use_q4_1_storage(self) -> None:
-        """Replaces the weight with room for a GGUF's Q4_1 blocks [out_features,
-        in_features / 32 * 20] (uninitialised: the loader copies the file's blocks in;
-        `pack` then repacks them into the GEMM's panels, the same bytes)."""
-        if self.in_features % 32:
-            raise ValueError(f"Q4_1 needs in_features divisible by 32, got {self.in_features}")
-        self.packed, self.scales, self.act_quant = None, None, False
-        self.weight = _param(self.out_features, self.in_features // 32 * 20, dtype=torch.uint8,
-                             device=self.weight.device)
+    def use_float_storage(self, dtype: torch.dtype) -> None:
+        """Replaces the (not yet loaded) weight by an uninitialised one in `dtype`, which the
+        loader fills row range by row range, converting as it copies: the weights are never
+        held in another dtype first. The bias keeps the activations' dtype."""
+        self.packed, self.scales, self.act_quant, self.blocks = None, None, False, None
+        if self.weight.dtype != dtype or self.weight.dim() != 2:
+            self.weight = _param(self.out_features, self.in_features, dtype=dtype,
+                                 device=self.weight.device)
+
+    def use_block_storage(self, layout: cpu_blocks.BlockLayout) -> None:
+        """Replaces the weight by room for a GGUF's blocks in `layout` (uninitialised, in huge
+        pages: `load_block_rows` packs the file's blocks into it)."""
+        if (layout.n, layout.k) != (self.out_features, self.in_features):
+            raise ValueError(f"block layout [{layout.n}, {layout.k}] for a Linear "
+                             f"[{self.out_features}, {self.in_features}]")
+        self.packed, self.scales, self.act_quant, self.blocks = None, None, False, layout
+        self.weight = _param(layout.nbytes, dtype=torch.uint8, device=self.weight.device)
+
+    # Rows packed per pack_blocks call: bounds the transient memory of unpacking a tensor's
+    # codes and fields (several bytes per weight) to a few MB, whatever the tensor's size.
+    _PACK_ROWS = 256
+
+    @torch.no_grad()
+    def load_block_rows(self, first_row: int, blocks: Tensor, block_type: str) -> None:
+        """Packs a file's blocks uint8 [rows, row_bytes] (rows in HF order) as this weight's
+        rows first_row .. first_row + rows, in place. ValueError where they are not one
+        part's rows of that type, starting on a panel (a multiple of 16 into the part)."""
+        assert self.blocks is not None, "use_block_storage first"
+        rows, start = blocks.shape[0], 0
+        for part in self.blocks.parts:
+            if start <= first_row < start + part.rows:
+                break
+            start += part.rows
+        else:
+            raise ValueError(f"row {first_row} is outside the weight's {self.blocks.n} rows")
+        k = self.in_features
+        if (part.block_type != block_type or (first_row - start) % cpu_blocks.PANEL
+                or first_row + rows > start + part.rows
+                or blocks.shape[1] != cpu_blocks.row_bytes(k, block_type)):
+            raise ValueError(f"{block_type} blocks {tuple(blocks.shape)} at row {first_row} do "
+                             f"not fit the weight's {part.block_type} part of rows "
+                             f"[{start}, {start + part.rows})")
+        panel_bytes = cpu_blocks.packed_nbytes(cpu_blocks.PANEL, k, block_type)
+        offset = part.offset + (first_row - start) // cpu_blocks.PANEL * panel_bytes
+        for r in range(0, rows, self._PACK_ROWS):
+            chunk = blocks[r:r + self._PACK_ROWS]
+            nbytes = cpu_blocks.packed_nbytes(chunk.shape[0], k, block_type)
+            cpu_blocks.pack_blocks(chunk, block_type, out=self.weight.data[offset:offset + nbytes])
+            offset += nbytes
 
     @property
     def kernel_format(self) -> int | None:
-        """The C kernels' code for this weight (cpu_gemm.packed_format); None where no C
-        kernel reads it (a weight left unpacked: no row-major kernel): the fused decode then
+        """The C kernels' code for this weight (cpu_gemm.packed_format; a one-part block
+        weight's BlockFormat.code); None where no single C format reads it (a weight left
+        unpacked: no row-major kernel; blocks of several types): the fused decode then
         declines."""
+        if self.blocks is not None:
+            parts = self.blocks.parts
+            return cpu_blocks.BLOCK_TYPES[parts[0].block_type].code if len(parts) == 1 else None
         return cpu_gemm.packed_format(self.weight) if self.is_packed else None
 
     @torch.no_grad()
@@ -309,21 +371,23 @@ class Linear(nn.Module):
             raise ValueError(f"unknown weight storage {storage!r}; known: {WEIGHT_STORAGES}")
         self.packed = None
         w = self.dense_weight()
+        self.blocks = None
         self.act_quant = storage == "w8a8"
         if storage in ("int8", "w8a8"):
             q, self.scales = quantize_int8_rows(w)
             new = hugepages.empty(tuple(q.shape), torch.int8, w.device).copy_(q)
         else:
             dtype = _FLOAT_STORAGE[storage]
+            if self.bias is not None and dtype != self.bias.dtype:
+                # The bias as the low-precision matmul adds it (in its dtype), so the GEMM
+                # and oneDNN add the same value (idempotent: a weight loaded in `dtype`
+                # passes here once for this).
+                self.bias.copy_(self.bias.to(dtype))
             if w.dtype == dtype:
-                if self.is_packed:
+                if w is not self.weight:  # unpacked, or dequantized blocks
                     self.weight = nn.Parameter(w, requires_grad=False)
                 return
             new = hugepages.empty(tuple(w.shape), dtype, w.device).copy_(w)
-            if self.bias is not None and dtype != self.bias.dtype:
-                # The bias as the low-precision matmul adds it (in its dtype), so the GEMM
-                # and oneDNN add the same value.
-                self.bias.copy_(self.bias.to(dtype))
         self.weight = nn.Parameter(new, requires_grad=False)
 
     def pack(self) -> int:
@@ -332,7 +396,7 @@ class Linear(nn.Module):
         row count takes one kernel and one arithmetic; else, for float32 on the CPU, adds the
         oneDNN-packed copy `linear` uses for many-row products. Returns the bytes added
         (the panels' padding, or the copy)."""
-        if self.is_packed:
+        if self.is_packed or self.blocks is not None:
             return 0
         w = self.weight
         if self.act_quant and cpu_gemm.can_pack(w):  # W8A8 panels (cpu_gemm_w8a8)
@@ -384,6 +448,8 @@ def lm_head_logits(x: Tensor, head: Linear) -> Tensor:
 def embed(input_ids: Tensor, table: Linear, dtype: torch.dtype) -> Tensor:
     """The rows of an embedding matrix held as a Linear [V, H] (any storage) for input_ids
     [T], as [T, H] in `dtype`."""
+    if table.blocks is not None:
+        return cpu_blocks.gather_rows(table.weight, table.blocks, input_ids).to(dtype)
     if table.is_packed:
         rows = cpu_gemm.packed_rows(table.weight, input_ids, table.in_features).to(dtype)
     else:

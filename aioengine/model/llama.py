@@ -19,11 +19,12 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
-from aioengine.kernels import cpu_decode
+from aioengine.kernels import cpu_blocks, cpu_decode
 from aioengine.model import hugepages
 from aioengine.model.arch import ModelArchConfig, UnsupportedModelError
 from aioengine.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
@@ -36,6 +37,16 @@ from aioengine.model.moe import moe_weight_table
 from aioengine.model.ops import TorchOps, select_ops
 from aioengine.model.rotary import RopeStep, RotaryEmbedding, rope_inv_freq
 from aioengine.model.families import split_fused_checkpoint
+
+
+class TensorSource(Protocol):
+    """A checkpoint tensor read on demand (gguf_loader.GGUFTensor): its stored blocks, or
+    its float32 values."""
+    block_type: str | None  # cpu_blocks' type of its blocks; None: not run natively
+
+    def blocks(self) -> Tensor: ...
+
+    def dequantized(self) -> Tensor: ...
 
 
 class LlamaForCausalLM(nn.Module):
@@ -184,28 +195,52 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def convert_weights(self, storage: str) -> None:
         """Every projection and the embedding / LM head into `storage` (layers.WEIGHT_STORAGES:
-        float32, bfloat16, float16, int8), computed from the loaded weights. Norms, biases,
-        RoPE tables and the activations keep the model's dtype."""
+        float32, bfloat16, float16, int8), computed from the loaded weights; a GGUF's blocks
+        keep their own types. Norms, biases, RoPE tables and the activations keep the
+        model's dtype."""
         self.fused_decode.reset()  # raw pointers to the old weights
         for lin in self.linears():
-            lin.convert(storage)
+            if lin.blocks is None:
+                lin.convert(storage)
 
-    @torch.no_grad()
-    def load_q4_1_blocks(self, blocks: Iterable[tuple[str, Tensor]]) -> None:
-        """The projections' weights from a GGUF's own Q4_1 blocks (HF-named, as
-        gguf_loader.iter_gguf_q4_1_blocks yields them), fused as load_weights fuses rows;
-        the embedding / LM head become int8 (their file format, Q8_0, is not read as is).
-        Raises ValueError for a projection the blocks leave unfilled."""
+    def allocate_weights(self, dtype: torch.dtype) -> None:
+        """Every projection and the embedding / LM head not held as blocks gets an empty
+        weight in `dtype` (Linear.use_float_storage) for load_weights to fill: a checkpoint
+        is converted tensor by tensor as it is copied in, never held in another dtype."""
         self.fused_decode.reset()
-        projections = [lin for layer in self.layers for lin in layer.projections()]
-        for lin in projections:
-            lin.use_q4_1_storage()
-        names = {id(p): n for n, p in self.named_parameters()}
-        self._check_loaded(self._copy_weights(blocks),
-                           [names[id(lin.weight)] for lin in projections], "Q4_1 blocks")
-        self.embed_tokens.convert("int8")
-        if self.lm_head is not self.embed_tokens:
-            self.lm_head.convert("int8")
+        for lin in self.linears():
+            if lin.blocks is None:
+                lin.use_float_storage(dtype)
+
+    def plan_block_storage(self, tensor_types: dict[str, str | None]) -> list[str]:
+        """Gives each projection and the embedding / LM head whose checkpoint tensors
+        (HF name -> block type, None for a type not run natively) are all blocks the
+        kernels run a block layout (Linear.use_block_storage): a fused weight keeps one
+        part per run of slices of one type (a Q4_K_M file's v in Q6_K beside q, k in Q4_K).
+        A Linear that cannot (a slice of another type, a slice not starting on a panel of
+        16 rows) stays dense. Returns the HF names of the tensors of dense Linears."""
+        self.fused_decode.reset()
+        slices: dict[str, list[tuple[int, int, str, str | None]]] = {}
+        for name, block_type in tensor_types.items():
+            target = self._locate(name)
+            if target is None or not target[0].endswith("weight"):
+                continue
+            param, rows = target
+            n = self.get_parameter(param).shape[0]
+            start, end = rows if rows is not None else (0, n)
+            slices.setdefault(param.removesuffix(".weight"), []).append(
+                (start, end, name, block_type))
+        modules = dict(self.named_modules())
+        dense: list[str] = []
+        for module_name, parts in slices.items():
+            lin = modules[module_name]
+            parts.sort()
+            layout = _block_layout(lin, parts) if isinstance(lin, Linear) else None
+            if layout is None:
+                dense.extend(name for _, _, name, _ in parts)
+            else:
+                lin.use_block_storage(layout)
+        return dense
 
     @torch.no_grad()
     def pack_weights(self) -> int:
@@ -238,7 +273,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary.set_inv_freq(base / factors.float().cpu(), self.device)
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Tensor | TensorSource]]) -> None:
         """Loads Hugging Face-named tensors (all of them, in one call), fusing q/k/v and gate/up.
 
         Raises ValueError for an unknown name, a shape mismatch, or any parameter (or part of
@@ -248,12 +283,28 @@ class LlamaForCausalLM(nn.Module):
         self._check_loaded(self._copy_weights(weights),
                            [name for name, _ in self.named_parameters()], "weight(s)")
 
-    def _copy_weights(self, weights: Iterable[tuple[str, Tensor]]) -> dict[str, int]:
+    def _copy_weights(self, weights: Iterable[tuple[str, Tensor | TensorSource]]
+                      ) -> dict[str, int]:
         """Copies each HF-named tensor into its parameter (or its rows of a fused one);
-        returns how many tensors went into each parameter."""
+        returns how many tensors went into each parameter. A TensorSource (a GGUF tensor read
+        in place) goes in as blocks where its Linear holds blocks, else dequantized."""
         parts_loaded: dict[str, int] = {}
         arch = self.arch
+        block_linears = {id(lin.weight): lin for lin in self.linears() if lin.blocks is not None}
         for fused_name, fused in weights:
+            if not isinstance(fused, Tensor):
+                # Only plan_block_storage's Linears take blocks; it never plans a fused
+                # checkpoint tensor (Phi-3's), which is split below once dequantized.
+                target = self._locate(fused_name) if block_linears else None
+                lin = None if target is None else block_linears.get(
+                    id(self.get_parameter(target[0])))
+                if lin is not None:
+                    name, rows = target
+                    lin.load_block_rows(0 if rows is None else rows[0], fused.blocks(),
+                                        fused.block_type)
+                    parts_loaded[name] = parts_loaded.get(name, 0) + 1
+                    continue
+                fused = fused.dequantized()
             for hf_name, tensor in split_fused_checkpoint(  # Phi-3's fused tensors
                     fused_name, fused, arch.q_size, arch.kv_size, arch.intermediate_size):
                 target = self._locate(hf_name)
@@ -297,6 +348,28 @@ class LlamaForCausalLM(nn.Module):
         if target is None or not _has_param(self.layers[layer], target[0]):
             raise ValueError(f"unexpected weight {hf_name!r} for {self.arch.architecture}")
         return f"layers.{layer}.{target[0]}", target[1]
+
+
+def _block_layout(lin: Linear, parts: list[tuple[int, int, str, str | None]]
+                  ) -> cpu_blocks.BlockLayout | None:
+    """The layout of a Linear whose checkpoint slices (start, end, name, block type), sorted,
+    cover its rows: adjacent slices of one type merged into a part. None where a slice is
+    not run natively, the slices leave rows uncovered, or one starts off a panel boundary
+    (each slice is packed on its own, into whole panels)."""
+    if any(t is None for *_, t in parts) or parts[0][0] != 0 or parts[-1][1] != lin.out_features:
+        return None
+    merged: list[tuple[str, int]] = []
+    for (start, end, _, block_type), prev_end in zip(parts, [0] + [p[1] for p in parts]):
+        if start != prev_end or start % cpu_blocks.PANEL:
+            return None
+        if merged and merged[-1][0] == block_type:
+            merged[-1] = (block_type, merged[-1][1] + end - start)
+        else:
+            merged.append((block_type, end - start))
+    try:
+        return cpu_blocks.layout_for(merged, lin.in_features)
+    except ValueError:  # k not a whole number of the type's blocks
+        return None
 
 
 def copy_param_rows(param: Tensor, rows: tuple[int, int] | None, tensor: Tensor,

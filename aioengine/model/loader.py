@@ -1,10 +1,13 @@
 """Finds, validates and loads a model: the bundled GGUF, a GGUF file, or a Hugging Face directory.
 
     model=None            -> the bundled SmolLM2-135M-Instruct (Q4_1 GGUF)
-    model="/x/m.gguf"     -> GGUF: config from metadata, weights dequantized, tokenizer and
-                             chat template read by transformers from the same file; all
-                             three cached on disk by the file's bytes (weight_cache), so a
-                             second start parses nothing
+    model="/x/m.gguf"     -> GGUF: config from metadata, weights read in place from the
+                             file's memory map (the projections, embedding and LM head in
+                             their own block types where the CPU kernels run them, with
+                             native_gguf or quantization "gguf"; else dequantized tensor by
+                             tensor), tokenizer and chat template read by transformers from
+                             the same file; config and tokenizer cached on disk by the
+                             file's bytes (weight_cache)
     model="/x/dir"        -> config.json + *.safetensors (sharded or not) + tokenizer files
     tokenizer="/x/tok"    -> that tokenizer (a directory of HF tokenizer files, or a .gguf
                              file) instead of the model's own (vLLM's --tokenizer)
@@ -17,7 +20,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -143,13 +146,17 @@ def activation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                quantization: str | None = None, tokenizer: str | None = None, *,
                linear_factory: LinearFactory | None = None,
-               lora_source: LoRADecodeSource | None = None) -> LoadedModel:
+               lora_source: LoRADecodeSource | None = None,
+               native_gguf: bool = False) -> LoadedModel:
     """Loads weights, config and tokenizer; see the module docstring for what `model` and
     `tokenizer` can be. `linear_factory` / `lora_source` go to the model as it is built
     (LlamaForCausalLM's: how LoRA wraps the projections), before the weights load.
     The projections and the embedding are stored in `dtype`, or as int8 with per-row scales
-    for quantization="int8" / "w8a8", computed from whatever the checkpoint holds; "gguf"
-    keeps a GGUF's own Q4_1 projection blocks."""
+    for quantization="int8" / "w8a8", computed from whatever the checkpoint holds.
+    quantization="gguf", or `native_gguf` (what the engine's dtype "auto" means for a GGUF
+    file) with no quantization, keeps a GGUF's own block types where the CPU kernels run
+    them (cpu_blocks.BLOCK_TYPES) and dequantizes the others to `dtype`. Each tensor is
+    read from the mapped file and copied once into its place."""
     if dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
         raise ModelLoadError(f"unsupported dtype {dtype}; supported: {names}")
@@ -158,6 +165,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                              f"supported: int8, w8a8, gguf")
     storage = quantization or str(dtype).removeprefix("torch.")
     path = resolve_model_path(model)
+    if native_gguf and quantization is None and path.endswith(".gguf") and device.type == "cpu":
+        storage = "gguf"
     # Checked before the weights load, so a bad path fails fast.
     tokenizer_path = resolve_tokenizer_path(tokenizer) if tokenizer is not None else path
     if quantization == "gguf" and not path.endswith(".gguf"):
@@ -167,7 +176,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     hooks = ModelHooks(linear_factory, lora_source)
     try:
         if path.endswith(".gguf"):
-            loaded = _load_gguf(path, dtype, device, storage, tokenizer_path, hooks)
+            loaded = _load_gguf(path, dtype, device, storage, tokenizer_path, hooks,
+                                explicit=quantization == "gguf")
         else:
             loaded = _load_hf_dir(path, dtype, device, storage, tokenizer_path, hooks)
     except (UnsupportedModelError, GGUFFormatError) as e:
@@ -180,23 +190,27 @@ def _arch_config(hf_config: Any, path: str) -> ModelArchConfig:
     return ModelArchConfig.from_hf_config(hf_config)
 
 
-def _build(arch: ModelArchConfig, weights: Iterator[tuple[str, torch.Tensor]],
-           dtype: torch.dtype, device: torch.device, path: str, storage: str, hooks: ModelHooks,
-           q4_1_blocks: Iterator[tuple[str, torch.Tensor]] | None = None) -> LlamaForCausalLM:
-    """The model in `storage`, built with `hooks`: loaded from `weights` (in the activations'
-    dtype), then converted, or given a GGUF's own Q4_1 blocks (`q4_1_blocks`, storage
-    "gguf")."""
+def _build(arch: ModelArchConfig, weights: Iterable[tuple[str, Any]], dtype: torch.dtype,
+           device: torch.device, path: str, storage: str, hooks: ModelHooks,
+           plan: Callable[[LlamaForCausalLM], None] | None = None) -> LlamaForCausalLM:
+    """The model in `storage`, built with `hooks` in the activations' dtype, its weights
+    then given their storage (`plan`: a GGUF's blocks; float storages allocated in their
+    dtype, which the checkpoint's tensors are converted to as they are copied in; int8 /
+    w8a8 quantized from the loaded float32 weights), loaded one tensor at a time, packed."""
     compute = activation_dtype(dtype, device)
     model = LlamaForCausalLM(arch, compute, device, linear_factory=hooks.linear_factory,
                              lora_source=hooks.lora_source)
+    float_storage = storage if storage in ("float32", "bfloat16", "float16") else None
     try:
+        if plan is not None:
+            plan(model)
+            float_storage = str(dtype).removeprefix("torch.")
+        if float_storage is not None:
+            model.allocate_weights(getattr(torch, float_storage))
         model.load_weights(weights)
-        if q4_1_blocks is not None:
-            model.load_q4_1_blocks(q4_1_blocks)
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from e
-    if q4_1_blocks is None and storage != str(compute).removeprefix("torch."):
-        model.convert_weights(storage)
+    model.convert_weights(float_storage or storage)
     added = model.pack_weights()
     if added:
         logger.info("packed the projections for oneDNN (+%.0f MiB)", added / 2**20)
@@ -214,7 +228,7 @@ def _load_hf_dir(path: str, dtype: torch.dtype, device: torch.device, storage: s
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}") from e
     arch = _arch_config(hf_config, path)
     files = safetensors_files(path)
-    model = _build(arch, _iter_safetensors(files), dtype, device, path, storage, hooks)
+    model = _build(arch, iter_safetensors(files), dtype, device, path, storage, hooks)
     tokenizer = _load_tokenizer(tokenizer_path)
     return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, model_path=path,
                        hf_config=hf_config, max_model_len=arch.max_model_len)
@@ -239,37 +253,127 @@ def safetensors_files(path: str) -> list[str]:
     raise ModelLoadError(f"{path}: no *.safetensors weights{hint}")
 
 
-def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                      "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+                      "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
+
+def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the files: read-only views of each file's memory
+    map, one at a time; once the consumer asks for the next, the last one's pages are
+    dropped from the process (gguf_loader.release_pages), so loading copies each tensor
+    once into its place without the file becoming resident beside the model."""
+    import mmap
+    import struct
+    import warnings
+
+    import numpy as np
+
+    from aioengine.model.gguf_loader import release_pages
 
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        with open(file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            mapping = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) if size else None
+        if mapping is None:
+            raise ModelLoadError(f"{file} is empty")
+        try:
+            (header_len,) = struct.unpack("<Q", mapping[:8])
+            header = json.loads(mapping[8:8 + header_len])
+        except (struct.error, ValueError) as e:
+            raise ModelLoadError(f"{file} is not a safetensors file: {e}") from e
+        base = 8 + header_len
+        raw = np.frombuffer(mapping, dtype=np.uint8)
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise ModelLoadError(f"{file}: {name} has unsupported dtype {info['dtype']}")
+            start, end = info["data_offsets"]
+            data = raw[base + start:base + end]
+            with warnings.catch_warnings():  # read-only: only ever read
+                warnings.simplefilter("ignore", UserWarning)
+                tensor = torch.from_numpy(data).view(dtype).view(info["shape"])
+            yield name, tensor
+            release_pages(data)
+
+
+def _native_gguf_plan(parts: Any, storage_name: str) -> Callable[[LlamaForCausalLM], None]:
+    """Gives the model's Linears the file's block types (LlamaForCausalLM.plan_block_storage)
+    and logs, once, the types of the tensors dequantized instead."""
+    from collections import Counter
+
+    from aioengine.kernels import cpu_blocks
+
+    def plan(model: LlamaForCausalLM) -> None:
+        types = parts.tensor_types()
+        dense = model.plan_block_storage({name: cpu_blocks.block_type_of(t)
+                                          for name, t in types.items()})
+        kept = Counter(lin.storage for lin in model.linears() if lin.blocks is not None)
+        if kept:
+            logger.info("GGUF weights kept in their own types: %s", ", ".join(
+                f"{t} x {n}" for t, n in sorted(kept.items())))
+        if dense:
+            counts = Counter(types[name].name for name in dense)
+            logger.info("dequantized to %s (not run natively): %s", storage_name,
+                        ", ".join(f"{t} x {n}" for t, n in counts.most_common()))
+
+    return plan
 
 
 def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, storage: str,
-               tokenizer_path: str, hooks: ModelHooks) -> LoadedModel:
-    """The file is parsed at most once (never when the start-up cache has its parts), and
-    the tokenizer and the transformers config load on a thread of their own meanwhile:
-    mostly Python and imports, against mostly GIL-free numpy and torch here."""
+               tokenizer_path: str, hooks: ModelHooks, explicit: bool) -> LoadedModel:
+    """The file is parsed once (its config from the start-up cache when there), and the
+    tokenizer and the transformers config load on a thread of their own meanwhile: mostly
+    Python and imports, against mostly GIL-free numpy and torch here. Storage "gguf" keeps
+    the file's block types (`explicit`: asked for by quantization="gguf", which an
+    architecture or file this path is not checked on refuses; else such a file is
+    dequantized to `dtype`)."""
     from aioengine.model import gguf_loader
 
     with ThreadPoolExecutor(2, thread_name_prefix="aioengine-load") as pool:
         tokenizer_future = pool.submit(_load_tokenizer, tokenizer_path)
         try:
-            parts = gguf_loader.load_gguf_parts(path, with_q4_1_blocks=storage == "gguf")
+            parts = gguf_loader.load_gguf_parts(path)
         except (ValueError, OSError) as e:
             if isinstance(e, (GGUFFormatError, UnsupportedModelError)):
                 raise
             raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
         config_future = pool.submit(parts.hf_config)
-        model = _build(parts.arch, parts.weights, dtype, device, path, storage, hooks,
-                       parts.q4_1_blocks)
+        plan = None
+        if storage == "gguf":
+            refusal = _native_refusal(parts)
+            if refusal is not None and explicit:
+                raise GGUFFormatError(refusal)
+            plan = _native_gguf_plan(parts, str(dtype).removeprefix("torch."))
+            if refusal is not None:
+                logger.info("%s: dequantized to %s", refusal, dtype)
+                plan = None
+            storage = str(dtype).removeprefix("torch.")
+        weights = parts.float_weights() if parts.has_experts else parts.tensors()
+        model = _build(parts.arch, weights, dtype, device, path, storage, hooks, plan)
         if parts.rope_freq_factors is not None:
             model.set_rope_freq_factors(parts.rope_freq_factors)
         tokenizer, hf_config = tokenizer_future.result(), config_future.result()
-    logger.debug("GGUF parts %s the start-up cache", "read from" if parts.from_cache
+    logger.debug("GGUF config %s the start-up cache", "read from" if parts.from_cache
                  else "computed and written to")
     return LoadedModel(model=model, arch=parts.arch, tokenizer=tokenizer, model_path=path,
                        hf_config=hf_config, max_model_len=parts.arch.max_model_len)
+
+
+def _native_refusal(parts: Any) -> str | None:
+    """Why the file's blocks cannot be kept (an architecture the path is not checked on, or
+    experts), or None."""
+    from aioengine.model.gguf_arch import GGUF_ARCHITECTURES, file_architecture
+
+    spec = file_architecture(parts.reader)
+    if spec.experts is not None:
+        return ("quantization 'gguf' does not cover a mixture of experts' expert weights; "
+                "load without it")
+    if not spec.q4_1_blocks:
+        checked = [a.gguf_name for a in GGUF_ARCHITECTURES.values() if a.q4_1_blocks]
+        return (f"quantization 'gguf' (the file's own blocks) is implemented for "
+                f"{', '.join(checked)} files, not {spec.gguf_name}; load without it")
+    return None

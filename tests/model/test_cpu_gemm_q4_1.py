@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from aioengine.kernels import cpu as cpu_kernels
-from aioengine.kernels import cpu_gemm
+from aioengine.kernels import cpu_blocks, cpu_gemm
 from aioengine.model.layers import (Linear, _q4_1_linear, dequantize_q4_1,
                                     quantize_dequantize_blocks)
 
@@ -105,27 +105,26 @@ def test_q4_1_gemm_declines_what_it_does_not_take() -> None:
 
 
 def test_q4_1_linear_packs_in_place_and_unpacks_without_kernels(set_cpu_kernels) -> None:
-    """A Linear's Q4_1 blocks repack into panels of the same bytes, its forward is the GEMM
-    for every row count, and with the kernels off it computes the same values from the
-    blocks (dequantized per call, x quantized per 32-block the same way). Before packing
-    (no row-major Q4_1 kernel) it is _q4_1_linear itself, and no C kernel claims it."""
+    """A Linear's Q4_1 blocks pack into panels of the same bytes as they load
+    (use_block_storage, load_block_rows: no second copy), its forward is the GEMM for every
+    row count, and with the kernels off it computes the same values from the blocks
+    (dequantized per call, x quantized per 32-block the same way: _q4_1_linear)."""
     lin = Linear(96, 70, True, torch.float32, torch.device("cpu"))
-    lin.use_q4_1_storage()
+    lin.use_block_storage(cpu_blocks.layout_for([("q4_1", 70)], 96))
     blocks = _blocks(70, 96, seed=2)
     with torch.no_grad():
-        lin.weight.copy_(blocks)
+        lin.load_block_rows(0, blocks, "q4_1")
         lin.bias.copy_(torch.randn(70))
     x = torch.randn(9, 96)
-    assert lin.kernel_format is None
-    for m in (1, 4):
-        assert torch.equal(lin(x[:m]), _q4_1_linear(x[:m], blocks, lin.bias))
-    before = lin.nbytes()
-    # No second copy: the panels replace the blocks, plus the 10 padding columns' blocks.
-    assert lin.pack() == 10 * 3 * 20 and lin.is_packed and lin.storage == "q4_1"
-    assert lin.nbytes() == before + 10 * 3 * 20 and lin.packed is None
-    assert torch.equal(lin.dense_weight(), blocks)
+    assert lin.kernel_format == cpu_gemm.PACKED_FORMATS[torch.uint8] and lin.storage == "q4_1"
+    # The panels hold the blocks plus the 10 padding columns' blocks.
+    assert lin.nbytes() == (70 + 10) * 3 * 20 + 70 * 4 and lin.pack() == 0
+    assert torch.equal(cpu_blocks.unpack_blocks(lin.weight, "q4_1", 70, 96), blocks)
     for m in (1, 4, 9):
-        assert torch.equal(lin(x[:m]), cpu_gemm.gemm(x[:m], lin.weight, 70, lin.bias))
+        want = cpu_blocks.gemm(x[:m].contiguous(), lin.weight, lin.blocks, lin.bias)
+        if want is not None:
+            assert torch.equal(lin(x[:m]), want)
     fast = lin(x)
     set_cpu_kernels("0")
     torch.testing.assert_close(lin(x), fast, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lin(x), _q4_1_linear(x, blocks, lin.bias), atol=1e-4, rtol=1e-4)

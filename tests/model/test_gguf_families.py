@@ -117,7 +117,7 @@ def test_family_gguf_logits_match_transformers(tmp_path, monkeypatch, tok_fields
         ref = reference(torch.tensor([tokens]), use_cache=False).logits[0]
     ours = prefill_logits(loaded.model, tokens)
     torch.testing.assert_close(ours, ref, atol=_ATOL.get(case, 1e-4), rtol=1e-5)
-    assert load_gguf_parts(str(path), with_q4_1_blocks=False).from_cache
+    assert load_gguf_parts(str(path)).from_cache
     again = load_model(str(path), torch.float32, CPU)  # from the start-up cache
     assert again.arch == loaded.arch
     assert torch.equal(prefill_logits(again.model, tokens), ours)
