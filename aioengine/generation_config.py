@@ -170,7 +170,10 @@ class _MetadataWalk:
         if kind in _SCALAR_FORMATS:
             fmt = _SCALAR_FORMATS[kind]
             size = struct.calcsize(fmt)
-            return self.read(fmt, size) if keep else self._skip(size)
+            if not keep:
+                return self._skip(size)
+            value = self.read(fmt, size)
+            return _shortest_float32(value) if fmt == "f" else value
         if kind == _STRING:
             return self.string().decode("utf-8", "replace") if keep else self._skip_string()
         if kind == _ARRAY:
@@ -191,6 +194,16 @@ class _MetadataWalk:
 
     def _skip_string(self) -> None:
         self.pos += 8 + struct.unpack_from(self.order + "Q", self.buf, self.pos)[0]
+
+
+def _shortest_float32(x: float) -> float:
+    """The shortest decimal that is the same float32 (0.6, not 0.6000000238418579): what
+    the file's writer meant, and what logs and /v1/models show."""
+    for digits in range(1, 10):
+        y = float(f"{x:.{digits}g}")
+        if struct.unpack("f", struct.pack("f", y))[0] == x:
+            return y
+    return x
 
 
 def read_gguf_sampling(path: str) -> dict[str, Any]:

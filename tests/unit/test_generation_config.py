@@ -30,10 +30,11 @@ QWEN_STYLE = {"bos_token_id": 1, "eos_token_id": [2, 3], "do_sample": True,
 GGUF_KEYS = {"general.sampling.temp": (gguf.GGUFValueType.FLOAT32, 0.75),
              "general.sampling.top_k": (gguf.GGUFValueType.INT32, 1),
              "general.sampling.top_p": (gguf.GGUFValueType.FLOAT32, 0.5),
-             "general.sampling.min_p": (gguf.GGUFValueType.FLOAT32, 0.125),
+             "general.sampling.min_p": (gguf.GGUFValueType.FLOAT32, 0.05),
              "general.sampling.penalty_repeat": (gguf.GGUFValueType.FLOAT32, 1.25),
              "general.sampling.mirostat": (gguf.GGUFValueType.INT32, 2)}  # no field: left out
-GGUF_DEFAULTS = {"temperature": 0.75, "top_k": 1, "top_p": 0.5, "min_p": 0.125,
+# 0.05 is no float32: read back as the decimal that was written, not 0.05000000074505806.
+GGUF_DEFAULTS = {"temperature": 0.75, "top_k": 1, "top_p": 0.5, "min_p": 0.05,
                  "repetition_penalty": 1.25}
 
 
@@ -216,7 +217,7 @@ def test_llm_uses_the_gguf_defaults_where_params_are_omitted(sampling_gguf: Path
     prompt = "Once upon a time"
     [implicit] = llm.generate(prompt, use_tqdm=False)
     [greedy] = llm.generate(prompt, SamplingParams(temperature=0.0, repetition_penalty=1.25,
-                                                   min_p=0.125), use_tqdm=False)
+                                                   min_p=0.05), use_tqdm=False)
     assert len(implicit.outputs[0].token_ids) == 16  # SamplingParams' max_tokens
     assert implicit.outputs[0].token_ids == greedy.outputs[0].token_ids
     off = LLM(str(sampling_gguf), dtype="float32", num_kv_blocks=64, generation_config="vllm")
