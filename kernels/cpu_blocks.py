@@ -37,6 +37,7 @@ last has a multiple of 16 rows, so no panel straddles two.
 """
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,7 +47,7 @@ from gguf import GGMLQuantizationType as GT
 from gguf.quants import dequantize as gguf_dequantize
 from torch import Tensor
 
-from aioengine.kernels import cpu_build
+from aioengine.kernels import cpu_build, cpu_layout
 
 PANEL = 16
 # Bumped whenever a group's byte layout changes (start-up caches of packed bytes key on it).
@@ -400,8 +401,9 @@ def _gemm_supported(x: Tensor, data: Tensor, layout: BlockLayout, lib: object) -
 def gemm(x: Tensor, data: Tensor, layout: BlockLayout,
          bias: Tensor | None = None) -> Tensor | None:
     """x [M, k] float32 @ W^T (+ bias [n]) -> [M, n] float32 for any M, W block-packed as
-    `layout` says (x quantized per 32-block to int8 by the kernel); None (nothing computed)
-    where the kernels are not built or do not take it, so the caller takes reference_linear."""
+    `layout` says (x quantized per 32-block to int8 by the kernel, once for every part: each
+    part written into its columns); None (nothing computed) where the kernels are not built
+    or do not take it, so the caller takes reference_linear."""
     lib = cpu_build.load()
     if not _gemm_supported(x, data, layout, lib):
         return None
@@ -412,18 +414,26 @@ def gemm(x: Tensor, data: Tensor, layout: BlockLayout,
     out = x.new_empty((m, layout.n))
     if m == 0:
         return out
-    col = 0
-    for p in layout.parts:
-        y = out if len(layout.parts) == 1 else x.new_empty((m, p.rows))
-        b = None if bias is None else bias[col:col + p.rows]
-        rc = lib.packed_gemm(y.data_ptr(), x.data_ptr(), data.data_ptr() + p.offset, 0,
-                             BLOCK_TYPES[p.block_type].code, 0 if b is None else b.data_ptr(),
-                             m, p.rows, layout.k, torch.get_num_threads())
+    # At most PROJ_MAX_PARTS parts per call (a weight of more, which no GGUF projection
+    # has, runs in runs of parts, each into a temporary).
+    parts, width, col = layout.parts, cpu_layout.PROJ_MAX_PARTS, 0
+    for i in range(0, len(parts), width):
+        run = parts[i:i + width]
+        rows = sum(p.rows for p in run)
+        y = out if len(run) == len(parts) else x.new_empty((m, rows))
+        w = cpu_layout.ProjWeight(num_parts=len(run))
+        for slot, p in zip(w.parts, run):
+            slot.data, slot.rows = data.data_ptr() + p.offset, p.rows
+            slot.fmt = BLOCK_TYPES[p.block_type].code
+        b = None if bias is None else bias[col:col + rows]
+        rc = lib.packed_gemm_parts(y.data_ptr(), x.data_ptr(), ctypes.byref(w),
+                                   None if b is None else b.data_ptr(), m, rows, layout.k,
+                                   torch.get_num_threads())
         if rc == -2:
-            raise ValueError(f"gemm: the kernel does not know format {p.block_type}")
+            raise ValueError(f"gemm: the kernel does not read parts {run}")
         if rc != 0:
             raise MemoryError("gemm: out of memory")
         if y is not out:
-            out[:, col:col + p.rows] = y
-        col += p.rows
+            out[:, col:col + rows] = y
+        col += rows
     return out

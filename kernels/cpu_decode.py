@@ -15,20 +15,117 @@ import torch
 from torch import Tensor
 
 from aioengine.kernels.cpu import KV_CACHE_DTYPES, _f32_rows, load
-from aioengine.kernels import cpu_gemm
-from aioengine.kernels.cpu_layout import LORA_TABLE_WIDTH, DecodeLayer, DecodeStep
+from aioengine.kernels import cpu_blocks, cpu_gemm
+from aioengine.kernels.cpu_layout import (LORA_TABLE_WIDTH, PROJ_MAX_PARTS, DecodeLayer,
+                                          DecodeStep, ProjWeight)
 
 
-# The tensors of one decoder layer: decode_layer's fields (kernels/cpu/decode_layer.h).
+# What one decoder layer hands the kernel: decode_layer's fields (kernels/cpu/decode_layer.h),
+# the projections as DecodeProjection.
 DECODE_LAYER_FIELDS = tuple(name for name, _ in DecodeLayer._fields_)
 _DECODE_LAYER_KEYS = frozenset(DECODE_LAYER_FIELDS)
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 # The weight format codes the kernel reads: the packed GEMM_*P (gemm.h; the row-major codes
-# 0-4 are retired, projection.h).
-_WEIGHT_FORMAT_CODES = frozenset((*cpu_gemm.PACKED_FORMATS.values(), cpu_gemm.GEMM_W8A8P))
+# 0-4 are retired, projection.h) and a GGUF's block formats.
+_BLOCK_CODES = frozenset(f.code for f in cpu_blocks.BLOCK_TYPES.values())
+_WEIGHT_FORMAT_CODES = frozenset((*cpu_gemm.PACKED_FORMATS.values(), cpu_gemm.GEMM_W8A8P,
+                                  *_BLOCK_CODES))
 # The ones a model may lack (null pointers for the kernel).
-_OPTIONAL_DECODE_FIELDS = frozenset({"qkv_bias", "q_norm", "k_norm", "qkv_scales", "o_scales",
-                                     "gate_up_scales", "down_scales"})
+_OPTIONAL_DECODE_FIELDS = frozenset({"qkv_bias", "q_norm", "k_norm"})
+
+
+@dataclass(frozen=True)
+class DecodePart:
+    """One part of a projection weight (decode_layer.h's proj_part): `rows` output rows in
+    format `fmt` at address `data`, with per-row scales at `scales` (int8) or None."""
+
+    data: int
+    fmt: int
+    rows: int
+    scales: int | None = None
+
+
+@dataclass(frozen=True)
+class DecodeProjection:
+    """A projection weight as llama_decode reads it: its parts in output-row order (every
+    part but the last whole 16-row panels; all reading x in one form: every block format
+    shares one) and the tensors holding them (the table keeps them alive)."""
+
+    parts: tuple[DecodePart, ...]
+    owners: tuple[Tensor, ...]
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.rows for p in self.parts)
+
+    def fill(self, w: ProjWeight) -> None:
+        """Into the mirror struct."""
+        w.num_parts = len(self.parts)
+        for slot, part in zip(w.parts, self.parts):
+            slot.data, slot.scales, slot.rows, slot.fmt = (part.data, part.scales, part.rows,
+                                                           part.fmt)
+
+
+def _projection_ok(weight: Tensor, scales: Tensor | None) -> bool:
+    """A projection weight the kernel reads: panel-packed (gemm.h, cpu_gemm.pack_weight;
+    int8 with its scales [n], one per output row of the panels). A row-major weight [N, K]
+    is not: the caller keeps its torch path."""
+    return (weight.dim() == 3 and weight.device.type == "cpu" and weight.is_contiguous()
+            and weight.dtype in cpu_gemm.PACKED_FORMATS
+            and (scales is not None) == (weight.dtype == torch.int8)
+            and (scales is None or scales.dim() == 1 and _f32_rows(scales)
+                 and -(-scales.shape[0] // cpu_gemm.PANEL) == weight.shape[0]))
+
+
+def packed_projection(weight: Tensor, scales: Tensor | None,
+                      rows: int) -> DecodeProjection | None:
+    """A panel-packed weight of `rows` output rows (cpu_gemm.pack_weight, or W8A8 panels;
+    int8 with its scales [rows]) as one part; None where the kernel does not read it."""
+    if not (_projection_ok(weight, scales) and 0 < rows <= weight.shape[0] * cpu_gemm.PANEL
+            and (scales is None or scales.shape[0] == rows)):
+        return None
+    part = DecodePart(weight.data_ptr(), cpu_gemm.packed_format(weight), rows,
+                      None if scales is None else scales.data_ptr())
+    return DecodeProjection((part,), (weight,) if scales is None else (weight, scales))
+
+
+def block_projection(data: Tensor, layout: cpu_blocks.BlockLayout) -> DecodeProjection | None:
+    """A GGUF block weight (uint8 [layout.nbytes], the parts' panels back to back,
+    cpu_blocks.BlockLayout) with one part per BlockPart; None where the kernel does not read
+    it (more than PROJ_MAX_PARTS parts, the buffer not as the layout says)."""
+    parts = layout.parts
+    if not (data.dtype == torch.uint8 and data.dim() == 1 and data.device.type == "cpu"
+            and data.is_contiguous() and data.numel() >= layout.nbytes
+            and 0 < len(parts) <= PROJ_MAX_PARTS
+            and all(p.rows % cpu_gemm.PANEL == 0 for p in parts[:-1])):
+        return None
+    base = data.data_ptr()
+    return DecodeProjection(tuple(
+        DecodePart(base + p.offset, cpu_blocks.BLOCK_TYPES[p.block_type].code, p.rows)
+        for p in parts), (data,))
+
+
+class _KernelLinear(Protocol):
+    """What decode_projection reads of a projection (aioengine.model.layers.Linear)."""
+
+    weight: Tensor
+    scales: Tensor | None
+    out_features: int
+
+    @property
+    def kernel_format(self) -> int | None: ...
+
+
+def decode_projection(linear: _KernelLinear) -> DecodeProjection | None:
+    """A Linear's weight as llama_decode reads it: its BlockLayout's parts for a GGUF block
+    weight (`linear.blocks`), else its packed weight as one part; None where no kernel
+    format reads it (a weight left unpacked), so the table declines."""
+    layout = getattr(linear, "blocks", None)
+    if layout is not None:
+        return block_projection(linear.weight, layout)
+    if linear.kernel_format is None:
+        return None
+    return packed_projection(linear.weight, linear.scales, linear.out_features)
 
 
 @dataclass(eq=False)
@@ -46,22 +143,8 @@ class DecodeLayerTable:
         return len(self.layers)
 
 
-def _projection_ok(weight: Tensor, scales: Tensor | None) -> bool:
-    """A projection weight the kernel reads: panel-packed (gemm.h, cpu_gemm.pack_weight;
-    int8 with its scales [n], one per output row of the panels). A row-major weight [N, K]
-    is not: the caller keeps its torch path. (The scales' dtype and layout are checked with
-    the other float32 fields.)"""
-    return (weight.dim() == 3 and weight.device.type == "cpu" and weight.is_contiguous()
-            and weight.dtype in cpu_gemm.PACKED_FORMATS
-            and (scales is not None) == (weight.dtype == torch.int8)
-            and (scales is None or scales.dim() == 1
-                 and -(-scales.shape[0] // cpu_gemm.PANEL) == weight.shape[0]))
-
-
-def _decode_layer_ok(layer: dict[str, Tensor | None], formats: set,
-                     kv_dtypes: set) -> bool:
-    """Every tensor of `layer` one the kernel reads; collects the projections' dtypes and
-    the KV cache's."""
+def _decode_layer_ok(layer: dict, kv_dtypes: set) -> bool:
+    """Every entry of `layer` one the kernel reads; collects the KV cache's dtype."""
     for name in DECODE_LAYER_FIELDS:
         t = layer[name]
         if name == "kv_cache":
@@ -70,38 +153,48 @@ def _decode_layer_ok(layer: dict[str, Tensor | None], formats: set,
                 return False
             kv_dtypes.add(t.dtype)
         elif name in _PROJECTIONS:
-            if t is None or not _projection_ok(t, layer[f"{name}_scales"]):
+            if not (isinstance(t, DecodeProjection) and _parts_ok(t.parts)):
                 return False
-            formats.add((t.dtype, t.dim()))
         elif not (t is None and name in _OPTIONAL_DECODE_FIELDS
                   or t is not None and _f32_rows(t)):
             return False
     return True
 
 
-def decode_layer_table(layers: list[dict[str, Tensor | None]]) -> DecodeLayerTable | None:
+def _parts_ok(parts: tuple[DecodePart, ...]) -> bool:
+    """1..PROJ_MAX_PARTS parts in formats the kernel reads, several only in block formats
+    (one x form: proj_x_form), every part but the last whole panels."""
+    return (0 < len(parts) <= PROJ_MAX_PARTS
+            and all(p.fmt in _WEIGHT_FORMAT_CODES and p.rows > 0 for p in parts)
+            and (len(parts) == 1 or all(p.fmt in _BLOCK_CODES for p in parts))
+            and all(p.rows % cpu_gemm.PANEL == 0 for p in parts[:-1]))
+
+
+def decode_layer_table(layers: list[dict]) -> DecodeLayerTable | None:
     """The decode_layer structs llama_decode takes, one per layer from a dict keyed by
-    DECODE_LAYER_FIELDS (biases, q/k norms and, but for int8 projections, the scales may be
-    None). None when a tensor does not fit: every projection of the model packed, in one
-    format of cpu_gemm.PACKED_FORMATS (int8 with its scales), every KV cache in one of
-    KV_CACHE_DTYPES, everything else float32; all contiguous on the CPU. Raises ValueError
-    for a dict with a key too many or too few."""
-    formats: set = set()
+    DECODE_LAYER_FIELDS: the projections as DecodeProjection (decode_projection; None
+    declines), each in its own format or parts of several; biases and q/k norms may be
+    None. None when anything does not fit: a projection no kernel format reads, KV caches
+    not all of one of KV_CACHE_DTYPES, anything else not float32; all contiguous on the
+    CPU. Raises ValueError for a dict with a key too many or too few."""
     kv_dtypes: set = set()
     for layer in layers:
         if layer.keys() != _DECODE_LAYER_KEYS:
             raise ValueError(f"decode_layer_table: unknown keys "
                              f"{sorted(layer.keys() - _DECODE_LAYER_KEYS)}, missing keys "
                              f"{sorted(_DECODE_LAYER_KEYS - layer.keys())}")
-        if not _decode_layer_ok(layer, formats, kv_dtypes):
+        if not _decode_layer_ok(layer, kv_dtypes):
             return None
-    if len(formats) > 1 or len(kv_dtypes) > 1:
+    if len(kv_dtypes) > 1:
         return None
     table = (DecodeLayer * len(layers))()
     for row, layer in zip(table, layers):
         for name in DECODE_LAYER_FIELDS:
             t = layer[name]
-            setattr(row, name, None if t is None else t.data_ptr())
+            if name in _PROJECTIONS:
+                t.fill(getattr(row, name))
+            else:
+                setattr(row, name, None if t is None else t.data_ptr())
     return DecodeLayerTable(table, DecodeStep(
         layers=ctypes.addressof(table), num_layers=len(layers),
         kv_bf16=int(kv_dtypes == {torch.bfloat16})))
@@ -147,7 +240,7 @@ def llama_decode(x: Tensor, layer_table: DecodeLayerTable, final_norm: Tensor, *
                  num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int,
                  eps: float, scale: float, positions: Tensor, cos: Tensor, sin: Tensor,
                  slot_mapping: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                 num_blocks: int, block_size: int, weight_format: int | None = 0,
+                 num_blocks: int, block_size: int,
                  aux: Tensor | None = None, aux_layers: Tensor | None = None,
                  lora: LoRADecodeArgs | None = None,
                  eagle: EagleDecodeArgs | None = None,
@@ -159,9 +252,7 @@ def llama_decode(x: Tensor, layer_table: DecodeLayerTable, final_norm: Tensor, *
 
     layer_table from `decode_layer_table`; positions and slot_mapping [T] int64;
     block_tables [T, max_blocks] and seq_lens [T] int32 (AttentionMetadata's); cos/sin
-    [max_positions, head_dim / 2]; weight_format the projections' code (Linear.kernel_format:
-    cpu_gemm.packed_format's; None, which declines, for a weight left unpacked, which no C
-    kernel reads).
+    [max_positions, head_dim / 2].
     aux [T, L * H] float32 with aux_layers [L] int64 (each in [0, num_layers)), or both
     None: aux[:, j*H:(j+1)*H] receives the residual stream into layer aux_layers[j] (the
     embeddings for 0), before its input norm. `lora`: the step's adapter slots (each
@@ -183,8 +274,7 @@ def llama_decode(x: Tensor, layer_table: DecodeLayerTable, final_norm: Tensor, *
             and block_tables.dtype == seq_lens.dtype == torch.int32
             and block_tables.dim() == 2 and block_tables.shape[0] == t
             and block_tables.is_contiguous() and seq_lens.shape == (t,)
-            and seq_lens.is_contiguous() and cos.shape[-1] * 2 == head_dim
-            and weight_format in _WEIGHT_FORMAT_CODES):
+            and seq_lens.is_contiguous() and cos.shape[-1] * 2 == head_dim):
         return False
     step = layer_table.step
     if not (_set_aux(step, aux, aux_layers, t, x.shape[1]) and _set_lora(step, lora, t)
@@ -196,7 +286,7 @@ def llama_decode(x: Tensor, layer_table: DecodeLayerTable, final_norm: Tensor, *
         return False
     step.final_norm, step.hidden, step.num_heads = final_norm.data_ptr(), x.shape[1], num_heads
     step.num_kv_heads, step.head_dim, step.intermediate = num_kv_heads, head_dim, intermediate_size
-    step.eps, step.scale, step.weight_fmt = eps, scale, weight_format
+    step.eps, step.scale = eps, scale
     step.cos_table, step.sin_table = cos.data_ptr(), sin.data_ptr()
     step.num_threads, step.x, step.num_tokens = torch.get_num_threads(), x.data_ptr(), t
     step.positions, step.slot_mapping = positions.data_ptr(), slot_mapping.data_ptr()
@@ -206,8 +296,9 @@ def llama_decode(x: Tensor, layer_table: DecodeLayerTable, final_norm: Tensor, *
     if rc > 0:
         raise IndexError(f"llama_decode: {rc} slot(s) outside the cache's "
                          f"{num_blocks * block_size} slots")
-    if rc == -2:  # never for a _WEIGHT_FORMAT_CODES code: a Python/C mismatch, not memory
-        raise ValueError(f"llama_decode: the kernel does not know format {weight_format}")
+    if rc == -2:  # never for a table decode_layer_table built at the model's widths
+        raise ValueError("llama_decode: a projection weight the kernel does not read (its "
+                         "format, or parts whose rows do not add up to the model's widths)")
     if rc < 0:
         raise MemoryError("llama_decode: out of memory for its buffers")
     return True

@@ -14,13 +14,28 @@ from dataclasses import dataclass
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 
+# decode_layer.h's PROJ_MAX_PARTS (the test checks it against the library's).
+PROJ_MAX_PARTS = 3
+
+
+class ProjPart(ctypes.Structure):
+    """proj_part: `rows` output rows of a weight packed in format `fmt` at `data`."""
+
+    _fields_ = [("data", _ptr), ("scales", _ptr), ("rows", _i64), ("fmt", _i32)]
+
+
+class ProjWeight(ctypes.Structure):
+    """proj_weight: a projection weight of 1..PROJ_MAX_PARTS parts in output-row order."""
+
+    _fields_ = [("parts", ProjPart * PROJ_MAX_PARTS), ("num_parts", _i64)]
+
+
 class DecodeLayer(ctypes.Structure):
     """decode_layer: one layer's weights and KV cache."""
 
-    _fields_ = [("input_norm", _ptr), ("qkv", _ptr), ("qkv_scales", _ptr), ("qkv_bias", _ptr),
-                ("q_norm", _ptr), ("k_norm", _ptr), ("o", _ptr), ("o_scales", _ptr),
-                ("post_norm", _ptr), ("gate_up", _ptr), ("gate_up_scales", _ptr),
-                ("down", _ptr), ("down_scales", _ptr), ("kv_cache", _ptr)]
+    _fields_ = [("input_norm", _ptr), ("qkv", ProjWeight), ("qkv_bias", _ptr),
+                ("q_norm", _ptr), ("k_norm", _ptr), ("o", ProjWeight), ("post_norm", _ptr),
+                ("gate_up", ProjWeight), ("down", ProjWeight), ("kv_cache", _ptr)]
 
 
 class LoRAProj(ctypes.Structure):
@@ -49,8 +64,7 @@ class DecodeStep(ctypes.Structure):
         ("layers", _ptr), ("num_layers", _i64), ("final_norm", _ptr), ("hidden", _i64),
         ("num_heads", _i64), ("num_kv_heads", _i64), ("head_dim", _i64),
         ("intermediate", _i64), ("eps", _f32), ("scale", _f32), ("cos_table", _ptr),
-        ("sin_table", _ptr), ("weight_fmt", _i32), ("num_threads", _i32),
-        ("kv_bf16", _i32),
+        ("sin_table", _ptr), ("num_threads", _i32), ("kv_bf16", _i32),
         # the step
         ("x", _ptr), ("num_tokens", _i64), ("positions", _ptr), ("slot_mapping", _ptr),
         ("block_tables", _ptr), ("table_stride", _i64), ("seq_lens", _ptr),
@@ -64,7 +78,7 @@ class DecodeStep(ctypes.Structure):
 
 # The mirrored structs by their C names (layout.c's table).
 C_STRUCTS: dict[str, type[ctypes.Structure]] = {
-    "decode_layer": DecodeLayer, "lora_proj": LoRAProj, "lora_layer": LoRALayer,
+    "proj_part": ProjPart, "proj_weight": ProjWeight, "decode_layer": DecodeLayer, "lora_proj": LoRAProj, "lora_layer": LoRALayer,
     "decode_step": DecodeStep}
 
 
@@ -84,10 +98,15 @@ class _CField(ctypes.Structure):
 
 
 def declare(lib: ctypes.CDLL) -> None:
-    """The argument types of layout.c's and llama_decode.c's entry points on `lib`."""
+    """The argument types of layout.c's, llama_decode.c's and projection.c's
+    packed_gemm_parts entry points on `lib`."""
     declare_layout(lib)
     lib.llama_decode.argtypes = [ctypes.POINTER(DecodeStep)]
     lib.llama_decode.restype = _i64
+    # (y, x, weight, bias, m, n, k, num_threads)
+    lib.packed_gemm_parts.argtypes = [_ptr, _ptr, ctypes.POINTER(ProjWeight), _ptr, _i64, _i64,
+                                      _i64, ctypes.c_int]
+    lib.packed_gemm_parts.restype = ctypes.c_int
 
 
 def declare_layout(lib: ctypes.CDLL) -> None:
@@ -98,6 +117,8 @@ def declare_layout(lib: ctypes.CDLL) -> None:
     fn.restype = _i64
     lib.lora_layer_pointers.argtypes = []
     lib.lora_layer_pointers.restype = _i64
+    lib.proj_max_parts.argtypes = []
+    lib.proj_max_parts.restype = _i64
 
 
 def c_layout(lib: ctypes.CDLL, name: str) -> tuple[int, list[FieldLayout]]:
@@ -135,4 +156,6 @@ def layout_mismatches(lib: ctypes.CDLL) -> list[str]:
     if LORA_TABLE_WIDTH != lib.lora_layer_pointers():
         problems.append(f"LORA_LAYER_POINTERS {lib.lora_layer_pointers()} != "
                         f"LORA_TABLE_WIDTH {LORA_TABLE_WIDTH}")
+    if PROJ_MAX_PARTS != lib.proj_max_parts():
+        problems.append(f"PROJ_MAX_PARTS {lib.proj_max_parts()} != {PROJ_MAX_PARTS}")
     return problems

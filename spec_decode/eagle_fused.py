@@ -43,13 +43,12 @@ class FusedEagleStep:
         if self._table is None or self._table[0] != kv_cache.data_ptr():
             layer = self.head.layer
             qkv, o, gate_up, down = layer.projections()
+            proj = cpu_decode.decode_projection
             table = cpu_decode.decode_layer_table([{
-                "input_norm": layer.input_layernorm, "qkv": qkv.weight,
-                "qkv_scales": qkv.scales, "qkv_bias": qkv.bias, "q_norm": None,
-                "k_norm": None, "o": o.weight, "o_scales": o.scales,
-                "post_norm": layer.post_attention_layernorm, "gate_up": gate_up.weight,
-                "gate_up_scales": gate_up.scales, "down": down.weight,
-                "down_scales": down.scales, "kv_cache": kv_cache}])
+                "input_norm": layer.input_layernorm, "qkv": proj(qkv), "qkv_bias": qkv.bias,
+                "q_norm": None, "k_norm": None, "o": proj(o),
+                "post_norm": layer.post_attention_layernorm, "gate_up": proj(gate_up),
+                "down": proj(down), "kv_cache": kv_cache}])
             self._table = (kv_cache.data_ptr(), table)
         return self._table[1]
 
@@ -87,7 +86,6 @@ class FusedEagleStep:
             positions=positions.contiguous(), cos=head.rotary.cos, sin=head.rotary.sin,
             slot_mapping=meta.slot_mapping, block_tables=tables, seq_lens=seq_lens,
             num_blocks=num_blocks, block_size=block_size,
-            weight_format=layer.qkv_proj.kernel_format,
             eagle=cpu_decode.EagleDecodeArgs(next_hidden, head.hidden_norm,
                                              head.norm_before_residual),
             tree_copies=copies)

@@ -120,10 +120,13 @@ class FusedCpuDecodeExecutor:
                    for i in range(meta.num_reqs))
 
     def max_tokens(self) -> int:
-        """The largest decode step it takes: any size with packed weights; none (0) with
-        weights left unpacked (no kernels, fp16), which the kernel does not read."""
+        """The largest decode step it takes: any size with packed weights (or a GGUF's
+        blocks); none (0) with weights left unpacked (no kernels, fp16), which the kernel
+        does not read."""
         layers = self.model.layers
-        packed = bool(layers) and getattr(layers[0].qkv_proj, "is_packed", False)
+        qkv = layers[0].qkv_proj if layers else None
+        packed = qkv is not None and (getattr(qkv, "is_packed", False)
+                                      or getattr(qkv, "blocks", None) is not None)
         return FUSED_DECODE_MAX_TOKENS if packed else 0
 
     def run(self, x: Tensor, positions: Tensor, kv_caches: list[Tensor],
@@ -148,7 +151,7 @@ class FusedCpuDecodeExecutor:
             scale=model.layer_specs[0].scale, positions=positions, cos=model.rotary.cos,
             sin=model.rotary.sin, slot_mapping=meta.slot_mapping,
             block_tables=tables, seq_lens=seq_lens, num_blocks=num_blocks,
-            block_size=block_size, weight_format=model.layers[0].qkv_proj.kernel_format,
+            block_size=block_size,
             aux=aux, aux_layers=aux_index, lora=None if lora is None else lora.decode_args(),
             tree_copies=tree_copies)
 
@@ -160,14 +163,16 @@ class FusedCpuDecodeExecutor:
             if (len(kv_caches) != len(model.layers) or len({c.shape for c in kv_caches}) != 1
                     or kv_caches[0].dim() != 5 or kv_caches[0].shape[-2:] != kv_shape):
                 return None
+            # Each projection in its own format, or parts of several (a GGUF's blocks:
+            # cpu_decode.decode_projection); one it cannot read declines the table.
             table = cpu_decode.decode_layer_table([
-                {"input_norm": layer.input_layernorm, "qkv": layer.qkv_proj.weight,
-                 "qkv_scales": layer.qkv_proj.scales, "qkv_bias": layer.qkv_proj.bias,
-                 "q_norm": layer.q_norm, "k_norm": layer.k_norm, "o": layer.o_proj.weight,
-                 "o_scales": layer.o_proj.scales, "post_norm": layer.post_attention_layernorm,
-                 "gate_up": layer.gate_up_proj.weight,
-                 "gate_up_scales": layer.gate_up_proj.scales, "down": layer.down_proj.weight,
-                 "down_scales": layer.down_proj.scales, "kv_cache": cache}
+                {"input_norm": layer.input_layernorm,
+                 "qkv": cpu_decode.decode_projection(layer.qkv_proj),
+                 "qkv_bias": layer.qkv_proj.bias, "q_norm": layer.q_norm,
+                 "k_norm": layer.k_norm, "o": cpu_decode.decode_projection(layer.o_proj),
+                 "post_norm": layer.post_attention_layernorm,
+                 "gate_up": cpu_decode.decode_projection(layer.gate_up_proj),
+                 "down": cpu_decode.decode_projection(layer.down_proj), "kv_cache": cache}
                 for layer, cache in zip(model.layers, kv_caches)])
             if table is None:
                 return None

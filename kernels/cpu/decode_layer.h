@@ -11,20 +11,41 @@
 
 #include <stdint.h>
 
+/* The most parts a projection weight has: a fused q/k/v whose parts are stored in different
+ * formats (a Q4_K_M file's Q4_K q, k and Q6_K v). */
+#define PROJ_MAX_PARTS 3
+
+/* One part of a projection weight: `rows` output rows packed in format `fmt` (a packed
+ * GEMM_*P code, gemm.h) at `data`, with their per-row scales [rows] for the int8 formats
+ * (else NULL). */
+typedef struct {
+    const void *data;
+    const float *scales;
+    int64_t rows;
+    int32_t fmt;
+} proj_part;
+
+/* A projection weight [n, k]: parts[0 .. num_parts) in output-row order, n the sum of their
+ * rows, every part but the last a whole number of 16-row panels (so no panel straddles two
+ * parts, and part j's columns of y start at 16 x the panels before it). All parts read x in
+ * the same form (projection.h's proj_x_form: every GGUF block format shares one);
+ * llama_decode refuses (-2) a weight whose parts do not. */
+typedef struct {
+    proj_part parts[PROJ_MAX_PARTS];
+    int64_t num_parts;
+} proj_weight;
+
 /* One layer's weights, as LlamaDecoderLayer holds them (qkv_bias, q_norm, k_norm may be
- * NULL; the projections in the step's weight format, with their per-row scales for int8,
- * else NULL scales), and its KV cache [2, num_blocks, block_size, num_kv_heads, head_dim]
- * (float32, or bf16 where the step's kv_bf16 says so). */
+ * NULL; each projection in its own format(s)), and its KV cache [2, num_blocks, block_size,
+ * num_kv_heads, head_dim] (float32, or bf16 where the step's kv_bf16 says so). */
 typedef struct {
     const float *input_norm;
-    const void *qkv;
-    const float *qkv_scales, *qkv_bias, *q_norm, *k_norm;
-    const void *o;
-    const float *o_scales, *post_norm;
-    const void *gate_up;
-    const float *gate_up_scales;
-    const void *down;
-    const float *down_scales;
+    proj_weight qkv;
+    const float *qkv_bias, *q_norm, *k_norm;
+    proj_weight o;
+    const float *post_norm;
+    proj_weight gate_up;
+    proj_weight down;
     void *kv_cache;
 } decode_layer;
 
@@ -52,8 +73,7 @@ _Static_assert(sizeof(lora_layer) == LORA_LAYER_POINTERS * sizeof(void *),
  * x [num_tokens, hidden]: the embeddings in, the final-normed hidden states out.
  * positions, slot_mapping [num_tokens] int64; block_tables [num_tokens, table_stride] and
  * seq_lens [num_tokens] int32 (as for paged_attention_f32, one row per token); cos/sin tables
- * [max_positions, head_dim / 2]; weight_fmt the projections' packed GEMM_*P format (gemm.h); K/V
- * are written to the caches rounded to bf16 (as torch rounds) and read back widened where
+ * [max_positions, head_dim / 2]; K/V are written to the caches rounded to bf16 (as torch rounds) and read back widened where
  * kv_bf16 is set.
  * aux NULL, or [num_tokens, num_aux * hidden]: its j-th hidden-wide column block receives
  * the residual stream into layer aux_layers[j] (each in [0, num_layers); the embeddings for
@@ -73,7 +93,6 @@ typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
     float eps, scale;
     const float *cos_table, *sin_table;
-    int32_t weight_fmt;
     int32_t num_threads;
     int32_t kv_bf16; /* every layer's KV cache in bf16 (else float32) */
     /* the step */
@@ -112,8 +131,10 @@ typedef struct {
 } decode_step;
 
 /* Runs the step (llama_decode.c). Returns 0; the number of slots outside the cache, having
- * written nothing; -1 when out of memory; or -2, having done nothing, for a weight_fmt it
- * does not read (projection.h's proj_format_known: the retired row-major codes included). */
+ * written nothing; -1 when out of memory; or -2, having done nothing, for a projection
+ * weight it does not read (projection.h's proj_weight_ok: a format it does not know, the
+ * retired row-major codes included; parts that read x in different forms; rows that do
+ * not add up to the projection's width). */
 int64_t llama_decode(const decode_step *step);
 
 #endif /* AIOENGINE_DECODE_LAYER_H */

@@ -19,14 +19,21 @@ typedef struct {
 #define FIELD(type, field) \
     {#field, (int64_t)offsetof(type, field), (int64_t)sizeof(((type *)0)->field)}
 
+static const layout_field proj_part_fields[] = {
+    FIELD(proj_part, data), FIELD(proj_part, scales), FIELD(proj_part, rows),
+    FIELD(proj_part, fmt),
+};
+
+static const layout_field proj_weight_fields[] = {
+    FIELD(proj_weight, parts), FIELD(proj_weight, num_parts),
+};
+
 static const layout_field decode_layer_fields[] = {
     FIELD(decode_layer, input_norm), FIELD(decode_layer, qkv),
-    FIELD(decode_layer, qkv_scales), FIELD(decode_layer, qkv_bias),
-    FIELD(decode_layer, q_norm),     FIELD(decode_layer, k_norm),
-    FIELD(decode_layer, o),          FIELD(decode_layer, o_scales),
+    FIELD(decode_layer, qkv_bias),   FIELD(decode_layer, q_norm),
+    FIELD(decode_layer, k_norm),     FIELD(decode_layer, o),
     FIELD(decode_layer, post_norm),  FIELD(decode_layer, gate_up),
-    FIELD(decode_layer, gate_up_scales), FIELD(decode_layer, down),
-    FIELD(decode_layer, down_scales), FIELD(decode_layer, kv_cache),
+    FIELD(decode_layer, down),       FIELD(decode_layer, kv_cache),
 };
 
 static const layout_field lora_proj_fields[] = {
@@ -45,8 +52,7 @@ static const layout_field decode_step_fields[] = {
     FIELD(decode_step, head_dim),     FIELD(decode_step, intermediate),
     FIELD(decode_step, eps),          FIELD(decode_step, scale),
     FIELD(decode_step, cos_table),    FIELD(decode_step, sin_table),
-    FIELD(decode_step, weight_fmt),   FIELD(decode_step, num_threads),
-    FIELD(decode_step, kv_bf16),
+    FIELD(decode_step, num_threads),  FIELD(decode_step, kv_bf16),
     FIELD(decode_step, x),            FIELD(decode_step, num_tokens),
     FIELD(decode_step, positions),    FIELD(decode_step, slot_mapping),
     FIELD(decode_step, block_tables), FIELD(decode_step, table_stride),
@@ -69,7 +75,8 @@ static const struct {
     int64_t size;
     const layout_field *fields;
     int64_t num_fields;
-} layouts[] = {STRUCT(decode_layer), STRUCT(lora_proj), STRUCT(lora_layer), STRUCT(decode_step)};
+} layouts[] = {STRUCT(proj_part),  STRUCT(proj_weight), STRUCT(decode_layer),
+               STRUCT(lora_proj),  STRUCT(lora_layer),  STRUCT(decode_step)};
 
 /* Struct `name`'s field table into *fields and its size into *size; returns the number of
  * fields, or -1 for a name this table lacks. */
@@ -85,3 +92,6 @@ int64_t c_struct_layout(const char *name, const layout_field **fields, int64_t *
 
 /* decode_layer.h's LORA_LAYER_POINTERS, the width of the LoRA pointer table. */
 int64_t lora_layer_pointers(void) { return LORA_LAYER_POINTERS; }
+
+/* decode_layer.h's PROJ_MAX_PARTS, the length of proj_weight's parts. */
+int64_t proj_max_parts(void) { return PROJ_MAX_PARTS; }

@@ -2,7 +2,9 @@
  * The decoder layers of a Llama-family model for a decode step (one token per request, any
  * number of requests) on the CPU, in one call: float32 activations, the projections'
  * weights panel-packed (gemm.h, through projection.h) in float32, bf16, int8 weight-only,
- * W8A8 or GGUF Q4_1. Row-major weights are not read (their format codes are retired,
+ * W8A8 or a GGUF's blocks (Q4_1, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), each projection in its own
+ * format, or in parts of several (decode_layer.h's proj_weight: a Q4_K_M file's Q4_K q/k
+ * and Q6_K v). Row-major weights are not read (their format codes are retired,
  * projection.h).
  *
  * At a few tokens the layers are bound by streaming their weights from memory (14 MB a
@@ -57,11 +59,6 @@
 #include "lora_decode.h"
 #include "projection.h"
 #include "rotary_embedding.h"
-
-/* A projection of `layer` as projection.h takes it. */
-static inline proj_weight proj(const void *data, const float *scales, int fmt) {
-    return (proj_weight){.data = data, .scales = scales, .fmt = fmt};
-}
 
 static void head_rms_norm(float *restrict x, const float *restrict weight, int64_t num_heads,
                           int64_t head_dim, float eps) {
@@ -160,6 +157,27 @@ static void eagle_input_row(float *restrict h, float *restrict r, const float *r
     memcpy(r, d->eagle_norm_before_residual ? h + n : hid, sizeof(float) * (size_t)n);
 }
 
+/* Whether every projection of every layer is a weight proj_range reads at its width
+ * (proj_weight_ok); *xbuf_floats set to the largest buffer proj_prepare_x needs over them
+ * for M rows of at most `wide` inputs. */
+static int layers_ok(const decode_step *d, int64_t M, int64_t wide, int64_t *xbuf_floats) {
+    const int64_t q_size = d->num_heads * d->head_dim, kv_size = d->num_kv_heads * d->head_dim;
+    *xbuf_floats = M * wide + 16;
+    for (int64_t l = 0; l < d->num_layers; l++) {
+        const decode_layer *layer = d->layers + l;
+        const proj_weight *w[4] = {&layer->qkv, &layer->o, &layer->gate_up, &layer->down};
+        const int64_t n[4] = {q_size + 2 * kv_size, d->hidden, 2 * d->intermediate, d->hidden};
+        for (int i = 0; i < 4; i++) {
+            if (!proj_weight_ok(w[i], n[i])) return 0;
+            for (int64_t j = 0; j < w[i]->num_parts; j++) {
+                const int64_t f = proj_buffer_floats(w[i]->parts[j].fmt, M, wide);
+                *xbuf_floats = f > *xbuf_floats ? f : *xbuf_floats;
+            }
+        }
+    }
+    return 1;
+}
+
 /* The step of `d` (decode_layer.h: its fields' meaning and the return value). */
 int64_t llama_decode(const decode_step *d) {
     float *restrict x = d->x;
@@ -180,7 +198,7 @@ int64_t llama_decode(const decode_step *d) {
     const lora_layer *restrict lora = d->lora;
     const int32_t *restrict token_slots = d->token_slots;
     const int64_t lora_rank = d->lora_rank;
-    const int lora_bf16 = d->lora_bf16, weight_fmt = d->weight_fmt, num_threads = d->num_threads;
+    const int lora_bf16 = d->lora_bf16, num_threads = d->num_threads;
     const int64_t M = num_tokens, q_size = num_heads * head_dim;
     const int64_t kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
     float *restrict eagle_hidden = d->eagle_hidden;
@@ -192,7 +210,11 @@ int64_t llama_decode(const decode_step *d) {
         .block_size = block_size, .table_stride = table_stride, .eps = eps, .scale = scale,
         .kv_bf16 = d->kv_bf16, .positions = positions, .slot_mapping = slot_mapping, .block_tables = block_tables,
         .seq_lens = seq_lens, .cos_table = cos_table, .sin_table = sin_table};
-    if (!proj_format_known(weight_fmt)) return -2;
+    int64_t wide = hidden > intermediate ? hidden : intermediate;
+    wide = wide > q_size ? wide : q_size;
+    wide = wide > qkv_in0 ? wide : qkv_in0;
+    int64_t xbuf_floats;
+    if (!layers_ok(d, M, wide, &xbuf_floats)) return -2;
     int64_t bad = 0;
     for (int64_t t = 0; t < M; t++)
         bad += slot_mapping[t] < 0 || slot_mapping[t] >= step.num_slots;
@@ -224,10 +246,6 @@ int64_t llama_decode(const decode_step *d) {
     lora_step_init(&ls, attn + attn_floats, M, R);
     const int64_t num_kv_blocks =
         lora_step_blocks(&ls, kv_rows, kv_rows + M, lora == NULL ? NULL : token_slots, M);
-    int64_t wide = hidden > intermediate ? hidden : intermediate;
-    wide = wide > q_size ? wide : q_size;
-    wide = wide > qkv_in0 ? wide : qkv_in0;
-    const int fmt = weight_fmt;
     /* Claim counters of every projection of the step: [num_layers, 4, num_threads]. */
     proj_claim *claims = calloc((size_t)(num_layers * 4 * num_threads), sizeof(proj_claim));
     if (claims == NULL) {
@@ -246,12 +264,13 @@ int64_t llama_decode(const decode_step *d) {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
         /* Private: the residual stream, the normed input of a projection, a rotated q,
          * every token's combined attention, one part's scores. */
-        float *residual = malloc(sizeof(float) * (size_t)(M * (hidden + 2 * wide + q_size) + 16 +
-                                                          q_size + num_heads * attn_part_len(block_size)));
+        const int64_t score_floats = num_heads * attn_part_len(block_size);
+        float *residual = malloc(sizeof(float) * (size_t)(M * (hidden + wide + q_size) + q_size +
+                                                          score_floats + xbuf_floats));
         float *h = residual + M * hidden, *own_attn = h + M * wide, *q = own_attn + M * q_size;
-        /* A projection's input as its weight format reads it (proj_prepare_x). */
-        float *xbuf = q + q_size;
-        float *scores = xbuf + M * wide + 16;
+        float *scores = q + q_size;
+        /* A projection's input as its weight's parts read it (proj_prepare_x). */
+        float *xbuf = scores + score_floats;
         /* A thread without memory skips the work but still meets every barrier. */
         const int ok = residual != NULL;
         failed = !ok;
@@ -288,9 +307,8 @@ int64_t llama_decode(const decode_step *d) {
                                        sizeof(float) * (size_t)hidden);
                 if (ls.nb > 0)
                     lora_step_shrink(&ls, ls.u_qkv, h, qkv_in, &lora[l].qkv, 3, hidden, tid, nt);
-                const proj_weight w = proj(layer->qkv, layer->qkv_scales, fmt);
-                proj_shared(qkv, proj_prepare_x(xbuf, h, M, qkv_in, fmt), &w, layer->qkv_bias, M,
-                            qkv_size, qkv_in, tid, nt, c);
+                proj_shared(qkv, proj_prepare_x(xbuf, h, M, qkv_in, &layer->qkv), &layer->qkv,
+                            layer->qkv_bias, M, qkv_size, qkv_in, tid, nt, c);
             }
 #pragma omp barrier
             /* Every token's K/V into the cache before any token attends: the tokens of one
@@ -336,9 +354,8 @@ int64_t llama_decode(const decode_step *d) {
             if (ok) {
                 if (ls.nb > 0)
                     lora_step_shrink(&ls, ls.u_o, attn_out, q_size, &lora[l].o, 1, q_size, tid, nt);
-                const proj_weight w = proj(layer->o, layer->o_scales, fmt);
-                proj_shared(x, proj_prepare_x(xbuf, attn_out, M, q_size, fmt), &w, NULL, M, hidden,
-                            q_size, tid, nt, c + num_threads);
+                proj_shared(x, proj_prepare_x(xbuf, attn_out, M, q_size, &layer->o), &layer->o,
+                            NULL, M, hidden, q_size, tid, nt, c + num_threads);
             }
 #pragma omp barrier
             if (ok) {
@@ -352,9 +369,9 @@ int64_t llama_decode(const decode_step *d) {
                 if (ls.nb > 0)
                     lora_step_shrink(&ls, ls.u_gate_up, h, hidden, &lora[l].gate_up, 2, hidden,
                                      tid, nt);
-                const proj_weight w = proj(layer->gate_up, layer->gate_up_scales, fmt);
-                proj_shared(gate_up, proj_prepare_x(xbuf, h, M, hidden, fmt), &w, NULL, M,
-                            2 * intermediate, hidden, tid, nt, c + 2 * num_threads);
+                proj_shared(gate_up, proj_prepare_x(xbuf, h, M, hidden, &layer->gate_up),
+                            &layer->gate_up, NULL, M, 2 * intermediate, hidden, tid, nt,
+                            c + 2 * num_threads);
             }
 #pragma omp barrier
             if (ls.nb > 0) {  /* gate_up's update split by columns, in place */
@@ -374,9 +391,9 @@ int64_t llama_decode(const decode_step *d) {
                 if (ls.nb > 0)  /* its update applied where the next layer (or the end) reads x */
                     lora_step_shrink(&ls, ls.u_down, h, intermediate, &lora[l].down, 1,
                                      intermediate, tid, nt);
-                const proj_weight w = proj(layer->down, layer->down_scales, fmt);
-                proj_shared(x, proj_prepare_x(xbuf, h, M, intermediate, fmt), &w, NULL, M, hidden,
-                            intermediate, tid, nt, c + 3 * num_threads);
+                proj_shared(x, proj_prepare_x(xbuf, h, M, intermediate, &layer->down),
+                            &layer->down, NULL, M, hidden, intermediate, tid, nt,
+                            c + 3 * num_threads);
             }
 #pragma omp barrier
         }

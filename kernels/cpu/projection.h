@@ -3,8 +3,11 @@
  * standalone call, cpu_gemm.gemm) and llama_decode.c (the fused decode):
  * y[m, c] = x[m, :] . w[c, :] (* scale[c]) (+ bias[c]) for x [M, k] float32 and w packed
  * at load into the any-M GEMM's panels (gemm.h: GEMM_F32P, GEMM_BF16P, GEMM_I8P,
- * GEMM_Q41P, GEMM_W8A8P). proj_prepare_x puts x in the form its format reads, proj_range
- * runs a range of panels (gemm_range) and proj_shared splits one product over the threads.
+ * GEMM_W8A8P, the GGUF block formats GEMM_Q41P and GEMM_Q80P..GEMM_Q6KP). A weight is
+ * decode_layer.h's proj_weight: one part, or up to PROJ_MAX_PARTS parts of different
+ * formats reading x in one form (a Q4_K_M file's q/k/v). proj_prepare_x puts x in that
+ * form once, proj_range runs a range of the weight's panels (gemm_range, part by part,
+ * each into its columns of y) and proj_shared splits one product over the threads.
  *
  * Codes 0-4 are retired: the row-major float32, bf16, int8 weight-only (0-2), W8A8 (3) and
  * Q4_1 (4) gemvs this header held when it was gemv.h. With the kernels built the loader
@@ -17,27 +20,41 @@
 
 #include <stdint.h>
 
+#include "decode_layer.h"
 #include "gemm.h"
 #include "q4_1.h"
 #include "w8a8.h"
 
-/* A weight in its packed format; `scales` [n] for the int8 ones, else NULL. */
-typedef struct {
-    const void *data;
-    const float *scales;
-    int fmt;
-} proj_weight;
-
 /* A format code proj_range reads: a packed one (the row-major codes are retired). */
 static inline int proj_format_known(int fmt) { return gemm_is_packed(fmt); }
 
-/* Formats whose x proj_prepare_x rewrites into a buffer. */
-static inline int proj_needs_buffer(int fmt) {
-    return gemm_is_block(fmt) || fmt == GEMM_W8A8P || gemm_x_is_pairs(fmt);
+/* The form in which format fmt reads x: 0 float32 rows, 1 bf16 pairs (the AVX512-BF16
+ * build's bf16), 2 int8 per 32-block (every GGUF block format, q41_prepare_x), 3 int8 per
+ * row (W8A8). The parts of one weight share it: x is prepared once per projection. */
+static inline int proj_x_form(int fmt) {
+    if (gemm_x_is_pairs(fmt)) return 1;
+    if (gemm_is_block(fmt)) return 2;
+    return fmt == GEMM_W8A8P ? 3 : 0;
 }
 
-/* Floats of the buffer proj_prepare_x writes x into (the fused decode's are sized by the
- * model's widths: M * max(k) + 16, which holds this for any k >= 5). */
+/* Whether W is a weight [n, .] proj_range reads: 1..PROJ_MAX_PARTS parts in known formats
+ * reading x in one form, every part but the last whole panels, their rows adding up to n. */
+static inline int proj_weight_ok(const proj_weight *W, int64_t n) {
+    if (W->num_parts < 1 || W->num_parts > PROJ_MAX_PARTS) return 0;
+    int64_t rows = 0;
+    for (int64_t j = 0; j < W->num_parts; j++) {
+        const proj_part *p = &W->parts[j];
+        if (!proj_format_known(p->fmt) || p->data == NULL || p->rows < 1 ||
+            proj_x_form(p->fmt) != proj_x_form(W->parts[0].fmt) ||
+            (j + 1 < W->num_parts && p->rows % GEMM_NR != 0))
+            return 0;
+        rows += p->rows;
+    }
+    return rows == n;
+}
+
+/* Floats of the buffer proj_prepare_x writes x [M, k] into for format fmt (the fused
+ * decode's are sized by the model's widths and the step's formats). */
 static inline int64_t proj_buffer_floats(int fmt, int64_t M, int64_t k) {
     const int64_t plain = M * k + 16;
     if (fmt != GEMM_W8A8P) return plain;
@@ -45,35 +62,57 @@ static inline int64_t proj_buffer_floats(int fmt, int64_t M, int64_t k) {
     return w8 > plain ? w8 : plain;
 }
 
-/* x [M, k] in the form format `fmt` reads, in buf (proj_buffer_floats) where it differs
- * from x: bf16 pairs where the AVX512-BF16 build's dot-product instruction reads them,
- * quantized per 32-block for the GGUF block formats (q4_1.h) and per row for W8A8 panels (w8a8.h);
- * else the rows themselves. */
+/* x [M, k] in the form W's parts read (proj_x_form), in buf (proj_buffer_floats) where it
+ * differs from x: bf16 pairs where the AVX512-BF16 build's dot-product instruction reads
+ * them, quantized per 32-block for the GGUF block formats (q4_1.h) and per row for W8A8
+ * panels (w8a8.h); else the rows themselves. */
 static inline const float *proj_prepare_x(float *restrict buf, const float *restrict x,
-                                          int64_t M, int64_t k, int fmt) {
+                                          int64_t M, int64_t k, const proj_weight *W) {
+    switch (proj_x_form(W->parts[0].fmt)) {
 #if defined(__AVX512BF16__)
-    if (gemm_x_is_pairs(fmt)) {  /* [M, ceil(k / 2)] pairs fit in the [M, k] floats */
+    case 1:  /* [M, ceil(k / 2)] pairs fit in the [M, k] floats */
         gemm_x_pairs((uint32_t *)buf, x, M, k);
         return buf;
-    }
 #endif
-    if (gemm_is_block(fmt)) {
+    case 2:
         q41_prepare_x(buf, x, M, k);
         return buf;
-    }
-    if (fmt == GEMM_W8A8P) {
+    case 3:
         w8_prepare_x(buf, x, M, k);
         return buf;
+    default:
+        return x;
     }
-    return x;
 }
 
-/* Panels [lo, hi) of y = x w^T (* scales) (+ bias); x [M, k] as proj_prepare_x leaves it,
- * y [M, n], both contiguous. */
+/* Panels [lo, hi) of y = x w^T (* scales) (+ bias) over W's parts (proj_weight_ok); x [M,
+ * k] as proj_prepare_x leaves it, y [M, n], both contiguous. A panel of part j is written
+ * into part j's columns of y (row stride n); its bias is bias's slice for them. */
 static inline void proj_range(float *restrict y, const float *restrict xp, const proj_weight *W,
                               const float *restrict bias, int64_t M, int64_t n, int64_t k,
                               int64_t lo, int64_t hi) {
-    gemm_range(y, n, xp, W->data, W->scales, W->fmt, bias, M, n, k, lo, hi);
+    int64_t first = 0;  /* part j's first panel */
+    for (int64_t j = 0; j < W->num_parts && first < hi; j++) {
+        const proj_part *p = &W->parts[j];
+        const int64_t panels = gemm_num_panels(p->rows);
+        const int64_t a = lo > first ? lo : first, b = hi < first + panels ? hi : first + panels;
+        if (a < b) {
+            const int64_t col = first * GEMM_NR;
+            gemm_range(y + col, n, xp, p->data, p->scales, p->fmt,
+                       bias == NULL ? NULL : bias + col, M, p->rows, k, a - first, b - first);
+        }
+        first += panels;
+    }
+}
+
+/* Panels per claim of proj_shared over W: ~64 KB of its widest part's panels. */
+static inline int64_t proj_claim_panels(const proj_weight *W, int64_t k) {
+    int64_t chunk = gemm_claim_panels(W->parts[0].fmt, k);
+    for (int64_t j = 1; j < W->num_parts; j++) {
+        const int64_t c = gemm_claim_panels(W->parts[j].fmt, k);
+        chunk = c < chunk ? c : chunk;
+    }
+    return chunk;
 }
 
 /* A claim counter for proj_shared, padded to 64 bytes: two counters of an array are never
@@ -92,7 +131,7 @@ typedef struct {
 static inline void proj_shared(float *restrict y, const float *restrict xp, const proj_weight *W,
                                const float *restrict bias, int64_t M, int64_t n, int64_t k,
                                int tid, int num_threads, proj_claim *claims) {
-    const int64_t units = gemm_num_panels(n), chunk = gemm_claim_panels(W->fmt, k);
+    const int64_t units = gemm_num_panels(n), chunk = proj_claim_panels(W, k);
     for (int i = 0; i < num_threads; i++) {
         const int r = (tid + i) % num_threads;
         const int64_t lo = units * r / num_threads / 4 * 4;
