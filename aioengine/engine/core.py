@@ -175,26 +175,32 @@ class EngineCore(RequestAdmission):
     def _num_kv_blocks(self) -> int:
         """--num-kv-blocks; else the blocks of --kv-cache-memory bytes, or of the default
         space (CUDA: what a profiling run leaves of --gpu-memory-utilization; elsewhere
-        $AIOENGINE_CPU_KVCACHE_SPACE GiB, default 2, at most a quarter of free memory:
-        gpu_memory.cpu_kv_cache_memory), at most what max_num_seqs full-length requests use."""
+        sized to the model's KV bytes per token and the memory available now, or
+        $AIOENGINE_CPU_KVCACHE_SPACE GiB: gpu_memory.cpu_kv_cache_memory), at most what
+        max_num_seqs full-length requests use. Logged with how it was chosen."""
         from aioengine.worker.gpu_memory import cpu_kv_cache_memory
 
         if self.args.num_kv_blocks is not None:
             return self.args.num_kv_blocks
-        per_block = kv_cache_bytes_per_block(self.loaded.arch, self.args.block_size,
-                                             self.kv_cache_dtype)
-        memory = self.args.kv_cache_memory
-        if memory is None:
-            memory = (profile_gpu_kv_cache_memory(self.loaded, self.args, self.max_model_len,
-                                                  self.kv_cache_dtype, self.device)
-                      if self.device.type == "cuda" else cpu_kv_cache_memory())
+        bs = self.args.block_size
+        per_block = kv_cache_bytes_per_block(self.loaded.arch, bs, self.kv_cache_dtype)
         # More blocks than max_num_seqs full-length requests can use only serve the prefix
         # cache; capping keeps a tiny model from building millions of block objects.
-        usable = self.args.max_num_seqs * -(-self.max_model_len // self.args.block_size)
+        usable = self.args.max_num_seqs * -(-self.max_model_len // bs)
+        memory, reason = self.args.kv_cache_memory, "--kv-cache-memory"
+        if memory is None and self.device.type == "cuda":
+            memory, reason = profile_gpu_kv_cache_memory(
+                self.loaded, self.args, self.max_model_len, self.kv_cache_dtype,
+                self.device), "--gpu-memory-utilization"
+        elif memory is None:
+            memory, reason = cpu_kv_cache_memory(-(-per_block // bs), usable * bs)
         num_blocks = min(memory // per_block, usable)
         if num_blocks < 1:
             raise ConfigError(f"kv_cache_memory {memory} bytes holds no block ({per_block} bytes "
-                              f"per block of {self.args.block_size} tokens)")
+                              f"per block of {bs} tokens)")
+        logger.info("KV cache: %d blocks, %.0f MiB, %d tokens (%d bytes/token, %s); %s",
+                    num_blocks, num_blocks * per_block / 2**20, num_blocks * bs,
+                    per_block // bs, str(self.kv_cache_dtype).removeprefix("torch."), reason)
         return num_blocks
 
     # ---- requests (validation and adapters: RequestAdmission) -----------------------

@@ -305,15 +305,22 @@ class GGUFParts:
     start-up cache (weight_cache) when an entry for the file's bytes exists: building the
     transformers config imports ~1 s of transformers modules (torch.distributed among
     them), which a start from the cache does on the side (`hf_config`) while the weights
-    load. The weights are not cached: the file is itself the mapped source of the bytes
-    the model keeps (its blocks, packed once), and a dequantized copy is what made a
-    start-up cache of them 8x the file."""
+    load. (The weights as the model holds them are cached by the loader, apart.)"""
     config_class: str
     config_kwargs: dict[str, Any]
     arch: ModelArchConfig
-    reader: Any  # FastGGUFReader
+    path: str
     rope_freq_factors: torch.Tensor | None
     from_cache: bool
+    _reader: Any = None
+
+    @property
+    def reader(self) -> Any:
+        """The parsed file (FastGGUFReader), parsed on first use: a start whose weights
+        come from the start-up cache never parses it (~0.8 s for the bundled file)."""
+        if self._reader is None:
+            self._reader = FastGGUFReader(self.path)
+        return self._reader
 
     def hf_config(self) -> Any:
         """The transformers config; GGUFFormatError if its arch is not the cached one."""
@@ -375,16 +382,16 @@ def load_gguf_parts(path: str) -> GGUFParts:
 
     import transformers
 
-    reader = FastGGUFReader(path)
     kind = f"gguf-config:transformers-{transformers.__version__}"
     name = weight_cache.entry_name(weight_cache.file_digest(path), kind)
     entry = weight_cache.lookup(_CACHE_SECTION, name)
     if entry is not None:
         try:
-            return _parts_from_entry(entry, reader)
+            return _parts_from_entry(entry, path)
         except (OSError, ValueError, KeyError) as e:  # verified, yet unreadable: rebuild
             logger.warning("start-up cache entry %s unreadable, rebuilding it: %s", entry, e)
             shutil.rmtree(entry, ignore_errors=True)
+    reader = FastGGUFReader(path)
     cls_name, kwargs = gguf_hf_config_kwargs(reader)
     arch = ModelArchConfig.from_hf_config(hf_config_from_kwargs(cls_name, kwargs))
     rope = rope_freq_factors(reader)
@@ -393,14 +400,14 @@ def load_gguf_parts(path: str) -> GGUFParts:
     tensors = {} if rope is None else {_ROPE_NAME: rope}
     weight_cache.store(_CACHE_SECTION, name, kind,
                        lambda tmp: weight_cache.save_tensors(tmp, tensors, meta))
-    return GGUFParts(cls_name, kwargs, arch, reader, rope, from_cache=False)
+    return GGUFParts(cls_name, kwargs, arch, path, rope, from_cache=False, _reader=reader)
 
 
-def _parts_from_entry(entry: Any, reader: Any) -> GGUFParts:
+def _parts_from_entry(entry: Any, path: str) -> GGUFParts:
     from aioengine.model import weight_cache
 
     meta = weight_cache.read_metadata(entry)
     # A copy: a view would keep the entry's mapping alive.
     rope = next((t.clone() for _, t in weight_cache.iter_tensors(entry, _ROPE_NAME)), None)
     return GGUFParts(meta["config_class"], json.loads(meta["config_kwargs"]),
-                     _arch_from_json(meta["arch"]), reader, rope, from_cache=True)
+                     _arch_from_json(meta["arch"]), path, rope, from_cache=True)

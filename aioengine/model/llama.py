@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -241,6 +241,52 @@ class LlamaForCausalLM(nn.Module):
             else:
                 lin.use_block_storage(layout)
         return dense
+
+    def stored_state(self) -> tuple[dict[str, Any], list[tuple[str, Tensor]]]:
+        """What the model holds once loaded, for the start-up cache: per Linear of
+        `linears()` (by position) its storage (block layout, w8a8) and its weight as held
+        (blocks' panels, packed panels, int8 with its scales), and every other parameter
+        (norms, biases) by name. `restore_stored_state` puts it back into a fresh model."""
+        layouts: dict[str, Any] = {}
+        tensors: list[tuple[str, Tensor]] = []
+        for i, lin in enumerate(self.linears()):
+            layouts[str(i)] = {"act_quant": lin.act_quant, "blocks": None if lin.blocks is None
+                               else [[p.block_type, p.rows] for p in lin.blocks.parts]}
+            tensors.append((f"linear.{i}.weight", lin.weight))
+            if lin.scales is not None:
+                tensors.append((f"linear.{i}.scales", lin.scales))
+        weights = {id(lin.weight) for lin in self.linears()}
+        tensors += [(f"param.{name}", p) for name, p in self.named_parameters()
+                    if id(p) not in weights]
+        return layouts, tensors
+
+    @torch.no_grad()
+    def restore_stored_state(self, layouts: dict[str, Any], shapes: dict[str, tuple[
+            torch.dtype, tuple[int, ...]]], read: Callable[[str, Tensor], Tensor]) -> None:
+        """`stored_state` back: each Linear's weight allocated as held (in huge pages) and
+        filled by `read(name, out)`; every other parameter read into place. Raises
+        ValueError where the cached state does not fit this model."""
+        self.fused_decode.reset()
+        linears = self.linears()
+        if len(layouts) != len(linears):
+            raise ValueError(f"cached state of {len(layouts)} Linears for {len(linears)}")
+        for i, lin in enumerate(linears):
+            layout, key = layouts[str(i)], f"linear.{i}"
+            dtype, shape = shapes[f"{key}.weight"]
+            lin.packed, lin.scales, lin.blocks = None, None, None
+            if layout["blocks"] is not None:
+                lin.blocks = cpu_blocks.layout_for([tuple(p) for p in layout["blocks"]],
+                                                   lin.in_features)
+            lin.act_quant = bool(layout["act_quant"])
+            lin.weight = nn.Parameter(read(f"{key}.weight", hugepages.empty(
+                shape, dtype, self.device)), requires_grad=False)
+            if f"{key}.scales" in shapes:
+                dtype, shape = shapes[f"{key}.scales"]
+                lin.scales = read(f"{key}.scales", torch.empty(shape, dtype=dtype))
+        weights = {id(lin.weight) for lin in linears}
+        for name, p in self.named_parameters():
+            if id(p) not in weights:
+                read(f"param.{name}", p.data)
 
     @torch.no_grad()
     def pack_weights(self) -> int:

@@ -352,8 +352,11 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, storage: str
                 logger.info("%s: dequantized to %s", refusal, dtype)
                 plan = None
             storage = str(dtype).removeprefix("torch.")
-        weights = parts.float_weights() if parts.has_experts else parts.tensors()
-        model = _build(parts.arch, weights, dtype, device, path, storage, hooks, plan)
+        model = _cached_gguf_model(parts, dtype, device, storage, plan is not None, hooks)
+        if model is None:
+            weights = parts.float_weights() if parts.has_experts else parts.tensors()
+            model = _build(parts.arch, weights, dtype, device, path, storage, hooks, plan)
+            _store_gguf_model(parts, dtype, storage, plan is not None, hooks, model)
         if parts.rope_freq_factors is not None:
             model.set_rope_freq_factors(parts.rope_freq_factors)
         tokenizer, hf_config = tokenizer_future.result(), config_future.result()
@@ -361,6 +364,75 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, storage: str
                  else "computed and written to")
     return LoadedModel(model=model, arch=parts.arch, tokenizer=tokenizer, model_path=path,
                        hf_config=hf_config, max_model_len=parts.arch.max_model_len)
+
+
+# The start-up cache's section of loaded models, and the version of what an entry holds.
+_MODEL_SECTION, _MODEL_STATE_VERSION = "models", 1
+
+
+def _model_cache_name(parts: Any, dtype: torch.dtype, storage: str,
+                      native: bool) -> tuple[str, str] | None:
+    """(entry name, kind) of the model state a load of this file gives: keyed by the file's
+    bytes and everything that changes the bytes it holds (storage, dtype, whether the
+    blocks are kept, cpu_blocks' panel layout, whether the CPU kernels' panels are used at
+    all, this state's own layout)."""
+    from aioengine.kernels import cpu_blocks, cpu_build
+    from aioengine.model import weight_cache
+
+    kind = (f"gguf-model:v{_MODEL_STATE_VERSION}:{storage}:{dtype}:native-{native}:"
+            f"blocks-{cpu_blocks.LAYOUT_VERSION}:panels-{cpu_build.load() is not None}")
+    return weight_cache.entry_name(weight_cache.file_digest(parts.path), kind), kind
+
+
+def _cached_gguf_model(parts: Any, dtype: torch.dtype, device: torch.device, storage: str,
+                       native: bool, hooks: ModelHooks) -> LlamaForCausalLM | None:
+    """The model as a load of this file left it, read from the start-up cache: each tensor
+    read once straight into its place (weight_cache.read_tensor_into); None where there
+    is no entry (or hooks change what the model holds, or it is not a CPU load)."""
+    from aioengine.model import weight_cache
+
+    if device.type != "cpu" or hooks.linear_factory is not None:
+        return None
+    name, _ = _model_cache_name(parts, dtype, storage, native)
+    entry = weight_cache.lookup(_MODEL_SECTION, name)
+    if entry is None:
+        return None
+    try:
+        index, meta = weight_cache.tensor_index(entry)
+        model = LlamaForCausalLM(parts.arch, activation_dtype(dtype, device), device,
+                                 lora_source=hooks.lora_source)
+        model.restore_stored_state(
+            json.loads(meta["linears"]), {k: (v.dtype, v.shape) for k, v in index.items()},
+            lambda key, out: weight_cache.read_tensor_into(entry, index[key], out))
+    except (OSError, ValueError, KeyError) as e:  # verified, yet not this model's: rebuild
+        logger.warning("start-up cache entry %s unusable, rebuilding it: %s", entry, e)
+        import shutil
+
+        shutil.rmtree(entry, ignore_errors=True)
+        return None
+    model.pack_weights()  # oneDNN's copies of float32 weights left unpacked, if any
+    logger.debug("GGUF weights read from the start-up cache (%s)", entry)
+    return model.eval()
+
+
+def _store_gguf_model(parts: Any, dtype: torch.dtype, storage: str, native: bool,
+                      hooks: ModelHooks, model: LlamaForCausalLM) -> None:
+    """Writes what the model holds into the start-up cache (streamed from the model's own
+    tensors: no copy)."""
+    from aioengine.model import weight_cache
+
+    if model.device.type != "cpu" or hooks.linear_factory is not None:
+        return
+    name, kind = _model_cache_name(parts, dtype, storage, native)
+    layouts, tensors = model.stored_state()
+    path = None
+
+    def write(tmp: Any) -> None:
+        weight_cache.write_tensors(tmp / weight_cache.TENSORS_FILE, tensors,
+                                   {"linears": json.dumps(layouts)})
+
+    path = weight_cache.store(_MODEL_SECTION, name, kind, write)
+    logger.debug("GGUF weights written to the start-up cache (%s)", path)
 
 
 def _native_refusal(parts: Any) -> str | None:

@@ -1,7 +1,8 @@
-"""An on-disk cache of what a start-up computes from a model file: its dequantized weights,
-its config and its tokenizer, so that the second start of the same file reads them instead
-of parsing the GGUF again (issue 27: the parse, the tokenizer build and the dequantization
-took ~15 s of a 135M model's start).
+"""An on-disk cache of what a start-up computes from a model file: its config, its tokenizer
+and the weights as the model holds them after loading (a GGUF's blocks repacked into the
+kernels' panels, bf16 panels, float32 norms), so that the second start of the same file
+reads them into place instead of parsing and repacking again (issue 27: the parse, the
+tokenizer build and the dequantization took ~15 s of a 135M model's start).
 
 Where: $AIOENGINE_CACHE_DIR, else $XDG_CACHE_HOME/aioengine, else ~/.cache/aioengine (the
 C kernels' builds live beside it, under kernels/), in `weights/` and `tokenizer/`.
@@ -29,6 +30,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -227,6 +229,90 @@ def iter_tensors(entry: Path, prefix: str) -> Iterator[tuple[str, "torch.Tensor"
         raw = torch.frombuffer(mapping, dtype=torch.uint8, offset=base + start,
                                count=end - start) if end > start else torch.empty(0, dtype=torch.uint8)
         yield name[len(prefix):], raw.view(dtype).view(info["shape"])
+
+
+def write_tensors(path: Path, tensors: list[tuple[str, "torch.Tensor"]],
+                  metadata: dict[str, str]) -> None:
+    """Writes contiguous CPU tensors as a safetensors file, streaming each tensor's bytes
+    from where it lives (safetensors' save_file serializes the whole file in memory first:
+    a second copy of a model)."""
+    import struct
+
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    names = {str(v): k for k, v in _torch_dtypes().items()}
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": names[str(t.dtype)], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for _, t in tensors:
+            if t.numel():
+                f.write(memoryview(t.contiguous().view(-1).view(torch_uint8()).numpy()))
+
+
+def torch_uint8() -> "torch.dtype":
+    import torch
+
+    return torch.uint8
+
+
+def _torch_dtypes() -> dict[str, "torch.dtype"]:
+    import torch
+
+    return {k: getattr(torch, v) for k, v in _SAFETENSORS_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor of an entry's safetensors file lies."""
+    dtype: "torch.dtype"
+    shape: tuple[int, ...]
+    offset: int  # from the file's start
+    nbytes: int
+
+
+def tensor_index(entry: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """(name -> TensorInfo, metadata) of a verified entry's tensors file, from its header
+    alone (nothing else read)."""
+    import struct
+
+    with open(entry / TENSORS_FILE, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    dtypes = _torch_dtypes()
+    base = 8 + header_len
+    index = {name: TensorInfo(dtypes[info["dtype"]], tuple(info["shape"]),
+                              base + info["data_offsets"][0],
+                              info["data_offsets"][1] - info["data_offsets"][0])
+             for name, info in header.items() if name != "__metadata__"}
+    return index, dict(header.get("__metadata__") or {})
+
+
+def read_tensor_into(entry: Path, info: TensorInfo, out: "torch.Tensor") -> "torch.Tensor":
+    """Reads one tensor straight into `out` (contiguous, of its dtype and shape) with one
+    positioned read: the bytes go from the page cache to their place, nothing mapped."""
+    if out.dtype != info.dtype or tuple(out.shape) != info.shape or not out.is_contiguous():
+        raise ValueError(f"cached tensor {info.dtype}{list(info.shape)} does not fit "
+                         f"{out.dtype}{list(out.shape)}")
+    if info.nbytes == 0:
+        return out
+    view = memoryview(out.view(-1).view(torch_uint8()).numpy())
+    fd = os.open(entry / TENSORS_FILE, os.O_RDONLY)
+    try:
+        done = 0
+        while done < info.nbytes:
+            n = os.preadv(fd, [view[done:]], info.offset + done)
+            if n <= 0:
+                raise CacheEntryError(f"{entry}: short read of a cached tensor")
+            done += n
+    finally:
+        os.close(fd)
+    return out
 
 
 # ---- tokenizer -------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The KV cache's size: on a GPU from a profiling run (vLLM's --gpu-memory-utilization), on
-the CPU a fixed space (vLLM's VLLM_CPU_KVCACHE_SPACE)."""
+the CPU from the model's KV bytes per token and the memory available once its weights are
+loaded (or a fixed space: vLLM's VLLM_CPU_KVCACHE_SPACE)."""
 from __future__ import annotations
 
 import logging
@@ -40,30 +41,65 @@ def profile_gpu_kv_cache_memory(loaded: LoadedModel, args: EngineArgs, max_model
     return memory
 
 
-# The CPU's KV space in GiB, like vLLM's VLLM_CPU_KVCACHE_SPACE (whose default is 4 GiB).
+# The CPU's KV space in GiB, like vLLM's VLLM_CPU_KVCACHE_SPACE: an explicit size.
 CPU_KVCACHE_SPACE_ENV = "AIOENGINE_CPU_KVCACHE_SPACE"
-# 2 GiB: 2,900 blocks of 16 tokens (46k tokens) of SmolLM2-135M in float32, 1.4x the most
-# any benchmark in docs/benchmarks.md held at once (2,107 blocks, prefix caching off); two
-# cores decode far fewer sequences than that holds. vLLM's 4 GiB is sized for 7B models.
-DEFAULT_CPU_KVCACHE_SPACE_GIB = 2.0
+# Without it the space is sized to the model and the machine: at most this share of the
+# memory available once the weights are loaded (the rest for activations, the tokenizer,
+# other processes), at most CPU_KV_CAP_GIB, and no more than max_num_seqs requests of
+# max_model_len tokens can use. The pages are reserved, not touched: they become resident
+# as requests write K/V (make_kv_caches), so a large pool costs address space until used.
+CPU_KV_AVAILABLE_FRACTION = 0.5
+CPU_KV_CAP_GIB = 16.0
+_MEMINFO = "/proc/meminfo"
 
 
-def cpu_kv_cache_memory() -> int:
-    """Bytes of the KV cache off CUDA: $AIOENGINE_CPU_KVCACHE_SPACE GiB (default
-    DEFAULT_CPU_KVCACHE_SPACE_GIB), at most a quarter of the memory available now.
-    EngineCore also caps the blocks at what max_num_seqs requests of max_model_len tokens
-    can use; --kv-cache-memory / --num-kv-blocks override all of it. The pages are
-    reserved, not touched: they become resident as requests write K/V (make_kv_caches)."""
-    raw = envs.AIOENGINE_CPU_KVCACHE_SPACE
+def mem_available() -> int:
+    """Bytes the kernel says can be allocated now without swapping (/proc/meminfo's
+    MemAvailable: free memory plus reclaimable page cache); elsewhere free pages."""
     try:
-        gib = DEFAULT_CPU_KVCACHE_SPACE_GIB if raw in (None, "") else float(raw)
+        with open(_MEMINFO) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 8 << 30
+
+
+def _explicit_cpu_kv_space() -> int | None:
+    """$AIOENGINE_CPU_KVCACHE_SPACE in bytes; None when unset; ConfigError when not a
+    positive number of GiB."""
+    raw = envs.AIOENGINE_CPU_KVCACHE_SPACE
+    if raw in (None, ""):
+        return None
+    try:
+        gib = float(raw)
     except ValueError:
         gib = -1.0
     if not 0 < gib < float("inf"):
         raise ConfigError(f"{CPU_KVCACHE_SPACE_ENV} must be a positive number of GiB, "
                           f"got {raw!r}")
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        available = 8 << 30
-    return int(min(gib * 2**30, available // 4))
+    return int(gib * 2**30)
+
+
+def cpu_kv_cache_memory(bytes_per_token: int, wanted_tokens: int) -> tuple[int, str]:
+    """(bytes of the KV cache off CUDA, how they were chosen): $AIOENGINE_CPU_KVCACHE_SPACE
+    GiB when set; else the least of CPU_KV_AVAILABLE_FRACTION of MemAvailable (read now:
+    call it after the weights are loaded), CPU_KV_CAP_GIB, and `wanted_tokens` (what
+    max_num_seqs requests of max_model_len use) of `bytes_per_token` (layers x K and V x
+    kv_heads x head_dim x the cache dtype's bytes). --kv-cache-memory / --num-kv-blocks
+    override all of it (EngineCore)."""
+    explicit = _explicit_cpu_kv_space()
+    if explicit is not None:
+        return explicit, f"{CPU_KVCACHE_SPACE_ENV}={envs.AIOENGINE_CPU_KVCACHE_SPACE} GiB"
+    available = mem_available()
+    limits = {"of MemAvailable": int(available * CPU_KV_AVAILABLE_FRACTION),
+              "cap": int(CPU_KV_CAP_GIB * 2**30),
+              "max_num_seqs x max_model_len": wanted_tokens * bytes_per_token}
+    reason = min(limits, key=limits.__getitem__)
+    return limits[reason], (f"MemAvailable {available / 2**30:.1f} GiB, the least of "
+                            f"{CPU_KV_AVAILABLE_FRACTION:.0%} of it, the {CPU_KV_CAP_GIB:g} "
+                            f"GiB cap and what max_num_seqs x max_model_len use: {reason}")

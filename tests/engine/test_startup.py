@@ -1,7 +1,8 @@
 """Start-up (issue 27): a real engine on the bundled GGUF built twice reads the second time
 what the first computed (weights, config, tokenizer: nothing parsed), with the same
 logprobs; a damaged or partly written cache file is found and rebuilt; and the CPU KV cache
-takes its documented default size and the AIOENGINE_CPU_KVCACHE_SPACE override."""
+is sized to the model and the memory available, or by the AIOENGINE_CPU_KVCACHE_SPACE
+override."""
 from __future__ import annotations
 
 import gc
@@ -56,7 +57,8 @@ def test_second_start_reads_the_cache(cache_dir: Path,
     (tokenizer,) = _entries(cache_dir, "tokenizer")
 
     warm, warm_tok, logs = _run(caplog)
-    assert any("GGUF parts read from the start-up cache" in m for m in logs)
+    assert any("GGUF config read from the start-up cache" in m for m in logs)
+    assert any("GGUF weights read from the start-up cache" in m for m in logs)
     assert any("tokenizer read from the start-up cache" in m for m in logs)
     assert warm == cold and warm_tok == cold_tok  # bit-identical logprobs, same tokenizer
 
@@ -78,15 +80,38 @@ def test_second_start_reads_the_cache(cache_dir: Path,
 
 
 def test_cpu_kv_cache_space(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sized to the model: the least of half of MemAvailable, the cap and what the requests
+    can use; the environment's explicit GiB win; bad values are refused."""
     monkeypatch.delenv(gpu_memory.CPU_KVCACHE_SPACE_ENV, raising=False)
-    default = gpu_memory.cpu_kv_cache_memory()
-    assert 0 < default <= int(gpu_memory.DEFAULT_CPU_KVCACHE_SPACE_GIB * 2**30)
+    available = gpu_memory.mem_available()
+    assert available > 0
+    few, reason = gpu_memory.cpu_kv_cache_memory(1000, 64)
+    assert few == 64_000 and reason.endswith("max_num_seqs x max_model_len")
+    many, reason = gpu_memory.cpu_kv_cache_memory(1 << 20, 1 << 30)
+    cap = int(gpu_memory.CPU_KV_CAP_GIB * 2**30)
+    assert 0 < many <= min(cap, available)  # MemAvailable moves: not an exact value
+    assert reason.endswith("of MemAvailable") == (many < cap)
     monkeypatch.setenv(gpu_memory.CPU_KVCACHE_SPACE_ENV, "0.25")
-    assert gpu_memory.cpu_kv_cache_memory() == min(2**28, default * 8)
+    assert gpu_memory.cpu_kv_cache_memory(1000, 64)[0] == 2**28
     for bad in ("0", "-1", "lots", "inf", "nan"):
         monkeypatch.setenv(gpu_memory.CPU_KVCACHE_SPACE_ENV, bad)
         with pytest.raises(ConfigError, match="AIOENGINE_CPU_KVCACHE_SPACE"):
-            gpu_memory.cpu_kv_cache_memory()
+            gpu_memory.cpu_kv_cache_memory(1000, 64)
+
+
+def test_engine_sizes_kv_to_the_model(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    """Without a space set, a small max_num_seqs x max_model_len is what the pool holds
+    (the bundled model needs far less than half of the memory), logged with its bytes per
+    token."""
+    monkeypatch.delenv(gpu_memory.CPU_KVCACHE_SPACE_ENV, raising=False)
+    with caplog.at_level(logging.INFO, logger="aioengine"):
+        llm = LLM(max_model_len=256, max_num_batched_tokens=32, max_num_seqs=4)
+    assert llm.num_kv_blocks == 4 * 256 // 16
+    arch = llm.core.loaded.arch
+    per_token = (arch.num_hidden_layers * 2 * arch.num_key_value_heads * arch.head_dim
+                 * llm.core.kv_cache_dtype.itemsize)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:"))
+    assert f"({per_token} bytes/token" in line and "MemAvailable" in line, line
 
 
 def test_engine_sizes_kv_by_the_space(monkeypatch: pytest.MonkeyPatch) -> None:

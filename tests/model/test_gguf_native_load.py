@@ -91,7 +91,7 @@ def test_native_load_keeps_each_tensor_in_its_type(mixed_gguf: str) -> None:
     assert (layer.o_proj.storage, layer.gate_up_proj.storage, layer.down_proj.storage) == (
         "q4_1", "q4_1", "q8_0")
     assert model.embed_tokens.storage == "q8_0" and model.lm_head is model.embed_tokens
-    assert layer.qkv_proj.kernel_format is None  # two formats: the fused decode declines
+    assert layer.qkv_proj.kernel_format is None  # no single format: a weight of parts
     assert layer.o_proj.kernel_format == cpu_blocks.BLOCK_TYPES["q4_1"].code
     assert model.norm.dtype == layer.input_layernorm.dtype == torch.float32
     # The file's bytes, packed: unpacking gives them back (k's rows un-permuted whole).
@@ -190,3 +190,23 @@ def test_load_peak_rss_is_close_to_what_stays_resident(tmp_path, tok) -> None:
     assert rss["weights"] <= 1.1 * file_kb
     grown_peak, grown_after = rss["peak"] - rss["base"], rss["after"] - rss["base"]
     assert grown_peak <= 1.25 * grown_after, rss
+
+
+def test_second_load_reads_the_packed_weights_from_the_cache(
+        mixed_gguf: str, tmp_path, monkeypatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The start-up cache keeps what the model holds (panels of blocks, float32 norms):
+    a second load reads them into place (no repacking) and computes the same logits."""
+    monkeypatch.setenv("AIOENGINE_CACHE_DIR", str(tmp_path / "cache"))
+    tokens = list(range(3, 40))
+    first = load_model(mixed_gguf, torch.bfloat16, CPU, native_gguf=True).model
+    with caplog.at_level(logging.DEBUG, logger="aioengine.model.loader"):
+        again = load_model(mixed_gguf, torch.bfloat16, CPU, native_gguf=True).model
+    assert any("GGUF weights read from the start-up cache" in r.getMessage()
+               for r in caplog.records)
+    assert ([lin.storage for lin in again.linears()]
+            == [lin.storage for lin in first.linears()])
+    assert all(torch.equal(a.weight, b.weight) for a, b in zip(again.linears(), first.linears()))
+    assert torch.equal(prefill_logits(again, tokens), prefill_logits(first, tokens))
+    # Another storage is another entry: an explicit float32 load dequantizes.
+    assert {lin.storage for lin in load_model(mixed_gguf, torch.float32, CPU).model.linears()
+            } == {"float32"}

@@ -64,8 +64,6 @@ def test_loads_the_blocks_as_stored(q4_1_gguf: str) -> None:
     assert (got - ref).pow(2).mean().sqrt() < 0.05 * ref.pow(2).mean().sqrt()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 49: the fused decode's layer table takes 3-D "
-                   "panels only; cpu_blocks' 1-D block weights are being added to it")
 @pytest.mark.parametrize("seq_lens", [[6, 17, 3], [(5 * i) % 23 + 2 for i in range(12)]])
 def test_fused_decode_reads_the_blocks(q4_1_gguf: str, monkeypatch: pytest.MonkeyPatch,
                                        seq_lens: list[int]) -> None:
