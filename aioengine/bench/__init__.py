@@ -12,6 +12,8 @@
 
     aioengine bench export-hf [MODEL.gguf] [--dtype float32]
 
+    aioengine bench gguf FILE.gguf [--llama-server PATH] [--runs 2]
+
     aioengine bench spec [--specs off,ngram,eagle3:2,...] [--num-prompts N] [engine flags]
 
     aioengine bench structured [--num-prompts 16] [--output-len 96] [--repeats 3] [engine flags]
@@ -19,7 +21,10 @@
 `offline` and `latency` take `--vllm-python PATH` (and `latency` `--llamacpp-python PATH`):
 the python of a venv holding that peer, which then runs as one more engine in a child
 process (aioengine/bench/peers.py, docs/peers.md). `export-hf` writes a GGUF as the Hugging
-Face directory vLLM reads and prints its path.
+Face directory vLLM reads and prints its path. `gguf` serves one GGUF file with our server
+and with llama-server in turn and compares start-up, memory, TPOT, concurrent and prefill
+throughput (aioengine/bench/gguf_bench.py; random-weight files at real shapes:
+`python -m aioengine.bench.real_shapes`).
 
 All modes take `--dataset random|shared-prefix|text|grounded`, `--save-json PATH`,
 `--plot PATH.png` and `--seed` (`latency`: `--dataset random|text|grounded`, no plot).
@@ -265,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     from aioengine.bench.hf_export import add_export_parser
 
     add_export_parser(sub)
+    from aioengine.bench.gguf_bench import add_gguf_parser
+
+    add_gguf_parser(sub)
     _add_accuracy_parser(sub)
     from aioengine.bench.spec import add_spec_parser
 
