@@ -33,6 +33,7 @@
 
 #include "gemm.h"
 #include "q4_1.h"
+#include "gemm_legacy.h"
 
 /* Where 32-block s (0..7 in a K-quant group, else 0) of a group starts its codes. */
 static inline int64_t blk_codes_offset(int fmt, int64_t s) {
@@ -113,6 +114,12 @@ static void gemm_blk_tile_any(int fmt, float *restrict y, int64_t ldy,
                               const uint8_t *restrict xq, const uint8_t *restrict w,
                               int64_t panel_bytes, int64_t k, int64_t c0, int64_t n,
                               const float *restrict bias, int64_t mr, int64_t np) {
+#if defined(GEMM_LEGACY_SIMD)
+    if (fmt == GEMM_Q80P || fmt == GEMM_Q40P) {
+        gemm_leg_tile_any(fmt, y, ldy, xq, w, panel_bytes, k, c0, n, bias, mr, np);
+        return;
+    }
+#endif
     gemm_blk_tile_c(fmt, y, ldy, xq, w, panel_bytes, k, c0, n, bias, mr, np);
 }
 
