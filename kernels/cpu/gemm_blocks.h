@@ -34,6 +34,7 @@
 #include "gemm.h"
 #include "q4_1.h"
 #include "gemm_legacy.h"
+#include "gemm_kquant.h"
 
 /* Where 32-block s (0..7 in a K-quant group, else 0) of a group starts its codes. */
 static inline int64_t blk_codes_offset(int fmt, int64_t s) {
@@ -60,6 +61,13 @@ static inline int32_t blk_code(int fmt, const uint8_t *codes, int i, int w) {
         q |= ((plane >> (2 * j + hi)) & 1) << bit;
     }
     return q;
+}
+
+/* v as a value the compiler cannot see into: -fassociative-math otherwise lets GCC turn
+ * (d sc) s into d (sc s) (the baseline build did), another rounding than the header's. */
+static inline float blk_opaque(float v) {
+    __asm__("" : "+m"(v));
+    return v;
 }
 
 /* The plain C tile: rows [0, mr) of x (prepared) against np panels from w, columns
@@ -97,7 +105,7 @@ static void gemm_blk_tile_c(int fmt, float *restrict y, int64_t ldy, const uint8
                                              sb * (dot - dot16 - 32 * (sx - sx16));
                         acc = __builtin_fmaf((float)idot, d * xs, acc);
                     } else {
-                        const float dsc = d * (float)g[64 + 16 * s + i];
+                        const float dsc = blk_opaque(d * (float)g[64 + 16 * s + i]);
                         const float mmin = q41_half(g + 32 + 2 * i) * (float)g[192 + 16 * s + i];
                         acc = __builtin_fmaf(-mmin, xs * (float)sx,
                                              __builtin_fmaf((float)dot, dsc * xs, acc));
@@ -114,6 +122,12 @@ static void gemm_blk_tile_any(int fmt, float *restrict y, int64_t ldy,
                               const uint8_t *restrict xq, const uint8_t *restrict w,
                               int64_t panel_bytes, int64_t k, int64_t c0, int64_t n,
                               const float *restrict bias, int64_t mr, int64_t np) {
+#if defined(GEMM_HAVE_KQ_TILES)
+    if (fmt == GEMM_Q4KP || fmt == GEMM_Q5KP || fmt == GEMM_Q6KP) {
+        gemm_kq_tile_any(fmt, y, ldy, xq, w, panel_bytes, k, c0, n, bias, mr, np);
+        return;
+    }
+#endif
 #if defined(GEMM_LEGACY_SIMD)
     if (fmt == GEMM_Q80P || fmt == GEMM_Q40P) {
         gemm_leg_tile_any(fmt, y, ldy, xq, w, panel_bytes, k, c0, n, bias, mr, np);

@@ -1,0 +1,244 @@
+/*
+ * The SIMD register tiles of the any-M GEMM on a GGUF's K-quant blocks (GEMM_Q4KP,
+ * GEMM_Q5KP, GEMM_Q6KP; gemm_blocks.h includes this once, and its header comment is the
+ * arithmetic per output element that these tiles reproduce bit for bit; cpu_blocks.py's
+ * docstring is the panel layout).
+ *
+ * A tile is MR rows of x by P panels (16 columns each, one 32-bit lane per column). Per
+ * 32-weight sub-block it sums each column's integer dot products over the four nibble chunks
+ * (four consecutive k of a column in one lane: `vpdpbusd` with 4 bytes of x broadcast, or
+ * u8 x s8 pairs into int16 and pairs of int16 into int32 without VNNI), with the bits above
+ * the nibble merged in from the bit planes first: for chunk j, bit 2 j of a plane byte
+ * belongs to the low nibble's weight and bit 2 j + 1 to the high one's, moved into place by
+ * one 16-bit shift and a byte mask (the mask drops every bit that crossed a byte). Then, per
+ * column, the sub-block's float steps: Q4_K/Q5_K fma((float)dot, (d sc) s, acc) and
+ * fma(-(dmin mn), s sx, .); Q6_K the integer sc_a (dot16 - 32 sx16) + sc_b (...) then one
+ * fma with d s. Every product is formed in the order the plain C tile forms it, so each
+ * element gets the C tile's roundings whatever the tile, M or the build.
+ *
+ * int16 bounds without VNNI: a maddubs pair is at most 2 x 63 x 127 = 16002, so at most two
+ * are summed in int16 before widening (the Q4_K/Q5_K chunk's low and high halves:
+ * 2 x 2 x 31 x 127 = 15748; Q6_K widens each one, its halves' sums being kept apart).
+ */
+#ifndef AIOENGINE_GEMM_KQUANT_H
+#define AIOENGINE_GEMM_KQUANT_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "gemm.h"
+#include "q4_1.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+static inline int32_t kq_load4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* The byte offsets of a K-quant group: sub-block s's codes, and the per-column fields. */
+static inline int64_t kq_codes(int fmt, int s) {
+    return fmt == GEMM_Q4KP ? 320 + 256 * s : fmt == GEMM_Q5KP ? 320 + 320 * s : 288 + 384 * s;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+
+/* int32-lane vectors between uses (see gemm_q4_1.h's q41_v16i: GCC keeps an array of them
+ * in registers, not an array of __m512i). */
+typedef int32_t kq_v16i __attribute__((vector_size(64)));
+
+/* v shifted left by S bits (right by -S) in 16-bit lanes; S a constant after unrolling. */
+static inline __attribute__((always_inline)) __m512i kq_shift_zmm(__m512i v, const int S) {
+    return S >= 0 ? _mm512_slli_epi16(v, S) : _mm512_srli_epi16(v, -S);
+}
+
+/* acc += per lane, sum of its 4 u8 codes times 4 s8 x. */
+static inline __attribute__((always_inline)) kq_v16i kq_dot_zmm(kq_v16i acc, __m512i w,
+                                                                __m512i x) {
+#if defined(__AVX512VNNI__)
+    return (kq_v16i)_mm512_dpbusd_epi32((__m512i)acc, w, x);
+#else
+    return (kq_v16i)_mm512_add_epi32(
+        (__m512i)acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+#endif
+}
+
+/* acc += both halves' products (codes <= 31: their int16 sum stays within 15748). */
+static inline __attribute__((always_inline)) kq_v16i kq_dot2_zmm(kq_v16i acc, __m512i lo,
+                                                                 __m512i xlo, __m512i hi,
+                                                                 __m512i xhi) {
+#if defined(__AVX512VNNI__)
+    return kq_dot_zmm(kq_dot_zmm(acc, lo, xlo), hi, xhi);
+#else
+    const __m512i t = _mm512_add_epi16(_mm512_maddubs_epi16(lo, xlo), _mm512_maddubs_epi16(hi, xhi));
+    return (kq_v16i)_mm512_add_epi32((__m512i)acc, _mm512_madd_epi16(t, _mm512_set1_epi16(1)));
+#endif
+}
+
+/* Chunk j of a sub-block's codes (at c): the low-half and high-half codes of 16 columns. */
+static inline __attribute__((always_inline)) void kq_codes_zmm(const uint8_t *c, const int j,
+                                                               const int F, __m512i *lo,
+                                                               __m512i *hi) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i raw = _mm512_loadu_si512(c + 64 * j);
+    __m512i l = _mm512_and_si512(raw, low), h = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    if (F == GEMM_Q6KP) {
+        /* Both planes' bits of one half side by side: e's bits 2 j, 2 j + 1 are bits 4, 5
+         * of the low half's code in chunk j, o's of the high half's (so one shift per half
+         * per chunk moves both; the same for every j, computed once after unrolling). */
+        const __m512i even = _mm512_set1_epi8(0x55), odd = _mm512_set1_epi8((char)0xAA);
+        const __m512i p4 = _mm512_loadu_si512(c + 256), p5 = _mm512_loadu_si512(c + 320);
+        const __m512i e = _mm512_or_si512(_mm512_and_si512(p4, even),
+                                          _mm512_and_si512(_mm512_slli_epi16(p5, 1), odd));
+        const __m512i o = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(p4, 1), even),
+                                          _mm512_and_si512(p5, odd));
+        const __m512i b45 = _mm512_set1_epi8(0x30);
+        l = _mm512_or_si512(l, _mm512_and_si512(kq_shift_zmm(e, 4 - 2 * j), b45));
+        h = _mm512_or_si512(h, _mm512_and_si512(kq_shift_zmm(o, 4 - 2 * j), b45));
+    } else if (F == GEMM_Q5KP) {
+        const __m512i b4 = _mm512_set1_epi8(0x10), p4 = _mm512_loadu_si512(c + 256);
+        l = _mm512_or_si512(l, _mm512_and_si512(kq_shift_zmm(p4, 4 - 2 * j), b4));
+        h = _mm512_or_si512(h, _mm512_and_si512(kq_shift_zmm(p4, 3 - 2 * j), b4));
+    }
+    *lo = l;
+    *hi = h;
+}
+
+/* Rows [0, MR) of x (prepared) against P panels from w in K-quant format F: columns
+ * [c0, c0 + 16 P) of y, those below n stored. */
+static inline __attribute__((always_inline)) void gemm_kq_tile_zmm(
+    float *restrict y, int64_t ldy, const uint8_t *restrict xq, const uint8_t *restrict w,
+    int64_t panel_bytes, int64_t k, int64_t c0, int64_t n, const float *restrict bias,
+    const int MR, const int P, const int F) {
+    const int64_t nb = k / 32, xrow = q41_x_row_bytes(k), gb = gemm_group_bytes(F);
+    __m512 acc[MR][P];
+    for (int m = 0; m < MR; m++)
+        for (int p = 0; p < P; p++) acc[m][p] = _mm512_setzero_ps();
+    kq_v16i dlo[MR][P], dhi[MR][P]; /* one sub-block's sums (Q6_K: its halves apart) */
+    for (int64_t g = 0; g < nb / 8; g++)
+        for (int s = 0; s < 8; s++) {
+            const int64_t b = 8 * g + s;
+            for (int m = 0; m < MR; m++)
+                for (int p = 0; p < P; p++) dlo[m][p] = dhi[m][p] = (kq_v16i){0};
+            for (int j = 0; j < 4; j++)
+                for (int p = 0; p < P; p++) {
+                    __m512i lo, hi;
+                    kq_codes_zmm(w + p * panel_bytes + g * gb + kq_codes(F, s), j, F, &lo, &hi);
+                    for (int m = 0; m < MR; m++) {
+                        const int8_t *qx = q41_x_quants(xq + m * xrow, nb, b) + 4 * j;
+                        const __m512i xlo = _mm512_set1_epi32(kq_load4(qx));
+                        const __m512i xhi = _mm512_set1_epi32(kq_load4(qx + 16));
+                        if (F == GEMM_Q6KP) {
+                            dlo[m][p] = kq_dot_zmm(dlo[m][p], lo, xlo);
+                            dhi[m][p] = kq_dot_zmm(dhi[m][p], hi, xhi);
+                        } else {
+                            dlo[m][p] = kq_dot2_zmm(dlo[m][p], lo, xlo, hi, xhi);
+                        }
+                    }
+                }
+            for (int p = 0; p < P; p++) {
+                const uint8_t *grp = w + p * panel_bytes + g * gb;
+                const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)grp));
+                if (F == GEMM_Q6KP) {
+                    const __m512i sa = _mm512_cvtepi8_epi32(
+                        _mm_loadu_si128((const __m128i *)(grp + 32 + 32 * s)));
+                    const __m512i sb = _mm512_cvtepi8_epi32(
+                        _mm_loadu_si128((const __m128i *)(grp + 48 + 32 * s)));
+                    for (int m = 0; m < MR; m++) {
+                        const uint8_t *row = xq + m * xrow;
+                        const int32_t sx = q41_x_sum(row, nb, b), sx16 = q41_x_half_sum(row, nb, b);
+                        const __m512i ia = _mm512_mullo_epi32(
+                            sa, _mm512_sub_epi32((__m512i)dlo[m][p], _mm512_set1_epi32(32 * sx16)));
+                        const __m512i ib = _mm512_mullo_epi32(
+                            sb, _mm512_sub_epi32((__m512i)dhi[m][p],
+                                                 _mm512_set1_epi32(32 * (sx - sx16))));
+                        const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(q41_x_scale(row, b)));
+                        acc[m][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia, ib)),
+                                                    ds, acc[m][p]);
+                    }
+                } else {
+                    const __m512 dmin = _mm512_cvtph_ps(
+                        _mm256_loadu_si256((const __m256i *)(grp + 32)));
+                    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                        _mm_loadu_si128((const __m128i *)(grp + 64 + 16 * s))));
+                    const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                        _mm_loadu_si128((const __m128i *)(grp + 192 + 16 * s))));
+                    __m512 dsc = _mm512_mul_ps(d, sc);
+                    const __m512 mmin = _mm512_mul_ps(dmin, mn);
+                    __asm__("" : "+v"(dsc)); /* (d sc) s, not d (sc s): see blk_opaque */
+                    for (int m = 0; m < MR; m++) {
+                        const uint8_t *row = xq + m * xrow;
+                        const float xs = q41_x_scale(row, b);
+                        const float sm = xs * (float)q41_x_sum(row, nb, b);
+                        const __m512 dotf = _mm512_cvtepi32_ps((__m512i)dlo[m][p]);
+                        acc[m][p] = _mm512_fmadd_ps(dotf, _mm512_mul_ps(dsc, _mm512_set1_ps(xs)),
+                                                    acc[m][p]);
+                        acc[m][p] = _mm512_fnmadd_ps(mmin, _mm512_set1_ps(sm), acc[m][p]);
+                    }
+                }
+            }
+        }
+    for (int m = 0; m < MR; m++)
+        for (int p = 0; p < P; p++) {
+            float lanes[16] __attribute__((aligned(64)));
+            _mm512_store_ps(lanes, acc[m][p]);
+            for (int i = 0; i < 16; i++) {
+                const int64_t c = c0 + GEMM_NR * p + i;
+                if (c < n) y[m * ldy + c] = bias ? lanes[i] + bias[c] : lanes[i];
+            }
+        }
+}
+
+/* Panels per tile by rows: accumulators (2 MR P registers; Q6_K's halves 3 MR P) within
+ * about 24 of the 32 zmm; each divides gemm_tile_panels(mr), so a claim's panels split into
+ * whole tiles. */
+static inline int gemm_kq_tile_panels(int fmt, int64_t mr) {
+    if (fmt == GEMM_Q6KP) return mr == 1 ? 4 : mr == 2 ? 3 : mr == 3 ? 2 : 1;
+    return mr == 1 ? 8 : mr == 2 ? 6 : mr == 3 ? 4 : 2;
+}
+
+#define KQ_ZMM(MR, P, F) gemm_kq_tile_zmm(y, ldy, xq, w, panel_bytes, k, c0, n, bias, MR, P, F)
+/* The widest tile of each row count, and one panel for the rest (which changes no
+ * element's arithmetic): only these shapes are compiled. */
+#define KQ_ZMM_CASES(F, P1, P2, P3, P4)                                                      \
+    switch (mr * 2 + full) {                                                              \
+    case 2: KQ_ZMM(1, 1, F); break;                                                       \
+    case 3: KQ_ZMM(1, P1, F); break;                                                      \
+    case 4: KQ_ZMM(2, 1, F); break;                                                       \
+    case 5: KQ_ZMM(2, P2, F); break;                                                      \
+    case 6: KQ_ZMM(3, 1, F); break;                                                       \
+    case 7: KQ_ZMM(3, P3, F); break;                                                      \
+    case 8: case 9: if (full && P4 > 1) KQ_ZMM(4, P4, F); else KQ_ZMM(4, 1, F); break;    \
+    case 10: case 11: if (full && P4 > 1) KQ_ZMM(5, P4, F); else KQ_ZMM(5, 1, F); break;  \
+    default: if (full && P4 > 1) KQ_ZMM(6, P4, F); else KQ_ZMM(6, 1, F); break;           \
+    }
+
+/* A tile of mr rows (1..6) over np panels in K-quant format fmt. */
+static void gemm_kq_tile_any(int fmt, float *restrict y, int64_t ldy, const uint8_t *restrict xq,
+                             const uint8_t *restrict w, int64_t panel_bytes, int64_t k,
+                             int64_t c0, int64_t n, const float *restrict bias, int64_t mr,
+                             int64_t np) {
+    const int64_t tp = gemm_kq_tile_panels(fmt, mr);
+    for (int64_t done = 0; done < np;) {
+        const int full = np - done >= tp;
+        if (fmt == GEMM_Q4KP) {
+            KQ_ZMM_CASES(GEMM_Q4KP, 8, 6, 4, 2)
+        } else if (fmt == GEMM_Q5KP) {
+            KQ_ZMM_CASES(GEMM_Q5KP, 8, 6, 4, 2)
+        } else {
+            KQ_ZMM_CASES(GEMM_Q6KP, 4, 3, 2, 1)
+        }
+        const int64_t step = full ? tp : 1;
+        done += step;
+        w += step * panel_bytes;
+        c0 += step * GEMM_NR;
+    }
+}
+#define GEMM_HAVE_KQ_TILES 1
+
+#endif /* AVX-512 */
+
+#endif /* AIOENGINE_GEMM_KQUANT_H */
