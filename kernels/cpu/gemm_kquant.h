@@ -73,7 +73,8 @@ static inline __attribute__((always_inline)) kq_v16i kq_dot2_zmm(kq_v16i acc, __
 #if defined(__AVX512VNNI__)
     return kq_dot_zmm(kq_dot_zmm(acc, lo, xlo), hi, xhi);
 #else
-    const __m512i t = _mm512_add_epi16(_mm512_maddubs_epi16(lo, xlo), _mm512_maddubs_epi16(hi, xhi));
+    const __m512i t = _mm512_add_epi16(_mm512_maddubs_epi16(lo, xlo),
+                                       _mm512_maddubs_epi16(hi, xhi));
     return (kq_v16i)_mm512_add_epi32((__m512i)acc, _mm512_madd_epi16(t, _mm512_set1_epi16(1)));
 #endif
 }
@@ -239,6 +240,186 @@ static void gemm_kq_tile_any(int fmt, float *restrict y, int64_t ldy, const uint
 }
 #define GEMM_HAVE_KQ_TILES 1
 
-#endif /* AVX-512 */
+#elif defined(__AVX2__)
+/* AVX2: half a panel (8 columns) per ymm, as gemm_q4_1.h's AVX2 tile (half i of a tile
+ * from half h0 of w's panel is half (h0 + i) % 2 of panel (h0 + i) / 2: its codes and
+ * planes 32 bytes on for the second half, fp16 fields 16 bytes on, byte fields 8). u8 x s8
+ * pairs into int16, summed in int16 over the chunks that fit (Q4_K: all four, 8 x 2 x 15 x
+ * 127; Q5_K: two, 4 x 2 x 31 x 127; Q6_K: two per half, 2 x 2 x 63 x 127), then pairs of
+ * int16 into int32. */
+
+static inline __attribute__((always_inline)) __m256i kq_shift_ymm(__m256i v, const int S) {
+    return S >= 0 ? _mm256_slli_epi16(v, S) : _mm256_srli_epi16(v, -S);
+}
+
+/* Chunk j's low-half and high-half codes of 8 columns (c: the half's first code byte). */
+static inline __attribute__((always_inline)) void kq_codes_ymm(const uint8_t *c, const int j,
+                                                               const int F, __m256i *lo,
+                                                               __m256i *hi) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)(c + 64 * j));
+    __m256i l = _mm256_and_si256(raw, low), h = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    if (F == GEMM_Q6KP) { /* as kq_codes_zmm */
+        const __m256i even = _mm256_set1_epi8(0x55), odd = _mm256_set1_epi8((char)0xAA);
+        const __m256i p4 = _mm256_loadu_si256((const __m256i *)(c + 256));
+        const __m256i p5 = _mm256_loadu_si256((const __m256i *)(c + 320));
+        const __m256i e = _mm256_or_si256(_mm256_and_si256(p4, even),
+                                          _mm256_and_si256(_mm256_slli_epi16(p5, 1), odd));
+        const __m256i o = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p4, 1), even),
+                                          _mm256_and_si256(p5, odd));
+        const __m256i b45 = _mm256_set1_epi8(0x30);
+        l = _mm256_or_si256(l, _mm256_and_si256(kq_shift_ymm(e, 4 - 2 * j), b45));
+        h = _mm256_or_si256(h, _mm256_and_si256(kq_shift_ymm(o, 4 - 2 * j), b45));
+    } else if (F == GEMM_Q5KP) {
+        const __m256i b4 = _mm256_set1_epi8(0x10);
+        const __m256i p4 = _mm256_loadu_si256((const __m256i *)(c + 256));
+        l = _mm256_or_si256(l, _mm256_and_si256(kq_shift_ymm(p4, 4 - 2 * j), b4));
+        h = _mm256_or_si256(h, _mm256_and_si256(kq_shift_ymm(p4, 3 - 2 * j), b4));
+    }
+    *lo = l;
+    *hi = h;
+}
+
+static inline __attribute__((always_inline)) void gemm_kq_tile_ymm(
+    float *restrict y, int64_t ldy, const uint8_t *restrict xq, const uint8_t *restrict w,
+    int64_t h0, int64_t panel_bytes, int64_t k, int64_t c0, int64_t n,
+    const float *restrict bias, const int MR, const int H, const int F) {
+    const int64_t nb = k / 32, xrow = q41_x_row_bytes(k), gb = gemm_group_bytes(F);
+    const int widen = F == GEMM_Q4KP ? 4 : 2; /* chunks summed in int16 */
+    const __m256i ones = _mm256_set1_epi16(1);
+    const uint8_t *panel[H];
+    int64_t second[H]; /* 1 for a panel's second half */
+    for (int h = 0; h < H; h++) {
+        panel[h] = w + ((h0 + h) / 2) * panel_bytes;
+        second[h] = (h0 + h) % 2;
+    }
+    __m256 acc[MR][H];
+    for (int m = 0; m < MR; m++)
+        for (int h = 0; h < H; h++) acc[m][h] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < nb / 8; g++)
+        for (int s = 0; s < 8; s++) {
+            const int64_t b = 8 * g + s;
+            __m256i lo16[MR][H], hi16[MR][H], dlo[MR][H], dhi[MR][H];
+            for (int m = 0; m < MR; m++)
+                for (int h = 0; h < H; h++)
+                    lo16[m][h] = hi16[m][h] = dlo[m][h] = dhi[m][h] = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++)
+                for (int h = 0; h < H; h++) {
+                    __m256i lo, hi;
+                    kq_codes_ymm(panel[h] + g * gb + kq_codes(F, s) + 32 * second[h], j, F,
+                                 &lo, &hi);
+                    for (int m = 0; m < MR; m++) {
+                        const int8_t *qx = q41_x_quants(xq + m * xrow, nb, b) + 4 * j;
+                        const __m256i xlo = _mm256_set1_epi32(kq_load4(qx));
+                        const __m256i xhi = _mm256_set1_epi32(kq_load4(qx + 16));
+                        const __m256i plo = _mm256_maddubs_epi16(lo, xlo);
+                        const __m256i phi = _mm256_maddubs_epi16(hi, xhi);
+                        if (F == GEMM_Q6KP) {
+                            lo16[m][h] = _mm256_add_epi16(lo16[m][h], plo);
+                            hi16[m][h] = _mm256_add_epi16(hi16[m][h], phi);
+                        } else {
+                            lo16[m][h] = _mm256_add_epi16(lo16[m][h], _mm256_add_epi16(plo, phi));
+                        }
+                        if ((j + 1) % widen == 0) {
+                            dlo[m][h] = _mm256_add_epi32(dlo[m][h],
+                                                         _mm256_madd_epi16(lo16[m][h], ones));
+                            if (F == GEMM_Q6KP)
+                                dhi[m][h] = _mm256_add_epi32(dhi[m][h],
+                                                             _mm256_madd_epi16(hi16[m][h], ones));
+                            lo16[m][h] = hi16[m][h] = _mm256_setzero_si256();
+                        }
+                    }
+                }
+            for (int h = 0; h < H; h++) {
+                const uint8_t *grp = panel[h] + g * gb;
+                const int64_t f16 = 16 * second[h], f8 = 8 * second[h];
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(grp + f16)));
+                if (F == GEMM_Q6KP) {
+                    const __m256i sa = _mm256_cvtepi8_epi32(
+                        _mm_loadl_epi64((const __m128i *)(grp + 32 + 32 * s + f8)));
+                    const __m256i sb = _mm256_cvtepi8_epi32(
+                        _mm_loadl_epi64((const __m128i *)(grp + 48 + 32 * s + f8)));
+                    for (int m = 0; m < MR; m++) {
+                        const uint8_t *row = xq + m * xrow;
+                        const int32_t sx = q41_x_sum(row, nb, b), sx16 = q41_x_half_sum(row, nb, b);
+                        const __m256i ia = _mm256_mullo_epi32(
+                            sa, _mm256_sub_epi32(dlo[m][h], _mm256_set1_epi32(32 * sx16)));
+                        const __m256i ib = _mm256_mullo_epi32(
+                            sb, _mm256_sub_epi32(dhi[m][h], _mm256_set1_epi32(32 * (sx - sx16))));
+                        const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(q41_x_scale(row, b)));
+                        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(ia, ib)),
+                                                    ds, acc[m][h]);
+                    }
+                } else {
+                    const __m256 dmin = _mm256_cvtph_ps(
+                        _mm_loadu_si128((const __m128i *)(grp + 32 + f16)));
+                    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                        _mm_loadl_epi64((const __m128i *)(grp + 64 + 16 * s + f8))));
+                    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                        _mm_loadl_epi64((const __m128i *)(grp + 192 + 16 * s + f8))));
+                    __m256 dsc = _mm256_mul_ps(d, sc);
+                    const __m256 mmin = _mm256_mul_ps(dmin, mn);
+                    __asm__("" : "+x"(dsc)); /* (d sc) s, not d (sc s): see blk_opaque */
+                    for (int m = 0; m < MR; m++) {
+                        const uint8_t *row = xq + m * xrow;
+                        const float xs = q41_x_scale(row, b);
+                        const float sm = xs * (float)q41_x_sum(row, nb, b);
+                        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo[m][h]),
+                                                    _mm256_mul_ps(dsc, _mm256_set1_ps(xs)),
+                                                    acc[m][h]);
+                        acc[m][h] = _mm256_fnmadd_ps(mmin, _mm256_set1_ps(sm), acc[m][h]);
+                    }
+                }
+            }
+        }
+    for (int m = 0; m < MR; m++)
+        for (int h = 0; h < H; h++) {
+            float lanes[8];
+            _mm256_storeu_ps(lanes, acc[m][h]);
+            for (int i = 0; i < 8; i++) {
+                const int64_t c = c0 + 8 * (h0 + h) + i;
+                if (c < n) y[m * ldy + c] = bias ? lanes[i] + bias[c] : lanes[i];
+            }
+        }
+}
+
+#define KQ_YMM(MR, H, F)                                                                  \
+    gemm_kq_tile_ymm(y, ldy, xq, w + (i / 2) * panel_bytes, i % 2, panel_bytes, k,        \
+                     c0 + (i / 2) * GEMM_NR, n, bias, MR, H, F)
+/* Tiles of W1 half panels for one row, W2 for two, one for more; the rest half by half. */
+#define KQ_YMM_CASES(F, W1, W2)                                                           \
+    switch (mr * 2 + full) {                                                              \
+    case 2: KQ_YMM(1, 1, F); break;                                                       \
+    case 3: KQ_YMM(1, W1, F); break;                                                      \
+    case 4: case 5: if (full && W2 > 1) KQ_YMM(2, W2, F); else KQ_YMM(2, 1, F); break;    \
+    case 6: case 7: KQ_YMM(3, 1, F); break;                                               \
+    case 8: case 9: KQ_YMM(4, 1, F); break;                                               \
+    case 10: case 11: KQ_YMM(5, 1, F); break;                                             \
+    default: KQ_YMM(6, 1, F); break;                                                      \
+    }
+
+/* A tile of mr rows (1..6) over np panels in K-quant format fmt: accumulators (3 MR H
+ * registers, Q6_K's 5 MR H) within about 12 of the 16 ymm. */
+static void gemm_kq_tile_any(int fmt, float *restrict y, int64_t ldy, const uint8_t *restrict xq,
+                             const uint8_t *restrict w, int64_t panel_bytes, int64_t k,
+                             int64_t c0, int64_t n, const float *restrict bias, int64_t mr,
+                             int64_t np) {
+    const int64_t halves = 2 * np;
+    const int64_t width = fmt == GEMM_Q6KP ? (mr == 1 ? 2 : 1) : mr == 1 ? 4 : mr == 2 ? 2 : 1;
+    for (int64_t i = 0; i < halves;) {
+        const int full = halves - i >= width;
+        if (fmt == GEMM_Q4KP) {
+            KQ_YMM_CASES(GEMM_Q4KP, 4, 2)
+        } else if (fmt == GEMM_Q5KP) {
+            KQ_YMM_CASES(GEMM_Q5KP, 4, 2)
+        } else {
+            KQ_YMM_CASES(GEMM_Q6KP, 2, 1)
+        }
+        i += full ? width : 1;
+    }
+}
+#define GEMM_HAVE_KQ_TILES 1
+
+#endif /* AVX-512, AVX2 */
 
 #endif /* AIOENGINE_GEMM_KQUANT_H */
