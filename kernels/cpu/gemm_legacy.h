@@ -139,38 +139,49 @@ static inline __attribute__((always_inline)) void gemm_leg_tile_zmm(
 
 #define LEG_ZMM(F, MR, P) \
     gemm_leg_tile_zmm(y, ldy, xq, w, panel_bytes, k, c0, n, bias, F, MR, P)
-/* Q4_1's shapes (gemm_q41_tile_panels: 2 MR P accumulators within 24 registers), the
- * widest while np allows, then panel by panel (no element's arithmetic changes). */
+/* The shapes instantiated: Q4_1's full tiles (gemm_q41_tile_panels: 2 MR P accumulators
+ * within 24 registers), 2 x 2 (M = 2 meets 6 + 2 panels in every 8-panel claim) and 1 x 1;
+ * each further instantiation adds ~0.4 s to the build of gemm.c. */
 #define LEG_ZMM_CASES(F)                                                                    \
-    switch (mr * 2 + full) {                                                               \
-    case 2: LEG_ZMM(F, 1, 1); break;                                                        \
-    case 3: LEG_ZMM(F, 1, 8); break;                                                        \
-    case 4: LEG_ZMM(F, 2, 1); break;                                                        \
-    case 5: LEG_ZMM(F, 2, 6); break;                                                        \
-    case 6: LEG_ZMM(F, 3, 1); break;                                                        \
-    case 7: LEG_ZMM(F, 3, 4); break;                                                        \
-    case 8: LEG_ZMM(F, 4, 1); break;                                                        \
-    case 9: LEG_ZMM(F, 4, 2); break;                                                        \
-    case 10: LEG_ZMM(F, 5, 1); break;                                                       \
-    case 11: LEG_ZMM(F, 5, 2); break;                                                       \
-    case 12: LEG_ZMM(F, 6, 1); break;                                                       \
+    switch (mr * 16 + p) {                                                                 \
+    case 17: LEG_ZMM(F, 1, 1); break;                                                       \
+    case 24: LEG_ZMM(F, 1, 8); break;                                                       \
+    case 34: LEG_ZMM(F, 2, 2); break;                                                       \
+    case 38: LEG_ZMM(F, 2, 6); break;                                                       \
+    case 52: LEG_ZMM(F, 3, 4); break;                                                       \
+    case 66: LEG_ZMM(F, 4, 2); break;                                                       \
+    case 82: LEG_ZMM(F, 5, 2); break;                                                       \
     default: LEG_ZMM(F, 6, 2); break;                                                       \
     }
 
-/* A tile of mr rows (1..6) over np panels of Q8_0 or Q4_0. */
+/* One instantiated tile: (mr, p) one of LEG_ZMM_CASES's shapes. */
+static void gemm_leg_tile_shape(int fmt, float *restrict y, int64_t ldy,
+                                const uint8_t *restrict xq, const uint8_t *restrict w,
+                                int64_t panel_bytes, int64_t k, int64_t c0, int64_t n,
+                                const float *restrict bias, int64_t mr, int64_t p) {
+    if (fmt == GEMM_Q80P) {
+        LEG_ZMM_CASES(GEMM_Q80P)
+    } else {
+        LEG_ZMM_CASES(GEMM_Q40P)
+    }
+}
+
+/* A tile of mr rows (1..6) over np panels of Q8_0 or Q4_0: the widest tile while np allows,
+ * then 2 x 2, then a lone panel row by row (no element's arithmetic depends on the shape). */
 static void gemm_leg_tile_any(int fmt, float *restrict y, int64_t ldy,
                               const uint8_t *restrict xq, const uint8_t *restrict w,
                               int64_t panel_bytes, int64_t k, int64_t c0, int64_t n,
                               const float *restrict bias, int64_t mr, int64_t np) {
-    const int64_t tp = gemm_q41_tile_panels(mr);
+    const int64_t tp = gemm_q41_tile_panels(mr), xrow = q41_x_row_bytes(k);
     for (int64_t done = 0; done < np;) {
-        const int full = np - done >= tp;
-        if (fmt == GEMM_Q80P) {
-            LEG_ZMM_CASES(GEMM_Q80P)
-        } else {
-            LEG_ZMM_CASES(GEMM_Q40P)
-        }
-        const int64_t step = full ? tp : 1;
+        const int64_t left = np - done;
+        const int64_t step = left >= tp ? tp : mr == 2 && left >= 2 ? 2 : 1;
+        if (step > 1 || mr == 1)
+            gemm_leg_tile_shape(fmt, y, ldy, xq, w, panel_bytes, k, c0, n, bias, mr, step);
+        else
+            for (int64_t m = 0; m < mr; m++)
+                gemm_leg_tile_shape(fmt, y + m * ldy, ldy, xq + m * xrow, w, panel_bytes, k, c0,
+                                    n, bias, 1, 1);
         done += step;
         w += step * panel_bytes;
         c0 += step * GEMM_NR;
