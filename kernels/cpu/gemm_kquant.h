@@ -202,19 +202,24 @@ static inline int gemm_kq_tile_panels(int fmt, int64_t mr) {
 }
 
 #define KQ_ZMM(MR, P, F) gemm_kq_tile_zmm(y, ldy, xq, w, panel_bytes, k, c0, n, bias, MR, P, F)
-/* The widest tile of each row count, and one panel for the rest (which changes no
- * element's arithmetic): only these shapes are compiled. */
-#define KQ_ZMM_CASES(F, P1, P2, P3, P4)                                                      \
-    switch (mr * 2 + full) {                                                              \
-    case 2: KQ_ZMM(1, 1, F); break;                                                       \
-    case 3: KQ_ZMM(1, P1, F); break;                                                      \
-    case 4: KQ_ZMM(2, 1, F); break;                                                       \
-    case 5: KQ_ZMM(2, P2, F); break;                                                      \
-    case 6: KQ_ZMM(3, 1, F); break;                                                       \
-    case 7: KQ_ZMM(3, P3, F); break;                                                      \
-    case 8: case 9: if (full && P4 > 1) KQ_ZMM(4, P4, F); else KQ_ZMM(4, 1, F); break;    \
-    case 10: case 11: if (full && P4 > 1) KQ_ZMM(5, P4, F); else KQ_ZMM(5, 1, F); break;  \
-    default: if (full && P4 > 1) KQ_ZMM(6, P4, F); else KQ_ZMM(6, 1, F); break;           \
+/* Only the widest tile of each row count and the one-row one-panel tile are compiled (each
+ * shape is a copy of the tile: every shape cost the build seconds). Panels short of a whole
+ * tile (a weight's last, only where its panels are not a multiple of the widest tile's)
+ * run row by row, panel by panel, which changes no element's arithmetic. */
+#define KQ_ZMM_CASES(F, P1, P2, P3, P4)                                                   \
+    if (!full) {                                                                          \
+        for (int64_t r = 0; r < mr; r++)                                                  \
+            gemm_kq_tile_zmm(y + r * ldy, ldy, xq + r * xrow, w, panel_bytes, k, c0, n,   \
+                             bias, 1, 1, F);                                              \
+    } else {                                                                              \
+        switch (mr) {                                                                     \
+        case 1: KQ_ZMM(1, P1, F); break;                                                  \
+        case 2: KQ_ZMM(2, P2, F); break;                                                  \
+        case 3: KQ_ZMM(3, P3, F); break;                                                  \
+        case 4: KQ_ZMM(4, P4, F); break;                                                  \
+        case 5: KQ_ZMM(5, P4, F); break;                                                  \
+        default: KQ_ZMM(6, P4, F); break;                                                 \
+        }                                                                                 \
     }
 
 /* A tile of mr rows (1..6) over np panels in K-quant format fmt. */
@@ -222,7 +227,7 @@ static void gemm_kq_tile_any(int fmt, float *restrict y, int64_t ldy, const uint
                              const uint8_t *restrict w, int64_t panel_bytes, int64_t k,
                              int64_t c0, int64_t n, const float *restrict bias, int64_t mr,
                              int64_t np) {
-    const int64_t tp = gemm_kq_tile_panels(fmt, mr);
+    const int64_t tp = gemm_kq_tile_panels(fmt, mr), xrow = q41_x_row_bytes(k);
     for (int64_t done = 0; done < np;) {
         const int full = np - done >= tp;
         if (fmt == GEMM_Q4KP) {
