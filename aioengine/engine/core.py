@@ -156,7 +156,7 @@ class EngineCore(RequestAdmission):
         model = self.loaded.model
         return {
             "dtype": name(self.dtype), "quantization": self.args.quantization,
-            "weights": self.args.quantization or name(self.dtype),
+            "weights": self.args.quantization or _weight_storages(model) or name(self.dtype),
             "dtype_reason": self.dtype_reason, "activations": name(model.dtype),
             "kv_cache_dtype": name(self.kv_cache_dtype), "weight_bytes": model.weight_bytes(),
             "cpu": {"model": cpu_info.cpu_model(), "flags": cpu_info.relevant_flags(),
@@ -364,3 +364,17 @@ def _with_pending_forks(failed: list[Request]) -> list[Request]:
             out.append(fork)
         request.pending_forks = []
     return out
+
+
+def _weight_storages(model: torch.nn.Module) -> str | None:
+    """The projections' storages where a GGUF file's own block types run natively
+    ("gguf q4_k, q6_k, bfloat16"), else None (one float dtype: the engine's)."""
+    from aioengine.model.layers import Linear
+
+    storages = sorted({m.storage.removeprefix("mixed:") for m in model.modules()
+                       if isinstance(m, Linear)})
+    names = sorted({part for s in storages for part in s.split("+")})
+    if not any(getattr(m, "blocks", None) is not None for m in model.modules()
+               if isinstance(m, Linear)):
+        return None
+    return "gguf " + ", ".join(names)
