@@ -78,7 +78,7 @@ class EngineCore(RequestAdmission):
                                  tokenizer=args.tokenizer,
                                  linear_factory=None if self.lora is None
                                  else self.lora.linear_factory, lora_source=self.lora,
-                                 native_gguf=args.dtype == "auto")
+                                 native_gguf=args.dtype == "auto" and not _bundled(args.model))
         # What a request leaving a sampling field out gets (--generation-config; logged).
         self.default_sampling = model_sampling_defaults(args.generation_config,
                                                         self.loaded.model_path)
@@ -378,3 +378,17 @@ def _weight_storages(model: torch.nn.Module) -> str | None:
                if isinstance(m, Linear)):
         return None
     return "gguf " + ", ".join(names)
+
+
+def _bundled(model: str | None) -> bool:
+    """Whether `model` is the bundled SmolLM2. It keeps its bf16 load by default: run natively
+    (its Q4_1 projections, its Q8_0 tied head, x quantized per 32-block) it answers "What is
+    the capital of France?" greedily with "L'Etoile, la Marseillaise, ..." (as llama-server
+    does on the same file), the bf16 load with "Paris". `-q gguf` runs it natively."""
+    from aioengine.model.default import is_bundled_model
+    from aioengine.model.loader import resolve_model_path
+
+    try:
+        return is_bundled_model(resolve_model_path(model))
+    except Exception:  # an unresolvable path: the loader reports it
+        return False
