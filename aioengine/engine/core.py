@@ -368,16 +368,14 @@ def _with_pending_forks(failed: list[Request]) -> list[Request]:
 
 def _weight_storages(model: torch.nn.Module) -> str | None:
     """The projections' storages where a GGUF file's own block types run natively
-    ("gguf q4_k, q6_k, bfloat16"), else None (one float dtype: the engine's)."""
+    ("gguf bfloat16, q4_k, q6_k"), else None (one float dtype: the engine's)."""
     from aioengine.model.layers import Linear
 
-    storages = sorted({m.storage.removeprefix("mixed:") for m in model.modules()
-                       if isinstance(m, Linear)})
-    names = sorted({part for s in storages for part in s.split("+")})
-    if not any(getattr(m, "blocks", None) is not None for m in model.modules()
-               if isinstance(m, Linear)):
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    if not any(getattr(m, "blocks", None) is not None for m in linears):
         return None
-    return "gguf " + ", ".join(names)
+    names = {part for m in linears for part in m.storage.removeprefix("mixed:").split("+")}
+    return "gguf " + ", ".join(sorted(names))
 
 
 def _bundled(model: str | None) -> bool:
