@@ -48,6 +48,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from torch import Tensor
 
 from aioengine.kernels import cpu_build, cpu_layout
+from aioengine.kernels.int8_rows import quantize_dequantize_blocks
 
 PANEL = 16
 # Bumped whenever a group's byte layout changes (start-up caches of packed bytes key on it).
@@ -370,20 +371,12 @@ def gather_rows(data: Tensor, layout: BlockLayout, rows: Tensor) -> Tensor:
     return out
 
 
-def quantize_dequantize_x(x: Tensor) -> Tensor:
-    """x [M, k] as the block GEMMs see it: each 32-block quantized to int8 with its own
-    scale (kernels/cpu/q4_1.h), then multiplied back."""
-    from aioengine.model.layers import quantize_dequantize_blocks
-
-    return quantize_dequantize_blocks(x)
-
-
 def reference_linear(x: Tensor, data: Tensor, layout: BlockLayout,
                      bias: Tensor | None = None) -> Tensor:
     """The torch path (no kernels built): x quantized per 32-block and back, the weights
     dequantized for this call: the GEMM's arithmetic up to float32 rounding."""
     rows = x.reshape(-1, layout.k).float()
-    out = torch.nn.functional.linear(quantize_dequantize_x(rows), dequantize_weight(data, layout))
+    out = torch.nn.functional.linear(quantize_dequantize_blocks(rows), dequantize_weight(data, layout))
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], layout.n)

@@ -9,7 +9,7 @@ repacked byte for byte into [ceil(N / 16), K / 32, 320] (kernels/cpu/gemm_q4_1.h
 bytes. `gemm` then computes x [M, K] @ W^T for any M with one arithmetic per output
 element, so a row's result does not depend on the rows beside it. With bf16 weights the
 AVX512-BF16 build rounds x to bf16 and takes k in pairs (`rounds_x_to_bf16`); the others
-keep x in float32; Q4_1 quantizes x per 32-block to int8 (`layers.quantize_dequantize_blocks`).
+keep x in float32; Q4_1 quantizes x per 32-block to int8 (`int8_rows.quantize_dequantize_blocks`).
 W8A8's int8 weights have panels of their own (`cpu_gemm_w8a8.py`, told apart by their 64-byte
 rows: `packed_format`), x quantized per row.
 """

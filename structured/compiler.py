@@ -314,7 +314,8 @@ class GrammarCompileCache:
         method, text = request_text(job.constraint)
         try:
             outcome: tuple[str, float, str] | None = worker.compile(method, text)
-        except WorkerDied:
+        except WorkerDied:  # killed for its budget, or from outside (the OOM killer)
+            worker.reap()  # so the loop forks a fresh one before the next job
             outcome = None
         self._finish(job, outcome)
 

@@ -271,7 +271,7 @@ def add_gguf_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
 def gguf_main(args: argparse.Namespace) -> int:
     import tempfile
 
-    from aioengine.bench import report as rep
+    import aioengine.bench.report as rep
     from aioengine.bench.common import emit
 
     llama = args.llama_server

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aioengine.kernels import cpu_blocks, cpu_gemm, cpu_gemm_w8a8
+from aioengine.kernels.int8_rows import quantize_dequantize_blocks, quantize_int8_rows
 from aioengine.model import hugepages
 
 
@@ -127,35 +128,12 @@ def dequantize_q4_1(blocks: Tensor) -> Tensor:
     return (q * d + m).view(n, -1)
 
 
-def quantize_dequantize_blocks(x: Tensor) -> Tensor:
-    """x [M, K] as the Q4_1 GEMM sees it: each 32-block quantized to int8 with its own
-    scale (`quantize_int8_rows` over blocks, as kernels/cpu/q4_1.h), then multiplied
-    back."""
-    q, s = quantize_int8_rows(x.reshape(-1, 32))
-    return (q.float() * s[:, None]).view_as(x)
-
-
 def _q4_1_linear(x: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
     """The GGUF's Q4_1 weights where no kernel takes them (no CPU kernels, blocks not
     packed): dequantized for this call (transient), x quantized per 32-block and back: the
     GEMM's arithmetic up to float rounding."""
     out = F.linear(quantize_dequantize_blocks(x), dequantize_q4_1(blocks))
     return out if bias is None else out.add_(bias)
-
-
-# The float32 nearest 1/127 (what the C kernels multiply by).
-_INV_127 = float(torch.tensor(1.0 / 127.0, dtype=torch.float32))
-
-
-def quantize_int8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric per-row int8 of x [M, K] (weights at load; activations for w8a8, and per
-    32-block for Q4_1): s = max|x_row| * (the float nearest 1/127), 1 for a zero row;
-    q = round_half_even(x / s), so |x - q s| <= s / 2. The C kernels quantize their rows
-    the same way, bit for bit. Returns (q [M, K] int8, s [M] float32)."""
-    x = x.float()
-    scales = x.abs().amax(dim=1) * _INV_127
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    return torch.round(x / scales[:, None]).clamp_(-127, 127).to(torch.int8), scales
 
 
 def _int8_linear(x: Tensor, weight: Tensor, bias: Tensor | None,

@@ -52,6 +52,11 @@ class RouterLinear(Linear):
     def convert(self, storage: str) -> None:
         return None
 
+    def use_float_storage(self, dtype: torch.dtype) -> None:
+        """Keeps the activations' dtype: the loader allocates every other weight in the
+        model's storage before loading, this one is loaded as it was built."""
+        return None
+
 
 class ExpertMLP(nn.Module):
     """One SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up fused in one Linear."""

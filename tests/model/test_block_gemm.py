@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from aioengine.kernels import cpu_blocks
+from aioengine.kernels.int8_rows import quantize_dequantize_blocks
 from aioengine.kernels import cpu_build
 
 pytestmark = pytest.mark.skipif(cpu_build.load() is None, reason="CPU kernels not built")
@@ -68,7 +69,7 @@ def _float64_bound(x: torch.Tensor, blocks: torch.Tensor, block_type: str, bias:
     """The float64 product of x quantized per 32-block and the dequantized weights, and the
     tolerance: 4 (k / 32 + 2) float32 eps of sum_j |x_j w_j| (each block adds a term with
     one or two roundings of a few ulps of that block's absolute sum, then the bias's add)."""
-    xq = cpu_blocks.quantize_dequantize_x(x).double()
+    xq = quantize_dequantize_blocks(x).double()
     w = cpu_blocks.dequantize_blocks(blocks, block_type).double()
     ref = xq @ w.t() + bias.double()
     eps = torch.finfo(torch.float32).eps

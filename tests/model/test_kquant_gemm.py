@@ -11,6 +11,7 @@ import torch
 
 from aioengine.kernels import cpu as cpu_kernels
 from aioengine.kernels import cpu_blocks
+from aioengine.kernels.int8_rows import quantize_dequantize_blocks
 
 KQUANTS = ("q4_k", "q5_k", "q6_k")
 # Row counts: each tile height (1..6), the 6-row blocks and their remainders, two passes.
@@ -102,7 +103,7 @@ def test_kquant_gemm_matches_float64(variant: str, block_type: str) -> None:
     blocks, data, layout = _weight(n, k, block_type, seed=3)
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(4)) * 3
     bias = torch.randn(n)
-    xq = cpu_blocks.quantize_dequantize_x(x).double()
+    xq = quantize_dequantize_blocks(x).double()
     ref = xq @ cpu_blocks.dequantize_blocks(blocks, block_type).double().t() + bias.double()
     scale = xq.abs() @ _magnitude_weight(blocks, block_type).double().t() + bias.double().abs()
     bound = (2 * k / 32 + 4) * torch.finfo(torch.float32).eps * scale
