@@ -45,6 +45,9 @@ from aioengine.worker.spec_tree import apply_tree_layout, num_tree_scratch_block
 from aioengine.worker.verify import DraftVerifyContext, verify_drafts
 from aioengine.worker.step_layout import LayerKVGroups, copy_blocks, step_layout
 
+# The CPU warm-up's multiply-adds: 128 tokens of the bundled 135M model; a larger model
+# warms up on fewer tokens (16 at least), since the first step of any size pays the most.
+_CPU_WARM_UP_MACS = 18 * 10**9
 
 
 class ModelRunner:
@@ -225,12 +228,17 @@ class ModelRunner:
         the one-time cost is the first step of any size (oneDNN's and libgomp's set-up, the
         C kernels' first calls: a first 32-token step took 3-5 s on a loaded 2-core VM where
         a 37-token step right after took 1.3 s), while a 512-token step computes 4x a
-        128-token one for a saving only the first 512-token step sees (~0.5 s). On a GPU the
-        full step runs: gpu_memory profiles the largest step's peak memory with it.
+        128-token one for a saving only the first 512-token step sees (~0.5 s). Fewer for a
+        larger model (`_CPU_WARM_UP_MACS`): a 1B model's 128-token step alone took 2.9 s of
+        an 8 s start. On a GPU the full step runs: gpu_memory profiles the largest step's
+        peak memory with it.
         """
         bs = self.block_size
         if self.device.type == "cpu":
-            max_num_tokens = min(max_num_tokens, 128)
+            macs = sum(lin.in_features * lin.out_features for lin in self.model.linears()
+                       if lin is not self.model.embed_tokens or lin is self.model.lm_head)
+            max_num_tokens = min(max_num_tokens, 128,
+                                 max(16, _CPU_WARM_UP_MACS // max(1, macs)))
         per_request = max(1, min(max_model_len, max_num_tokens))
 
         def split(num_tokens: int) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,27 @@ def test_entry_names_follow_content_and_kind(tmp_path: Path) -> None:
     assert weight_cache.entry_name(da, "x") != weight_cache.entry_name(da, "y")
     a.write_bytes(b"other bytes")  # edited in place: another size, so another digest
     assert weight_cache.file_digest(str(a)) != da
+
+
+def test_a_digest_is_remembered_across_processes_until_the_file_changes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(weight_cache.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"first")
+    assert weight_cache.file_digest(str(model))  # just written: not remembered on disk
+    assert not (tmp_path / "cache" / "digests").exists()
+    weight_cache._digest_memo.clear()
+    monkeypatch.setattr(weight_cache, "_SETTLE_S", -1.0)  # as if written long ago
+    first = weight_cache.file_digest(str(model))
+    weight_cache._digest_memo.clear()  # as a new process starts
+    memo, = (tmp_path / "cache" / "digests").iterdir()
+    memo.write_text("0" * 64)  # what a remembered digest is read from: no hashing
+    assert weight_cache.file_digest(str(model)) == "0" * 64
+    weight_cache._digest_memo.clear()
+    time.sleep(0.05)  # past the timestamp tick
+    with open(model, "r+b") as f:  # same size: its ctime moves
+        f.write(b"FIRST")
+    assert weight_cache.file_digest(str(model)) not in (first, "0" * 64)
 
 
 def _tensors() -> dict[str, torch.Tensor]:
