@@ -3,6 +3,7 @@
 #                  http://127.0.0.1:8000 (HOST=, PORT=, SERVE_ARGS=, TOOL_ARGS= to change)
 #   make generate  streams one chat answer to stdout (PROMPT="...")
 #   make test      runs the test suite (CPU only)
+#   make bench     offline workload W1: our engine against transformers (docs/benchmarks.md)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -37,7 +38,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
 
 bench: $(STAMP)
-	$(PY) scripts/benchmark.py offline
+	$(PY) -m aioengine bench offline
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -40,34 +40,6 @@ def _f32_rows(*tensors: Tensor) -> bool:
     return True
 
 
-def paged_decode_attention(out: Tensor, q: Tensor, kv_cache: Tensor, block_tables: Tensor,
-                           seq_lens: Tensor, scale: float) -> bool:
-    """out[n] = softmax(q[n] K_n^T * scale) V_n over request n's first seq_lens[n] positions:
-    paged_attention with one row per request.
-
-    out/q [N, Hq, D] float32, kv_cache [2, blocks, block_size, Hkv, D] of KV_CACHE_DTYPES,
-    block_tables [N, >= blocks needed] int32, seq_lens [N] int32 (each >= 1), all contiguous
-    on the CPU.
-    Returns False, leaving `out` untouched, when the kernel does not apply or is not built.
-    """
-    if not (block_tables.dtype == torch.int32 and block_tables.dim() == 2
-            and block_tables.shape[0] == q.shape[0]):
-        return False
-    return paged_attention(out, q, kv_cache, block_tables, _row_range(q.shape[0]), seq_lens,
-                           scale)
-
-
-_ROW_RANGES: dict[int, Tensor] = {}
-
-
-def _row_range(n: int) -> Tensor:
-    """arange(n) as int32, cached: a decode step's row_to_req (one row per request)."""
-    rows = _ROW_RANGES.get(n)
-    if rows is None:
-        rows = _ROW_RANGES[n] = torch.arange(n, dtype=torch.int32)
-    return rows
-
-
 def paged_attention(out: Tensor, q: Tensor, kv_cache: Tensor, block_tables: Tensor,
                     row_to_req: Tensor, seq_lens: Tensor, scale: float,
                     num_threads: int | None = None, sliding_window: int | None = None) -> bool:

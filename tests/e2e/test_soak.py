@@ -1,4 +1,4 @@
-"""A short soak (aioengine/bench/soak.py) through scripts/soak.py with its own small server:
+"""A short soak (`aioengine bench soak`, aioengine/bench/soak.py) with its own small server:
 every kind of request once at the start and a seeded mix after, then no 5xx, no unexpected
 outcome, preemptions (the long prompts do not fit the 64-block cache together) and no KV
 block held once the server is idle.
@@ -20,7 +20,6 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 UNEXPECTED = ("unexpected_4xx", "5xx", "conn_error", "timeout", "bad_output", "held_open")
 KINDS = {"long", "stream", "cancel", "malformed", "hostile", "tools", "structured",
          "completion", "chat_n", "slow_head", "slow_body", "slow_reader", "near_context",
@@ -43,7 +42,7 @@ def test_short_soak(tmp_path: Path) -> None:
     # stalled connections end within the soak.
     server_args = (f"--num-kv-blocks 64 --max-model-len {MAX_MODEL_LEN} --keepalive-timeout "
                    f"{KEEPALIVE_S} --body-read-timeout {BODY_READ_S}")
-    cmd = [sys.executable, str(ROOT / "scripts" / "soak.py"), "--duration", "25",
+    cmd = [sys.executable, "-m", "aioengine", "bench", "soak", "--duration", "25",
            "--concurrency", "8", "--sample-interval", "2", "--timeout", "240",
            f"--server-args={server_args}", "--save-json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)

@@ -37,6 +37,13 @@ def _decode_case(seq_lens: list[int], num_heads: int, num_kv_heads: int, head_di
     return q, kv_cache, meta
 
 
+def _decode_rows(out, q, kv_cache, block_tables, seq_lens, scale) -> bool:
+    """paged_attention with one row per request (a decode step's rows)."""
+    row_to_req = torch.arange(q.shape[0], dtype=torch.int32)
+    return cpu_kernels.paged_attention(out, q, kv_cache, block_tables, row_to_req, seq_lens,
+                                       scale)
+
+
 @pytest.mark.parametrize("seq_lens,num_heads,num_kv_heads,head_dim,block_size", [
     ([1], 9, 3, 64, 16),                       # SmolLM2's shape, first decode
     ([16, 17, 33, 250, 5], 9, 3, 64, 16),     # block boundaries and a long one
@@ -44,29 +51,26 @@ def _decode_case(seq_lens: list[int], num_heads: int, num_kv_heads: int, head_di
     ([40, 3], 8, 2, 128, 8),                  # group of 4, head_dim 128
     ([2048], 2, 1, 16, 16),                   # long context
 ])
-def test_paged_decode_attention_matches_torch_path(seq_lens, num_heads, num_kv_heads,
-                                                   head_dim, block_size) -> None:
+def test_paged_attention_decode_rows_match_torch_path(seq_lens, num_heads, num_kv_heads,
+                                                     head_dim, block_size) -> None:
     q, kv_cache, meta = _decode_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size)
     out = torch.full_like(q, float("nan"))
-    assert cpu_kernels.paged_decode_attention(out, q, kv_cache, meta.block_tables,
-                                              meta.seq_lens, 0.125)
+    assert _decode_rows(out, q, kv_cache, meta.block_tables, meta.seq_lens, 0.125)
     expected = TorchAttentionBackend(use_cpu_kernel=False)._decode(q, kv_cache, meta, 0.125)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
 
 
-def test_paged_decode_attention_declines_what_it_does_not_handle(set_cpu_kernels) -> None:
+def test_paged_attention_declines_what_it_does_not_handle(set_cpu_kernels) -> None:
     q, kv_cache, meta = _decode_case([5, 9], 4, 2, 16, 4)
     out = torch.zeros_like(q)
     args = (meta.block_tables, meta.seq_lens, 0.5)
     # float64, a non-contiguous query, int64 tables: the caller keeps its torch path.
-    assert not cpu_kernels.paged_decode_attention(out.double(), q.double(), kv_cache.double(),
-                                                  *args)
-    assert not cpu_kernels.paged_decode_attention(out, q.transpose(0, 1).contiguous()
-                                                  .transpose(0, 1), kv_cache, *args)
-    assert not cpu_kernels.paged_decode_attention(out, q, kv_cache, meta.block_tables.long(),
-                                                  meta.seq_lens, 0.5)
+    assert not _decode_rows(out.double(), q.double(), kv_cache.double(), *args)
+    assert not _decode_rows(out, q.transpose(0, 1).contiguous().transpose(0, 1), kv_cache,
+                            *args)
+    assert not _decode_rows(out, q, kv_cache, meta.block_tables.long(), meta.seq_lens, 0.5)
     set_cpu_kernels("0")
-    assert not cpu_kernels.paged_decode_attention(out, q, kv_cache, *args)
+    assert not _decode_rows(out, q, kv_cache, *args)
     assert torch.count_nonzero(out) == 0
 
 
