@@ -327,6 +327,15 @@ def gguf_file_architectures() -> dict[str, str]:
     return names | {"MistralForCausalLM": "llama"}
 
 
+def architecture_named(hf_architecture: str) -> GGUFArchitecture:
+    """The GGUFArchitecture whose files load as `hf_architecture` (what the start-up cache
+    records of a file, so a warm start need not parse it); KeyError for another name."""
+    for spec in (*GGUF_ARCHITECTURES.values(), MIXTRAL):
+        if spec.hf_architecture == hf_architecture:
+            return spec
+    raise KeyError(hf_architecture)
+
+
 def file_architecture(reader: Any) -> GGUFArchitecture:
     """The file's architecture (GGUFFormatError naming the supported ones otherwise)."""
     arch = field_value(reader, "general.architecture")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import importlib.metadata
 import json
 import logging
 import mmap
@@ -32,8 +33,8 @@ from aioengine.kernels import cpu_blocks
 from aioengine.model.arch import ModelArchConfig
 from aioengine.model.gguf_arch import (EXPERT_TENSORS, ROPE_FACTORS,
                                        ROPE_FREQS, SHARED_EXPERT_GATE, GGUFArchitecture,
-                                       GGUFFormatError, field_value, file_architecture,
-                                       gguf_hf_config_kwargs)
+                                       GGUFFormatError, architecture_named, field_value,
+                                       file_architecture, gguf_hf_config_kwargs)
 from aioengine.model.moe_config import MoeSpec
 
 __all__ = ["FastGGUFReader", "GGUFFormatError", "GGUFTensor", "gguf_hf_config",
@@ -312,6 +313,7 @@ class GGUFParts:
     path: str
     rope_freq_factors: torch.Tensor | None
     from_cache: bool
+    architecture: GGUFArchitecture
     _reader: Any = None
 
     @property
@@ -332,7 +334,7 @@ class GGUFParts:
 
     @property
     def has_experts(self) -> bool:
-        return file_architecture(self.reader).experts is not None
+        return self.architecture.experts is not None
 
     def tensors(self) -> Iterator[tuple[str, GGUFTensor]]:
         """Every weight but stacked experts', read in place (iter_gguf_tensors)."""
@@ -342,7 +344,7 @@ class GGUFParts:
 
     def tensor_types(self) -> dict[str, Any]:
         """HF name -> GGMLQuantizationType of every weight `tensors` yields (no data read)."""
-        spec = file_architecture(self.reader)
+        spec = self.architecture
         out = {}
         for tensor in self.reader.tensors:
             name = hf_name(tensor.name, spec)
@@ -380,9 +382,8 @@ def load_gguf_parts(path: str) -> GGUFParts:
     ValueError for a file we cannot read."""
     from aioengine.model import weight_cache
 
-    import transformers
-
-    kind = f"gguf-config:transformers-{transformers.__version__}"
+    # The installed version, without importing transformers (~1 s: done on the side later).
+    kind = f"gguf-config:v2:transformers-{importlib.metadata.version('transformers')}"
     name = weight_cache.entry_name(weight_cache.file_digest(path), kind)
     entry = weight_cache.lookup(_CACHE_SECTION, name)
     if entry is not None:
@@ -392,15 +393,17 @@ def load_gguf_parts(path: str) -> GGUFParts:
             logger.warning("start-up cache entry %s unreadable, rebuilding it: %s", entry, e)
             shutil.rmtree(entry, ignore_errors=True)
     reader = FastGGUFReader(path)
+    spec = file_architecture(reader)
     cls_name, kwargs = gguf_hf_config_kwargs(reader)
     arch = ModelArchConfig.from_hf_config(hf_config_from_kwargs(cls_name, kwargs))
     rope = rope_freq_factors(reader)
     meta = {"config_class": cls_name, "arch": _arch_json(arch),
-            "config_kwargs": json.dumps(kwargs)}
+            "config_kwargs": json.dumps(kwargs), "architecture": spec.hf_architecture}
     tensors = {} if rope is None else {_ROPE_NAME: rope}
     weight_cache.store(_CACHE_SECTION, name, kind,
                        lambda tmp: weight_cache.save_tensors(tmp, tensors, meta))
-    return GGUFParts(cls_name, kwargs, arch, path, rope, from_cache=False, _reader=reader)
+    return GGUFParts(cls_name, kwargs, arch, path, rope, from_cache=False, architecture=spec,
+                     _reader=reader)
 
 
 def _parts_from_entry(entry: Any, path: str) -> GGUFParts:
@@ -410,4 +413,5 @@ def _parts_from_entry(entry: Any, path: str) -> GGUFParts:
     # A copy: a view would keep the entry's mapping alive.
     rope = next((t.clone() for _, t in weight_cache.iter_tensors(entry, _ROPE_NAME)), None)
     return GGUFParts(meta["config_class"], json.loads(meta["config_kwargs"]),
-                     _arch_from_json(meta["arch"]), path, rope, from_cache=True)
+                     _arch_from_json(meta["arch"]), path, rope, from_cache=True,
+                     architecture=architecture_named(meta["architecture"]))

@@ -438,9 +438,9 @@ def _store_gguf_model(parts: Any, dtype: torch.dtype, storage: str, native: bool
 def _native_refusal(parts: Any) -> str | None:
     """Why the file's blocks cannot be kept (an architecture the path is not checked on, or
     experts), or None."""
-    from aioengine.model.gguf_arch import GGUF_ARCHITECTURES, file_architecture
+    from aioengine.model.gguf_arch import GGUF_ARCHITECTURES
 
-    spec = file_architecture(parts.reader)
+    spec = parts.architecture  # from the start-up cache where it has the file: not parsed
     if spec.experts is not None:
         return ("quantization 'gguf' does not cover a mixture of experts' expert weights; "
                 "load without it")
