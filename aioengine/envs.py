@@ -5,6 +5,7 @@ Each entry is read when accessed (`envs.AIOENGINE_LOG_LEVEL`), so tests can set 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Callable
 
 environment_variables: dict[str, Callable[[], Any]] = {
@@ -33,10 +34,31 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # (vLLM's VLLM_CPU_KVCACHE_SPACE; default 2, at most a quarter of free memory:
     # worker/gpu_memory.cpu_kv_cache_memory validates it).
     "AIOENGINE_CPU_KVCACHE_SPACE": lambda: os.getenv("AIOENGINE_CPU_KVCACHE_SPACE") or None,
-    # The start-up cache's root (model/weight_cache.py: parsed GGUFs, tokenizers), default
-    # $XDG_CACHE_HOME/aioengine, else ~/.cache/aioengine.
+    # The start-up cache's root (model/weight_cache.py: parsed GGUFs, tokenizers; bench's
+    # HF exports), default user_cache_dir(): see cache_root().
     "AIOENGINE_CACHE_DIR": lambda: os.getenv("AIOENGINE_CACHE_DIR") or None,
 }
+
+
+def user_cache_dir() -> Path:
+    """$XDG_CACHE_HOME/aioengine, else ~/.cache/aioengine: the user's cache of aioengine."""
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "aioengine"
+
+
+def cache_root() -> Path:
+    """$AIOENGINE_CACHE_DIR, else user_cache_dir(): where what a start computes from a model
+    file (and bench's exports of it) is kept."""
+    explicit = environment_variables["AIOENGINE_CACHE_DIR"]()
+    return Path(explicit).expanduser() if explicit else user_cache_dir()
+
+
+def kernel_cache_dir() -> Path:
+    """user_cache_dir()/kernels: the compiled C kernels. Not under cache_root(): a build
+    depends only on the sources, flags and compiler, so a fresh $AIOENGINE_CACHE_DIR (a
+    cold-start measurement, a test's own cache) reuses the builds rather than compiling
+    them again."""
+    return user_cache_dir() / "kernels"
 
 
 def __getattr__(name: str) -> Any:

@@ -216,6 +216,16 @@ class SamplingParams:
                     "stop_token_ids")
 
     @property
+    def reads_output_tokens(self) -> bool:
+        """Whether the sampler's logits depend on which tokens this request generated so far
+        (the penalties), beyond their number (min_tokens). Such a request cannot be sampled
+        before its previous token is known (async_scheduler's steps ahead) and is never
+        the plain argmax (sample.is_plain_greedy). The one list of those fields:
+        tests/unit/test_sampling_params.py checks it against the sampler."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+    @property
     def greedy(self) -> bool:
         """Temperatures below GREEDY_TEMPERATURE take the argmax (the sampler's rule)."""
         return self.temperature < GREEDY_TEMPERATURE

@@ -106,8 +106,7 @@ def _compiler() -> str | None:
 
 
 def _cache_dir() -> str:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "aioengine", "kernels")
+    return str(envs.kernel_cache_dir())
 
 
 def cache_key(name: str, cc: str, source_dir: str = _DIR) -> str:

@@ -10,7 +10,8 @@ metadata describes and the tokenizer (chat template included) that transformers 
 the same file. float32 is the default because it holds the dequantized values exactly; a
 peer casts to its own dtype on load (`--vllm-dtype`).
 
-Exports are cached under `$AIOENGINE_CACHE_DIR` (default `~/.cache/aioengine`)/hf-export/,
+Exports are cached under `envs.cache_root()`/hf-export/ (`$AIOENGINE_CACHE_DIR`, else
+`$XDG_CACHE_HOME/aioengine`, else `~/.cache/aioengine`),
 keyed by the GGUF's path, size and modification time, the dtype and FORMAT_VERSION, and
 written to a temporary directory that is renamed into place, so a half-written export is
 never reused. A Hugging Face directory given as the model is returned as it is.
@@ -27,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from aioengine import envs
+
 # Bump when what an export contains changes, so old caches are not reused.
 FORMAT_VERSION = 1
 EXPORT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -35,8 +38,8 @@ WEIGHTS_FILE = "model.safetensors"
 
 
 def cache_root() -> Path:
-    base = os.environ.get("AIOENGINE_CACHE_DIR") or os.path.join("~", ".cache", "aioengine")
-    return Path(base).expanduser() / "hf-export"
+    """envs.cache_root()/hf-export: exports live beside the start-up cache."""
+    return envs.cache_root() / "hf-export"
 
 
 def export_key(gguf_path: str, dtype: str) -> str:

@@ -60,8 +60,7 @@ class AsyncScheduler(Scheduler):
                 and all(f.allows_schedule_ahead(request) for f in self.features)
                 and request.num_computed_tokens == item.num_computed_tokens
                 and request.num_output_tokens >= params.min_tokens
-                and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
-                and params.presence_penalty == 0.0)
+                and not params.reads_output_tokens)
 
     def _ends_by_length(self, request: Request) -> bool:
         """Whether the token being sampled for `request` will end it (request_tokens.check_stop)."""

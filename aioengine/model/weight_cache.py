@@ -62,12 +62,9 @@ class CacheEntryError(OSError):
 
 
 def cache_root() -> Path:
-    """$AIOENGINE_CACHE_DIR, else $XDG_CACHE_HOME/aioengine, else ~/.cache/aioengine."""
-    explicit = envs.AIOENGINE_CACHE_DIR
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "aioengine"
+    """The start-up cache's root: envs.cache_root() ($AIOENGINE_CACHE_DIR, else
+    $XDG_CACHE_HOME/aioengine, else ~/.cache/aioengine)."""
+    return envs.cache_root()
 
 
 def file_digest(path: str) -> str:

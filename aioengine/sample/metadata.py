@@ -75,8 +75,7 @@ def is_plain_greedy(row: SamplingRow) -> bool:
     may take that argmax without building a SamplingMetadata (~0.1 ms of Python a step)."""
     p = row.params
     return (p.greedy and p.logprobs is None and not p.logit_bias
-            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-            and p.presence_penalty == 0.0 and len(row.output_token_ids) >= p.min_tokens)
+            and not p.reads_output_tokens and len(row.output_token_ids) >= p.min_tokens)
 
 
 @dataclass

@@ -33,6 +33,21 @@ def test_cache_root_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert weight_cache.cache_root() == tmp_path / "mine"
 
 
+def test_every_cache_follows_envs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench's HF exports live under the start-up cache's root; the compiled kernels under
+    the user's cache whatever $AIOENGINE_CACHE_DIR says (a fresh one does not rebuild them)."""
+    from aioengine.bench import hf_export
+    from aioengine.kernels import cpu_build
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv(weight_cache.CACHE_DIR_ENV, str(tmp_path / "mine"))
+    assert hf_export.cache_root() == tmp_path / "mine" / "hf-export"
+    assert Path(cpu_build._cache_dir()) == tmp_path / "xdg" / "aioengine" / "kernels"
+    monkeypatch.delenv(weight_cache.CACHE_DIR_ENV)
+    assert hf_export.cache_root() == tmp_path / "xdg" / "aioengine" / "hf-export"
+    assert Path(cpu_build._cache_dir()) == tmp_path / "xdg" / "aioengine" / "kernels"
+
+
 def test_entry_names_follow_content_and_kind(tmp_path: Path) -> None:
     a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
     a.write_bytes(b"same bytes")
