@@ -110,14 +110,15 @@ class GroupedKVCacheManager:
     def get_computed_blocks(self, request: Request,
                             ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """The longest prefix group 0 has cached whose last blocks every windowed group has
-        too (the ones its window reads: KVCacheManager.window_hit): its blocks per group,
+        too (the ones its window reads: PrefixCache.window_hit): its blocks per group,
         its tokens."""
         full = self.main.get_computed_blocks(request)[0]
-        valid = [m.window_hit_lengths(request, len(full)) for m in self.managers[1:]]
+        valid = [m.prefix_cache.window_hit_lengths(request, len(full))
+                 for m in self.managers[1:]]
         n = max(i for i in range(len(full) + 1) if all(v[i] for v in valid))
         if n == 0:
             return tuple([] for _ in self.managers), 0
-        others = [m.window_hit(request, n) for m in self.managers[1:]]
+        others = [m.prefix_cache.window_hit(request, n) for m in self.managers[1:]]
         return (full[:n], *others), n * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -162,4 +163,4 @@ class GroupedKVCacheManager:
 
 _MAIN_STATS = frozenset({"prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate",
                          "peak_num_blocks", "peak_num_empty_slots", "waste_at_peak",
-                         "hash_block_tokens", "max_step_tokens"})
+                         "max_step_tokens"})

@@ -1,5 +1,6 @@
-"""Per-request block tables on top of the BlockPool: prefix-cache lookup (kv_prefix_cache.py),
-slot allocation, fork with copy-on-write, and release.
+"""Per-request block tables on top of the BlockPool: slot allocation, fork with
+copy-on-write, and release; prefix-cache lookups through the PrefixCache it holds
+(kv_prefix_cache.py).
 
 A request's block table maps logical block i (tokens [i*B, (i+1)*B), B = block_size) to a
 physical block. With C = num_computed_tokens and N new tokens scheduled this step:
@@ -20,9 +21,9 @@ A request then holds about (W + N) / B blocks, whatever its length.
 from __future__ import annotations
 
 from aioengine.core.block_pool import (DEFAULT_PREFIX_CACHING_HASH_ALGO, NULL_BLOCK,
-                                       BlockPool, KVCacheBlock, get_block_hasher)
-from aioengine.core.kv_integrity import check_kv_integrity
-from aioengine.core.kv_prefix_cache import PrefixCacheMixin
+                                       BlockPool, KVCacheBlock)
+from aioengine.core.kv_integrity import RequestTable, check_kv_integrity
+from aioengine.core.kv_prefix_cache import PrefixCache
 from aioengine.core.kv_usage import count_empty_slots
 from aioengine.request import Request
 
@@ -31,12 +32,13 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager(PrefixCacheMixin):
+class KVCacheManager:
     """Owns the block tables of all requests that hold KV blocks.
 
     Invariants (checked by `check_integrity`): each block's ref_cnt equals the number of
-    request tables holding it; `num_cached_block[r]` leading blocks of request r have been
-    offered to the prefix cache and carry either no hash or `r.block_hashes[i]`.
+    request tables holding it; the `prefix_cache.num_cached_block[r]` leading blocks of
+    request r have been offered to the prefix cache and carry either no hash or
+    `r.block_hashes[i]`.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
@@ -55,22 +57,16 @@ class KVCacheManager(PrefixCacheMixin):
         self.max_step_tokens = max_step_tokens or 0
         self.block_size = block_size
         self.enable_caching = enable_caching
-        # --prefix-caching-hash-algo; held here, not global, so engines in one process
-        # may differ. Raises ValueError for an unknown name.
-        self.hash_algo = hash_algo
-        self.hash_block_tokens = get_block_hasher(hash_algo)
         self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.prefix_cache = PrefixCache(self.block_pool, block_size, enable_caching,
+                                        hash_algo, sliding_window)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # How many leading blocks of each request have been passed to cache_full_block.
-        self.num_cached_block: dict[str, int] = {}
         self._requests: dict[str, Request] = {}
         # How many leading table entries of each request are NULL_BLOCK (out of window).
         self._num_null: dict[str, int] = {}
         # Pending (src_block_id, dst_block_id) copies; must run, in order, before the forward
         # of the step that queued them (a later op may target an earlier op's source).
         self._copy_ops: list[tuple[int, int]] = []
-        self.prefix_cache_queries = 0  # tokens looked up
-        self.prefix_cache_hits = 0  # tokens found
         # Tokens each request's slots hold once the step that last allocated for it has
         # run: num_computed + num_new at that allocation. Feeds the KV-waste measure.
         self._num_slot_tokens: dict[str, int] = {}
@@ -105,6 +101,33 @@ class KVCacheManager(PrefixCacheMixin):
         if not self.peak_num_blocks:
             return 0.0
         return self.peak_num_empty_slots / (self.peak_num_blocks * self.block_size)
+
+    @property
+    def hash_algo(self) -> str:
+        return self.prefix_cache.hash_algo
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Tokens looked up in the prefix cache, once per admission."""
+        return self.prefix_cache.queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Tokens of those found cached."""
+        return self.prefix_cache.hits
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache.hit_rate
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The request's longest cached prefix (PrefixCache.get_computed_blocks): pass its
+        blocks to allocate_slots."""
+        return self.prefix_cache.get_computed_blocks(request)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drops every cached hash; False (nothing done) while any block is in use."""
+        return self.prefix_cache.reset()
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         """The most blocks a request of `num_tokens` tokens holds at once: all of them, or
@@ -157,10 +180,7 @@ class KVCacheManager(PrefixCacheMixin):
         self._release(rid, out_of_window)
 
         if new_computed_blocks is not None and self.enable_caching:
-            # Counted once per admission (a request that keeps waiting for blocks is
-            # looked up again every step, but queried the cache once).
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += len(hits) * size
+            self.prefix_cache.record_lookup(request.num_tokens, len(hits) * size)
         self._requests[rid] = request
         blocks = self.req_to_blocks.setdefault(rid, [])
         num_null = sum(1 for b in hits if b is NULL_BLOCK)  # leading: a window_hit
@@ -171,7 +191,7 @@ class KVCacheManager(PrefixCacheMixin):
         new_blocks = self.block_pool.get_new_blocks(len(cow) + num_append)
         self._copy_on_write(blocks, cow, new_blocks[:len(cow)], num_computed)
         blocks.extend(new_blocks[len(cow):])
-        self._cache_full_blocks(request, blocks, total)
+        self.prefix_cache.cache_full_blocks(request, blocks, total, self._num_null.get(rid, 0))
         self._num_slot_tokens[rid] = total
         self._free_out_of_window(rid, request.num_computed_tokens + len(hits) * size)
         return new_blocks
@@ -285,12 +305,7 @@ class KVCacheManager(PrefixCacheMixin):
             self._num_null[cid] = self._num_null[parent.request_id]
         self._requests[cid] = child
         self._num_slot_tokens[cid] = n
-        # Hashes of blocks inside the shared computed prefix are valid for the child too.
-        num_shared_full = n // self.block_size
-        if len(child.block_hashes) < num_shared_full:
-            child.block_hashes[:] = parent.block_hashes[:num_shared_full]
-        self.num_cached_block[cid] = min(self.num_cached_block.get(parent.request_id, 0),
-                                         num_shared_full)
+        self.prefix_cache.fork(parent, child, n // self.block_size)
 
     def free(self, request: Request, discard_cache: bool = False) -> None:
         """Releases the request's blocks in reverse, so its tail blocks (the least
@@ -302,7 +317,7 @@ class KVCacheManager(PrefixCacheMixin):
         """
         rid = request.request_id
         blocks = self.req_to_blocks.pop(rid, [])
-        self.num_cached_block.pop(rid, None)
+        self.prefix_cache.free(rid)
         self._requests.pop(rid, None)
         self._num_slot_tokens.pop(rid, None)
         self._num_null.pop(rid, None)
@@ -335,4 +350,14 @@ class KVCacheManager(PrefixCacheMixin):
 
     def check_integrity(self) -> None:
         """Pool and table invariants (kv_integrity.py); AssertionError on a violation."""
-        check_kv_integrity(self)
+        check_kv_integrity(self.block_pool, self.block_size, self._request_tables(),
+                           self._copy_ops)
+
+    def _request_tables(self) -> list[RequestTable]:
+        """One entry per request with a table or a slot count (the two must agree)."""
+        cached = self.prefix_cache.num_cached_block
+        rids = dict.fromkeys([*self.req_to_blocks, *self._num_slot_tokens])
+        return [RequestTable(rid, self._requests.get(rid), self.req_to_blocks.get(rid),
+                             self._num_null.get(rid, 0), self._num_slot_tokens.get(rid),
+                             cached.get(rid, 0))
+                for rid in rids]

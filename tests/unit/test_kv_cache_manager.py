@@ -49,8 +49,8 @@ def snapshot(mgr: KVCacheManager, req: Request) -> tuple:
     return (free_ids(mgr), [(b.ref_cnt, b.block_hash) for b in pool.blocks],
             {h: b.block_id for h, b in pool.cached_block_hash_to_block.items()},
             {rid: [b.block_id for b in bl] for rid, bl in mgr.req_to_blocks.items()},
-            dict(mgr.num_cached_block), list(mgr._copy_ops), list(req.block_hashes),
-            req.num_computed_tokens)
+            dict(mgr.prefix_cache.num_cached_block), list(mgr._copy_ops),
+            list(req.block_hashes), req.num_computed_tokens)
 
 
 def test_allocate_hashes_full_blocks_as_they_fill() -> None:
@@ -76,7 +76,7 @@ def test_chunked_prefill_hashes_only_computed_full_blocks() -> None:
     mgr = KVCacheManager(num_blocks=10, block_size=BS)
     req = make_request("a", list(range(10)))
     assert admit(mgr, req, 6) == [0, 1]
-    assert mgr.block_pool.blocks[1].block_hash is None and mgr.num_cached_block["a"] == 1
+    assert mgr.block_pool.blocks[1].block_hash is None and mgr.prefix_cache.num_cached_block["a"] == 1
     assert mgr.allocate_slots(req, 4) is not None
     assert mgr.get_block_ids("a") == [0, 1, 2]
     assert mgr.block_pool.blocks[1].block_hash == req.block_hashes[1]
@@ -335,4 +335,12 @@ def test_check_integrity_catches_a_ref_count_leak() -> None:
     admit(mgr, make_request("a", list(range(6))))
     mgr.block_pool.touch([mgr.block_pool.blocks[0]])  # a reference no request holds
     with pytest.raises(AssertionError, match="block 0 has ref_cnt 2 but 1 request"):
+        mgr.check_integrity()
+
+
+def test_check_integrity_catches_a_slot_count_without_a_table() -> None:
+    mgr = KVCacheManager(num_blocks=4, block_size=BS)
+    admit(mgr, make_request("a", list(range(6))))
+    mgr._num_slot_tokens["ghost"] = 3  # the manager's state handed over to kv_integrity
+    with pytest.raises(AssertionError, match="cover different requests"):
         mgr.check_integrity()
