@@ -39,10 +39,8 @@ from aioengine.model.attention import AttentionMetadata, TorchAttentionBackend
 from aioengine.model.layer_spec import layer_specs
 # The checkpoint's reading lives in eagle_checkpoint.py; its error and aux-layer default are
 # re-exported here, where callers have always found them.
-from aioengine.spec_decode.eagle_checkpoint import (_FIELD, SpeculativeConfigError, _aux_layer_ids,
-                                                    _canonical_name, _copy_weights, _draft_arch,
-                                                    _draft_to_target, _read_config, _read_weights,
-                                                    default_aux_layer_ids)
+from aioengine.spec_decode.eagle_checkpoint import (SpeculativeConfigError, default_aux_layer_ids,
+                                                    read_checkpoint)
 from aioengine.spec_decode.eagle_fused import FusedEagleStep
 from aioengine.model.layers import Linear, _param, lm_head_logits
 from aioengine.model.decoder_layer import LlamaDecoderLayer
@@ -203,35 +201,15 @@ def load_eagle_head(path: str, method: str, target_arch: ModelArchConfig,
             f"speculative_config.method {method!r}: EAGLE heads are supported for "
             f"{', '.join(sorted(EAGLE_TARGET_ARCHITECTURES))} targets, not "
             f"{target_arch.architecture} (use method 'ngram')")
-    cfg = _read_config(path)
-    tensors = {_canonical_name(n, method): t for n, t in _read_weights(path).items()}
-    eagle3 = method == "eagle3"
-    arch = _draft_arch(cfg, target_arch, path)
-    # What the checkpoint holds decides the optional parts (configs disagree on "bias").
-    arch = dataclasses.replace(arch, attention_bias="layers.0.self_attn.q_proj.bias" in tensors)
-    draft_vocab = int(cfg.get("draft_vocab_size") or arch.vocab_size)  # EAGLE-3's
-    if eagle3 and not 0 < draft_vocab <= arch.vocab_size:
-        raise SpeculativeConfigError(f"{_FIELD}: draft_vocab_size {draft_vocab} does not fit "
-                                     f"the target's vocabulary of {arch.vocab_size}")
-    # EAGLE-3 without an lm_head of its own (a full vocabulary) reads the target's.
-    own_head = eagle3 and ("lm_head.weight" in tensors or draft_vocab < arch.vocab_size)
+    ckpt = read_checkpoint(path, method, target_arch)
     compute = activation_dtype(dtype, device)
-    head = EagleHead(
-        method, arch, aux_layer_ids=_aux_layer_ids(cfg, target_arch, path) if eagle3 else (),
-        fc_bias="fc.bias" in tensors,
-        input_layernorm=eagle3 or "layers.0.input_layernorm.weight" in tensors,
-        draft_vocab_size=draft_vocab if own_head else None,
-        norm_before_residual=bool(cfg.get("norm_before_residual", False)),
-        dtype=compute, device=device)
-    fc = tensors.get("fc.weight")
-    if head.fc is not None and fc is not None and fc.shape[-1] != head.fc.in_features:
-        what = (f"{len(head.aux_layer_ids)} aux layers {list(head.aux_layer_ids)} x hidden "
-                f"size {arch.hidden_size}" if eagle3 else f"2 x hidden size {arch.hidden_size}")
-        raise SpeculativeConfigError(f"{_FIELD}: fc.weight takes {fc.shape[-1]} inputs, "
-                                     f"expected {head.fc.in_features} ({what})")
-    _copy_weights(head, tensors, path)
-    head.draft_to_target = _draft_to_target(tensors.get("d2t"), draft_vocab if own_head
-                                            else None, arch.vocab_size, path)
+    head = EagleHead(method, ckpt.arch, aux_layer_ids=ckpt.aux_layer_ids,
+                     fc_bias=ckpt.fc_bias, input_layernorm=ckpt.input_layernorm,
+                     draft_vocab_size=ckpt.draft_vocab_size,
+                     norm_before_residual=ckpt.norm_before_residual,
+                     dtype=compute, device=device)
+    ckpt.copy_weights(head)
+    head.draft_to_target = ckpt.draft_to_target()
     if head.draft_to_target is not None:
         head.draft_to_target = head.draft_to_target.to(device)
     storage = storage or str(dtype).removeprefix("torch.")

@@ -1,25 +1,23 @@
 """Reading an EAGLE-1 / EAGLE-3 draft head's checkpoint (spec_decode/eagle.py's loader):
-its config, its weights in the EAGLE repo's or vLLM's names, the draft architecture and aux
-layers it implies, the copy into an EagleHead and the draft-to-target vocabulary map; every
-way a checkpoint can fail the target is a SpeculativeConfigError naming
-speculative_config.model."""
+`read_checkpoint` gives an EagleCheckpoint, its config and weights (in the EAGLE repo's or
+vLLM's names) read and checked against the target, with the draft architecture, aux layers
+and head options they imply; the checkpoint then copies its weights into the head built
+from it and gives the draft-to-target vocabulary map. Every way a checkpoint can fail the
+target is a SpeculativeConfigError naming speculative_config.model."""
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from aioengine.config import ConfigError
 from aioengine.model.arch import ModelArchConfig
 from aioengine.model.llama import _has_param, _layer_weight_table, copy_param_rows
 from aioengine.model.loader import ModelLoadError, safetensors_files
-
-if TYPE_CHECKING:
-    from aioengine.spec_decode.eagle import EagleHead
 
 _FIELD = "speculative_config.model"
 # Checkpoint tensors we do not use: the heads' copies of the target's embedding (the
@@ -37,6 +35,67 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
     concatenates them in."""
     return tuple(sorted({min(max(i, 0), num_layers - 1)
                          for i in (2, num_layers // 2, num_layers - 3)}))
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleCheckpoint:
+    """A draft head's checkpoint, checked against the target: the EagleHead options it
+    implies (what the weights hold decides the optional parts; configs disagree on
+    "bias") and its tensors under canonical names (_canonical_name)."""
+
+    path: str
+    method: str  # "eagle" or "eagle3"
+    arch: ModelArchConfig  # the head's one layer
+    aux_layer_ids: tuple[int, ...]  # EAGLE-3's target layers; () for EAGLE-1
+    fc_bias: bool
+    input_layernorm: bool
+    draft_vocab_size: int | None  # its own lm_head's vocabulary; None: the target's head
+    norm_before_residual: bool
+    tensors: dict[str, Tensor]
+
+    def copy_weights(self, head: nn.Module) -> None:
+        """Copies every tensor into the head built from this checkpoint (fusing q/k/v and
+        gate/up); SpeculativeConfigError for an unknown, misshapen or missing one."""
+        fc = self.tensors.get("fc.weight")
+        if fc is not None and _has_param(head, "fc.weight"):
+            expected = head.get_parameter("fc.weight").shape[-1]
+            if fc.shape[-1] != expected:
+                h = self.arch.hidden_size
+                what = (f"{len(self.aux_layer_ids)} aux layers {list(self.aux_layer_ids)} x "
+                        f"hidden size {h}" if self.method == "eagle3"
+                        else f"2 x hidden size {h}")
+                raise SpeculativeConfigError(f"{_FIELD}: fc.weight takes {fc.shape[-1]} "
+                                             f"inputs, expected {expected} ({what})")
+        _copy_weights(head, self.method, self.arch, self.tensors, self.path)
+
+    def draft_to_target(self) -> Tensor | None:
+        """[draft_vocab] int64 on the CPU: the target id of each draft id (d + d2t[d]);
+        None where the draft vocabulary is the target's, in order."""
+        return _draft_to_target(self.tensors.get("d2t"), self.draft_vocab_size,
+                                self.arch.vocab_size, self.path)
+
+
+def read_checkpoint(path: str, method: str, target: ModelArchConfig) -> EagleCheckpoint:
+    """The `method` head's checkpoint in `path` (config.json + weights), checked against
+    `target`: hidden size, vocabulary, draft vocabulary and aux layers."""
+    cfg = _read_config(path)
+    tensors = {_canonical_name(n, method): t for n, t in _read_weights(path).items()}
+    eagle3 = method == "eagle3"
+    arch = _draft_arch(cfg, target, path)
+    arch = dataclasses.replace(arch, attention_bias="layers.0.self_attn.q_proj.bias" in tensors)
+    draft_vocab = int(cfg.get("draft_vocab_size") or arch.vocab_size)  # EAGLE-3's
+    if eagle3 and not 0 < draft_vocab <= arch.vocab_size:
+        raise SpeculativeConfigError(f"{_FIELD}: draft_vocab_size {draft_vocab} does not fit "
+                                     f"the target's vocabulary of {arch.vocab_size}")
+    # EAGLE-3 without an lm_head of its own (a full vocabulary) reads the target's.
+    own_head = eagle3 and ("lm_head.weight" in tensors or draft_vocab < arch.vocab_size)
+    return EagleCheckpoint(
+        path=path, method=method, arch=arch,
+        aux_layer_ids=_aux_layer_ids(cfg, target, path) if eagle3 else (),
+        fc_bias="fc.bias" in tensors,
+        input_layernorm=eagle3 or "layers.0.input_layernorm.weight" in tensors,
+        draft_vocab_size=draft_vocab if own_head else None,
+        norm_before_residual=bool(cfg.get("norm_before_residual", False)), tensors=tensors)
 
 
 def _read_config(path: str) -> dict[str, Any]:
@@ -137,19 +196,21 @@ def _aux_layer_ids(cfg: dict[str, Any], target: ModelArchConfig, path: str) -> t
 
 
 @torch.no_grad()
-def _copy_weights(head: EagleHead, tensors: dict[str, Tensor], path: str) -> None:
-    """Copies every checkpoint tensor into its parameter (fusing q/k/v and gate/up); raises
-    for an unknown, misshapen or missing one. d2t is read by _draft_to_target."""
+def _copy_weights(head: nn.Module, method: str, arch: ModelArchConfig,
+                  tensors: dict[str, Tensor], path: str) -> None:
+    """Copies every checkpoint tensor into its parameter of `head` (an EagleHead of
+    `arch`), fusing q/k/v and gate/up; raises for an unknown, misshapen or missing one.
+    d2t is read by _draft_to_target."""
     table = {"fc.weight": ("fc.weight", None), "fc.bias": ("fc.bias", None),
              "layers.0.hidden_norm.weight": ("hidden_norm", None),
              "norm.weight": ("norm", None), "lm_head.weight": ("lm_head.weight", None)}
     table.update({f"layers.0.{name}": (f"layer.{param}", rows)
-                  for name, (param, rows) in _layer_weight_table(head.arch).items()})
+                  for name, (param, rows) in _layer_weight_table(arch).items()})
     table = {name: t for name, t in table.items() if _has_param(head, t[0])}
     unknown = []
     for name, tensor in tensors.items():
         if (name in _IGNORED or name.endswith("rotary_emb.inv_freq")
-                or (name == "d2t" and head.method == "eagle3")):
+                or (name == "d2t" and method == "eagle3")):
             continue
         if name not in table:
             unknown.append(name)
@@ -161,9 +222,9 @@ def _copy_weights(head: EagleHead, tensors: dict[str, Tensor], path: str) -> Non
             raise SpeculativeConfigError(f"{_FIELD}: {e}") from None
     if unknown:
         hint = (" (an EAGLE-3 head? speculative_config.method 'eagle3' reads it)"
-                if head.method == "eagle" and any(n.startswith("midlayer.") for n in unknown)
+                if method == "eagle" and any(n.startswith("midlayer.") for n in unknown)
                 else "")
-        raise SpeculativeConfigError(f"{_FIELD}: unexpected weight(s) for a {head.method} "
+        raise SpeculativeConfigError(f"{_FIELD}: unexpected weight(s) for a {method} "
                                      f"head in {path}: {sorted(unknown)[:5]}{hint}")
     missing = sorted(set(table) - set(tensors))
     if missing:

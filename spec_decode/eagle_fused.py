@@ -14,20 +14,39 @@ library) returns None and the caller runs the torch path.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
 
 from aioengine.kernels import cpu_decode
-from aioengine.model.attention import AttentionMetadata, TorchAttentionBackend
+from aioengine.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 
 if TYPE_CHECKING:
-    from aioengine.spec_decode.eagle import EagleHead
+    from aioengine.model.arch import ModelArchConfig
+    from aioengine.model.decoder_layer import LlamaDecoderLayer
+    from aioengine.model.rotary import RotaryEmbedding
+
+
+class FusedHead(Protocol):
+    """What the fused step reads of its head (an EagleHead, eagle.py, which builds its
+    fused step: naming the parts keeps this module from importing the head's)."""
+
+    method: str
+    arch: ModelArchConfig
+    device: torch.device
+    dtype: torch.dtype
+    eps: float
+    layer: LlamaDecoderLayer
+    attn_backend: AttentionBackend
+    rotary: RotaryEmbedding
+    hidden_norm: Tensor | None
+    norm: Tensor | None
+    norm_before_residual: bool
 
 
 class FusedEagleStep:
-    def __init__(self, head: EagleHead) -> None:
+    def __init__(self, head: FusedHead) -> None:
         self.head = head
         layer = head.layer
         backend = head.attn_backend

@@ -20,6 +20,7 @@ from aioengine.model.attention import build_attention_metadata
 from aioengine.model.layers import Linear
 from aioengine.spec_decode.eagle import (EagleHead, SpeculativeConfigError,
                                          default_aux_layer_ids, load_eagle_head)
+from aioengine.spec_decode.eagle_checkpoint import read_checkpoint
 
 CPU = torch.device("cpu")
 NUM_LAYERS = 4
@@ -309,6 +310,33 @@ def test_unknown_missing_and_misshapen_weights(tmp_path, target_dir, target_arch
     eagle3 = make_random_eagle_head_dir(target_dir, tmp_path / "e3", "eagle3")
     with pytest.raises(SpeculativeConfigError, match="speculative_config.model: .*'eagle3'"):
         _load(eagle3, "eagle", target_arch)
+
+
+def test_fc_width_must_match_the_aux_layers(tmp_path, target_dir, target_arch) -> None:
+    eagle3 = make_random_eagle_head_dir(target_dir, tmp_path / "e3", "eagle3")
+    _edit_weights(eagle3, **{"fc.weight": torch.zeros(H, 3 * H)})  # 3 aux layers' width
+    with pytest.raises(SpeculativeConfigError,
+                       match=r"fc.weight takes 192 inputs, expected 128 \(2 aux layers"):
+        _load(eagle3, "eagle3", target_arch)
+    eagle1 = make_random_eagle_head_dir(target_dir, tmp_path / "e1", "eagle")
+    _edit_weights(eagle1, **{"fc.weight": torch.zeros(H, 3 * H)})
+    with pytest.raises(SpeculativeConfigError,
+                       match=r"fc.weight takes 192 inputs, expected 128 \(2 x hidden size"):
+        _load(eagle1, "eagle", target_arch)
+
+
+def test_read_checkpoint_gives_the_head_options(tmp_path, target_dir, target_arch) -> None:
+    path = make_random_eagle_head_dir(target_dir, tmp_path, "eagle3", draft_vocab_size=100)
+    ckpt = read_checkpoint(str(path), "eagle3", target_arch)
+    assert (ckpt.aux_layer_ids, ckpt.draft_vocab_size) == (default_aux_layer_ids(NUM_LAYERS),
+                                                           100)
+    assert ckpt.input_layernorm and not ckpt.fc_bias and ckpt.arch.hidden_size == H
+    d2t = ckpt.draft_to_target()
+    assert d2t is not None and d2t.shape == (100,) and bool((d2t.diff() > 0).all())
+    eagle1 = make_random_eagle_head_dir(target_dir, tmp_path / "e1", "eagle", fc_bias=True)
+    ckpt = read_checkpoint(str(eagle1), "eagle", target_arch)
+    assert (ckpt.aux_layer_ids, ckpt.draft_vocab_size, ckpt.fc_bias) == ((), None, True)
+    assert not ckpt.input_layernorm and ckpt.draft_to_target() is None
 
 
 def test_aux_layer_ids_out_of_range(tmp_path, target_dir, target_arch) -> None:
