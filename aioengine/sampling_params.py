@@ -8,7 +8,7 @@ from typing import Any
 
 from aioengine.errors import InvalidRequestError
 
-_MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows to inf
 # and the softmax turns into NaN (vLLM uses the same epsilon).
 GREEDY_TEMPERATURE = 1e-5
@@ -188,8 +188,8 @@ class SamplingParams:
               f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            check(value is None or 0 <= value <= _MAX_LOGPROBS, name,
-                  f"must be in [0, {_MAX_LOGPROBS}], got {value}")
+            check(value is None or 0 <= value <= MAX_LOGPROBS, name,
+                  f"must be in [0, {MAX_LOGPROBS}], got {value}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop",
               "must be non-empty strings")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),

@@ -7,15 +7,17 @@ send extras. A JSON `null` means "not given" for every optional field.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from dataclasses import fields as dataclass_fields
 from typing import Any, Callable, Mapping
 
 import orjson
 
 from aioengine.errors import InvalidRequestError
-from aioengine.sampling_params import SamplingParams, StructuredOutputs
+from aioengine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs
 
 _MISSING = object()
-_MAX_LOGPROBS = 20
+_DEFAULT_MAX_TOKENS: int = next(f.default for f in dataclass_fields(SamplingParams)
+                                if f.name == "max_tokens")  # type: ignore[assignment]
 
 
 class ApiError(Exception):
@@ -269,35 +271,37 @@ def build_sampling_params(body: dict, max_tokens: int | None, logprobs: int | No
                           prompt_logprobs: int | None = None,
                           defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     """The fields completions and chat share, plus vLLM's extras. `max_tokens=None` means
-    up to the context (the engine resolves it per prompt). `defaults`: the model's
-    (aioengine/generation_config.py), for the fields the body leaves out or sends null."""
+    up to the context (the engine resolves it per prompt). A field the body leaves out or
+    sends null takes the model's default (`defaults`: aioengine/generation_config.py), else
+    SamplingParams' own: no default is restated here."""
     get_str(body, "user", None)  # accepted and type-checked, not used
-    model = defaults or {}
+    given = {
+        "n": get_int(body, "n", None, lo=1, hi=128),
+        "temperature": get_float(body, "temperature", None),
+        "top_p": get_float(body, "top_p", None),
+        "top_k": get_int(body, "top_k", None, lo=-1),
+        "min_p": get_float(body, "min_p", None),
+        "presence_penalty": get_float(body, "presence_penalty", None),
+        "frequency_penalty": get_float(body, "frequency_penalty", None),
+        "repetition_penalty": get_float(body, "repetition_penalty", None),
+        "logit_bias": get_logit_bias(body),
+        # torch generators take 64-bit seeds; sample i of n uses seed + i.
+        "seed": get_int(body, "seed", None, lo=-(1 << 63), hi=(1 << 63) - 1),
+        "min_tokens": get_int(body, "min_tokens", None, lo=0),
+        "stop": get_stop(body),
+        "stop_token_ids": get_int_list(body, "stop_token_ids"),
+        "ignore_eos": get_bool(body, "ignore_eos", None),
+        "include_stop_str_in_output": get_bool(body, "include_stop_str_in_output", None),
+        "skip_special_tokens": get_bool(body, "skip_special_tokens", None),
+        "spaces_between_special_tokens": get_bool(body, "spaces_between_special_tokens", None),
+    }
+    # max_tokens is resolved per route (None is a value there: up to the context).
+    fields = {name: value for name, value in (defaults or {}).items() if name != "max_tokens"}
+    fields.update((name, value) for name, value in given.items() if value is not None)
     try:
-        return SamplingParams(
-            n=get_int(body, "n", 1, lo=1, hi=128),
-            temperature=get_float(body, "temperature", model.get("temperature", 1.0)),
-            top_p=get_float(body, "top_p", model.get("top_p", 1.0)),
-            top_k=get_int(body, "top_k", model.get("top_k", 0), lo=-1),
-            min_p=get_float(body, "min_p", model.get("min_p", 0.0)),
-            presence_penalty=get_float(body, "presence_penalty", 0.0),
-            frequency_penalty=get_float(body, "frequency_penalty", 0.0),
-            repetition_penalty=get_float(body, "repetition_penalty",
-                                         model.get("repetition_penalty", 1.0)),
-            logit_bias=get_logit_bias(body),
-            # torch generators take 64-bit seeds; sample i of n uses seed + i.
-            seed=get_int(body, "seed", None, lo=-(1 << 63), hi=(1 << 63) - 1),
-            max_tokens=max_tokens,
-            min_tokens=get_int(body, "min_tokens", 0, lo=0),
-            stop=get_stop(body),
-            stop_token_ids=get_int_list(body, "stop_token_ids"),
-            ignore_eos=get_bool(body, "ignore_eos", False),
-            include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
-            skip_special_tokens=get_bool(body, "skip_special_tokens", True),
-            spaces_between_special_tokens=get_bool(body, "spaces_between_special_tokens", True),
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            structured_outputs=get_structured_outputs(body))
+        return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs,
+                              prompt_logprobs=prompt_logprobs,
+                              structured_outputs=get_structured_outputs(body))
     except InvalidRequestError as e:
         raise ApiError.invalid(e) from None
 
@@ -305,13 +309,15 @@ def build_sampling_params(body: dict, max_tokens: int | None, logprobs: int | No
 def completion_sampling_params(body: dict, defaults: Mapping[str, Any] | None = None
                                ) -> tuple[SamplingParams, bool]:
     """SamplingParams of a /v1/completions body, and `echo` (`defaults`: the model's)."""
-    # vLLM's default: 16 new tokens when max_tokens is absent (at most the model's default,
-    # as vLLM caps it); an explicit null = the context.
+    # vLLM's default: SamplingParams' max_tokens when the body has none (at most the model's
+    # default, as vLLM caps it); an explicit null = the context. SamplingParams checks >= 1.
     if "max_tokens" in body:
-        max_tokens = get_int(body, "max_tokens", None, lo=1)
+        max_tokens = get_int(body, "max_tokens", None)
     else:
-        max_tokens = min(16, (defaults or {}).get("max_tokens", 16))
-    logprobs = get_int(body, "logprobs", None, lo=0, hi=_MAX_LOGPROBS)
+        max_tokens = _DEFAULT_MAX_TOKENS
+        if (defaults or {}).get("max_tokens") is not None:
+            max_tokens = min(max_tokens, defaults["max_tokens"])
+    logprobs = get_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
     echo = bool(get_bool(body, "echo", False))
     params = build_sampling_params(body, max_tokens, logprobs,
                                    prompt_logprobs=logprobs if echo else None,
@@ -325,11 +331,11 @@ def chat_sampling_params(body: dict, defaults: Mapping[str, Any] | None = None
     default, else the context; `defaults`: the model's)."""
     max_tokens = get_int(body, "max_completion_tokens", None, lo=1)
     if max_tokens is None:
-        max_tokens = get_int(body, "max_tokens", None, lo=1)
+        max_tokens = get_int(body, "max_tokens", None)  # SamplingParams checks >= 1
     if max_tokens is None:
         max_tokens = (defaults or {}).get("max_tokens")
     want_logprobs = bool(get_bool(body, "logprobs", False))
-    top_logprobs = get_int(body, "top_logprobs", None, lo=0, hi=_MAX_LOGPROBS)
+    top_logprobs = get_int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
     if top_logprobs is not None and not want_logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (top_logprobs or 0) if want_logprobs else None
