@@ -78,8 +78,10 @@ class RequestAdmission:
         LoRANotFoundError."""
         lora = self.resolve_lora(lora_request)
         params = params.clone()
-        if fit_kv_cache and params.max_tokens is None:
-            params.max_tokens = self.default_max_tokens(len(prompt_token_ids), params.n)
+        if params.max_tokens is None:  # the one place an unset max_tokens is resolved
+            num_prompt = len(prompt_token_ids)
+            params.max_tokens = (self.default_max_tokens(num_prompt, params.n) if fit_kv_cache
+                                 else self.max_model_len - num_prompt)
         self.validate_prompt(prompt_token_ids, params)
         return PreparedRequest(list(prompt_token_ids), params, prompt_text, lora)
 
@@ -110,13 +112,12 @@ class RequestAdmission:
                                pooling_params=params)
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raises InvalidRequestError for anything that could never run; resolves
-        `max_tokens` (None = up to the context) and the stop token set in `params`."""
+        """Raises InvalidRequestError for anything that could never run (`max_tokens` is
+        resolved: prepare); resolves the stop token set in `params`."""
         num_prompt = len(prompt_token_ids)
         self.check_prompt(prompt_token_ids)
-        if params.max_tokens is None:
-            params.max_tokens = self.max_model_len - num_prompt
-        elif num_prompt + params.max_tokens > self.max_model_len:
+        assert params.max_tokens is not None
+        if num_prompt + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
                 f"has {num_prompt} tokens and max_tokens is {params.max_tokens} "
