@@ -42,6 +42,9 @@
  * Optionally (EAGLE-3's auxiliary hidden states) the residual stream into some layers
  * (`residual` after the layer's first line) is copied out as well.
  *
+ * The code follows these phases: one static function each, all called by every thread of
+ * the one parallel region; decode_one_layer runs a layer's phases between its barriers.
+ *
  * With LoRA (`lora` not NULL), every token whose `token_slots` entry is >= 0 adds its
  * adapter's update to each projection's output (lora.h's rows, as the layer path's
  * lora_apply computes them), the tokens of a slot in blocks and the work split over the
@@ -178,241 +181,360 @@ static int layers_ok(const decode_step *d, int64_t M, int64_t wide, int64_t *xbu
     return 1;
 }
 
+/* The step as every phase reads it: set before the parallel region (decode_init,
+ * decode_alloc), only read inside it; the buffers it points to are shared by the threads. */
+typedef struct {
+    const decode_step *d;
+    attention_step att;
+    int64_t M, hidden, intermediate, q_size, kv_size, qkv_size;
+    int64_t qkv_in0;     /* layer 0's qkv input: 2 hidden wide for an EAGLE-3 draft layer */
+    int64_t wide;        /* the widest input of any projection */
+    int64_t xbuf_floats; /* the largest buffer proj_prepare_x needs (layers_ok) */
+    /* A part of a token's attention: [o: q_size | max: num_heads | sum: num_heads]. */
+    int64_t part_stride, num_parts;
+    int64_t *tasks; /* part_tasks's (token, part) pairs */
+    /* Shared: the qkv projection, every token's attention parts, the gate_up projection,
+     * the LoRA shrinks (ls); the K/V loop's token blocks (kv_rows, lora_decode.h). */
+    float *shared, *qkv, *gate_up, *attn;
+    int64_t *kv_rows, num_kv_blocks;
+    lora_step ls;
+    /* Claim counters of every projection of the step: [num_layers, 4, num_threads]. */
+    proj_claim *claims;
+    int64_t qkv_slices[3], gate_up_slices[2], hidden_slices[1];
+} decode_ctx;
+
+/* A thread's own buffers (one allocation, at residual): the residual stream, the normed
+ * input of a projection, every token's combined attention, a rotated q, one part's
+ * scores, a projection's input as its weight's parts read it (proj_prepare_x). A thread
+ * without them (ok 0) skips the work but still meets every barrier. */
+typedef struct {
+    int tid, nt, ok;
+    float *residual, *h, *own_attn, *q, *scores, *xbuf;
+} decode_thread;
+
+/* c's sizes and attention step for d; nothing allocated. */
+static void decode_init(decode_ctx *c, const decode_step *d) {
+    const int64_t q_size = d->num_heads * d->head_dim, kv_size = d->num_kv_heads * d->head_dim;
+    *c = (decode_ctx){
+        .d = d, .M = d->num_tokens, .hidden = d->hidden, .intermediate = d->intermediate,
+        .q_size = q_size, .kv_size = kv_size, .qkv_size = q_size + 2 * kv_size,
+        .qkv_in0 = d->eagle_hidden != NULL ? 2 * d->hidden : d->hidden,
+        .part_stride = attn_part_floats(d->num_heads, d->head_dim),
+        .qkv_slices = {q_size, kv_size, kv_size},
+        .gate_up_slices = {d->intermediate, d->intermediate}, .hidden_slices = {d->hidden}};
+    c->att = (attention_step){
+        .num_heads = d->num_heads, .num_kv_heads = d->num_kv_heads, .head_dim = d->head_dim,
+        .q_size = q_size, .kv_size = kv_size, .num_slots = d->num_blocks * d->block_size,
+        .block_size = d->block_size, .table_stride = d->table_stride, .eps = d->eps,
+        .scale = d->scale, .kv_bf16 = d->kv_bf16, .positions = d->positions,
+        .slot_mapping = d->slot_mapping, .block_tables = d->block_tables,
+        .seq_lens = d->seq_lens, .cos_table = d->cos_table, .sin_table = d->sin_table};
+    int64_t wide = d->hidden > d->intermediate ? d->hidden : d->intermediate;
+    wide = wide > q_size ? wide : q_size;
+    c->wide = wide > c->qkv_in0 ? wide : c->qkv_in0;
+}
+
+/* How many of the step's slots (its tokens' and its tree copies') lie outside the cache. */
+static int64_t bad_slots(const decode_step *d, int64_t num_slots) {
+    int64_t bad = 0;
+    for (int64_t t = 0; t < d->num_tokens; t++)
+        bad += d->slot_mapping[t] < 0 || d->slot_mapping[t] >= num_slots;
+    for (int64_t i = 0; i < d->num_tree_copies; i++)
+        bad += d->tree_src[i] < 0 || d->tree_src[i] >= num_slots || d->tree_dst[i] < 0 ||
+               d->tree_dst[i] >= num_slots;
+    return bad;
+}
+
+static void decode_free(decode_ctx *c) {
+    free(c->claims);
+    free(c->kv_rows);
+    free(c->shared);
+    free(c->tasks);
+}
+
+/* c's shared buffers, attention tasks, LoRA token blocks and claim counters. 0, or -1
+ * holding nothing when out of memory. */
+static int decode_alloc(decode_ctx *c) {
+    const decode_step *d = c->d;
+    const int64_t M = c->M, R = d->lora == NULL ? 0 : d->lora_rank;
+    c->tasks = part_tasks(d->seq_lens, M, d->block_size, &c->num_parts);
+    const int64_t attn_floats = c->num_parts * c->part_stride;
+    c->shared = malloc(sizeof(float) * (size_t)(M * (c->qkv_size + 2 * c->intermediate) +
+                                                attn_floats + lora_step_floats(M, R)));
+    c->kv_rows = malloc(sizeof(int64_t) * (size_t)(3 * M));
+    c->claims = calloc((size_t)(d->num_layers * 4 * d->num_threads), sizeof(proj_claim));
+    if (c->tasks == NULL || c->shared == NULL || c->kv_rows == NULL || c->claims == NULL) {
+        decode_free(c);
+        return -1;
+    }
+    c->qkv = c->shared;
+    c->gate_up = c->qkv + M * c->qkv_size;
+    c->attn = c->gate_up + M * 2 * c->intermediate;
+    c->ls = (lora_step){.R = R, .bf16 = d->lora_bf16};
+    lora_step_init(&c->ls, c->attn + attn_floats, M, R);
+    c->num_kv_blocks = lora_step_blocks(&c->ls, c->kv_rows, c->kv_rows + M,
+                                        d->lora == NULL ? NULL : d->token_slots, M);
+    return 0;
+}
+
+/* The calling thread's buffers, inside the parallel region. */
+static decode_thread decode_thread_init(const decode_ctx *c) {
+    decode_thread ts = {.tid = omp_get_thread_num(), .nt = omp_get_num_threads()};
+    const int64_t M = c->M, q_size = c->q_size;
+    const int64_t score_floats = c->att.num_heads * attn_part_len(c->att.block_size);
+    ts.residual = malloc(sizeof(float) * (size_t)(M * (c->hidden + c->wide + q_size) + q_size +
+                                                  score_floats + c->xbuf_floats));
+    ts.ok = ts.residual != NULL;
+    if (!ts.ok) return ts;
+    ts.h = ts.residual + M * c->hidden;
+    ts.own_attn = ts.h + M * c->wide;
+    ts.q = ts.own_attn + M * q_size;
+    ts.scores = ts.q + q_size;
+    ts.xbuf = ts.scores + score_floats;
+    return ts;
+}
+
+/* Projection p's (0 qkv, 1 o, 2 gate_up, 3 down) claim counters in layer l. */
+static proj_claim *layer_claims(const decode_ctx *c, int64_t l, int64_t p) {
+    return c->claims + (l * 4 + p) * c->d->num_threads;
+}
+
+/* Layer l's qkv input rows into h (qkv_in wide) and the residual stream into the layer:
+ * layer 0 starts it from the embeddings (an EAGLE-3 draft layer from its two inputs), a
+ * later layer adds the last layer's output x, with its down update (lora_decode.h). */
+static void layer_input(const decode_ctx *c, const decode_thread *ts, int64_t l) {
+    const decode_step *d = c->d;
+    const float *input_norm = d->layers[l].input_norm, *x = d->x;
+    const int64_t M = c->M, hidden = c->hidden, qkv_in = l == 0 ? c->qkv_in0 : hidden;
+    float *h = ts->h, *residual = ts->residual;
+    if (l > 0) {
+        memcpy(h, x, sizeof(float) * (size_t)(M * hidden));
+        if (c->ls.nb > 0)
+            lora_step_expand(&c->ls, h, hidden, c->ls.u_down, &d->lora[l - 1].down,
+                             c->hidden_slices, 1, hidden, 0, hidden);
+    }
+    for (int64_t t = 0; t < M; t++) {
+        float *ht = h + t * qkv_in, *rt = residual + t * hidden;
+        if (l == 0 && d->eagle_hidden != NULL) {
+            eagle_input_row(ht, rt, x + t * hidden, d->eagle_hidden + t * hidden, input_norm, d,
+                            d->eps);
+        } else if (l == 0) {
+            memcpy(rt, x + t * hidden, sizeof(float) * (size_t)hidden);
+            rms_norm_row(ht, rt, input_norm, hidden, d->eps);
+        } else {
+            fused_add_rms_norm_row(ht, rt, input_norm, hidden, d->eps);
+        }
+    }
+}
+
+/* The residual stream into layer l, where aux asks for it (every thread holds the same
+ * copy: thread 0 writes it out). */
+static void copy_aux(const decode_ctx *c, const decode_thread *ts, int64_t l) {
+    const decode_step *d = c->d;
+    if (d->aux == NULL || ts->tid != 0) return;
+    const int64_t hidden = c->hidden, num_aux = d->num_aux;
+    for (int64_t j = 0; j < num_aux; j++)
+        if (d->aux_layers[j] == l)
+            for (int64_t t = 0; t < c->M; t++)
+                memcpy(d->aux + (t * num_aux + j) * hidden, ts->residual + t * hidden,
+                       sizeof(float) * (size_t)hidden);
+}
+
+/* This thread's share of qkv = h qkv^T (+ qkv_bias), its share of the LoRA shrink first. */
+static void qkv_projection(const decode_ctx *c, const decode_thread *ts, int64_t l) {
+    const decode_layer *layer = c->d->layers + l;
+    const int64_t qkv_in = l == 0 ? c->qkv_in0 : c->hidden;
+    if (c->ls.nb > 0)
+        lora_step_shrink(&c->ls, c->ls.u_qkv, ts->h, qkv_in, &c->d->lora[l].qkv, 3, c->hidden,
+                         ts->tid, ts->nt);
+    proj_shared(c->qkv, proj_prepare_x(ts->xbuf, ts->h, c->M, qkv_in, &layer->qkv), &layer->qkv,
+                layer->qkv_bias, c->M, c->qkv_size, qkv_in, ts->tid, ts->nt,
+                layer_claims(c, l, 0));
+}
+
+/* Every token's K/V into layer l's cache, by token block over the threads (qkv's LoRA
+ * update first, lora_decode.h). The loop's implicit barrier puts every write before any
+ * token attends: the tokens of one request (speculative decoding verifies several, each
+ * its own row) read the slots the ones before them write. */
+static void write_step_kv(const decode_ctx *c, const decode_thread *ts, int64_t l) {
+    const decode_layer *layer = c->d->layers + l;
+    const int64_t M = c->M, qkv_size = c->qkv_size, *kv_rows = c->kv_rows;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < c->num_kv_blocks; b++) {
+        if (!ts->ok) continue;
+        if (b < c->ls.nb)
+            lora_step_expand_block(&c->ls, b, c->qkv, qkv_size, c->ls.u_qkv, &c->d->lora[l].qkv,
+                                   c->qkv_slices, 3, qkv_size, 0, qkv_size);
+        for (int64_t i = 0; i < kv_rows[M + 2 * b + 1]; i++) {
+            const int64_t t = kv_rows[kv_rows[M + 2 * b] + i];
+            write_kv(c->qkv + t * qkv_size, layer, &c->att, t);
+        }
+    }
+}
+
+/* A tree step's copies into its node rows' scratch slots (decode_layer.h), over the
+ * threads; the loop's implicit barrier puts every node row's context and path in place
+ * before any row attends. Nothing, and no barrier, in any other step. */
+static void copy_tree_slots(const decode_ctx *c, int64_t l) {
+    const decode_step *d = c->d;
+    if (d->num_tree_copies <= 0) return;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < d->num_tree_copies; i++)
+        copy_kv_slot(d->layers + l, &c->att, d->tree_src[i], d->tree_dst[i]);
+}
+
+/* The (token, part) tasks of every token over the threads (the loop's implicit barrier:
+ * every part done), then every thread combines every token's parts in order into its own
+ * copy (no barrier after): a token's bits depend on its seq_len alone, never on M or the
+ * threads (attention.h). */
+static void attention(const decode_ctx *c, const decode_thread *ts, int64_t l) {
+    const decode_layer *layer = c->d->layers + l;
+    const int64_t qkv_size = c->qkv_size, part_stride = c->part_stride, *tasks = c->tasks;
+    int64_t prepared = -1; /* the token whose q is in ts->q */
+#pragma omp for schedule(static)
+    for (int64_t k = 0; k < c->num_parts; k++) {
+        if (!ts->ok) continue;
+        const int64_t t = tasks[2 * k], j = tasks[2 * k + 1];
+        if (t != prepared) prepare_q(ts->q, c->qkv + t * qkv_size, layer, &c->att, t);
+        prepared = t;
+        attend_part(c->attn + k * part_stride, ts->q, layer, &c->att, t, j, ts->scores);
+    }
+    for (int64_t t = 0, first = 0; t < c->M && ts->ok; t++) {
+        const int64_t n = attn_num_parts(c->att.seq_lens[t], c->att.block_size);
+        attn_combine_parts(ts->own_attn + t * c->q_size, c->attn + first * part_stride, n,
+                           c->att.num_heads, c->att.head_dim);
+        first += n;
+    }
+}
+
+/* This thread's share of x = attn o^T, its share of the LoRA shrink first. */
+static void o_projection(const decode_ctx *c, const decode_thread *ts, int64_t l) {
+    if (!ts->ok) return;
+    const decode_layer *layer = c->d->layers + l;
+    const int64_t q_size = c->q_size;
+    if (c->ls.nb > 0)
+        lora_step_shrink(&c->ls, c->ls.u_o, ts->own_attn, q_size, &c->d->lora[l].o, 1, q_size,
+                         ts->tid, ts->nt);
+    proj_shared(c->d->x, proj_prepare_x(ts->xbuf, ts->own_attn, c->M, q_size, &layer->o),
+                &layer->o, NULL, c->M, c->hidden, q_size, ts->tid, ts->nt,
+                layer_claims(c, l, 1));
+}
+
+/* residual += x (with o's update, on this thread's copy); h = rms_norm(residual) *
+ * post_norm; this thread's share of gate_up = h gate_up^T, its LoRA shrink's first. */
+static void mlp_gate_up(const decode_ctx *c, const decode_thread *ts, int64_t l) {
+    if (!ts->ok) return;
+    const decode_step *d = c->d;
+    const decode_layer *layer = d->layers + l;
+    const int64_t M = c->M, hidden = c->hidden, intermediate = c->intermediate;
+    memcpy(ts->h, d->x, sizeof(float) * (size_t)(M * hidden));
+    if (c->ls.nb > 0)
+        lora_step_expand(&c->ls, ts->h, hidden, c->ls.u_o, &d->lora[l].o, c->hidden_slices, 1,
+                         hidden, 0, hidden);
+    for (int64_t t = 0; t < M; t++)
+        fused_add_rms_norm_row(ts->h + t * hidden, ts->residual + t * hidden, layer->post_norm,
+                               hidden, d->eps);
+    if (c->ls.nb > 0)
+        lora_step_shrink(&c->ls, c->ls.u_gate_up, ts->h, hidden, &d->lora[l].gate_up, 2, hidden,
+                         ts->tid, ts->nt);
+    proj_shared(c->gate_up, proj_prepare_x(ts->xbuf, ts->h, M, hidden, &layer->gate_up),
+                &layer->gate_up, NULL, M, 2 * intermediate, hidden, ts->tid, ts->nt,
+                layer_claims(c, l, 2));
+}
+
+/* This thread's columns of gate_up's LoRA update, in place in the shared gate_up. */
+static void gate_up_lora(const decode_ctx *c, const decode_thread *ts, int64_t l) {
+    const int64_t n = 2 * c->intermediate;
+    int64_t begin, end;
+    lora_column_share(n, ts->tid, ts->nt, &begin, &end);
+    if (ts->ok)
+        lora_step_expand(&c->ls, c->gate_up, n, c->ls.u_gate_up, &c->d->lora[l].gate_up,
+                         c->gate_up_slices, 2, n, begin, end);
+}
+
+/* h = silu_and_mul(gate_up); this thread's share of x = h down^T, its LoRA shrink's
+ * first (the update is applied where the next layer, or the end, reads x). */
+static void mlp_down(const decode_ctx *c, const decode_thread *ts, int64_t l) {
+    if (!ts->ok) return;
+    const decode_layer *layer = c->d->layers + l;
+    const int64_t M = c->M, intermediate = c->intermediate;
+    for (int64_t t = 0; t < M; t++) {
+        const float *g = c->gate_up + t * 2 * intermediate;
+        silu_and_mul_row(ts->h + t * intermediate, g, g + intermediate, intermediate);
+    }
+    if (c->ls.nb > 0)
+        lora_step_shrink(&c->ls, c->ls.u_down, ts->h, intermediate, &c->d->lora[l].down, 1,
+                         intermediate, ts->tid, ts->nt);
+    proj_shared(c->d->x, proj_prepare_x(ts->xbuf, ts->h, M, intermediate, &layer->down),
+                &layer->down, NULL, M, c->hidden, intermediate, ts->tid, ts->nt,
+                layer_claims(c, l, 3));
+}
+
+/* Layer l by this thread, between the layer's barriers: the projections' barriers (after
+ * qkv, o, gate_up and down), the implicit ones of the K/V writes, the tree copies (a tree
+ * step only) and the attention parts, and one more with LoRA (after gate_up's expand). */
+static void decode_one_layer(const decode_ctx *c, const decode_thread *ts, int64_t l) {
+    if (ts->ok) {
+        layer_input(c, ts, l);
+        copy_aux(c, ts, l);
+        qkv_projection(c, ts, l);
+    }
+#pragma omp barrier
+    write_step_kv(c, ts, l);
+    copy_tree_slots(c, l);
+    attention(c, ts, l);
+    o_projection(c, ts, l);
+#pragma omp barrier
+    mlp_gate_up(c, ts, l);
+#pragma omp barrier
+    if (c->ls.nb > 0) {
+        gate_up_lora(c, ts, l);
+#pragma omp barrier
+    }
+    mlp_down(c, ts, l);
+#pragma omp barrier
+}
+
+/* x = rms_norm(residual + x) * final_norm, the last layer's down update added to x first,
+ * and an EAGLE-3 draft's next hidden state (the final residual stream): thread 0's copy. */
+static void final_norm(const decode_ctx *c, const decode_thread *ts) {
+    if (ts->tid != 0 || !ts->ok) return;
+    const decode_step *d = c->d;
+    const int64_t hidden = c->hidden;
+    if (c->ls.nb > 0)
+        lora_step_expand(&c->ls, d->x, hidden, c->ls.u_down, &d->lora[d->num_layers - 1].down,
+                         c->hidden_slices, 1, hidden, 0, hidden);
+    for (int64_t t = 0; t < c->M; t++) {
+        fused_add_rms_norm_row(d->x + t * hidden, ts->residual + t * hidden, d->final_norm,
+                               hidden, d->eps);
+        if (d->eagle_hidden != NULL)
+            memcpy(d->eagle_hidden + t * hidden, ts->residual + t * hidden,
+                   sizeof(float) * (size_t)hidden);
+    }
+}
+
+/* Every layer and the final norm by the calling thread, one of the region's team.
+ * Returns whether it ran out of memory. */
+static int decode_layers(const decode_ctx *c) {
+    const decode_thread ts = decode_thread_init(c);
+    for (int64_t l = 0; l < c->d->num_layers; l++) decode_one_layer(c, &ts, l);
+    final_norm(c, &ts);
+    free(ts.residual);
+    return !ts.ok;
+}
+
 /* The step of `d` (decode_layer.h: its fields' meaning and the return value). */
 int64_t llama_decode(const decode_step *d) {
-    float *restrict x = d->x;
-    const decode_layer *restrict layers = d->layers;
-    const float *restrict final_norm = d->final_norm;
-    const int64_t num_layers = d->num_layers, num_tokens = d->num_tokens, hidden = d->hidden;
-    const int64_t num_heads = d->num_heads, num_kv_heads = d->num_kv_heads;
-    const int64_t head_dim = d->head_dim, intermediate = d->intermediate;
-    const float eps = d->eps, scale = d->scale;
-    const int64_t *restrict positions = d->positions, *restrict slot_mapping = d->slot_mapping;
-    const float *restrict cos_table = d->cos_table, *restrict sin_table = d->sin_table;
-    const int32_t *restrict block_tables = d->block_tables, *restrict seq_lens = d->seq_lens;
-    const int64_t table_stride = d->table_stride, num_blocks = d->num_blocks;
-    const int64_t block_size = d->block_size;
-    float *restrict aux = d->aux;
-    const int64_t *restrict aux_layers = d->aux_layers;
-    const int64_t num_aux = d->num_aux;
-    const lora_layer *restrict lora = d->lora;
-    const int32_t *restrict token_slots = d->token_slots;
-    const int64_t lora_rank = d->lora_rank;
-    const int lora_bf16 = d->lora_bf16, num_threads = d->num_threads;
-    const int64_t M = num_tokens, q_size = num_heads * head_dim;
-    const int64_t kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
-    float *restrict eagle_hidden = d->eagle_hidden;
-    /* Layer 0's qkv input: 2 hidden wide for an EAGLE-3 draft layer. */
-    const int64_t qkv_in0 = eagle_hidden != NULL ? 2 * hidden : hidden;
-    const attention_step step = {
-        .num_heads = num_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
-        .q_size = q_size, .kv_size = kv_size, .num_slots = num_blocks * block_size,
-        .block_size = block_size, .table_stride = table_stride, .eps = eps, .scale = scale,
-        .kv_bf16 = d->kv_bf16, .positions = positions, .slot_mapping = slot_mapping, .block_tables = block_tables,
-        .seq_lens = seq_lens, .cos_table = cos_table, .sin_table = sin_table};
-    int64_t wide = hidden > intermediate ? hidden : intermediate;
-    wide = wide > q_size ? wide : q_size;
-    wide = wide > qkv_in0 ? wide : qkv_in0;
-    int64_t xbuf_floats;
-    if (!layers_ok(d, M, wide, &xbuf_floats)) return -2;
-    int64_t bad = 0;
-    for (int64_t t = 0; t < M; t++)
-        bad += slot_mapping[t] < 0 || slot_mapping[t] >= step.num_slots;
-    const int64_t num_tree_copies = d->num_tree_copies;
-    for (int64_t i = 0; i < num_tree_copies; i++)
-        bad += d->tree_src[i] < 0 || d->tree_src[i] >= step.num_slots || d->tree_dst[i] < 0 ||
-               d->tree_dst[i] >= step.num_slots;
+    decode_ctx c;
+    decode_init(&c, d);
+    if (!layers_ok(d, c.M, c.wide, &c.xbuf_floats)) return -2;
+    const int64_t bad = bad_slots(d, c.att.num_slots);
     if (bad) return bad;
-    /* A part of a token's attention: [o: q_size | max: num_heads | sum: num_heads]. */
-    const int64_t part_stride = attn_part_floats(num_heads, head_dim);
-    int64_t num_parts;
-    int64_t *tasks = part_tasks(seq_lens, M, block_size, &num_parts);
-    if (tasks == NULL) return -1;
-    /* Shared: the qkv projection, every token's attention parts, the gate_up projection,
-     * the LoRA shrinks; the K/V loop's token blocks (lora_decode.h). */
-    const int64_t attn_floats = num_parts * part_stride;
-    const int64_t R = lora == NULL ? 0 : lora_rank;
-    float *shared = malloc(sizeof(float) * (size_t)(M * (qkv_size + 2 * intermediate) + attn_floats +
-                                                    lora_step_floats(M, R)));
-    int64_t *kv_rows = malloc(sizeof(int64_t) * (size_t)(3 * M));
-    if (shared == NULL || kv_rows == NULL) {
-        free(kv_rows);
-        free(shared);
-        free(tasks);
-        return -1;
-    }
-    float *qkv = shared, *gate_up = qkv + M * qkv_size, *attn = gate_up + M * 2 * intermediate;
-    lora_step ls = {.R = R, .bf16 = lora_bf16};
-    lora_step_init(&ls, attn + attn_floats, M, R);
-    const int64_t num_kv_blocks =
-        lora_step_blocks(&ls, kv_rows, kv_rows + M, lora == NULL ? NULL : token_slots, M);
-    /* Claim counters of every projection of the step: [num_layers, 4, num_threads]. */
-    proj_claim *claims = calloc((size_t)(num_layers * 4 * num_threads), sizeof(proj_claim));
-    if (claims == NULL) {
-        free(kv_rows);
-        free(shared);
-        free(tasks);
-        return -1;
-    }
+    if (decode_alloc(&c) != 0) return -1;
     int failed = 0;
-    const int64_t qkv_slices[3] = {q_size, kv_size, kv_size};
-    const int64_t gate_up_slices[2] = {intermediate, intermediate};
-    const int64_t hidden_slices[1] = {hidden};
-
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        /* Private: the residual stream, the normed input of a projection, a rotated q,
-         * every token's combined attention, one part's scores. */
-        const int64_t score_floats = num_heads * attn_part_len(block_size);
-        float *residual = malloc(sizeof(float) * (size_t)(M * (hidden + wide + q_size) + q_size +
-                                                          score_floats + xbuf_floats));
-        float *h = residual + M * hidden, *own_attn = h + M * wide, *q = own_attn + M * q_size;
-        float *scores = q + q_size;
-        /* A projection's input as its weight's parts read it (proj_prepare_x). */
-        float *xbuf = scores + score_floats;
-        /* A thread without memory skips the work but still meets every barrier. */
-        const int ok = residual != NULL;
-        failed = !ok;
-        for (int64_t l = 0; l < num_layers; l++) {
-            const decode_layer *layer = layers + l;
-            proj_claim *c = claims + l * 4 * num_threads;
-            if (ok) {
-                const int64_t qkv_in = l == 0 ? qkv_in0 : hidden;
-                if (l > 0) {  /* x with the last layer's down update (lora_decode.h) */
-                    memcpy(h, x, sizeof(float) * (size_t)(M * hidden));
-                    if (ls.nb > 0)
-                        lora_step_expand(&ls, h, hidden, ls.u_down, &lora[l - 1].down,
-                                         hidden_slices, 1, hidden, 0, hidden);
-                }
-                for (int64_t t = 0; t < M; t++) {
-                    float *ht = h + t * qkv_in, *rt = residual + t * hidden;
-                    if (l == 0 && eagle_hidden != NULL) {
-                        eagle_input_row(ht, rt, x + t * hidden, eagle_hidden + t * hidden,
-                                        layer->input_norm, d, eps);
-                    } else if (l == 0) {
-                        memcpy(rt, x + t * hidden, sizeof(float) * (size_t)hidden);
-                        rms_norm_row(ht, rt, layer->input_norm, hidden, eps);
-                    } else {
-                        fused_add_rms_norm_row(ht, rt, layer->input_norm, hidden, eps);
-                    }
-                }
-                /* The residual stream into this layer, where asked for (every thread holds
-                 * the same copy: one writes it out). */
-                if (aux != NULL && tid == 0)
-                    for (int64_t j = 0; j < num_aux; j++)
-                        if (aux_layers[j] == l)
-                            for (int64_t t = 0; t < M; t++)
-                                memcpy(aux + (t * num_aux + j) * hidden, residual + t * hidden,
-                                       sizeof(float) * (size_t)hidden);
-                if (ls.nb > 0)
-                    lora_step_shrink(&ls, ls.u_qkv, h, qkv_in, &lora[l].qkv, 3, hidden, tid, nt);
-                proj_shared(qkv, proj_prepare_x(xbuf, h, M, qkv_in, &layer->qkv), &layer->qkv,
-                            layer->qkv_bias, M, qkv_size, qkv_in, tid, nt, c);
-            }
-#pragma omp barrier
-            /* Every token's K/V into the cache before any token attends: the tokens of one
-             * request (speculative decoding verifies several, each its own row) read the
-             * slots the ones before them write. */
-#pragma omp for schedule(static)
-            for (int64_t b = 0; b < num_kv_blocks; b++) {
-                if (!ok) continue;
-                if (b < ls.nb)
-                    lora_step_expand_block(&ls, b, qkv, qkv_size, ls.u_qkv, &lora[l].qkv,
-                                           qkv_slices, 3, qkv_size, 0, qkv_size);
-                for (int64_t i = 0; i < kv_rows[M + 2 * b + 1]; i++) {
-                    const int64_t t = kv_rows[kv_rows[M + 2 * b] + i];
-                    write_kv(qkv + t * qkv_size, layer, &step, t);
-                }
-            }
-            /* implicit barrier: the step's K/V written */
-            if (num_tree_copies > 0) {  /* then the tree rows' scratch slots (decode_layer.h) */
-#pragma omp for schedule(static)
-                for (int64_t i = 0; i < num_tree_copies; i++)
-                    copy_kv_slot(layer, &step, d->tree_src[i], d->tree_dst[i]);
-            } /* implicit barrier: every node row's context and path in place */
-            /* The (token, part) tasks of every token over the threads, then every thread
-             * combines every token's parts in order on its own copy (no barrier after): a
-             * token's bits depend on its seq_len alone, never on M or the threads
-             * (attention.h). */
-            int64_t prepared = -1;  /* the token whose q is in `q` */
-#pragma omp for schedule(static)
-            for (int64_t k = 0; k < num_parts; k++) {
-                if (!ok) continue;
-                const int64_t t = tasks[2 * k], j = tasks[2 * k + 1];
-                if (t != prepared) prepare_q(q, qkv + t * qkv_size, layer, &step, t);
-                prepared = t;
-                attend_part(attn + k * part_stride, q, layer, &step, t, j, scores);
-            } /* implicit barrier: every part */
-            for (int64_t t = 0, first = 0; t < M && ok; t++) {
-                const int64_t n = attn_num_parts(seq_lens[t], block_size);
-                attn_combine_parts(own_attn + t * q_size, attn + first * part_stride, n,
-                                   num_heads, head_dim);
-                first += n;
-            }
-            const float *attn_out = own_attn;
-            if (ok) {
-                if (ls.nb > 0)
-                    lora_step_shrink(&ls, ls.u_o, attn_out, q_size, &lora[l].o, 1, q_size, tid, nt);
-                proj_shared(x, proj_prepare_x(xbuf, attn_out, M, q_size, &layer->o), &layer->o,
-                            NULL, M, hidden, q_size, tid, nt, c + num_threads);
-            }
-#pragma omp barrier
-            if (ok) {
-                memcpy(h, x, sizeof(float) * (size_t)(M * hidden));
-                if (ls.nb > 0)
-                    lora_step_expand(&ls, h, hidden, ls.u_o, &lora[l].o, hidden_slices, 1, hidden,
-                                     0, hidden);
-                for (int64_t t = 0; t < M; t++)
-                    fused_add_rms_norm_row(h + t * hidden, residual + t * hidden, layer->post_norm,
-                                           hidden, eps);
-                if (ls.nb > 0)
-                    lora_step_shrink(&ls, ls.u_gate_up, h, hidden, &lora[l].gate_up, 2, hidden,
-                                     tid, nt);
-                proj_shared(gate_up, proj_prepare_x(xbuf, h, M, hidden, &layer->gate_up),
-                            &layer->gate_up, NULL, M, 2 * intermediate, hidden, tid, nt,
-                            c + 2 * num_threads);
-            }
-#pragma omp barrier
-            if (ls.nb > 0) {  /* gate_up's update split by columns, in place */
-                int64_t begin, end;
-                lora_column_share(2 * intermediate, tid, nt, &begin, &end);
-                if (ok)
-                    lora_step_expand(&ls, gate_up, 2 * intermediate, ls.u_gate_up,
-                                     &lora[l].gate_up, gate_up_slices, 2, 2 * intermediate,
-                                     begin, end);
-#pragma omp barrier
-            }
-            if (ok) {
-                for (int64_t t = 0; t < M; t++) {
-                    const float *g = gate_up + t * 2 * intermediate;
-                    silu_and_mul_row(h + t * intermediate, g, g + intermediate, intermediate);
-                }
-                if (ls.nb > 0)  /* its update applied where the next layer (or the end) reads x */
-                    lora_step_shrink(&ls, ls.u_down, h, intermediate, &lora[l].down, 1,
-                                     intermediate, tid, nt);
-                proj_shared(x, proj_prepare_x(xbuf, h, M, intermediate, &layer->down),
-                            &layer->down, NULL, M, hidden, intermediate, tid, nt,
-                            c + 3 * num_threads);
-            }
-#pragma omp barrier
-        }
-        if (tid == 0 && ok && ls.nb > 0)
-            lora_step_expand(&ls, x, hidden, ls.u_down, &lora[num_layers - 1].down, hidden_slices,
-                             1, hidden, 0, hidden);
-        if (tid == 0 && ok)
-            for (int64_t t = 0; t < M; t++) {
-                fused_add_rms_norm_row(x + t * hidden, residual + t * hidden, final_norm, hidden,
-                                       eps);
-                if (eagle_hidden != NULL)  /* the next draft step's hidden state */
-                    memcpy(eagle_hidden + t * hidden, residual + t * hidden,
-                           sizeof(float) * (size_t)hidden);
-            }
-        free(residual);
-    }
-    free(claims);
-    free(kv_rows);
-    free(shared);
-    free(tasks);
+    /* The one parallel region of the step: every layer's phases run inside it. */
+#pragma omp parallel num_threads(d->num_threads) reduction(| : failed)
+    failed = decode_layers(&c);
+    decode_free(&c);
     return failed ? -1 : 0;
 }
