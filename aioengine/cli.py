@@ -12,7 +12,9 @@ import logging
 import sys
 
 from aioengine import envs
-from aioengine.config import add_engine_args, engine_kwargs
+from aioengine.config import (FlagSpec, add_dataclass_flags, add_engine_args, engine_kwargs, flag,
+                              flag_values)
+from aioengine.sampling_params import SamplingParams
 from aioengine.serve_args import (add_run_batch_args, add_serve_args, check_run_batch_args,
                                   check_serve_args, lora_engine_kwargs, run_batch_server_config,
                                   server_config_from_args, serve_model, served_names)
@@ -20,16 +22,27 @@ from aioengine.serve_args import (add_run_batch_args, add_serve_args, check_run_
 
 # The `serve` arguments are aioengine.serve_args' (Ray Serve's builder parses them too).
 
+# SamplingParams field -> its `generate` flag. A command-line try-out is greedy and longer
+# than an API request's default, so those two defaults are the command's own.
+GENERATE_FLAGS: dict[str, FlagSpec] = {
+    "max_tokens": flag("--max-tokens", type=int, default=128,
+                       help="at most this many new tokens"),
+    "temperature": flag("--temperature", type=float, default=0.0, help="0 = greedy"),
+    "top_p": flag("--top-p", type=float),
+    # --seed is the engine's (EngineArgs.seed): this one is the request's.
+    "seed": flag("--sample-seed", dest="sample_seed", type=int,
+                 help="the request's own RNG seed (default: the engine's RNG)"),
+}
+
 
 async def _generate(args: argparse.Namespace) -> int:
-    from aioengine import AsyncEngine, SamplingParams
+    from aioengine import AsyncEngine
     from aioengine.config import ConfigError
     from aioengine.errors import InvalidRequestError
     from aioengine.model.default import ModelNotFoundError
     from aioengine.model.loader import ModelLoadError
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.sample_seed)
+    params = SamplingParams(**flag_values(args, GENERATE_FLAGS))
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     try:
         engine = await AsyncEngine.create(args.model, **engine_kwargs(args))
@@ -177,10 +190,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     gen = sub.add_parser("generate", help="stream one completion to stdout")
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--sample-seed", type=int, default=None)
+    add_dataclass_flags(gen.add_argument_group("sampling"), SamplingParams, GENERATE_FLAGS)
     add_engine_args(gen)
     # Listed for --help; main() hands `bench ...` to aioengine.bench before parsing.
     sub.add_parser("bench", add_help=False,

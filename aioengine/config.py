@@ -230,9 +230,9 @@ def gpu_kv_cache_budget(total: int, utilization: float, peak_torch: int,
 # ---- Flags from dataclasses ---------------------------------------------------------------
 # Every flag of `aioengine` is generated from a field of the dataclass it sets (EngineArgs
 # here; ServerConfig and the LoRA flags in aioengine.serve_args; RayServeOptions in
-# aioengine.ray_serve.options): a table maps each field to its flag names and argparse
-# options, and the flag's default is the field's, so the dataclass stays the one home of
-# that default.
+# aioengine.ray_serve.options; SamplingParams for `generate` in aioengine.cli): a table maps
+# each field to its flag names and argparse options, and the flag's default is the field's,
+# so the dataclass stays the one home of that default.
 
 FlagSpec = tuple[tuple[str, ...], dict[str, Any]]
 
