@@ -1,17 +1,14 @@
 """The streaming half of the tool-call parsers (tool_parsers.py: the call formats and the
 rules): text deltas in, ContentDelta / ToolCallStart / ToolCallArgsDelta events out, and the
-JSON scanning both halves share. A stream reads its parser's format (`trigger`, `_start_tag`,
-`_gap`) and asks it where a canonical header ends (`_match_header`), where any other block
-ends and what call it holds (`_block`), and where a canonical call's trailer ends
-(`_trailer_end`)."""
+JSON scanning both halves share. A stream reads its parser's format (`trigger`, `start_tag`,
+`gap`) and asks it where a canonical header ends (`match_header`), where any other block
+ends and what call it holds (`other_block`), and where a canonical call's trailer ends
+(`trailer_end`): the CallFormat protocol, which every ToolParser implements."""
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
-
-if TYPE_CHECKING:
-    from aioengine.tool_parsers import ToolParser
+from typing import Callable, Protocol
 
 
 @dataclass(frozen=True)
@@ -24,6 +21,29 @@ class ParsedToolCall:
 class ExtractedToolCalls:
     content: str | None  # None when there are calls and no other text
     calls: list[ParsedToolCall]
+
+
+class CallFormat(Protocol):
+    """What a stream reads of its parser (a ToolParser, tool_parsers.py, which makes its
+    streams: naming the parts keeps this module from importing the parsers')."""
+
+    trigger: str  # a prefix of every canonical header: where a call starts
+    start_tag: str  # dropped at the start of an output
+    gap: str  # text around calls that is dropped
+
+    def match_header(self, buf: str) -> tuple[str, int] | None:
+        """(name, length) of a canonical header at the start of `buf`; UNDECIDED: it may
+        still become one; None: it will not."""
+        ...
+
+    def other_block(self, buf: str, final: bool) -> tuple[int, ParsedToolCall | None] | None:
+        """The length of the non-canonical block at the start of `buf` and its call (None:
+        it stays content); None if its end is not known yet."""
+        ...
+
+    def trailer_end(self, buf: str, final: bool) -> int | None:
+        """Length of what ends a canonical call after its arguments (None: not known yet)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -48,7 +68,7 @@ ToolEvent = ContentDelta | ToolCallStart | ToolCallArgsDelta
 _OUTSIDE = re.compile(r'[\[\]{}"]')
 INSIDE_STRING = re.compile(r'["\\]')  # what ends or escapes something inside a JSON string
 JSON_WS = " \t\n\r\f\v"
-UNDECIDED = ("", 0)  # _match_header: the text may still become a canonical header
+UNDECIDED = ("", 0)  # match_header: the text may still become a canonical header
 
 
 @dataclass
@@ -97,7 +117,7 @@ class ToolCallStream:
     header, arguments, a call's trailer, a non-canonical block) and consumes what it can.
     """
 
-    def __init__(self, parser: ToolParser) -> None:
+    def __init__(self, parser: CallFormat) -> None:
         self._p = parser
         self._buf = ""
         self._step: Callable[[bool], bool] = self._at_start
@@ -125,7 +145,7 @@ class ToolCallStream:
         return out
 
     def _at_start(self, final: bool) -> bool:
-        tag = self._p._start_tag
+        tag = self._p.start_tag
         if self._buf.startswith(tag):
             self._buf = self._buf[len(tag):]
         elif tag.startswith(self._buf) and not final:
@@ -145,7 +165,7 @@ class ToolCallStream:
         return False
 
     def _header(self, final: bool) -> bool:
-        found = self._p._match_header(self._buf)
+        found = self._p.match_header(self._buf)
         if found == UNDECIDED and not final:
             return False
         if found is None or found == UNDECIDED:
@@ -165,14 +185,14 @@ class ToolCallStream:
         return end >= 0
 
     def _trailer(self, final: bool) -> bool:
-        n = self._p._trailer_end(self._buf, final)
+        n = self._p.trailer_end(self._buf, final)
         if n is None:
             return False
         self._buf, self._step = self._buf[n:], self._text
         return True
 
     def _block(self, final: bool) -> bool:
-        found = self._p._block(self._buf, final)
+        found = self._p.other_block(self._buf, final)
         if found is None:
             return False
         n, call = found
@@ -187,7 +207,7 @@ class ToolCallStream:
 
     # Events. Gap text is held back: dropped if a call follows, sent if text does.
     def _content(self, text: str) -> None:
-        body = text.rstrip(self._p._gap)
+        body = text.rstrip(self._p.gap)
         if not body:
             self._held += text
             return

@@ -60,8 +60,8 @@ class ToolParser(ABC):
     calls_end_output: ClassVar[bool] = False
     _head: ClassVar[str]  # tag_begin up to the name's JSON string
     _end: ClassVar[str]
-    _gap: ClassVar[str] = JSON_WS  # text around calls that is dropped
-    _start_tag: ClassVar[str] = ""  # dropped at the start of an output
+    gap: ClassVar[str] = JSON_WS  # text around calls that is dropped
+    start_tag: ClassVar[str] = ""  # dropped at the start of an output
     _args_required: ClassVar[bool] = False  # a non-canonical block without them is content
 
     def tag_begin(self, name: str) -> str:
@@ -85,15 +85,15 @@ class ToolParser(ABC):
         """One paragraph for a system prompt: how to write a call, with an example."""
 
     @abstractmethod
-    def _block(self, buf: str, final: bool) -> tuple[int, ParsedToolCall | None] | None:
+    def other_block(self, buf: str, final: bool) -> tuple[int, ParsedToolCall | None] | None:
         """The length of the non-canonical block at the start of `buf` and its call (None:
         it stays content); None if its end is not known yet."""
 
     @abstractmethod
-    def _trailer_end(self, buf: str, final: bool) -> int | None:
+    def trailer_end(self, buf: str, final: bool) -> int | None:
         """Length of what ends a canonical call after its arguments (None: not known yet)."""
 
-    def _match_header(self, buf: str) -> tuple[str, int] | None:
+    def match_header(self, buf: str) -> tuple[str, int] | None:
         """(name, length) of a canonical header at the start of `buf`: tag_begin(name) for
         any JSON string literal, then optional whitespace and the `{` that opens the
         arguments (not counted). UNDECIDED: it may still become one; None: it will not."""
@@ -158,7 +158,7 @@ class HermesToolParser(ToolParser):
                 "its arguments>} on one line, then </tool_call>. Write several blocks, one "
                 f"after the other, to call several functions. For example:\n{example}")
 
-    def _block(self, buf: str, final: bool) -> tuple[int, ParsedToolCall | None] | None:
+    def other_block(self, buf: str, final: bool) -> tuple[int, ParsedToolCall | None] | None:
         n = self._tag_end_at(buf, len(self.trigger), final)
         if n is None:
             return None
@@ -166,7 +166,7 @@ class HermesToolParser(ToolParser):
             return n, None
         return n, self._parse_call(buf[len(self.trigger):n - len(self._close)])
 
-    def _trailer_end(self, buf: str, final: bool) -> int | None:
+    def trailer_end(self, buf: str, final: bool) -> int | None:
         return self._tag_end_at(buf, 0, final)
 
     def _tag_end_at(self, buf: str, start: int, final: bool) -> int | None:
@@ -203,8 +203,8 @@ class Llama3JsonToolParser(ToolParser):
     calls_end_output = True
     _head = '{"name": '
     _end = "}"
-    _gap = JSON_WS + ";"  # the separator between calls
-    _start_tag = "<|python_tag|>"
+    gap = JSON_WS + ";"  # the separator between calls
+    start_tag = "<|python_tag|>"
     _args_required = True  # so that any JSON object with a "name" is not taken for a call
 
     def prompt_instructions(self) -> str:
@@ -213,11 +213,11 @@ class Llama3JsonToolParser(ToolParser):
                 '"parameters": <an object of its arguments>}; to call several functions, '
                 f'separate their objects with "; ". For example:\n{example}')
 
-    def _block(self, buf: str, final: bool) -> tuple[int, ParsedToolCall | None] | None:
+    def other_block(self, buf: str, final: bool) -> tuple[int, ParsedToolCall | None] | None:
         n = _json_end(buf, 0, final)
         return None if n is None else (n, self._parse_call(buf[:n]))
 
-    def _trailer_end(self, buf: str, final: bool) -> int | None:
+    def trailer_end(self, buf: str, final: bool) -> int | None:
         return _json_end(buf, 1, final)  # the rest of the call's object
 
 

@@ -2,36 +2,19 @@
 once per engine by device (LoRAManager): the C kernel on the CPU, Triton's shrink/expand
 (kernels/triton/lora.py) on CUDA. Each `apply` returns False, having done nothing, where
 it does not take the call; LinearWithLoRA then runs its torch form (the reference).
+The protocol they implement, LoRAKernel, is the layer's (layers.py: what it calls), with
+its default TorchLoRAKernel; both are re-exported here.
 """
 from __future__ import annotations
-
-from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
 
 from aioengine.kernels import cpu_decode
+from aioengine.lora.layers import LinearWithLoRA, LoRAKernel, TorchLoRAKernel
 
-if TYPE_CHECKING:
-    from aioengine.lora.layers import LinearWithLoRA
-
-
-class LoRAKernel(Protocol):
-    name: str
-
-    def apply(self, layer: LinearWithLoRA, y: Tensor, x: Tensor) -> bool:
-        """y [T, N] += the update of `layer`'s slots for x [T, K] at the step's token
-        slots (layer.step), in place; False if this kernel does not take the call."""
-        ...
-
-
-class TorchLoRAKernel:
-    """Takes no call: every update runs LinearWithLoRA's torch form."""
-
-    name = "torch"
-
-    def apply(self, layer: LinearWithLoRA, y: Tensor, x: Tensor) -> bool:
-        return False
+__all__ = ["CpuLoRAKernel", "LoRAKernel", "TorchLoRAKernel", "TritonLoRAKernel",
+           "select_lora_kernel"]
 
 
 class CpuLoRAKernel:

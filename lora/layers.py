@@ -22,12 +22,33 @@ applies the same row arithmetic inside its single call (LoRAManager.decode_args)
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import Tensor, nn
 
 from aioengine.kernels import cpu_decode
-from aioengine.lora.kernels import LoRAKernel, TorchLoRAKernel
 from aioengine.model.layers import Linear
+
+
+class LoRAKernel(Protocol):
+    """What LinearWithLoRA calls to add a step's updates (implementations: kernels.py)."""
+
+    name: str
+
+    def apply(self, layer: LinearWithLoRA, y: Tensor, x: Tensor) -> bool:
+        """y [T, N] += the update of `layer`'s slots for x [T, K] at the step's token
+        slots (layer.step), in place; False if this kernel does not take the call."""
+        ...
+
+
+class TorchLoRAKernel:
+    """Takes no call: every update runs LinearWithLoRA's torch form."""
+
+    name = "torch"
+
+    def apply(self, layer: LinearWithLoRA, y: Tensor, x: Tensor) -> bool:
+        return False
 
 
 class LoRAStep:

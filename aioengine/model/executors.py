@@ -15,17 +15,19 @@ records which executor ran (`LlamaForCausalLM.last_executor`) for the step profi
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from aioengine.kernels import cpu_decode
-from aioengine.model.attention import AttentionMetadata, TorchAttentionBackend
-from aioengine.model.layer_spec import smallest_window, unsupported
+from aioengine.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from aioengine.model.layer_spec import LayerSpec, smallest_window, unsupported
 
 if TYPE_CHECKING:
-    from aioengine.model.llama import LlamaForCausalLM
+    from aioengine.model.arch import ModelArchConfig
+    from aioengine.model.ops import TorchOps
+    from aioengine.model.rotary import RopeStep, RotaryEmbedding
 
 # The fused call reads panel-packed weights only (the any-M GEMM of kernels/cpu/gemm.h,
 # which reads each weight once per step whatever the rows; the row-major gemv that once
@@ -34,12 +36,29 @@ if TYPE_CHECKING:
 FUSED_DECODE_MAX_TOKENS = 1024
 
 
+class DecoderModel(Protocol):
+    """What an executor reads of its model (LlamaForCausalLM, llama.py, which builds its
+    executors: naming the parts keeps this module from importing the model's)."""
+
+    arch: ModelArchConfig
+    ops: TorchOps
+    layer_specs: tuple[LayerSpec, ...]
+    layers: nn.ModuleList  # LlamaDecoderLayer per LayerSpec
+    norm: Tensor
+    rotary: RotaryEmbedding
+    attn_backend: AttentionBackend
+    lora_source: cpu_decode.LoRADecodeSource | None
+    aux_hidden_state_layers: tuple[int, ...]
+
+    def layer_ropes(self, positions: Tensor) -> list[RopeStep | None]: ...
+
+
 class LayerwiseExecutor:
     """The layers one by one (any step, any device, any feature the layer code has)."""
 
     name = "layerwise"
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    def __init__(self, model: DecoderModel) -> None:
         self.model = model
 
     def run(self, x: Tensor, positions: Tensor, kv_caches: list[Tensor],
@@ -75,7 +94,7 @@ class FusedCpuDecodeExecutor:
     # attends to the whole context): then the window masks nothing.
     SUPPORTED_FEATURES = frozenset({"qk_norm", "attention_bias", "sliding_window"})
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    def __init__(self, model: DecoderModel) -> None:
         self.model = model
         # Off (tests, the runner's A/B): every step runs layerwise.
         self.enabled = True
