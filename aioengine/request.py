@@ -14,7 +14,6 @@ if TYPE_CHECKING:
 
     from aioengine.core.block_pool import BlockHash
     from aioengine.lora.request import LoRARequest
-    from aioengine.structured.request_state import StructuredRequestState
 
 
 class RequestStatus(enum.IntEnum):
@@ -81,10 +80,10 @@ class Request:
     # The sampler's torch.Generator for a seeded request; it lives as long as the request so
     # that preemption and batch composition never change the random stream.
     generator: torch.Generator | None = None
-    # The features' per-sample state, each from its EngineFeature.admit
-    # (aioengine.engine.features). The grammar matcher state of a structured-output
-    # request; None when unconstrained. Each sample has its own.
-    structured: StructuredRequestState | None = None
+    # The features' per-sample state: feature name -> what its EngineFeature.admit gave
+    # (aioengine.engine.features; a feature that does not apply has no entry). Each
+    # sample has its own; only the feature's own folder reads its entry (typed).
+    feature_state: dict[str, object] = field(default_factory=dict)
     # The adapter it runs with (as registered: its lora_int_id is unique to one load);
     # None = the base model.
     lora_request: LoRARequest | None = None
@@ -93,6 +92,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     # With tree drafts (spec_decode/tree.py), each draft's parent (-1: the root); None: a chain.
     spec_tree_parents: list[int] | None = None
+    # Whether every feature lets it be drafted as a tree (EngineFeature.allows_tree_drafts,
+    # decided at admission); else its drafts are a chain.
+    allows_tree_drafts: bool = True
     # A pooling (prefill-only) request: no token is sampled; it ends once its prompt is
     # computed, with the pooled vector of its final hidden states (pooling_params.py).
     pooling_params: PoolingParams | None = None

@@ -36,7 +36,6 @@ from aioengine.model.loader import activation_dtype
 if TYPE_CHECKING:
     from aioengine.core.scheduler_output import SchedulerOutput
     from aioengine.request import Request
-    from aioengine.sampling_params import SamplingParams
 
 logger = logging.getLogger("aioengine")
 
@@ -159,13 +158,6 @@ class LoRAManager(EngineFeature):
                             f"{registered.lora_path}, not {lora_request.lora_path}")
         return registered
 
-    def ensure(self, lora_request: LoRARequest) -> LoRARequest:
-        """`resolve`, loading the adapter from its lora_path first if the name is not loaded
-        (blocking: file reads)."""
-        if lora_request.lora_name not in self._registered and lora_request.lora_path:
-            self.add(lora_request, exist_ok=True)
-        return self.resolve(lora_request)
-
     def add(self, lora_request: LoRARequest, exist_ok: bool = False) -> LoRARequest:
         """Loads and registers an adapter under its name (blocking: file reads); returns the
         registered LoRARequest with its lora_int_id. Raises LoRAError (already loaded, unless
@@ -211,12 +203,15 @@ class LoRAManager(EngineFeature):
             victim = idle[0] if idle else next(iter(self._cpu))
             del self._cpu[victim]
 
-    def admit(self, params: SamplingParams,
-              lora_request: LoRARequest | None) -> LoRARequest | None:
-        """EngineFeature.admit: the sample runs with the adapter as registered when the
-        request was prepared (`resolve`, which raises LoRANotFoundError / LoRAError): an
-        adapter unloaded since keeps serving the requests that hold it."""
-        return lora_request
+    # A sample's adapter is request.lora_request, as registered when the request was
+    # prepared (`resolve`): an adapter unloaded since keeps serving the requests that hold
+    # it. It is part of the request's identity (its block hashes' cache_salt, the outputs),
+    # so the feature keeps no state of its own per request (no admit).
+
+    def allows_tree_drafts(self, request: Request) -> bool:
+        """Requests with an adapter are left to the chain path, which is tested with
+        adapters."""
+        return not request.lora_id
 
     # ---- the scheduler's hooks (event loop) -------------------------------------------
 

@@ -47,13 +47,10 @@ class TreeConfig:
 
 def supports_tree(request: Request) -> bool:
     """The one place that says which requests the tree path drafts for; the others get a
-    chain (the tree's most likely path). A grammar validates and masks drafts as a chain,
-    and LoRA requests are left to the chain path, which is tested with adapters."""
-    return request.structured is None and request.lora_request is None
-
-
-def chain_parents(num_drafts: int) -> list[int]:
-    return list(range(-1, num_drafts - 1))
+    chain (the tree's most likely path). The engine's features decide it at admission
+    (EngineFeature.allows_tree_drafts: a grammar masks drafts as a chain, adapters run
+    on the chain path)."""
+    return request.allows_tree_drafts
 
 
 def node_depths(parents: list[int]) -> list[int]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from aioengine.structured.bitmask import GrammarBitmask
 from aioengine.structured.compiler import GrammarCompileCache, GrammarCompileError, choice_grammar
-from aioengine.structured.manager import StructuredOutputManager
+from aioengine.structured.manager import StructuredOutputManager, structured_state
 from aioengine.structured.request_state import StructuredRequestState, StructuredStats
 
 __all__ = [
@@ -14,4 +14,5 @@ __all__ = [
     "StructuredRequestState",
     "StructuredStats",
     "choice_grammar",
+    "structured_state",
 ]

@@ -2,7 +2,11 @@
 
 An EngineFeature (aioengine.engine.features); the engine reaches it through its hooks:
 
-    add_request     -> admit(params)          a sample's state, its compile on the pool
+    front ends      -> prepare(params)        compile (blocking; a bad grammar raises)
+                       prepare_async(params)  compile in a worker (the event loop waits)
+    add_request     -> admit(request)         a sample's state (request.feature_state),
+                                              its compile on the pool (cached: done)
+                       allows_tree_drafts     never for a constrained request
     scheduler       -> can_admit(request)     skip until compiled (fail a failed compile)
                        allows_schedule_ahead  never for a constrained request
                        forced_tokens(...)     the matcher advanced, jump-forward tokens
@@ -25,12 +29,18 @@ from aioengine.structured.request_state import StructuredRequestState, Structure
 
 if TYPE_CHECKING:
     from aioengine.core.scheduler_output import SchedulerOutput
-    from aioengine.lora.request import LoRARequest
     from aioengine.request import Request
+
+NAME = "structured"
+
+
+def structured_state(request: Request) -> StructuredRequestState | None:
+    """The request's grammar matcher state; None when it is unconstrained."""
+    return request.feature_state.get(NAME)  # type: ignore[return-value]
 
 
 class StructuredOutputManager(EngineFeature):
-    name = "structured"
+    name = NAME
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int],
                  jump_forward: bool = True, max_workers: int = 2,
@@ -70,11 +80,25 @@ class StructuredOutputManager(EngineFeature):
             grammar=self.compiler.submit(constraint), encode=self._encode,
             jump_forward=self.jump_forward and params.logprobs is None, stats=self.stats)
 
-    def admit(self, params: SamplingParams,
-              lora_request: LoRARequest | None) -> StructuredRequestState | None:
+    def prepare(self, params: SamplingParams) -> None:
+        """EngineFeature.prepare: the grammar compiled (blocking); a bad one raises."""
+        if params.structured_outputs is not None:
+            self.compile(params.structured_outputs)
+
+    async def prepare_async(self, params: SamplingParams) -> None:
+        """EngineFeature.prepare_async: the grammar compiled in a worker; a bad one raises
+        before anything is queued."""
+        if params.structured_outputs is not None:
+            await self.compile_async(params.structured_outputs)
+
+    def admit(self, request: Request) -> StructuredRequestState | None:
         """EngineFeature.admit: new_request_state (a bad grammar fails at compile time:
         front ends compile first, the scheduler fails a request whose compile failed)."""
-        return self.new_request_state(params)
+        return self.new_request_state(request.sampling_params)
+
+    def allows_tree_drafts(self, request: Request) -> bool:
+        """A grammar validates and masks drafts as a chain."""
+        return structured_state(request) is None
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -84,7 +108,7 @@ class StructuredOutputManager(EngineFeature):
     def can_admit(self, request: Request) -> bool:
         """False while the request's grammar compiles; a failed compile fails the request
         (front ends compile first and answer 400, so this is a safety net)."""
-        state = request.structured
+        state = structured_state(request)
         if state is None:
             return True
         if not state.is_ready():
@@ -95,19 +119,21 @@ class StructuredOutputManager(EngineFeature):
 
     def allows_schedule_ahead(self, request: Request) -> bool:
         """The next step's mask needs the matcher advanced by this step's token."""
-        return request.structured is None
+        return structured_state(request) is None
 
     def forced_tokens(self, request: Request, token: int, room: int) -> list[int]:
         """Advances the matcher by `token`; the jump-forward tokens after it (<= room)."""
-        if request.structured is None:
+        state = structured_state(request)
+        if state is None:
             return []
-        return request.structured.advance(request, token, room)
+        return state.advance(request, token, room)
 
     def usable_drafts(self, request: Request, drafts: list[int]) -> list[int]:
         """The prefix of `drafts` the matcher accepts."""
-        if request.structured is None:
+        state = structured_state(request)
+        if state is None:
             return drafts
-        return drafts[:request.structured.num_valid_drafts(drafts)]
+        return drafts[:state.num_valid_drafts(drafts)]
 
     # ---- the step ---------------------------------------------------------------------
 
@@ -127,11 +153,11 @@ class StructuredOutputManager(EngineFeature):
                 continue
             if item.spec_token_ids:  # one row per verified position, after drafts[:j]
                 n = len(item.spec_token_ids) + 1
-                states.extend([item.request.structured] * n)
+                states.extend([structured_state(item.request)] * n)
                 drafts.extend(item.spec_token_ids[:j] for j in range(n))
                 continue
             samples = [item.request] + item.request.pending_forks[:item.num_samples - 1]
-            states.extend(sample.structured for sample in samples)
+            states.extend(structured_state(sample) for sample in samples)
             drafts.extend([] for _ in samples)
         if all(s is None for s in states):
             return None
@@ -152,4 +178,5 @@ class StructuredOutputManager(EngineFeature):
         }
 
     def shutdown(self) -> None:
+        """EngineFeature.shutdown: the compile workers stop."""
         self.compiler.shutdown()

@@ -55,7 +55,7 @@ class Scheduler:
         self.num_steps_ahead = 0  # of them, scheduled ahead (schedule_ahead)
         # Fair prefill: how many tokens a request computes in a step (core/chunking.py).
         self._chunker = PrefillChunker(config, kv_cache_manager.sliding_window)
-        # Verified drafts, counted here; SpecDecodeFeature reports them.
+        # Verified drafts, counted here; EngineCore.spec_decode (spec_decode/step.py) reports them.
         self.spec_stats = spec_stats or SpecDecodingStats(config.num_speculative_tokens)
 
     # ---- queue management --------------------------------------------------------------

@@ -1,37 +1,42 @@
 """RequestAdmission: what EngineCore decides about a request before it is queued, in one
 place so that every front end (AsyncEngine, LLM, and the HTTP server through them)
 rejects the same inputs with the same messages: the prompt and params validated, the
-adapter resolved, and `prepare`, which does both once per request.
+adapter resolved, and `prepare`, which does both once per request; then the features'
+own checks (`prepare_features`, a grammar's compile), which a front end runs after its
+own admission control since they may take long.
 
-EngineCore inherits it; the attributes below are the core's.
+EngineCore holds one (`core.admission`), made once the model, the KV cache and the
+features exist; it reads only what it is given, which is fixed for the engine's life.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from aioengine.engine.client import PreparedRequest
+from aioengine.engine.features import EngineFeature, prepare_request, prepare_request_async
 from aioengine.errors import InvalidRequestError
 from aioengine.lora.adapter import LoRANotFoundError
 from aioengine.lora.manager import LoRAManager
 from aioengine.lora.request import LoRARequest
 from aioengine.pooling_params import PoolingParams
-from aioengine.request import Request
 from aioengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from aioengine.config import EngineArgs
     from aioengine.core.kv_cache_manager import KVCacheManager
-    from aioengine.core.scheduler import Scheduler
 
 
 class RequestAdmission:
-    args: EngineArgs
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: set[int]
-    kv_cache_manager: KVCacheManager
-    scheduler: Scheduler
-    lora: LoRAManager | None
+    def __init__(self, args: EngineArgs, vocab_size: int, max_model_len: int,
+                 eos_token_ids: set[int], kv_cache_manager: KVCacheManager,
+                 lora: LoRAManager | None, features: tuple[EngineFeature, ...]) -> None:
+        self.args = args
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.kv_cache_manager = kv_cache_manager  # only its fixed sizes are read
+        self.lora = lora
+        self.features = features
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         """InvalidRequestError (naming `param`) for an id outside the vocabulary: the one
@@ -73,9 +78,9 @@ class RequestAdmission:
         """Admits a request once, queueing nothing: the registered adapter it names
         (resolve_lora), its own copy of `params` (a caller may reuse one for many prompts)
         validated against the prompt. `fit_kv_cache`: max_tokens None means
-        default_max_tokens rather than the whole context. The grammar is compiled by the
-        front end's prepare (on a pool, or blocking). Raises InvalidRequestError,
-        LoRANotFoundError."""
+        default_max_tokens rather than the whole context. The features' checks (a grammar's
+        compile) are prepare_features', run by the front end after this. Raises
+        InvalidRequestError, LoRANotFoundError."""
         lora = self.resolve_lora(lora_request)
         params = params.clone()
         if params.max_tokens is None:  # the one place an unset max_tokens is resolved
@@ -133,6 +138,16 @@ class RequestAdmission:
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.eos_token_ids
 
+    def prepare_features(self, params: SamplingParams) -> None:
+        """Every feature's prepare (blocking: a grammar compiles); raises
+        InvalidRequestError (a bad schema, regex or grammar)."""
+        prepare_request(self.features, params)
+
+    async def prepare_features_async(self, params: SamplingParams) -> None:
+        """Every feature's prepare_async (a grammar compiles in a worker); raises
+        InvalidRequestError before anything is queued."""
+        await prepare_request_async(self.features, params)
+
     # ---- LoRA adapters ------------------------------------------------------------------
 
     def _lora_manager(self) -> LoRAManager:
@@ -154,13 +169,6 @@ class RequestAdmission:
 
     def list_loras(self) -> list[LoRARequest]:
         return [] if self.lora is None else self.lora.list_loras()
-
-    def lora_requests_info(self) -> tuple[list[str], list[str]]:
-        """The adapters (names) of the running and of the waiting requests (vLLM's
-        lora_requests_info metric), each sorted."""
-        def names(requests: list[Request]) -> list[str]:
-            return sorted({r.lora_request.lora_name for r in requests if r.lora_request})
-        return names(self.scheduler.running), names(self.scheduler.waiting)
 
     def resolve_lora(self, lora_request: LoRARequest | None) -> LoRARequest | None:
         """The registered adapter a request names, without loading (LoRAManager.resolve)."""

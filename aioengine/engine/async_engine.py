@@ -149,12 +149,12 @@ class AsyncEngine(AsyncPoolingMixin, EngineClient):
         queued. `fit_kv_cache`: an unset max_tokens is capped to what fits the KV cache."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         await self._load_lora_if_missing(lora_request)
-        prepared = [self.core.prepare(token_ids, params, lora_request, text, fit_kv_cache)
+        prepared = [self.core.admission.prepare(token_ids, params, lora_request, text,
+                                                fit_kv_cache)
                     for text, token_ids in (render_prompt(self.tokenizer, p) for p in prompts)]
         if admit is not None:
             admit()
-        if params.structured_outputs is not None:
-            await self.core.structured.compile_async(params.structured_outputs)
+        await self.core.admission.prepare_features_async(params)
         return prepared
 
     def _given_prepared(self, prompt: PromptType | PreparedRequest,
@@ -228,18 +228,18 @@ class AsyncEngine(AsyncPoolingMixin, EngineClient):
     async def _load_lora_if_missing(self, lora_request: LoRARequest | None) -> None:
         """Loads a request's adapter (off the loop) unless one is loaded under its name."""
         if lora_request is not None and self.get_lora(lora_request.lora_name) is None:
-            await self._off_loop(self.core.load_lora_if_missing, lora_request)
+            await self._off_loop(self.core.admission.load_lora_if_missing, lora_request)
 
     async def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
         """Loads an adapter (its files read off the loop) and registers it under its name;
         returns it with the lora_int_id of this load. Raises LoRAError when the name is
         taken or the files are bad, LoRANotFoundError for a missing path."""
-        return await self._off_loop(self.core.add_lora, lora_request)
+        return await self._off_loop(self.core.admission.add_lora, lora_request)
 
     async def remove_lora(self, lora_name: str) -> None:
         """Unloads an adapter: new requests naming it are refused at once, those already
         running finish on it. Raises LoRANotFoundError for a name not loaded."""
-        self.core.remove_lora(lora_name)
+        self.core.admission.remove_lora(lora_name)
 
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)
@@ -273,7 +273,7 @@ class AsyncEngine(AsyncPoolingMixin, EngineClient):
         if self._event_pool is not None:
             self._event_pool.shutdown(wait=True)
         self._worker.close()
-        self.core.structured.shutdown()
+        self.core.shutdown()
 
     # ---- the engine loop ---------------------------------------------------------------
 

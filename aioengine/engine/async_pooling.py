@@ -31,7 +31,7 @@ class AsyncPoolingMixin:
         LoRANotFoundError, LoRAError."""
         params = pooling_params if pooling_params is not None else PoolingParams()
         await self._load_lora_if_missing(lora_request)
-        prepared = [self.core.prepare_pooling(token_ids, params, lora_request, text)
+        prepared = [self.core.admission.prepare_pooling(token_ids, params, lora_request, text)
                     for text, token_ids in (render_prompt(self.tokenizer, p) for p in prompts)]
         if admit is not None:
             admit()

@@ -120,26 +120,26 @@ class EngineClient:
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         """InvalidRequestError (naming `param`) for an id outside the vocabulary."""
-        self.core.check_token_ids(token_ids, param)
+        self.core.admission.check_token_ids(token_ids, param)
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         """InvalidRequestError for a prompt that could never run (empty, outside the
         vocabulary, over the context), as `prepare` would raise it; safe off the loop."""
-        self.core.check_prompt(prompt_token_ids)
+        self.core.admission.check_prompt(prompt_token_ids)
 
     def check_prompt_length(self, num_prompt: int) -> None:
         """InvalidRequestError for a prompt of `num_prompt` tokens over the context (the
         message `prepare` gives it); safe off the loop."""
-        self.core.check_prompt_length(num_prompt)
+        self.core.admission.check_prompt_length(num_prompt)
 
     def default_max_tokens(self, num_prompt: int, n: int) -> int:
         """Up to the context, capped so that n samples fit in the KV cache together."""
-        return self.core.default_max_tokens(num_prompt, n)
+        return self.core.admission.default_max_tokens(num_prompt, n)
 
     # ---- adapters (vLLM's list_loras; loading is the front end's: blocking or not) ----
 
     def list_loras(self) -> list[LoRARequest]:
-        return self.core.list_loras()
+        return self.core.admission.list_loras()
 
     def get_lora(self, lora_name: str) -> LoRARequest | None:
         """The adapter loaded under `lora_name`, or None."""

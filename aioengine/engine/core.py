@@ -4,15 +4,17 @@
     (event loop)    (off the loop: worker thread)  (event loop)
 
 It is synchronous; AsyncEngine and LLM drive it, and nothing outside aioengine/engine/
-touches it. Request validation and adapter resolution are its RequestAdmission
-(admission.py): every front end prepares a request there once, then add_request queues it.
+touches it. Request validation and adapter resolution are its `admission`
+(RequestAdmission, admission.py): every front end prepares a request there once, then
+add_request queues it. The features EngineArgs enables (enabled_features) are a tuple
+of EngineFeature that the core, the scheduler and the runner loop over (features.py).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -24,11 +26,11 @@ from aioengine.core.async_scheduler import AsyncScheduler
 from aioengine.engine.kv_setup import kv_cache_layout, make_kv_cache_manager, peak_layer_blocks
 from aioengine.core.scheduler import Scheduler
 from aioengine.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
-from aioengine.core.spec_stats import SpecDecodingStats
 from aioengine.engine.admission import RequestAdmission
 from aioengine.generation_config import model_sampling_defaults
 from aioengine.engine.client import PreparedRequest
-from aioengine.engine.features import EngineFeature, feature_stats, prepare_step
+from aioengine.engine.features import (EngineFeature, admit_request, feature_stats,
+                                       prepare_step, shutdown)
 from aioengine.model.llama import kv_cache_bytes_per_block
 from aioengine.kernels import cpu as cpu_kernels
 from aioengine.lora.manager import LoRAConfig, LoRAManager
@@ -39,7 +41,7 @@ from aioengine.model.triton_attention import TritonAttentionBackend, select_atte
 from aioengine.request import Request, RequestStatus
 from aioengine.sampling_params import SamplingParams
 from aioengine.spec_decode import SpeculativeConfig, make_proposer, num_lookahead_tokens
-from aioengine.spec_decode.feature import SpecDecodeFeature
+from aioengine.spec_decode.step import SpeculativeDecoding
 from aioengine.spec_decode.shipped import resolve_speculative_config
 from aioengine.structured import StructuredOutputManager
 from aioengine.tokenizer_utils import get_eos_token_ids
@@ -51,7 +53,7 @@ from aioengine.worker.model_runner import ModelRunner
 logger = logging.getLogger("aioengine")
 
 
-class EngineCore(RequestAdmission):
+class EngineCore:
     def __init__(self, args: EngineArgs) -> None:
         args.validate()
         self.args = args
@@ -108,22 +110,17 @@ class EngineCore(RequestAdmission):
                                  self.device)
         self.eos_token_ids = get_eos_token_ids(self.tokenizer, self.loaded.hf_config)
         self.eos_token_ids |= set(self.loaded.arch.eos_token_ids)
-        # Grammars allow EOS only where they may end; compiles run on its own pool.
-        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size,
-                                                  self.eos_token_ids,
-                                                  jump_forward=args.structured_jump_forward,
-                                                  compile_timeout_s=(
-                                                      args.structured_outputs_compile_timeout))
-        spec_stats = SpecDecodingStats(spec.num_speculative_tokens if spec else 0)
-        # The features, in the order their hooks run and their stats are listed.
-        self.features: tuple[EngineFeature, ...] = tuple(f for f in (
-            self.structured, self.lora,
-            None if spec is None else SpecDecodeFeature(spec, spec_stats),
-        ) if f is not None)
+        self.structured, self.features = enabled_features(
+            args, self.lora, self.tokenizer, self.vocab_size, self.eos_token_ids)
+        # Drafts are part of the step (scheduled, verified), not a feature.
+        self.spec_decode = SpeculativeDecoding(spec)
         scheduler_cls = AsyncScheduler if args.async_scheduling else Scheduler
         self.scheduler = scheduler_cls(SchedulerConfig.from_engine_args(
             args, self.max_model_len, spec, num_lookahead_tokens(spec)), self.kv_cache_manager,
-            self.features, spec_stats)
+            self.features, self.spec_decode.counters)
+        self.admission = RequestAdmission(args, self.vocab_size, self.max_model_len,
+                                          self.eos_token_ids, self.kv_cache_manager,
+                                          self.lora, self.features)
         self.runner = ModelRunner(self.loaded, num_blocks, args.block_size, self.device,
                                   self.kv_cache_dtype, seed=args.seed, proposer=proposer,
                                   features=self.features,
@@ -203,7 +200,7 @@ class EngineCore(RequestAdmission):
                     per_block // bs, str(self.kv_cache_dtype).removeprefix("torch."), reason)
         return num_blocks
 
-    # ---- requests (validation and adapters: RequestAdmission) -----------------------
+    # ---- requests (validation and adapters: self.admission) ---------------------------
 
     def add_request(self, request_id: str, prompt: PreparedRequest | list[int],
                     params: SamplingParams | None = None, priority: int = 0,
@@ -218,7 +215,7 @@ class EngineCore(RequestAdmission):
                 raise ValueError("a prepared request carries its own params and adapter")
             prepared = prompt
         else:
-            prepared = self.prepare(prompt, params or SamplingParams(), lora_request)
+            prepared = self.admission.prepare(prompt, params or SamplingParams(), lora_request)
         prompt_token_ids, params = prepared.prompt_token_ids, prepared.sampling_params
         lora = prepared.lora_request
         arrival = arrival_time if arrival_time is not None else time.monotonic()
@@ -227,15 +224,16 @@ class EngineCore(RequestAdmission):
             sample_params = params
             if params.seed is not None and i > 0:
                 sample_params = _with_seed(params, params.seed + i)
-            samples.append(Request(
+            sample = Request(
                 request_id=request_id if params.n == 1 else f"{request_id}#{i}",
                 prompt_token_ids=list(prompt_token_ids), sampling_params=sample_params,
                 arrival_time=arrival, priority=priority, parent_id=request_id, sample_index=i,
-                structured=self.structured.admit(sample_params, lora),
                 lora_request=lora, pooling_params=prepared.pooling_params,
                 # The adapter's load is part of every block hash: KV computed under one
                 # adapter (or an earlier load of the same name) is never reused by another.
-                cache_salt=None if lora is None else ("lora", lora.lora_int_id)))
+                cache_salt=None if lora is None else ("lora", lora.lora_int_id))
+            admit_request(self.features, sample)
+            samples.append(sample)
         samples[0].pending_forks = samples[1:]
         self.scheduler.add_request(samples[0])
         return samples
@@ -259,6 +257,17 @@ class EngineCore(RequestAdmission):
             else:
                 request.error = detail
 
+    def lora_requests_info(self) -> tuple[list[str], list[str]]:
+        """The adapters (names) of the running and of the waiting requests (vLLM's
+        lora_requests_info metric), each sorted."""
+        def names(requests: list[Request]) -> list[str]:
+            return sorted({r.lora_request.lora_name for r in requests if r.lora_request})
+        return names(self.scheduler.running), names(self.scheduler.waiting)
+
+    def shutdown(self) -> None:
+        """Ends what the features started (grammar compile workers)."""
+        shutdown(self.features)
+
     def stats(self) -> dict[str, float]:
         """Point-in-time numbers for logs and metrics."""
         kv = self.kv_cache_manager
@@ -280,6 +289,7 @@ class EngineCore(RequestAdmission):
             # Summed over KV cache groups (each times its layers): what the peak held.
             "kv_peak_layer_blocks": peak_layer_blocks(self.kv_layout, kv),
             **feature_stats(self.features),
+            **self.spec_decode.get_stats(),
         }
 
     def reset_kv_peak_stats(self) -> None:
@@ -348,6 +358,20 @@ class EngineCore(RequestAdmission):
             logger.exception("forward failed")
             return [], failed + self.fail_step(scheduler_output, e)
         return self.update(scheduler_output, runner_output), failed
+
+
+def enabled_features(args: EngineArgs, lora: LoRAManager | None, tokenizer: Any,
+                     vocab_size: int, eos_token_ids: set[int],
+                     ) -> tuple[StructuredOutputManager, tuple[EngineFeature, ...]]:
+    """The features `args` enables, in the order their hooks run and their stats are
+    listed: structured output (always: a request asks for it), then LoRA when
+    --enable-lora (`lora`: made before the model, which builds its projections through
+    it). Also the structured one on its own: the grammar compiler, which benchmarks time."""
+    # Grammars allow EOS only where they may end; compiles run in their own workers.
+    structured = StructuredOutputManager(
+        tokenizer, vocab_size, eos_token_ids, jump_forward=args.structured_jump_forward,
+        compile_timeout_s=args.structured_outputs_compile_timeout)
+    return structured, (structured,) if lora is None else (structured, lora)
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

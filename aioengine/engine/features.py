@@ -1,9 +1,18 @@
-"""EngineFeature: the one shape of an engine feature (LoRA, structured output, speculative
-decoding) as EngineCore and the ModelRunner call it.
+"""EngineFeature: the one shape of an engine feature (LoRA, structured output) as the
+front ends, EngineCore, the scheduler and the ModelRunner call it. EngineCore builds the
+enabled ones from EngineArgs (core.enabled_features) and loops over them: nothing on the
+request path names a feature.
 
-    admit(params, lora_request)  a sample's typed state (or None: the feature does not
-                                 apply to it); raises an aioengine.errors.EngineError
-                                 subclass (InvalidRequestError, NotFoundError) to refuse it
+    prepare(params)              front end, blocking (LLM), once per request before it is
+                                 queued: raises an aioengine.errors.EngineError subclass
+                                 (InvalidRequestError) to refuse it (a grammar compiles)
+    prepare_async(params)        the same on the event loop (AsyncEngine), awaiting its
+                                 work off the loop
+    admit(request)               EngineCore.add_request, per sample: the feature's typed
+                                 state for it (None: the feature does not apply), kept in
+                                 request.feature_state[feature.name]
+    allows_tree_drafts(request)  EngineCore.add_request, per sample: False when drafts
+                                 for it must be a chain (request.allows_tree_drafts)
     begin_admission(running)     scheduler, before it admits waiting requests in a step
     can_admit(request)           scheduler, per waiting request: False skips it this step
                                  (it stays waiting); raising AdmissionFailed fails it
@@ -18,11 +27,14 @@ decoding) as EngineCore and the ModelRunner call it.
     begin_execute(output)        worker, right before the step's forward
     end_execute(output)          worker, after it (always, also when it failed)
     get_stats()                  point-in-time numbers for EngineCore.stats()
+    shutdown()                   the engine stops (worker processes, pools)
 
 The two sides matter: with async scheduling the loop prepares step N+1 while the worker
 runs step N, so anything the forward reads (LoRA's adapter slots) is set in
 begin_execute, never in prepare_step. Every hook but get_stats defaults to nothing, so a
-feature implements only the phases it takes part in.
+feature implements only the phases it takes part in. A feature's per-request state is
+read only inside the feature's own folder (its typed accessor, e.g.
+structured.manager.structured_state); everything else asks the feature's hooks.
 """
 from __future__ import annotations
 
@@ -31,7 +43,6 @@ from typing import TYPE_CHECKING, ClassVar, Sequence
 
 if TYPE_CHECKING:
     from aioengine.core.scheduler_output import SchedulerOutput
-    from aioengine.lora.request import LoRARequest
     from aioengine.request import Request
     from aioengine.sampling_params import SamplingParams
 
@@ -45,10 +56,23 @@ class EngineFeature(ABC):
 
     name: ClassVar[str]  # what stats and logs call it
 
-    def admit(self, params: SamplingParams,
-              lora_request: LoRARequest | None) -> object | None:
-        """One sample's state for this feature (params are the sample's own: its seed)."""
+    def prepare(self, params: SamplingParams) -> None:
+        """Front end, blocking: refuse (raise) what this feature can never run."""
+
+    async def prepare_async(self, params: SamplingParams) -> None:
+        """Front end, on the event loop: `prepare` without blocking the loop (the default
+        calls it: override where its work takes long)."""
+        self.prepare(params)
+
+    def admit(self, request: Request) -> object | None:
+        """One sample's state for this feature (its params are the sample's own: its seed);
+        must not block (queued work is waited for in can_admit)."""
         return None
+
+    def allows_tree_drafts(self, request: Request) -> bool:
+        """Whether speculative decoding may draft a tree for the admitted `request` (else
+        a chain: the tree's most likely path)."""
+        return True
 
     def begin_admission(self, running: Sequence[Request]) -> None:
         """Scheduler: a step's admissions start; `running` as they start from."""
@@ -87,6 +111,32 @@ class EngineFeature(ABC):
     def get_stats(self) -> dict[str, float]:
         """This feature's numbers (names unique across features)."""
 
+    def shutdown(self) -> None:
+        """The engine stops: end what the feature started (worker processes)."""
+
+
+def prepare_request(features: tuple[EngineFeature, ...], params: SamplingParams) -> None:
+    """Every feature's prepare (blocking); the first refusal raises."""
+    for feature in features:
+        feature.prepare(params)
+
+
+async def prepare_request_async(features: tuple[EngineFeature, ...],
+                                params: SamplingParams) -> None:
+    """Every feature's prepare_async, in order; the first refusal raises."""
+    for feature in features:
+        await feature.prepare_async(params)
+
+
+def admit_request(features: tuple[EngineFeature, ...], request: Request) -> None:
+    """Every feature's admit and allows_tree_drafts for one new sample, into its
+    feature_state and allows_tree_drafts (before it is queued)."""
+    for feature in features:
+        state = feature.admit(request)
+        if state is not None:
+            request.feature_state[feature.name] = state
+    request.allows_tree_drafts = all(f.allows_tree_drafts(request) for f in features)
+
 
 def prepare_step(features: tuple[EngineFeature, ...],
                  scheduler_output: SchedulerOutput) -> SchedulerOutput:
@@ -102,3 +152,9 @@ def feature_stats(features: tuple[EngineFeature, ...]) -> dict[str, float]:
     for feature in features:
         out.update(feature.get_stats())
     return out
+
+
+def shutdown(features: tuple[EngineFeature, ...]) -> None:
+    """Every feature's shutdown."""
+    for feature in features:
+        feature.shutdown()

@@ -44,11 +44,10 @@ class LLM(EngineClient):
         params, schema, regex or grammar), LoRANotFoundError, LoRAError."""
         params = (sampling_params if sampling_params is not None
                   else self.get_default_sampling_params())
-        self.core.load_lora_if_missing(lora_request)
+        self.core.admission.load_lora_if_missing(lora_request)
         text, token_ids = render_prompt(self.tokenizer, prompt)
-        prepared = self.core.prepare(token_ids, params, lora_request, text)
-        if params.structured_outputs is not None:  # a bad grammar raises here
-            self.core.structured.compile(params.structured_outputs)
+        prepared = self.core.admission.prepare(token_ids, params, lora_request, text)
+        self.core.admission.prepare_features(params)  # a bad grammar raises here
         return prepared
 
     def generate(self, prompts: PromptType | PreparedRequest
@@ -136,8 +135,8 @@ class LLM(EngineClient):
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = pooling_params if pooling_params is not None else PoolingParams()
-        self.core.load_lora_if_missing(lora_request)
-        prepared = [self.core.prepare_pooling(ids, params, lora_request, text)
+        self.core.admission.load_lora_if_missing(lora_request)
+        prepared = [self.core.admission.prepare_pooling(ids, params, lora_request, text)
                     for text, ids in (render_prompt(self.tokenizer, p) for p in prompts)]
         finals: dict[str, PoolingRequestOutput] = {}
         ids = []
@@ -194,11 +193,11 @@ class LLM(EngineClient):
     def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
         """Loads (blocking) and registers an adapter; returns it with its lora_int_id.
         Raises LoRAError (name taken, bad files) or LoRANotFoundError (no such path)."""
-        return self.core.add_lora(lora_request)
+        return self.core.admission.add_lora(lora_request)
 
     def remove_lora(self, lora_name: str) -> None:
         """Unloads an adapter; raises LoRANotFoundError for a name not loaded."""
-        self.core.remove_lora(lora_name)
+        self.core.admission.remove_lora(lora_name)
 
     def _prepared(self, prompt: PromptType | PreparedRequest, params: SamplingParams | None,
                   lora_request: LoRARequest | None) -> PreparedRequest:

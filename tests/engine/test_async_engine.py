@@ -138,15 +138,15 @@ async def test_a_prepared_request_is_validated_once_and_runs_as_prepared(
         monkeypatch) -> None:
     """prepare() admits the request (validation, params copied and resolved); generate()
     queues it without validating again, and gives the same tokens as a plain prompt."""
-    core = engine.core
+    admission = engine.core.admission
     validated = []
-    real = core.validate_prompt
+    real = admission.validate_prompt
 
     def counting(token_ids, params):
         validated.append(len(token_ids))
         return real(token_ids, params)
 
-    monkeypatch.setattr(core, "validate_prompt", counting)
+    monkeypatch.setattr(admission, "validate_prompt", counting)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prepared = await engine.prepare(tiny_prompts[3], params)
     assert validated == [len(tiny_prompts[3])] and engine.num_waiting_requests() == 0

@@ -1,6 +1,8 @@
 """The engine's features through one protocol (aioengine.engine.features): which features an
-engine has and in what order, that the runner runs every feature's worker hooks around
-each forward (also a failing one), and that stats() is the features' numbers."""
+engine has and in what order, that admission loops over them (typed state in
+Request.feature_state), that the runner runs every feature's worker hooks around each
+forward (also a failing one), and that stats() is the features' numbers and the
+speculative step's."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,9 +13,8 @@ from aioengine.engine.features import EngineFeature, feature_stats
 from aioengine.engine.llm import LLM
 from aioengine.lora.manager import LoRAManager
 from aioengine.request import RequestStatus
-from aioengine.sampling_params import SamplingParams
-from aioengine.spec_decode.feature import SpecDecodeFeature
-from aioengine.structured import StructuredOutputManager
+from aioengine.sampling_params import SamplingParams, StructuredOutputs
+from aioengine.structured import StructuredOutputManager, structured_state
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
@@ -47,19 +48,38 @@ def llm(tiny_llama_dir: Path) -> LLM:
 
 def test_features_in_order_and_their_stats(llm: LLM) -> None:
     core = llm.core
-    assert [type(f) for f in core.features] == [StructuredOutputManager, LoRAManager,
-                                               SpecDecodeFeature]
+    assert [type(f) for f in core.features] == [StructuredOutputManager, LoRAManager]
     assert core.features[1] is core.lora and core.runner.features == core.features
+    assert core.spec_decode.enabled  # part of the step, not a feature
     llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], GREEDY)
     stats = core.stats()
     by_feature = feature_stats(core.features)
     assert {k: stats[k] for k in by_feature} == by_feature
-    assert {"structured_requests", "lora_num_registered",
-            "spec_decode_num_drafts"} <= by_feature.keys()
-    # The spec feature reads the scheduler's live counters.
+    assert {"structured_requests", "lora_num_registered"} <= by_feature.keys()
+    assert "spec_decode_num_drafts" in stats
+    # The speculative step reports the scheduler's live counters.
+    assert core.scheduler.spec_stats is core.spec_decode.counters
     before = core.stats()["spec_decode_num_accepted_tokens_per_pos_0"]
     core.scheduler.spec_stats.observe(2, 1)
     assert core.stats()["spec_decode_num_accepted_tokens_per_pos_0"] == before + 1
+
+
+def test_admission_loops_over_the_features(llm: LLM) -> None:
+    """Each sample gets every applying feature's state under its name, and the features
+    decide whether it may be drafted as a tree."""
+    core = llm.core
+    regex = SamplingParams(max_tokens=2, temperature=0.0, n=2,
+                           structured_outputs=StructuredOutputs(regex="[0-9]+"))
+    constrained = core.add_request("c", [3, 4, 5], regex)
+    plain = core.add_request("p", [3, 4, 5], GREEDY)
+    try:
+        states = [structured_state(s) for s in constrained]
+        assert all(s is not None for s in states) and states[0] is not states[1]
+        assert [set(s.feature_state) for s in constrained] == [{"structured"}] * 2
+        assert not any(s.allows_tree_drafts for s in constrained)
+        assert plain[0].feature_state == {} and plain[0].allows_tree_drafts
+    finally:
+        core.finish_requests(constrained + plain, RequestStatus.FINISHED_ABORTED)
 
 
 def test_runner_runs_the_worker_hooks_around_each_forward(llm: LLM) -> None:

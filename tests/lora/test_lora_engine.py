@@ -66,7 +66,7 @@ def test_prefix_cache_keeps_adapters_and_reloads_apart(lora_model_dir: Path, ada
     assert run(None) == (peft_greedy[None][2], 0)  # the base model does not
     assert run(LoRARequest("a2", str(adapter_dirs["a2"])))[1] == 0
     # Reloaded under the same name from other weights: a new load, never the old blocks.
-    llm.core.remove_lora("a1")
+    llm.core.admission.remove_lora("a1")
     assert run(LoRARequest("a1", str(adapter_dirs["a3"]))) == (peft_greedy["a3"][2], 0)
     assert_blocks_released(llm.core)
 

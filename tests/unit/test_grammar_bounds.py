@@ -55,7 +55,7 @@ _CHILD = textwrap.dedent("""
         params = SamplingParams(max_tokens=16, structured_outputs=StructuredOutputs(**constraint))
         state = manager.new_request_state(params)
         state.grammar.result(timeout=60)
-        request = Request("r", [1], params, structured=state)
+        request = Request("r", [1], params, feature_state={manager.name: state})
         token = tok.encode(first, add_special_tokens=False)[0]
         forced = state.advance(request, token, 15)  # room: max_tokens 16 - the sampled one
         results.append([tok.decode([token] + forced), len(forced), request.status.name])

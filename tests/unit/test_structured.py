@@ -121,7 +121,8 @@ def test_choice_grammar_accepts_exactly_the_choices(manager: StructuredOutputMan
 def test_jump_forward_then_complete_with_eos(manager: StructuredOutputManager,
                                              bundled_tokenizer) -> None:
     state = state_for(manager, json=SCHEMA)
-    request = Request("r", [1, 2], SamplingParams(max_tokens=50), structured=state)
+    request = Request("r", [1, 2], SamplingParams(max_tokens=50),
+                      feature_state={manager.name: state})
     jumped = state.jump_forward_tokens(max_tokens=50)
     assert bundled_tokenizer.decode(jumped) == '{"name": "'
     for token in encode(bundled_tokenizer, 'Al'):
@@ -149,7 +150,7 @@ def test_jump_forward_respects_the_limit_and_switch(manager: StructuredOutputMan
 def test_rejected_token_fails_the_request(manager: StructuredOutputManager,
                                           bundled_tokenizer) -> None:
     state = state_for(manager, regex="[0-9]+")
-    request = Request("r", [1], SamplingParams(), structured=state)
+    request = Request("r", [1], SamplingParams(), feature_state={manager.name: state})
     state.advance(request, encode(bundled_tokenizer, "x")[0], 10)
     assert request.status == RequestStatus.FINISHED_ERROR
     assert "does not match" in request.error
@@ -231,7 +232,8 @@ def make_request(rid: str, structured: StructuredRequestState | None = None,
                  arrival: float = 0.0) -> Request:
     params = SamplingParams(temperature=0.0, max_tokens=4)
     params.all_stop_token_ids = {EOS}
-    return Request(rid, [10, 11, 12], params, arrival_time=arrival, structured=structured)
+    state = {} if structured is None else {StructuredOutputManager.name: structured}
+    return Request(rid, [10, 11, 12], params, arrival_time=arrival, feature_state=state)
 
 
 def test_scheduler_skips_a_request_whose_grammar_is_compiling(
