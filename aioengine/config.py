@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from aioengine.core.block_pool import PREFIX_CACHING_HASH_ALGOS
+from aioengine.kv.block_pool import PREFIX_CACHING_HASH_ALGOS
 # ConfigError is defined with the other typed errors, so that aioengine.spec_decode.config
 # need not import this module (no import circle); callers import it from here.
 from aioengine.errors import ConfigError
@@ -21,7 +21,7 @@ QUANTIZATIONS = ("int8", "w8a8", "gguf")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # (query, key) pairs of a long prompt's chunk per step while other requests run or wait
-# (core/chunking.py): 90 tokens at position 0, 8 at 1,000, 1 at 8,000 (alone: 4x that);
+# (sched/chunking.py): 90 tokens at position 0, 8 at 1,000, 1 at 8,000 (alone: 4x that);
 # docs/benchmarks.md, "Fair prefill", measured 4x, 5x and 58x a short chat's TTFT for
 # 8192, 16384 and none.
 DEFAULT_PREFILL_ATTENTION_BUDGET = 8192
@@ -64,7 +64,7 @@ class EngineArgs:
     # None: a quarter of max_num_batched_tokens; 0: off (a prompt takes the whole budget).
     long_prefill_token_threshold: int | None = None
     # A long prompt's chunk shrinks as its context grows: its tokens times the positions
-    # they attend stay within this (core/chunking.py). None: DEFAULT_PREFILL_ATTENTION_BUDGET;
+    # they attend stay within this (sched/chunking.py). None: DEFAULT_PREFILL_ATTENTION_BUDGET;
     # 0: off (the token cap alone).
     long_prefill_attention_budget: int | None = None
     scheduling_policy: str = "fcfs"

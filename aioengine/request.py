@@ -12,7 +12,7 @@ from aioengine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
-    from aioengine.core.block_pool import BlockHash
+    from aioengine.kv.block_pool import BlockHash
     from aioengine.lora.request import LoRARequest
 
 

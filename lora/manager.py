@@ -34,7 +34,7 @@ from aioengine.model.layers import Linear, ProjectionSpec
 from aioengine.model.loader import activation_dtype
 
 if TYPE_CHECKING:
-    from aioengine.core.scheduler_output import SchedulerOutput
+    from aioengine.sched.scheduler_output import SchedulerOutput
     from aioengine.request import Request
 
 logger = logging.getLogger("aioengine")

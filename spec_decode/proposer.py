@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from aioengine.core.scheduler_output import ScheduledRequest
+from aioengine.sched.scheduler_output import ScheduledRequest
 from aioengine.model.attention import AttentionMetadata
 from aioengine.request import Request
 from aioengine.spec_decode.ngram import NgramLookup

@@ -7,7 +7,7 @@ verifies drafts, reported as vLLM's spec_decode_* numbers.
 """
 from __future__ import annotations
 
-from aioengine.core.spec_stats import SpecDecodingStats
+from aioengine.sched.spec_stats import SpecDecodingStats
 from aioengine.metrics import SPEC_PER_POS_PREFIX
 from aioengine.spec_decode.config import SpeculativeConfig
 

@@ -28,7 +28,7 @@ from aioengine.structured.compiler import (DEFAULT_CACHE_BYTES, DEFAULT_COMPILE_
 from aioengine.structured.request_state import StructuredRequestState, StructuredStats
 
 if TYPE_CHECKING:
-    from aioengine.core.scheduler_output import SchedulerOutput
+    from aioengine.sched.scheduler_output import SchedulerOutput
     from aioengine.request import Request
 
 NAME = "structured"

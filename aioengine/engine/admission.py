@@ -23,7 +23,7 @@ from aioengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from aioengine.config import EngineArgs
-    from aioengine.core.kv_cache_manager import KVCacheManager
+    from aioengine.kv.kv_cache_manager import KVCacheManager
 
 
 class RequestAdmission:

@@ -24,7 +24,7 @@ from typing import AsyncIterator, Callable, Sequence
 
 from aioengine import envs
 from aioengine.config import EngineArgs
-from aioengine.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from aioengine.sched.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from aioengine.engine.async_pooling import AsyncPoolingMixin
 from aioengine.engine.client import EngineClient, PreparedRequest, PromptType, render_prompt
 from aioengine.engine.core import EngineCore

@@ -22,10 +22,10 @@ from aioengine import envs
 from aioengine import cpu_info
 from aioengine.config import ConfigError, EngineArgs, SchedulerConfig
 from aioengine.dtypes import auto_dtype, auto_kv_cache_dtype, parse_dtype
-from aioengine.core.async_scheduler import AsyncScheduler
+from aioengine.sched.async_scheduler import AsyncScheduler
 from aioengine.engine.kv_setup import kv_cache_layout, make_kv_cache_manager, peak_layer_blocks
-from aioengine.core.scheduler import Scheduler
-from aioengine.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from aioengine.sched.scheduler import Scheduler
+from aioengine.sched.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from aioengine.engine.admission import RequestAdmission
 from aioengine.generation_config import model_sampling_defaults
 from aioengine.engine.client import PreparedRequest

@@ -42,7 +42,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar, Sequence
 
 if TYPE_CHECKING:
-    from aioengine.core.scheduler_output import SchedulerOutput
+    from aioengine.sched.scheduler_output import SchedulerOutput
     from aioengine.request import Request
     from aioengine.sampling_params import SamplingParams
 

@@ -1,6 +1,6 @@
 """The engine's KV cache manager: one KVCacheManager (every layer alike: full attention, or
 a window on every layer), or one per KV cache group where the model mixes full-attention
-and sliding-window layers (core/kv_cache_groups.py), with each group's number of blocks.
+and sliding-window layers (kv/kv_cache_groups.py), with each group's number of blocks.
 
 Fail closed: groups only where the attention backend implements sliding windows and no
 EAGLE head reads the target's block tables (it attends with full attention over group 0's
@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aioengine.config import ConfigError, EngineArgs
-from aioengine.core.kv_cache_groups import (GroupedKVCacheManager, KVCacheGroupSpec,
+from aioengine.kv.kv_cache_groups import (GroupedKVCacheManager, KVCacheGroupSpec,
                                             kv_cache_group_specs)
-from aioengine.core.kv_cache_manager import KVCacheManager
+from aioengine.kv.kv_cache_manager import KVCacheManager
 from aioengine.model.layer_spec import LayerSpec, uniform_window
 
 

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from aioengine.core.scheduler_output import EngineCoreOutput
+from aioengine.sched.scheduler_output import EngineCoreOutput
 from aioengine.detokenizer import IncrementalDetokenizer
 from aioengine.metrics import EngineMetrics
 from aioengine.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput,

@@ -30,7 +30,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-from aioengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from aioengine.sched.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 # (scheduler_output, before_layers) -> runner output; calls before_layers() right before the
 # model's layers run (EngineCore.execute).

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field, fields
 
-from aioengine.core.scheduler_output import SchedulerOutput
+from aioengine.sched.scheduler_output import SchedulerOutput
 
 PHASES = ("schedule", "prepare", "forward", "sample", "propose", "process", "wait", "update",
           "idle")

@@ -43,7 +43,7 @@ class AttentionMetadata:
     # Per-step scratch a backend fills on the first layer and reuses on the others
     # (e.g. the decode mask); lives here so that no per-step state is global.
     backend_cache: dict[str, Any] = field(default_factory=dict)
-    # KV cache groups (core/kv_cache_groups.py): each layer's metadata, those of a group
+    # KV cache groups (kv/kv_cache_groups.py): each layer's metadata, those of a group
     # sharing its block tables and slot mapping; None: this one for every layer.
     layer_metas: tuple[AttentionMetadata, ...] | None = None
     # Tree attention (speculative tree drafts, spec_decode/tree.py): sequence i -> a bool

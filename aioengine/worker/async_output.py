@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from aioengine.core.scheduler_output import ModelRunnerOutput
+from aioengine.sched.scheduler_output import ModelRunnerOutput
 
 
 class AsyncModelRunnerOutput:

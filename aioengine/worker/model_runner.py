@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from aioengine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from aioengine.sched.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from aioengine.engine.features import EngineFeature
 from aioengine.model.attention import build_attention_metadata, to_device
 from aioengine.model.llama import make_kv_caches
@@ -56,7 +56,7 @@ class ModelRunner:
                  proposer: Proposer | None = None, features: Sequence[EngineFeature] = (),
                  async_output: bool | None = None,
                  kv_groups: Sequence[tuple[tuple[int, ...], int]] = ()) -> None:
-        """`kv_groups`: with KV cache groups (core/kv_cache_groups.py), each group's layers
+        """`kv_groups`: with KV cache groups (kv/kv_cache_groups.py), each group's layers
         and number of blocks, group 0 first (`num_blocks` is then group 0's)."""
         self.model = loaded.model
         # The engine's features, around each forward (begin_execute / end_execute): LoRA

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from aioengine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest
+from aioengine.sched.scheduler_output import ModelRunnerOutput, ScheduledRequest
 from aioengine.outputs import Logprob, PositionLogprobs
 
 # Sampled ids (and, when asked for, logprob ids, logprobs and ranks) of the plain rows of

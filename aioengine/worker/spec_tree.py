@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from aioengine.core.scheduler_output import ScheduledRequest
+from aioengine.sched.scheduler_output import ScheduledRequest
 from aioengine.model.attention import AttentionMetadata, kernel_rows_plan, to_device
 from aioengine.model.tree_attention import TreeKernelRows
 from aioengine.spec_decode.tree import (TreeConfig, accepted_slot_moves, node_depths,

@@ -1,5 +1,5 @@
 """How a step's scheduled items become attention sequences, and each layer's KV cache
-group (core/kv_cache_groups.py) on the runner's side: its block tables, its caches' sizes
+group (kv/kv_cache_groups.py) on the runner's side: its block tables, its caches' sizes
 and its copy-on-write copies."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from aioengine.core.scheduler_output import ScheduledRequest
+from aioengine.sched.scheduler_output import ScheduledRequest
 from aioengine.model.attention import AttentionMetadata, build_attention_metadata
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aioengine.core.scheduler_output import ModelRunnerOutput, ScheduledRequest
+from aioengine.sched.scheduler_output import ModelRunnerOutput, ScheduledRequest
 from aioengine.sample import (SamplingMetadata, SamplingRow, compute_probs, gather_logprobs,
                               is_plain_greedy)
 from aioengine.spec_decode.rejection_sampler import VerifyRows, accept_greedy, accept_sampled

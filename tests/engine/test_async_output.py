@@ -11,7 +11,7 @@ import torch
 
 from aioengine import AsyncEngine, SamplingParams
 from aioengine.config import gpu_kv_cache_budget
-from aioengine.core.scheduler_output import ModelRunnerOutput
+from aioengine.sched.scheduler_output import ModelRunnerOutput
 from aioengine.model.attention import to_device
 from aioengine.worker.async_output import AsyncModelRunnerOutput, resolve_now
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from aioengine import LLM, AsyncEngine, SamplingParams
-from aioengine.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
+from aioengine.sched.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 
 from tests.engine.conftest import assert_blocks_released
 

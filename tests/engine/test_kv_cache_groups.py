@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from aioengine import LLM, SamplingParams
-from aioengine.core.kv_cache_groups import GroupedKVCacheManager
+from aioengine.kv.kv_cache_groups import GroupedKVCacheManager
 
 from tests.engine.conftest import (assert_blocks_released, hf_greedy_full_forward,
                                    load_hf_model)

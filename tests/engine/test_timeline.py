@@ -5,7 +5,7 @@ import asyncio
 from pathlib import Path
 
 from aioengine import AsyncEngine, SamplingParams
-from aioengine.core.scheduler_output import DECODE_ROWS_CHUNK
+from aioengine.sched.scheduler_output import DECODE_ROWS_CHUNK
 from aioengine.engine.timeline import PHASES
 
 

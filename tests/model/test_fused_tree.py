@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from aioengine.core.scheduler_output import ScheduledRequest
+from aioengine.sched.scheduler_output import ScheduledRequest
 from aioengine.model.attention import build_attention_metadata
 from aioengine.model.llama import make_kv_caches
 from aioengine.model.loader import load_model

@@ -13,11 +13,11 @@ import sys
 import pytest
 
 from aioengine.config import ConfigError, EngineArgs, add_engine_args, engine_kwargs
-from aioengine.core.block_pool import (DEFAULT_PREFIX_CACHING_HASH_ALGO,
+from aioengine.kv.block_pool import (DEFAULT_PREFIX_CACHING_HASH_ALGO,
                                        PREFIX_CACHING_HASH_ALGOS, builtin_block_hash,
                                        get_block_hasher, hash_block_tokens, sha256_block_hash,
                                        xxhash_block_hash)
-from aioengine.core.kv_cache_manager import KVCacheManager
+from aioengine.kv.kv_cache_manager import KVCacheManager
 
 from test_kv_cache_manager import BS, admit, make_request  # tests/unit is on sys.path
 
@@ -26,7 +26,7 @@ DIGEST_SIZES = {"sha256": 32, "xxhash": 16, "builtin": 8}
 CHAIN = ([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]], ("lora", 3))
 CHAIN_SCRIPT = """
 import sys
-from aioengine.core.block_pool import get_block_hasher
+from aioengine.kv.block_pool import get_block_hasher
 blocks, salt = {chain!r}
 for algo in sys.argv[1:]:
     parent = None

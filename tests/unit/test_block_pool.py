@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from aioengine.core.block_pool import (BlockPool, FreeKVCacheBlockQueue, KVCacheBlock,
+from aioengine.kv.block_pool import (BlockPool, FreeKVCacheBlockQueue, KVCacheBlock,
                                        hash_block_tokens)
 
 

@@ -1,4 +1,4 @@
-"""The feature seam, checked on the source: the scheduler (aioengine/core/), the model
+"""The feature seam, checked on the source: the scheduler (aioengine/sched/), the model
 runner (aioengine/worker/) and speculative decoding (spec_decode/) never read a feature's
 per-request state (`request.feature_state`, `request.lora_request`, `request.lora_id`);
 they reach structured output and LoRA through the EngineFeature hooks only
@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FEATURE_STATE = ("feature_state", "structured", "lora_request", "lora_id")
-FEATURE_BLIND = ("aioengine/core", "aioengine/worker", "spec_decode")
+FEATURE_BLIND = ("aioengine/sched", "aioengine/kv", "aioengine/worker", "spec_decode")
 # Where per-request feature state may be named: the protocol that fills it, the Request
 # that holds it, and the features' own folders.
 STATE_OWNERS = ("aioengine/engine/features.py", "aioengine/request.py", "structured/", "lora/")

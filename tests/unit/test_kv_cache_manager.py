@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from aioengine.core.block_pool import hash_block_tokens
-from aioengine.core.kv_cache_manager import KVCacheManager
+from aioengine.kv.block_pool import hash_block_tokens
+from aioengine.kv.kv_cache_manager import KVCacheManager
 from aioengine.request import Request
 from aioengine.sampling_params import SamplingParams
 

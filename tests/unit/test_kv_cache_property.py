@@ -9,7 +9,7 @@ import itertools
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aioengine.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
+from aioengine.kv.kv_cache_manager import NULL_BLOCK, KVCacheManager
 from aioengine.request import Request
 
 from test_kv_cache_manager import make_request, snapshot  # tests/unit is on sys.path

@@ -2,7 +2,7 @@
 (KV waste at peak), with shared blocks counted once."""
 from __future__ import annotations
 
-from aioengine.core.kv_cache_manager import KVCacheManager
+from aioengine.kv.kv_cache_manager import KVCacheManager
 
 from test_kv_cache_manager import BS, admit, decode, make_request  # tests/unit is on sys.path
 

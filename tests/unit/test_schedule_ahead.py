@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from aioengine.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SchedulerOutput
+from aioengine.sched.scheduler_output import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SchedulerOutput
 from aioengine.request import RequestStatus
 
 from tests.unit.test_scheduler import (EOS, fake_forward, make_request, make_scheduler,

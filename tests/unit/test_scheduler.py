@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 from aioengine.config import SchedulerConfig
-from aioengine.core.async_scheduler import AsyncScheduler
-from aioengine.core.chunking import ALONE_FACTOR, attention_chunk_cap
-from aioengine.core.kv_cache_manager import KVCacheManager
-from aioengine.core.scheduler import Scheduler
+from aioengine.sched.async_scheduler import AsyncScheduler
+from aioengine.sched.chunking import ALONE_FACTOR, attention_chunk_cap
+from aioengine.kv.kv_cache_manager import KVCacheManager
+from aioengine.sched.scheduler import Scheduler
 from aioengine.engine.features import EngineFeature
-from aioengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from aioengine.sched.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from aioengine.request import Request, RequestStatus
 from aioengine.sampling_params import SamplingParams
 

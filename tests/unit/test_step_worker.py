@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from aioengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from aioengine.sched.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from aioengine.engine.step_worker import StepWorker
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from aioengine.config import SchedulerConfig
-from aioengine.core.kv_cache_manager import KVCacheManager
-from aioengine.core.scheduler import Scheduler
-from aioengine.core.scheduler_output import ModelRunnerOutput
+from aioengine.kv.kv_cache_manager import KVCacheManager
+from aioengine.sched.scheduler import Scheduler
+from aioengine.sched.scheduler_output import ModelRunnerOutput
 from aioengine.request import Request, RequestStatus
 from aioengine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputs
 from aioengine.server.protocol import (ApiError, get_structured_outputs,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from aioengine.core.scheduler_output import ScheduledRequest
+from aioengine.sched.scheduler_output import ScheduledRequest
 from aioengine.kernels import cpu as cpu_kernels
 from aioengine.model.attention import TorchAttentionBackend, build_attention_metadata
 from aioengine.sample.ops import exponential_race

@@ -3,8 +3,8 @@ after the one in flight before that one's tokens are known (EngineArgs.async_sch
 """
 from __future__ import annotations
 
-from aioengine.core.scheduler import Scheduler
-from aioengine.core.scheduler_output import (PLACEHOLDER_TOKEN_ID, ScheduledRequest,
+from aioengine.sched.scheduler import Scheduler
+from aioengine.sched.scheduler_output import (PLACEHOLDER_TOKEN_ID, ScheduledRequest,
                                              SchedulerOutput)
 from aioengine.request import Request
 

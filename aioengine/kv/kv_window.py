@@ -7,7 +7,7 @@ hits the same way).
 """
 from __future__ import annotations
 
-from aioengine.core.block_pool import NULL_BLOCK, BlockPool, KVCacheBlock
+from aioengine.kv.block_pool import NULL_BLOCK, BlockPool, KVCacheBlock
 
 
 def first_needed_block(num_hit_blocks: int, block_size: int, window: int) -> int:

@@ -20,7 +20,7 @@ PLACEHOLDER_TOKEN_ID = -1
 
 
 # Prompt chunks of up to this many tokens are laid out as decode rows (as_decode_rows): a
-# long prompt's late chunks (core/chunking.py: 1-8 tokens past ~1,000 positions) then run in
+# long prompt's late chunks (sched/chunking.py: 1-8 tokens past ~1,000 positions) then run in
 # the fused executor, ~8 ms of fixed cost a step against ~15 for the layer path. The bits
 # are the same either way: one attention function, one GEMM order.
 DECODE_ROWS_CHUNK = 8

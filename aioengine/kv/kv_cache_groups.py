@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from aioengine.core.block_pool import KVCacheBlock
-from aioengine.core.kv_cache_manager import KVCacheManager
+from aioengine.kv.block_pool import KVCacheBlock
+from aioengine.kv.kv_cache_manager import KVCacheManager
 from aioengine.request import Request
 
 if TYPE_CHECKING:

@@ -18,13 +18,13 @@ import time
 from typing import Iterable, Sequence
 
 from aioengine.config import SchedulerConfig
-from aioengine.core.chunking import PrefillChunker
-from aioengine.core.kv_cache_groups import GroupedKVCacheManager
-from aioengine.core.kv_cache_manager import KVCacheManager
-from aioengine.core.request_tokens import append_run, draws_own_noise, pool_chunk
-from aioengine.core.scheduler_output import (EngineCoreOutput, ModelRunnerOutput,
+from aioengine.sched.chunking import PrefillChunker
+from aioengine.kv.kv_cache_groups import GroupedKVCacheManager
+from aioengine.kv.kv_cache_manager import KVCacheManager
+from aioengine.sched.request_tokens import append_run, draws_own_noise, pool_chunk
+from aioengine.sched.scheduler_output import (EngineCoreOutput, ModelRunnerOutput,
                                              ScheduledRequest, SchedulerOutput)
-from aioengine.core.spec_stats import SpecDecodingStats
+from aioengine.sched.spec_stats import SpecDecodingStats
 from aioengine.engine.features import AdmissionFailed, EngineFeature
 from aioengine.pooling_params import PoolingState
 from aioengine.request import Request, RequestStatus
@@ -32,7 +32,7 @@ from aioengine.request import Request, RequestStatus
 
 class Scheduler:
     """The synchronous scheduler: one step at a time, each after the update of the one
-    before (AsyncScheduler, in core/async_scheduler.py, also schedules ahead).
+    before (AsyncScheduler, in sched/async_scheduler.py, also schedules ahead).
 
     The engine's features (structured output, LoRA) take part through their scheduler
     hooks (aioengine.engine.features): which waiting requests may be admitted, which may
@@ -53,7 +53,7 @@ class Scheduler:
         self.newly_failed: list[Request] = []
         self.num_steps = 0
         self.num_steps_ahead = 0  # of them, scheduled ahead (schedule_ahead)
-        # Fair prefill: how many tokens a request computes in a step (core/chunking.py).
+        # Fair prefill: how many tokens a request computes in a step (sched/chunking.py).
         self._chunker = PrefillChunker(config, kv_cache_manager.sliding_window)
         # Verified drafts, counted here; EngineCore.spec_decode (spec_decode/step.py) reports them.
         self.spec_stats = spec_stats or SpecDecodingStats(config.num_speculative_tokens)

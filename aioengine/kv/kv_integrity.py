@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from aioengine.core.block_pool import NULL_BLOCK, BlockPool, KVCacheBlock
+from aioengine.kv.block_pool import NULL_BLOCK, BlockPool, KVCacheBlock
 from aioengine.request import Request
 
 

@@ -20,11 +20,11 @@ A request then holds about (W + N) / B blocks, whatever its length.
 """
 from __future__ import annotations
 
-from aioengine.core.block_pool import (DEFAULT_PREFIX_CACHING_HASH_ALGO, NULL_BLOCK,
+from aioengine.kv.block_pool import (DEFAULT_PREFIX_CACHING_HASH_ALGO, NULL_BLOCK,
                                        BlockPool, KVCacheBlock)
-from aioengine.core.kv_integrity import RequestTable, check_kv_integrity
-from aioengine.core.kv_prefix_cache import PrefixCache
-from aioengine.core.kv_usage import count_empty_slots
+from aioengine.kv.kv_integrity import RequestTable, check_kv_integrity
+from aioengine.kv.kv_prefix_cache import PrefixCache
+from aioengine.kv.kv_usage import count_empty_slots
 from aioengine.request import Request
 
 

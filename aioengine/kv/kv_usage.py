@@ -1,7 +1,7 @@
 """The KV-waste measure: how many slots of the blocks in use hold no token."""
 from __future__ import annotations
 
-from aioengine.core.block_pool import KVCacheBlock
+from aioengine.kv.block_pool import KVCacheBlock
 
 
 def count_empty_slots(req_to_blocks: dict[str, list[KVCacheBlock]],

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from aioengine.config import SchedulerConfig
-from aioengine.core.scheduler_output import EngineCoreOutput
+from aioengine.sched.scheduler_output import EngineCoreOutput
 from aioengine.engine.features import EngineFeature
 from aioengine.request import Request, RequestStatus
 

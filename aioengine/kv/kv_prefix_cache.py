@@ -13,8 +13,8 @@ computed, and found by its hash until evicted.
 """
 from __future__ import annotations
 
-from aioengine.core import kv_window
-from aioengine.core.block_pool import BlockPool, KVCacheBlock, get_block_hasher
+from aioengine.kv import kv_window
+from aioengine.kv.block_pool import BlockPool, KVCacheBlock, get_block_hasher
 from aioengine.request import Request
 
 
