@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from aioengine.engine.client import PreparedRequest
 from aioengine.engine.features import EngineFeature, prepare_request, prepare_request_async
+from aioengine.engine.prepared_request import PreparedRequest
 from aioengine.errors import InvalidRequestError
 from aioengine.lora.adapter import LoRANotFoundError
 from aioengine.lora.manager import LoRAManager

@@ -10,7 +10,7 @@ N, N+1, N+2, ... back to back while the loop updates, streams and schedules behi
 Callers `async for out in engine.generate(...)`; each request has a RequestOutputCollector
 the output processor fills (updates the consumer has not read yet are merged into one).
 Cancelling the consuming task aborts the request. Pooling requests (`encode`, embeddings
-and scores) are AsyncPoolingMixin's (async_pooling.py).
+and scores) are run by the AsyncPooling object the engine holds (async_pooling.py).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from typing import AsyncIterator, Callable, Sequence
 from aioengine import envs
 from aioengine.config import EngineArgs
 from aioengine.sched.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
-from aioengine.engine.async_pooling import AsyncPoolingMixin
+from aioengine.engine.async_pooling import AsyncPooling
 from aioengine.engine.client import EngineClient, PreparedRequest, PromptType, render_prompt
 from aioengine.engine.core import EngineCore
 from aioengine.engine.faults import FaultInjector
@@ -36,7 +36,7 @@ from aioengine.engine.timeline import StepRecord, StepTimeline, step_kind
 from aioengine.errors import EngineDeadError, InvalidRequestError
 from aioengine.lora.request import LoRARequest
 from aioengine.metrics import EngineMetrics, MetricFactory, SpecDecodingLogging
-from aioengine.outputs import RequestOutput, RequestOutputCollector
+from aioengine.outputs import PoolingRequestOutput, RequestOutput, RequestOutputCollector
 from aioengine.pooling_params import PoolingParams
 from aioengine.request import Request, RequestStatus
 from aioengine.sampling_params import SamplingParams
@@ -48,7 +48,7 @@ def _forward_executor() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="aioengine-forward")
 
 
-class AsyncEngine(AsyncPoolingMixin, EngineClient):
+class AsyncEngine(EngineClient):
     def __init__(self, core: EngineCore, served_model_name: str | None = None,
                  executor: ThreadPoolExecutor | None = None,
                  metrics_factory: MetricFactory | None = None) -> None:
@@ -72,6 +72,7 @@ class AsyncEngine(AsyncPoolingMixin, EngineClient):
         self._wakeup = asyncio.Event()
         self._executor = executor or _forward_executor()
         self.faults = FaultInjector()  # in-process fault injection (tests, soak runs)
+        self._pooling = AsyncPooling(self, core.admission)
         self._worker = StepWorker(self._executor, self._execute)
         # Waits for CUDA events of steps in flight (AsyncModelRunnerOutput); made on first use.
         self._event_pool: ThreadPoolExecutor | None = None
@@ -170,21 +171,29 @@ class AsyncEngine(AsyncPoolingMixin, EngineClient):
             raise EngineDeadError("the engine is not running") from self._dead
         return None
 
+    def _start_request(self, prepared: PreparedRequest, request_id: str | None,
+                       priority: int) -> tuple[str, list[Request]]:
+        """Queues a prepared request (generate's or encode's: one id space) under
+        `request_id` or a fresh one; returns the id and its samples. The caller registers
+        its output with the processor before it next awaits, and forgets it at the end."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running") from self._dead
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._queues or request_id in self._samples:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        samples = self.core.add_request(request_id, prepared, priority=priority)
+        self._samples[request_id] = samples
+        self._wakeup.set()
+        return request_id, samples
+
     def _add_request(self, prepared: PreparedRequest, request_id: str | None = None,
                      priority: int = 0) -> tuple[str, RequestOutputCollector]:
         """Queues a prepared request; returns its id and output queue. Only generate()
         calls it: its `finally` is what forgets the queue."""
-        if not self.is_running:
-            raise EngineDeadError("the engine is not running") from self._dead
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._queues or request_id in self._samples:  # encode()'s too
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        samples = self.core.add_request(request_id, prepared, priority=priority)
+        request_id, samples = self._start_request(prepared, request_id, priority)
         queue = RequestOutputCollector()
         self._queues[request_id] = queue
-        self._samples[request_id] = samples
         self.processor.add_request(request_id, prepared.prompt_text, samples, queue.put)
-        self._wakeup.set()
         return request_id, queue
 
     async def generate(self, prompt: PromptType | PreparedRequest,
@@ -216,6 +225,31 @@ class AsyncEngine(AsyncPoolingMixin, EngineClient):
             if not finished:
                 self._abort(request_id)
             self._forget(request_id)
+
+    # ---- pooling requests (embeddings, scores): AsyncPooling's ---------------------------
+
+    async def prepare_pooling(self, prompts: Sequence[PromptType],
+                              pooling_params: PoolingParams | None = None,
+                              lora_request: LoRARequest | None = None,
+                              admit: Callable[[], None] | None = None,
+                              ) -> list[PreparedRequest]:
+        """Admits pooling requests (EngineCore.prepare_pooling), queueing nothing; then
+        `admit()` (a server's admission control). Raises InvalidRequestError,
+        LoRANotFoundError, LoRAError."""
+        return await self._pooling.prepare(prompts, pooling_params, lora_request, admit)
+
+    def encode(self, prompt: PromptType | PreparedRequest,
+               pooling_params: PoolingParams | None = None,
+               request_id: str | None = None, lora_request: LoRARequest | None = None,
+               priority: int = 0) -> AsyncIterator[PoolingRequestOutput]:
+        """vLLM's encode: a prefill-only request, batched with everything else, that yields
+        one PoolingRequestOutput (the pooled final hidden states; `outputs` None and
+        `error` set if it failed). Its KV blocks are freed when it ends. Cancelling the
+        consumer aborts it. `prompt`: a prompt (prepared here: InvalidRequestError before
+        anything is queued) or a PreparedRequest from `prepare_pooling`."""
+        # AsyncPooling's generator itself, not one wrapping it: closing it aborts at once.
+        return self._pooling.encode(prompt, pooling_params, request_id, lora_request,
+                                    priority)
 
     # ---- LoRA adapters (vLLM's add_lora / remove_lora; list_loras: EngineClient) ---------
 

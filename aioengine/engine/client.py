@@ -1,18 +1,18 @@
 """The client boundary: what AsyncEngine and LLM offer besides running requests.
 
 The server, Ray Serve, the benchmarks and the scripts see the engine only through these:
-a request prepared once (`PreparedRequest`), model info, adapters, KV and engine stats.
-Nothing outside aioengine/engine/ reaches into EngineCore (tests/unit/test_boundaries.py).
+a request prepared once (`PreparedRequest`, engine/prepared_request.py, re-exported here),
+model info, adapters, KV and engine stats. Nothing outside aioengine/engine/ reaches into
+EngineCore (tests/unit/test_boundaries.py); the core, for its part, never imports this
+module, so the client may name it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
+from aioengine.engine.prepared_request import PreparedRequest
 from aioengine.errors import InvalidRequestError
 from aioengine.lora.request import LoRARequest
-from aioengine.pooling_params import PoolingParams
-from aioengine.sampling_params import SamplingParams
 from aioengine.tokenizer_utils import apply_chat_template, encode_prompt
 
 if TYPE_CHECKING:
@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 # A prompt: text, token ids, or chat messages ({"role", "content"} dicts).
 PromptType = Union[str, list[int], list[dict]]
 
+__all__ = ["EngineClient", "PreparedRequest", "PromptType", "render_prompt"]
+
 
 def render_prompt(tokenizer, prompt: PromptType) -> tuple[str | None, list[int]]:
     """Prompt -> (text if any, token ids)."""
@@ -38,22 +40,6 @@ def render_prompt(tokenizer, prompt: PromptType) -> tuple[str | None, list[int]]
         return None, list(prompt)
     raise InvalidRequestError(
         "prompt must be a string, a list of token ids, or a list of chat messages", "prompt")
-
-
-@dataclass
-class PreparedRequest:
-    """A request the engine has admitted, once: its prompt rendered and validated, its
-    adapter resolved (`lora_request` is the registered one, with its lora_int_id), its
-    grammar compiled (front ends' prepare) and `sampling_params` the engine's own copy
-    with max_tokens and the stop token set resolved. `generate` queues it as it is."""
-
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    prompt_text: str | None = None
-    lora_request: LoRARequest | None = None
-    # A pooling request (prefill only, AsyncEngine.encode / LLM.embed): how its hidden
-    # states are pooled; `sampling_params` is then a placeholder nothing samples with.
-    pooling_params: PoolingParams | None = None
 
 
 class EngineClient:

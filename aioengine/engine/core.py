@@ -28,7 +28,7 @@ from aioengine.sched.scheduler import Scheduler
 from aioengine.sched.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from aioengine.engine.admission import RequestAdmission
 from aioengine.generation_config import model_sampling_defaults
-from aioengine.engine.client import PreparedRequest
+from aioengine.engine.prepared_request import PreparedRequest
 from aioengine.engine.features import (EngineFeature, admit_request, feature_stats,
                                        prepare_step, shutdown)
 from aioengine.model.llama import kv_cache_bytes_per_block

@@ -171,24 +171,10 @@ def test_no_deferred_import_cycle(sources: dict[str, tuple[str, bool]]) -> None:
     assert not found, f"import circles (imports in functions included): {_named(found)}"
 
 
-# Type-only circles still open from issue 51 item 3, each through a module that names the
-# class of the engine it serves: client.py's `core: EngineCore` (EngineClientInfo) and
-# async_pooling.py's AsyncPoolingMixin over AsyncEngine. The list only shrinks: the test
-# fails when one of them is broken too, so that its entry goes.
-OPEN_TYPE_ONLY_CIRCLES = [
-    {"aioengine.engine.admission", "aioengine.engine.client", "aioengine.engine.core"},
-    {"aioengine.engine.async_engine", "aioengine.engine.async_pooling"},
-]
-
-
 def test_no_type_only_import_cycle(sources: dict[str, tuple[str, bool]]) -> None:
-    graph = import_graph(sources, deferred=True, type_only=True)
-    groups = circular_groups(graph)
-    found = [_circle(graph, g) for g in groups if g not in OPEN_TYPE_ONLY_CIRCLES]
+    found = cycles(import_graph(sources, deferred=True, type_only=True))
     assert not found, ("import circles (imports in functions and under TYPE_CHECKING "
                        f"included): {_named(found)}")
-    gone = [sorted(g) for g in OPEN_TYPE_ONLY_CIRCLES if g not in groups]
-    assert not gone, f"no longer circles, drop them from OPEN_TYPE_ONLY_CIRCLES: {gone}"
 
 
 def test_the_graph_sees_circles() -> None:
