@@ -1,7 +1,7 @@
 /*
  * Attention of one query token over its request's paged K/V, in float32 arithmetic over a
  * float32 or bf16 cache (kv_bf16: each K/V element widened exactly to float32 as it is
- * read; paged_decode_attention.c explains the layout and has the batch kernel;
+ * read; paged_attention.c explains the layout and has the batch kernel;
  * llama_decode.c uses the same parts).
  *
  * Fixed-position parts: a token with seq_len positions (its position + 1) attends to parts
@@ -207,7 +207,7 @@ static inline int64_t attn_part_floats(int64_t num_heads, int64_t head_dim) {
 /* Part j of one token (query q, its request's block table, its seq_len) into `part`
  * (attn_part_floats): attend_range over the part's positions, K/V of the cache's element type
  * (kv_bf16: bf16, else float32; k_cache/v_cache and block_stride in elements). `scores` holds
- * num_heads * attn_part_len(block_size) floats. Defined once, in paged_decode_attention.c,
+ * num_heads * attn_part_len(block_size) floats. Defined once, in paged_attention.c,
  * not inline: every caller runs the same machine code, so the same bits. */
 void attn_compute_part(float *restrict part, const float *restrict q,
                        const void *restrict k_cache, const void *restrict v_cache, int kv_bf16,

@@ -17,7 +17,7 @@
  * Attention splits every token's context into parts at fixed absolute positions
  * (attention.h), shares the (token, part) tasks over the threads and every thread combines
  * each token's parts in order on its own copy, with the very functions of the layerwise kernel
- * (paged_decode_attention.c): a token's arithmetic depends on its seq_len alone, not on
+ * (paged_attention.c): a token's arithmetic depends on its seq_len alone, not on
  * how many tokens the step has or which path ran it, so a verification step of k + 1 rows,
  * a prefill and a decode agree bit for bit and greedy speculative decoding keeps the very
  * tokens of plain decoding. Six barriers a

@@ -25,6 +25,11 @@
  * straight from the cache is what makes it fast (a task per KV head read strided thirds of
  * each block and measured 3x slower).
  *
+ * It holds both users of that split: paged_attention_f32 (the batch kernel over rows) and
+ * the per-part functions attention.h declares (attn_compute_part, attn_compute_window_part,
+ * attn_combine_parts), which llama_decode.c's fused decode calls inside its own parallel
+ * region.
+ *
  * Built and loaded by aioengine/kernels/cpu.py; torch's OpenMP runtime is already loaded
  * then, so this shares its thread pool.
  */
