@@ -1,11 +1,23 @@
-"""Helpers every bench mode shares: the thread count, printing/saving a report, and the
-run's configuration as saved in it."""
+"""Helpers every bench mode shares: the workload and output flags, the thread count,
+printing/saving a report, and the run's configuration as saved in it."""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 from typing import Any
+
+from aioengine.bench.datasets import add_dataset_args
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The dataset flags and where the report goes, for the modes that run a workload."""
+    add_dataset_args(p)
+    g = p.add_argument_group("output")
+    g.add_argument("--save-json", default=None, metavar="PATH",
+                   help="config, environment, summary and per-request numbers")
+    g.add_argument("--plot", default=None, metavar="PATH.png")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def set_threads(threads: int | None) -> int:

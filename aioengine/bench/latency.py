@@ -55,8 +55,10 @@ from typing import Any
 
 import torch
 
+from aioengine.bench.common import emit, run_config, set_threads
+from aioengine.bench.datasets import TEXT_FILES, normal_vocab, random_dataset, text_dataset
 from aioengine.bench.floor import BANDWIDTH_REPEATS, BandwidthProbe, weight_bytes_per_token
-from aioengine.bench.report import cpu_line
+from aioengine.bench.report import cpu_line, environment_info
 from aioengine.bench.results import OUR_ENGINE, EngineLatency, checked_run
 from aioengine.metrics import format_spec_decode, spec_decode_delta
 
@@ -338,3 +340,63 @@ def format_latency(report: dict[str, Any]) -> str:
         lines.append(f"target: {OUR_ENGINE} TPOT <= {target} x floor: {verdict} "
                      f"(median x{ratio:.2f})")
     return "\n".join(lines)
+
+
+def add_latency_parser(sub: Any) -> None:
+    from aioengine.bench.peers import LATENCY_PEERS, add_peer_args
+    from aioengine.config import add_engine_args
+
+    p = sub.add_parser("latency", help="one request: TTFT, TPOT vs the weight-streaming floor")
+    p.add_argument("--dataset", choices=LATENCY_DATASETS, default="random",
+                   help="random: --input-len random tokens; text, grounded: one prompt of "
+                        "that shipped dataset (chosen by --seed; grounded ones are answered "
+                        "largely from the prompt, for --speculative-config ngram)")
+    p.add_argument("--input-len", type=int, default=256,
+                   help="random-token prompt length (seeded by --seed)")
+    p.add_argument("--output-len", type=int, default=128,
+                   help="exact output tokens (EOS ignored), at least 2")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per engine")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs per engine first")
+    p.add_argument("--engines", type=parse_latency_engines, default=list(LATENCY_ENGINES),
+                   help=f"comma-separated, run in order, from {list(LATENCY_ENGINES)}")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads for every engine and the bandwidth measurement "
+                        "(default: os.cpu_count())")
+    p.add_argument("--bandwidth-mib", type=int, default=1024,
+                   help="buffer size of the memory bandwidth measurement")
+    p.add_argument("--save-json", default=None, metavar="PATH",
+                   help="config, environment, floor and per-run numbers")
+    add_engine_args(p)
+    add_peer_args(p, LATENCY_PEERS)
+    p.set_defaults(func=latency_main)
+
+
+def latency_main(args: argparse.Namespace) -> int:
+    from aioengine.bench.offline import hf_pad_id, load_hf_tokenizer
+    from aioengine.bench.peers import LATENCY_PEERS, latency_peers, with_peers
+    from aioengine.config import engine_kwargs
+    from aioengine.model.default import bundled_model_path
+
+    args.engines = with_peers(args.engines, args, LATENCY_PEERS)
+    if args.output_len < 2 or args.input_len < 1 or args.repeats < 1 or args.warmup < 0:
+        raise SystemExit("need --output-len >= 2 (TPOT), --input-len >= 1, --repeats >= 1 "
+                         "and --warmup >= 0")
+    set_threads(args.threads)
+    model = args.model or bundled_model_path()
+    tokenizer = load_hf_tokenizer(args.tokenizer or model)
+    if args.dataset == "random":
+        workload = random_dataset(normal_vocab(tokenizer), 1, args.input_len, args.input_len,
+                                  args.output_len, args.seed)
+    else:
+        workload = text_dataset(tokenizer, 1, args.output_len, args.seed,
+                                TEXT_FILES[args.dataset], args.dataset)
+    config = LatencyConfig(model=model, prompt=workload.prompts[0], output_len=args.output_len,
+                           warmup=args.warmup, repeats=args.repeats, engines=args.engines,
+                           bandwidth_bytes=args.bandwidth_mib << 20,
+                           engine_kwargs=engine_kwargs(args), pad_token_id=hf_pad_id(tokenizer),
+                           peers=latency_peers(args, workload.requests[0].prompt_len))
+    report = {"mode": "latency", "environment": environment_info(), "model": model,
+              "config": run_config(args), "workload": workload.summary(),
+              **run_latency(config)}
+    emit(report, format_latency(report), args.save_json)
+    return 0

@@ -16,13 +16,15 @@ import argparse
 import gc
 import logging
 import os
+import sys
 import time
 from dataclasses import asdict
 from typing import Any, Callable
 
 import torch
 
-from aioengine.bench.datasets import Workload
+from aioengine.bench.common import add_workload_args, emit, run_config, set_threads
+from aioengine.bench.datasets import Workload, build_workload
 from aioengine.bench.results import OUR_ENGINE, EngineResult, compare_outputs, make_result
 
 NO_PREFIX_CACHING = "aioengine-no-prefix-caching"
@@ -280,3 +282,41 @@ def parse_engines(spec: str) -> list[str]:
         raise argparse.ArgumentTypeError(
             f"--engines must name distinct engines from {sorted(RUNNERS)}, got {spec!r}")
     return engines
+
+
+def add_offline_parser(sub: Any) -> None:
+    from aioengine.bench.peers import OFFLINE_PEERS, add_peer_args
+    from aioengine.config import add_engine_args
+
+    p = sub.add_parser("offline", help="one batch of requests, all at once, vs transformers")
+    add_workload_args(p)
+    p.add_argument("--hf-batch-size", type=int, default=16,
+                   help="static batch size of the transformers `generate` baseline")
+    p.add_argument("--engines", type=parse_engines, default=[OUR_ENGINE, "hf", "hf-cb"],
+                   help=f"comma-separated, run in order, from {sorted(RUNNERS)}")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads for every engine (default: os.cpu_count())")
+    # The engine flags (vLLM names) are the CLI's (aioengine.config); their --seed
+    # seeds both the workload and the engine, and --model names the weights for all.
+    add_engine_args(p)
+    add_peer_args(p, OFFLINE_PEERS)
+    p.set_defaults(func=offline_main)
+
+
+def offline_main(args: argparse.Namespace) -> int:
+    import aioengine.bench.report as rep
+    from aioengine.bench.peers import OFFLINE_PEERS, with_peers
+    from aioengine.model.default import bundled_model_path
+
+    args.engines = with_peers(args.engines, args, OFFLINE_PEERS)
+    set_threads(args.threads)
+    model = args.model or bundled_model_path()
+    workload = build_workload(args, load_hf_tokenizer(args.tokenizer or model))
+    report = {"mode": "offline", "environment": rep.environment_info(), "model": model,
+              "config": run_config(args), "workload": workload.summary(),
+              **run_offline(args, workload, model, progress=not args.no_progress)}
+    emit(report, rep.format_offline(report), args.save_json)
+    if args.plot:
+        rep.plot_offline(args.plot, report)
+        print(f"saved {args.plot}", file=sys.stderr)
+    return 0

@@ -6,12 +6,13 @@ decode-only) and how much of the loop's in-step work was hidden behind the worke
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import time
 from typing import Any
 
-from aioengine.bench.datasets import Workload
-from aioengine.engine.timeline import PHASES
+from aioengine.bench.common import add_workload_args, emit, run_config
+from aioengine.bench.datasets import Workload, build_workload
 
 
 async def run_profile(workload: Workload, model: str | None,
@@ -39,6 +40,9 @@ async def run_profile(workload: Workload, model: str | None,
 
 
 def format_profile(report: dict[str, Any]) -> str:
+    # Deferred: `aioengine bench --help` builds this module's parser and loads no engine.
+    from aioengine.engine.timeline import PHASES
+
     summary = report["summary"]
     head = f"{'phase (mean ms/step)':22s}" + "".join(f"{k:>10s}" for k in summary)
     lines = [f"elapsed {report['elapsed_s']:.2f} s", head]
@@ -50,3 +54,27 @@ def format_profile(report: dict[str, Any]) -> str:
                  "overlap = share of the loop's in-step work (process) hidden behind the worker; "
                  "fused_share = share of steps whose layers the fused CPU decode executor ran")
     return "\n".join(lines)
+
+
+def add_profile_parser(sub: Any) -> None:
+    from aioengine.config import add_engine_args
+
+    p = sub.add_parser("profile", help="the engine's per-step timeline on a workload")
+    add_workload_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=profile_main)
+
+
+def profile_main(args: argparse.Namespace) -> int:
+    import aioengine.bench.report as rep
+    from aioengine.bench.offline import load_hf_tokenizer
+    from aioengine.config import engine_kwargs
+    from aioengine.model.default import bundled_model_path
+
+    model = args.model or bundled_model_path()
+    workload = build_workload(args, load_hf_tokenizer(args.tokenizer or model))
+    report = {"mode": "profile", "environment": rep.environment_info(), "model": model,
+              "config": run_config(args), "workload": workload.summary(),
+              **asyncio.run(run_profile(workload, model, engine_kwargs(args)))}
+    emit(report, format_profile(report), args.save_json)
+    return 0

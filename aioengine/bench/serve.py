@@ -7,9 +7,12 @@ gaps' coefficient of variation is 1/sqrt(k)).
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +21,9 @@ import aiohttp
 import numpy as np
 import orjson
 
-from aioengine.bench.datasets import BenchRequest, Workload
-from aioengine.bench.metrics import RequestResult
+from aioengine.bench.common import add_workload_args, emit, run_config
+from aioengine.bench.datasets import BenchRequest, Workload, build_workload, with_text
+from aioengine.bench.metrics import RequestResult, parse_slo, summarize
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
@@ -210,3 +214,56 @@ async def run_serve(config: ServeConfig, workload: Workload
             bar.close()
         duration = time.perf_counter() - start
     return list(results), duration, model
+
+
+def add_serve_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="stream requests to an OpenAI-compatible server")
+    p.add_argument("--base-url", required=True, help="http://HOST:PORT (a trailing /v1 is fine)")
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--model", default=None, help="model name in the API (default: the "
+                   "server's first in /v1/models)")
+    p.add_argument("--tokenizer", default=None, help="HF directory or .gguf for the dataset "
+                   "(default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="Bearer token (default: $OPENAI_API_KEY)")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="most requests in flight at once (default: unbounded)")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests/s (default: inf, all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the gaps: 1 = Poisson, < 1 burstier")
+    p.add_argument("--slo", default=None, metavar="ttft:MS,tpot:MS",
+                   help="goodput counts requests within every bound (also e2el:MS)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    p.add_argument("--seed", type=int, default=0, help="dataset and arrival times")
+    add_workload_args(p)
+    p.set_defaults(func=serve_main)
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    import aioengine.bench.report as rep
+    from aioengine.bench.offline import load_hf_tokenizer
+    from aioengine.model.default import bundled_model_path
+
+    slo = parse_slo(args.slo)
+    tokenizer = load_hf_tokenizer(args.tokenizer or bundled_model_path())
+    workload = build_workload(args, tokenizer)
+    if args.endpoint == "chat":
+        workload = with_text(workload, tokenizer)
+    config = ServeConfig(base_url=args.base_url, endpoint=args.endpoint, model=args.model,
+                         api_key=args.api_key, max_concurrency=args.max_concurrency,
+                         request_rate=args.request_rate, burstiness=args.burstiness,
+                         seed=args.seed, temperature=args.temperature,
+                         timeout_s=args.timeout, progress=not args.no_progress)
+    results, duration, model = asyncio.run(run_serve(config, workload))
+    report = {"mode": "serve", "environment": rep.environment_info(), "model": model,
+              "config": run_config(args), "workload": workload.summary(),
+              "summary": summarize(results, duration, slo),
+              "requests": [r.to_json() for r in results]}
+    emit(report, rep.format_serve(report), args.save_json)
+    if args.plot:
+        rep.plot_serve(args.plot, results, duration,
+                       f"{model} via {args.endpoint}: {len(results)} requests")
+        print(f"saved {args.plot}", file=sys.stderr)
+    return 0 if report["summary"]["failed_requests"] == 0 else 1
