@@ -1,14 +1,28 @@
 """Speculative decoding is part of a step's shape, not an EngineFeature: a request's drafts
 (Request.spec_token_ids, from the runner's Proposer after sampling) take room in the
 scheduler's token budget next to its decode row, and the runner verifies them in that
-step (worker/verify.py; trees: worker/spec_tree.py). SpeculativeDecoding is the engine's
-one handle on it: the resolved config and the counters the scheduler keeps as it
-verifies drafts, reported as vLLM's spec_decode_* numbers.
+step. Its state lives in two parts because the two sides run apart and own different
+things:
+
+- `DraftScheduling` (here), the scheduler's part, on the event loop: which steps verify
+  drafts, how many of a request's drafts fit this step's budget, the lookahead slots a
+  draft head writes into, and the counters of what was verified. Plain numbers and the
+  counters, no tensors.
+- `DraftVerifier` (worker/verify.py), the runner's part, on the worker thread: the
+  proposer, the tree rows' scratch blocks, and the verification of a step's drafts
+  against the target's logits. Device state (KV caches, generators, the draft head) the
+  loop must never touch.
+
+SpeculativeDecoding is the engine's one handle on it: the resolved config and the
+counters the scheduler's part keeps, reported as vLLM's spec_decode_* numbers.
 """
 from __future__ import annotations
 
-from aioengine.sched.spec_stats import SpecDecodingStats
+from aioengine.config import SchedulerConfig
 from aioengine.metrics import SPEC_PER_POS_PREFIX
+from aioengine.request import Request
+from aioengine.sched.request_tokens import draws_own_noise
+from aioengine.sched.spec_stats import SpecDecodingStats
 from aioengine.spec_decode.config import SpeculativeConfig
 
 
@@ -16,7 +30,7 @@ class SpeculativeDecoding:
     def __init__(self, config: SpeculativeConfig | None) -> None:
         """`config` None: no drafts (the counters stay at zero)."""
         self.config = config
-        # Updated by the scheduler as it verifies drafts (Scheduler.update_from_output).
+        # Updated by the scheduler's DraftScheduling as it verifies drafts.
         self.counters = SpecDecodingStats(config.num_speculative_tokens if config else 0)
 
     @property
@@ -34,3 +48,50 @@ class SpeculativeDecoding:
                 "spec_decode_num_accepted_tokens": st.num_accepted_tokens,
                 **{f"{SPEC_PER_POS_PREFIX}{pos}": n
                    for pos, n in enumerate(st.num_accepted_tokens_per_pos)}}
+
+
+class DraftScheduling:
+    """The scheduler's part of speculative decoding (see the module docstring). The
+    scheduler holds one only when drafts are configured (None otherwise: one check)."""
+
+    def __init__(self, config: SchedulerConfig, counters: SpecDecodingStats) -> None:
+        self.disable_by_batch_size = config.spec_disable_by_batch_size
+        # Slots past a step's tokens for a draft head's chain (vLLM's num_lookahead_tokens).
+        self.num_lookahead_tokens = config.num_lookahead_tokens
+        self.max_model_len = config.max_model_len
+        self.counters = counters
+
+    @classmethod
+    def from_config(cls, config: SchedulerConfig,
+                    counters: SpecDecodingStats | None = None) -> DraftScheduling | None:
+        """None when `config` drafts no tokens."""
+        if config.num_speculative_tokens <= 0:
+            return None
+        return cls(config, counters or SpecDecodingStats(config.num_speculative_tokens))
+
+    def verifies(self, num_running: int) -> bool:
+        """Whether a step of `num_running` requests verifies (and proposes) drafts."""
+        limit = self.disable_by_batch_size
+        return limit is None or num_running <= limit
+
+    def num_drafts(self, request: Request, budget: int) -> int | None:
+        """How many of a decoding request's drafts ride along with its decode row, with
+        `budget` tokens left after that row; None: it waits for a step with room, since
+        fewer drafts would change how its own generator is drawn from, so its tokens
+        would depend on the batch."""
+        drafts = len(request.spec_token_ids)
+        if drafts <= budget:
+            return drafts
+        return None if draws_own_noise(request) else budget
+
+    def lookahead(self, request: Request, end: int) -> int:
+        """Slots past a step ending at token `end` that a draft head writes its chain into,
+        never past the request's last possible token (so a request that fits the cache
+        still does)."""
+        last = min(self.max_model_len,
+                   request.num_prompt_tokens + (request.sampling_params.max_tokens or 0))
+        return max(0, min(self.num_lookahead_tokens, last - end))
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        """A request's `num_drafts` verified, `num_accepted` of them kept."""
+        self.counters.observe(num_drafts, num_accepted)

@@ -32,7 +32,8 @@ class AsyncScheduler(Scheduler):
         live = [item for item in in_flight.scheduled if not item.request.is_finished]
         # With drafts verified in `in_flight` (its tokens unknown in number) or proposed
         # after it, the next step needs its update first.
-        if (in_flight.propose_drafts or any(item.spec_token_ids for item in live)
+        if ((self.spec_decode is not None
+             and (in_flight.propose_drafts or any(item.spec_token_ids for item in live)))
                 or self.waiting or len(live) != len(self.running)
                 or len(live) > self.config.max_num_batched_tokens
                 or not all(self._can_run_ahead(item) for item in live)):

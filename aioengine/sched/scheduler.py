@@ -21,10 +21,11 @@ from aioengine.config import SchedulerConfig
 from aioengine.sched.chunking import PrefillChunker
 from aioengine.kv.kv_cache_groups import GroupedKVCacheManager
 from aioengine.kv.kv_cache_manager import KVCacheManager
-from aioengine.sched.request_tokens import append_run, draws_own_noise, pool_chunk
+from aioengine.sched.request_tokens import append_run, pool_chunk
 from aioengine.sched.scheduler_output import (EngineCoreOutput, ModelRunnerOutput,
                                              ScheduledRequest, SchedulerOutput)
 from aioengine.sched.spec_stats import SpecDecodingStats
+from aioengine.spec_decode.step import DraftScheduling
 from aioengine.engine.features import AdmissionFailed, EngineFeature
 from aioengine.pooling_params import PoolingState
 from aioengine.request import Request, RequestStatus
@@ -55,8 +56,10 @@ class Scheduler:
         self.num_steps_ahead = 0  # of them, scheduled ahead (schedule_ahead)
         # Fair prefill: how many tokens a request computes in a step (sched/chunking.py).
         self._chunker = PrefillChunker(config, kv_cache_manager.sliding_window)
-        # Verified drafts, counted here; EngineCore.spec_decode (spec_decode/step.py) reports them.
-        self.spec_stats = spec_stats or SpecDecodingStats(config.num_speculative_tokens)
+        # Speculative decoding's part in the step (spec_decode/step.py): drafts in the
+        # budget, their lookahead slots, and the counters EngineCore.spec_decode reports
+        # (`spec_stats`). None: no drafts.
+        self.spec_decode = DraftScheduling.from_config(config, spec_stats)
 
     # ---- queue management --------------------------------------------------------------
 
@@ -105,7 +108,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int, int]] = []  # (request, new tokens, of them drafts)
         preempted: list[Request] = []
-        speculate = self._speculates(len(self.running))
+        spec = self._step_spec()
         self._chunker.begin_step(bool(self.waiting)
                                  and len(self.running) < self.config.max_num_seqs)
 
@@ -118,17 +121,18 @@ class Scheduler:
                 continue
             # Drafts ride along with a decode (one token left to compute), within the budget;
             # their slots are allocated like any token's (rejected ones are rewritten later).
-            num_spec = 0
-            if speculate and request.num_tokens - request.num_computed_tokens == 1:
-                num_spec = min(len(request.spec_token_ids), budget - num_new)
-                if num_spec < len(request.spec_token_ids) and draws_own_noise(request):
-                    # Fewer drafts would change how its generator is drawn from, so its
-                    # tokens would depend on the batch: it waits for a step with room.
-                    i += 1
-                    continue
+            num_spec, lookahead = 0, 0
+            if spec is not None:
+                if request.num_tokens - request.num_computed_tokens == 1:
+                    fits = spec.num_drafts(request, budget - num_new)
+                    if fits is None:  # it waits for a step with room for all its drafts
+                        i += 1
+                        continue
+                    num_spec = fits
+                lookahead = spec.lookahead(
+                    request, request.num_computed_tokens + num_new + num_spec)
             if not self._allocate_or_preempt(request, num_new + num_spec, preempted,
-                                             self._lookahead(request, request.num_computed_tokens
-                                                             + num_new + num_spec, speculate)):
+                                             lookahead):
                 break  # the request itself was preempted: nothing after it fits either
             scheduled.append((request, num_new + num_spec, num_spec))
             budget -= num_new + num_spec
@@ -139,7 +143,7 @@ class Scheduler:
             if blocked is not None and not scheduled and not self.running:
                 self._fail_unfittable(blocked)
         self.kv_cache_manager.observe_peak_usage()
-        return self._make_output(scheduled, preempted, speculate)
+        return self._make_output(scheduled, preempted, spec is not None)
 
     def _admit_waiting(self, scheduled: list[tuple[Request, int, int]],
                        budget: int) -> Request | None:
@@ -181,16 +185,6 @@ class Scheduler:
         alone = len(self.running) + len(self.waiting) <= 1
         return self._chunker.num_new_tokens(request, num_computed, budget, alone, running)
 
-    def _lookahead(self, request: Request, end: int, speculate: bool) -> int:
-        """Slots past a step ending at token `end` that a draft head writes its chain into
-        (vLLM's num_lookahead_tokens), never past the request's last possible token (so a
-        request that fits the cache still does)."""
-        if not speculate:
-            return 0
-        last = min(self.config.max_model_len,
-                   request.num_prompt_tokens + (request.sampling_params.max_tokens or 0))
-        return max(0, min(self.config.num_lookahead_tokens, last - end))
-
     def _allocate_or_preempt(self, request: Request, num_new: int,
                              preempted: list[Request], lookahead: int = 0) -> bool:
         """Allocates slots (and `lookahead` more), preempting the lowest-priority running
@@ -213,8 +207,8 @@ class Scheduler:
         num_new = self._num_new_tokens(request, num_hit, budget)
         if num_new == 0:
             return None
-        lookahead = self._lookahead(request, num_hit + num_new,
-                                    self._speculates(len(self.running)))
+        spec = self._step_spec()
+        lookahead = spec.lookahead(request, num_hit + num_new) if spec is not None else 0
         if self.kv_cache_manager.allocate_slots(request, num_new + lookahead,
                                                 computed_blocks) is None:
             return None
@@ -284,11 +278,11 @@ class Scheduler:
             propose_drafts=speculate,
         )
 
-    def _speculates(self, num_running: int) -> bool:
-        """Whether a step of `num_running` requests verifies (and proposes) drafts."""
-        limit = self.config.spec_disable_by_batch_size
-        return (self.config.num_speculative_tokens > 0
-                and (limit is None or num_running <= limit))
+    def _step_spec(self) -> DraftScheduling | None:
+        """Speculative decoding's part if a step of the running requests verifies (and
+        proposes) drafts; None when it does not (or drafts are off)."""
+        spec = self.spec_decode
+        return spec if spec is not None and spec.verifies(len(self.running)) else None
 
     def schedule_ahead(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
         """The synchronous scheduler never schedules a step before the update of the one
@@ -333,8 +327,8 @@ class Scheduler:
                     outputs.append(EngineCoreOutput(request, [], prompt_logprobs=prompt_lps))
                 continue
             logprobs = runner_output.logprobs.get(rid)
-            if num_drafts:
-                self.spec_stats.observe(num_drafts, len(tokens) - 1)
+            if num_drafts and self.spec_decode is not None:
+                self.spec_decode.observe(num_drafts, len(tokens) - 1)
             # One run for the request, or one token for each sample an n > 1 prompt forks.
             samples = [request] + self._fork(request)
             runs = [tokens] if len(samples) == 1 else [[token] for token in tokens]

@@ -16,7 +16,8 @@ its input ids on the device from the step before it (`_input_ids`).
 s0 is a decode with two drafts (speculative decoding): each of its positions is its own
 decode row (its own position and seq_len, the request's block table) and is sampled; the
 rejection sampler (aioengine.spec_decode) keeps the drafts the target agrees with. After
-sampling, the proposer (if any) drafts the next step's tokens.
+sampling, the proposer (if any) drafts the next step's tokens. All three are the runner's
+part of speculative decoding, `spec_decode` (worker/verify.py's DraftVerifier).
 """
 from __future__ import annotations
 
@@ -36,13 +37,12 @@ from aioengine.structured import GrammarBitmask
 from aioengine.sample import (Sampler, SamplingMetadata, SamplingRow,
                               compute_prompt_logprobs, is_plain_greedy, make_generator)
 from aioengine.spec_decode.proposer import ProposeContext, Proposer
-from aioengine.spec_decode.tree import node_paths
 from aioengine.worker.async_output import AsyncModelRunnerOutput, HostCopier
 from aioengine.worker.runner_outputs import (PlainSample, plain_tensors, read_plain,
                                              to_position_logprobs)
 from aioengine.worker.cuda_graphs import CUDAGraphRunner
-from aioengine.worker.spec_tree import apply_tree_layout, num_tree_scratch_blocks
-from aioengine.worker.verify import DraftVerifyContext, verify_drafts
+from aioengine.worker.spec_tree import num_tree_scratch_blocks
+from aioengine.worker.verify import DraftVerifier, DraftVerifyContext
 from aioengine.worker.step_layout import LayerKVGroups, copy_blocks, step_layout
 
 # The CPU warm-up's multiply-adds: 128 tokens of the bundled 135M model; a larger model
@@ -62,8 +62,6 @@ class ModelRunner:
         # The engine's features, around each forward (begin_execute / end_execute): LoRA
         # puts the step's adapters in slots and sets every token's slot.
         self.features = tuple(features)
-        # Speculative decoding: drafts the next step's tokens after sampling (None = off).
-        self.proposer = proposer
         self.arch = loaded.arch
         self.device = device
         self.block_size = block_size
@@ -72,9 +70,8 @@ class ModelRunner:
         self.kv_groups = LayerKVGroups(kv_groups, loaded.arch.num_hidden_layers) \
             if kv_groups else None
         # Past the pool's blocks: scratch for the C kernel's tree rows (worker/spec_tree.py).
-        scratch = 0 if kv_groups else num_tree_scratch_blocks(
-            proposer.tree if proposer else None, block_size)
-        self.tree_scratch_blocks = list(range(num_blocks, num_blocks + scratch))
+        scratch = 0 if kv_groups or proposer is None else num_tree_scratch_blocks(
+            proposer.tree, block_size)
         layer_blocks = self.kv_groups.layer_blocks if self.kv_groups else num_blocks + scratch
         # The blocks every layer has (warm_up writes only those).
         self.num_blocks = min(self.kv_groups.layer_blocks) if self.kv_groups else num_blocks
@@ -82,6 +79,11 @@ class ModelRunner:
                                         device)
         # Unseeded requests share this generator (engine seed); seeded ones have their own.
         self.sampler = Sampler(torch.Generator(device).manual_seed(seed))
+        # Speculative decoding's part in the step (worker/verify.py): lays out, verifies
+        # and proposes drafts. None: no drafts.
+        self.spec_decode = DraftVerifier(proposer, DraftVerifyContext(
+            self.vocab_size, device, self.sampler.generator, self.kv_caches, block_size),
+            list(range(num_blocks, num_blocks + scratch))) if proposer is not None else None
         # On CUDA the forward is issued on its own stream (from the worker thread).
         self.stream: torch.cuda.Stream | None = None
         if device.type == "cuda":
@@ -139,8 +141,9 @@ class ModelRunner:
         if self.kv_groups is not None:
             attn_metadata.layer_metas = self.kv_groups.layer_metas(
                 scheduled, query_lens, seq_lens, attn_metadata, self.block_size, self.device)
-        positions = apply_tree_layout(scheduled, item_starts, attn_metadata, positions,
-                                      self.tree_scratch_blocks, self.block_size)
+        if self.spec_decode is not None:
+            positions = self.spec_decode.lay_out(scheduled, item_starts, attn_metadata,
+                                                 positions)
         prepared = time.perf_counter()
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(attn_metadata):
             hidden = self.cuda_graphs.run(input_ids, positions, attn_metadata, before_layers)
@@ -159,10 +162,10 @@ class ModelRunner:
         self._prompt_logprobs(scheduled, hidden, item_starts, output)
         self._pool(scheduled, hidden, item_starts, output)
         sampled = time.perf_counter()
-        propose = self.proposer is not None and scheduler_output.propose_drafts
+        drafter = self.spec_decode if scheduler_output.propose_drafts else None
         plain, self._plain = self._plain, []
         self._last_step_id = scheduler_output.step_id
-        if plain and self.async_output and not propose:
+        if plain and self.async_output and drafter is None:
             # Only the sampled ids are still on the device: hand the output over unread.
             hosts, event = self.copier.copy(
                 [t for sample in plain for t in plain_tensors(sample)])
@@ -171,13 +174,12 @@ class ModelRunner:
             return AsyncModelRunnerOutput(event, lambda: read_plain(plain, hosts, output))
         if plain:
             read_plain(plain, [t for sample in plain for t in plain_tensors(sample)], output)
-        if propose:
-            output.spec_token_ids = self.proposer.propose(ProposeContext(
+        if drafter is not None:
+            drafter.propose(ProposeContext(
                 scheduled=scheduled, sampled_token_ids=output.sampled_token_ids,
                 item_starts=item_starts, input_ids=input_ids, positions=positions,
                 hidden=hidden, aux_hidden=aux_hidden, attn_metadata=attn_metadata,
-                accepted_tree_nodes=output.accepted_tree_nodes))
-            output.spec_tree_parents = self.proposer.tree_parents()
+                accepted_tree_nodes=output.accepted_tree_nodes), output)
         output.timings = {"prepare": prepared - start, "forward": forwarded - prepared,
                           "sample": sampled - forwarded, "propose": time.perf_counter() - sampled}
         return output
@@ -273,7 +275,8 @@ class ModelRunner:
                 grammar_bitmask: GrammarBitmask | None = None) -> None:
         """Logits for every row that samples (ScheduledRequest.num_logits_rows, in item
         order, as the grammar bitmask has them), then tokens: the Sampler for plain rows,
-        the rejection sampler for items with drafts."""
+        the rejection sampler for items with drafts (worker/verify.py)."""
+        spec = self.spec_decode
         row_index: list[int] = []
         rows: list[SamplingRow] = []
         owners: list[ScheduledRequest] = []
@@ -281,12 +284,10 @@ class ModelRunner:
             if item.num_samples == 0:
                 continue
             end = item_starts[i + 1]
-            drafts = item.spec_token_ids
-            if drafts:
-                row_index.extend(range(end - len(drafts) - 1, end))
-                paths = (node_paths(drafts, item.spec_tree_parents) if item.is_tree
-                         else [drafts[:j] for j in range(len(drafts) + 1)])
-                rows.extend(self._sampling_row(item.request, path) for path in paths)
+            if spec is not None and item.spec_token_ids:
+                row_index.extend(range(end - len(item.spec_token_ids) - 1, end))
+                rows.extend(self._sampling_row(item.request, path)
+                            for path in spec.draft_paths(item))
             else:
                 samples = [item.request] + item.request.pending_forks[:item.num_samples - 1]
                 for sample in samples:
@@ -307,19 +308,10 @@ class ModelRunner:
             # Before every sampling parameter, so logprobs are those of the masked logits.
             # Waits for the loop to finish filling the mask (it does so during the forward).
             grammar_bitmask.apply(logits)
-        if not any(item.spec_token_ids for item in owners):
-            self._sample_plain(logits, rows, owners, output, grammar_bitmask is not None)
+        if spec is not None and any(item.spec_token_ids for item in owners):
+            spec.sample(logits, rows, owners, output, self._sample_plain)
             return
-        plain_rows, verify_rows, r = [], [], 0
-        for item in owners:
-            (verify_rows if item.spec_token_ids else plain_rows).extend(
-                range(r, r + item.num_logits_rows))
-            r += item.num_logits_rows
-        if plain_rows:
-            self._sample_plain(logits[plain_rows], [rows[i] for i in plain_rows],
-                               [item for item in owners if not item.spec_token_ids], output, True)
-        self._verify(logits[verify_rows], [rows[i] for i in verify_rows],
-                     [item for item in owners if item.spec_token_ids], output)
+        self._sample_plain(logits, rows, owners, output, grammar_bitmask is not None)
 
     def _sample_plain(self, logits: torch.Tensor, rows: list[SamplingRow],
                       owners: list[ScheduledRequest], output: ModelRunnerOutput,
@@ -342,13 +334,6 @@ class ModelRunner:
             r += item.num_samples
         self._last_sampled = sampled, row_of
         self._plain.append((sampled, lp, owners))
-
-    def _verify(self, logits: torch.Tensor, rows: list[SamplingRow],
-                owners: list[ScheduledRequest], output: ModelRunnerOutput) -> None:
-        """Items with drafts (chains or trees): worker/verify.py."""
-        verify_drafts(logits, rows, owners, output, DraftVerifyContext(
-            self.vocab_size, self.device, self.sampler.generator, self.kv_caches,
-            self.block_size))
 
     def _sampling_row(self, request: Request, drafts: list[int] | None = None) -> SamplingRow:
         """The row of `request`'s next token; with `drafts`, of the token after them (they

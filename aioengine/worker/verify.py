@@ -1,18 +1,27 @@
-"""Verification of a step's drafts on the runner: each item with drafts (a chain, or a
-tree: spec_decode/tree.py) turns its verified rows of logits into the tokens it keeps."""
+"""The runner's part of speculative decoding (spec_decode/step.py says why it has two):
+DraftVerifier lays out a step's draft rows, verifies them after the forward (each item
+with drafts, a chain or a tree: spec_decode/tree.py, turns its verified rows of logits
+into the tokens it keeps) and has the proposer draft the next step's tokens."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from aioengine.model.attention import AttentionMetadata
 from aioengine.sched.scheduler_output import ModelRunnerOutput, ScheduledRequest
 from aioengine.sample import (SamplingMetadata, SamplingRow, compute_probs, gather_logprobs,
                               is_plain_greedy)
+from aioengine.spec_decode.proposer import ProposeContext, Proposer
 from aioengine.spec_decode.rejection_sampler import VerifyRows, accept_greedy, accept_sampled
-from aioengine.spec_decode.tree import verify_tree_greedy, verify_tree_sampled
+from aioengine.spec_decode.tree import node_paths, verify_tree_greedy, verify_tree_sampled
 from aioengine.worker.runner_outputs import to_position_logprobs
-from aioengine.worker.spec_tree import move_accepted_kv
+from aioengine.worker.spec_tree import apply_tree_layout, move_accepted_kv
+
+# The runner's sampling of plain rows: (logits, rows, their items, output, masked).
+SamplePlain = Callable[[torch.Tensor, list[SamplingRow], list[ScheduledRequest],
+                        ModelRunnerOutput, bool], None]
 
 
 @dataclass
@@ -24,6 +33,60 @@ class DraftVerifyContext:
     shared_generator: torch.Generator  # unseeded requests' draws
     kv_caches: list[torch.Tensor]  # a tree's accepted nodes' K/V are moved in them
     block_size: int
+
+
+class DraftVerifier:
+    """The runner's part of speculative decoding, on the worker thread: the proposer, the
+    scratch blocks past the pool's for the C kernel's tree rows (worker/spec_tree.py), and
+    what verification reads of the runner (`ctx`). The runner holds one only with a
+    proposer (None: no drafts, one check a step)."""
+
+    def __init__(self, proposer: Proposer, ctx: DraftVerifyContext,
+                 tree_scratch_blocks: list[int]) -> None:
+        self.proposer = proposer
+        self.ctx = ctx
+        self.tree_scratch_blocks = tree_scratch_blocks
+
+    def lay_out(self, scheduled: list[ScheduledRequest], item_starts: list[int],
+                meta: AttentionMetadata, positions: torch.Tensor) -> torch.Tensor:
+        """The step's positions with tree items' rows at their depths (their masks and
+        kernel rows set in `meta`); `positions` itself when the step has no tree."""
+        return apply_tree_layout(scheduled, item_starts, meta, positions,
+                                 self.tree_scratch_blocks, self.ctx.block_size)
+
+    @staticmethod
+    def draft_paths(item: ScheduledRequest) -> list[list[int]]:
+        """An item with drafts samples at each of its 1 + len(drafts) rows: row j's target
+        distribution follows the drafts of path j (a chain's first j; a tree's root, then
+        each node's path)."""
+        drafts = item.spec_token_ids
+        if item.is_tree:
+            return node_paths(drafts, item.spec_tree_parents)
+        return [drafts[:j] for j in range(len(drafts) + 1)]
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow],
+               owners: list[ScheduledRequest], output: ModelRunnerOutput,
+               sample_plain: SamplePlain) -> None:
+        """A step's sampled rows (`owners`' rows, in order) when some items carry drafts:
+        the others' rows through `sample_plain` first (the shared generator is drawn
+        from in that order), then the drafts' verification."""
+        plain_rows: list[int] = []
+        verify_rows: list[int] = []
+        r = 0
+        for item in owners:
+            (verify_rows if item.spec_token_ids else plain_rows).extend(
+                range(r, r + item.num_logits_rows))
+            r += item.num_logits_rows
+        if plain_rows:
+            sample_plain(logits[plain_rows], [rows[i] for i in plain_rows],
+                         [item for item in owners if not item.spec_token_ids], output, True)
+        verify_drafts(logits[verify_rows], [rows[i] for i in verify_rows],
+                      [item for item in owners if item.spec_token_ids], output, self.ctx)
+
+    def propose(self, ctx: ProposeContext, output: ModelRunnerOutput) -> None:
+        """The next step's drafts (and, of trees, their parents), into `output`."""
+        output.spec_token_ids = self.proposer.propose(ctx)
+        output.spec_tree_parents = self.proposer.tree_parents()
 
 
 def verify_drafts(logits: torch.Tensor, rows: list[SamplingRow],

@@ -64,7 +64,7 @@ def test_greedy_chat_equal_with_the_shipped_head(engines) -> None:
     assert spec.core.speculative_config.model == HEAD_DIR
     assert spec.core.speculative_config.num_speculative_tokens == json.load(
         open(os.path.join(HEAD_DIR, "config.json")))["n_predict"]
-    head = spec.core.runner.proposer.head
+    head = spec.core.runner.spec_decode.proposer.head
     if cpu_build.load() is not None:  # the default storage of a head on the CPU
         assert {lin.weight.dtype for lin in head.linears()} == {torch.int8}
     delta = greedy_chats_equal(plain, spec)

@@ -28,7 +28,7 @@ def test_greedy_chat_equal_with_tree_drafts(engines) -> None:
     plain, spec = engines
     delta = greedy_chats_equal(plain, spec)
     assert delta["num_drafts"] > 0 and delta["mean_acceptance_length"] > 1.25, delta
-    stats = spec.core.scheduler.spec_stats
+    stats = spec.core.spec_decode.counters
     assert stats.num_draft_tokens > 4 * stats.num_drafts  # trees, not chains of 4
     assert stats.num_accepted_tokens_per_pos[2] > 0
 

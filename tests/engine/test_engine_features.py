@@ -58,9 +58,9 @@ def test_features_in_order_and_their_stats(llm: LLM) -> None:
     assert {"structured_requests", "lora_num_registered"} <= by_feature.keys()
     assert "spec_decode_num_drafts" in stats
     # The speculative step reports the scheduler's live counters.
-    assert core.scheduler.spec_stats is core.spec_decode.counters
+    assert core.scheduler.spec_decode.counters is core.spec_decode.counters
     before = core.stats()["spec_decode_num_accepted_tokens_per_pos_0"]
-    core.scheduler.spec_stats.observe(2, 1)
+    core.scheduler.spec_decode.observe(2, 1)
     assert core.stats()["spec_decode_num_accepted_tokens_per_pos_0"] == before + 1
 
 

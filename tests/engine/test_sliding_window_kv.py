@@ -71,7 +71,7 @@ def test_windowed_kv_matches_transformers(name: str, mistral_dir: Path,
     if name == "preemption":
         assert llm.core.scheduler.num_preemptions > 0
     if name == "ngram":
-        stats = llm.core.scheduler.spec_stats
+        stats = llm.core.spec_decode.counters
         assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
 
 

@@ -53,7 +53,7 @@ def assert_deep_accepts(llm: LLM) -> None:
     """Trees were verified (more drafts a step than a chain of `depth` has) and some step
     accepted more than one node (a path, not just a first guess)."""
     assert_speculated(llm)
-    stats = llm.core.scheduler.spec_stats
+    stats = llm.core.spec_decode.counters
     assert stats.num_draft_tokens > TREE["depth"] * stats.num_drafts
     assert stats.num_accepted_tokens_per_pos[1] > 0, stats.num_accepted_tokens_per_pos
 
@@ -129,7 +129,7 @@ def test_abort_releases_blocks(tiny_llama_dir: Path, tree_spec: dict,
                for s in core.add_request(str(i), prompt, GREEDY_NARROW)]
     for _ in range(6):
         core.step()
-    assert core.scheduler.spec_stats.num_drafts > 0
+    assert core.spec_decode.counters.num_drafts > 0
     core.finish_requests(samples, RequestStatus.FINISHED_ABORTED)
     assert_blocks_released(core)
 
@@ -180,7 +180,7 @@ def test_a_one_wide_tree_drafts_the_chain(tiny_llama_dir: Path, tree_spec: dict,
     stats = []
     for spec in (chain, one_wide):
         _, llm = run(tiny_llama_dir, prompts, params, spec, max_num_seqs=1)
-        s = llm.core.scheduler.spec_stats
+        s = llm.core.spec_decode.counters
         stats.append((s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens_per_pos))
     assert stats[0] == stats[1]
     assert stats[0][2][1] > 0
