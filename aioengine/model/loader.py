@@ -333,6 +333,11 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, storage: str
     dequantized to `dtype`)."""
     from aioengine.model import gguf_loader
 
+    # transformers' top-level lazy module imported here, once: two threads importing it
+    # first at the same time (the tokenizer's and the config's) can see it half set up
+    # ("module 'transformers' has no attribute 'LlamaConfig'").
+    import transformers  # noqa: F401
+
     with ThreadPoolExecutor(2, thread_name_prefix="aioengine-load") as pool:
         tokenizer_future = pool.submit(_load_tokenizer, tokenizer_path)
         try:
