@@ -19,7 +19,7 @@ SOURCE_DIRS = {"aioengine": "aioengine", "spec_decode": "aioengine.spec_decode",
                "kernels": "aioengine.kernels", "scripts": "scripts"}
 # The engine's own package: the one place that may reach into EngineCore.
 ENGINE_PACKAGE = "aioengine.engine"
-# EngineCore's modules: the core and the admission mixin it is made of.
+# EngineCore's modules: the core and the admission object it holds (core.admission).
 CORE_MODULES = ("aioengine.engine.core", "aioengine.engine.admission")
 CORE_NAMES = ("EngineCore", "RequestAdmission")
 
