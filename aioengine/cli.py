@@ -88,7 +88,7 @@ async def _serve(args: argparse.Namespace) -> int:
     _started()
     try:
         await serve(engine, names, server_config_from_args(args), sock)
-    except LoRAModuleError as e:
+    except (LoRAModuleError, ConfigError) as e:  # ConfigError: --reasoning-parser's tokens
         sock.close()
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -116,7 +116,7 @@ async def _run_batch(args: argparse.Namespace) -> int:
     async with engine:
         try:
             ctx = await build_serving_context(engine, names, run_batch_server_config(args))
-        except LoRAModuleError as e:
+        except (LoRAModuleError, ConfigError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         try:

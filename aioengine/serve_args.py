@@ -17,6 +17,7 @@ from aioengine.ray_serve.options import add_ray_args
 from aioengine.server.request_limits import RequestLimits
 from aioengine.server.server_config import ServerConfig
 from aioengine.pooling_params import POOLING_TYPES
+from aioengine.reasoning_parsers import REASONING_PARSERS
 from aioengine.tool_parsers import TOOL_PARSERS
 
 
@@ -132,6 +133,11 @@ TOOL_FLAGS: dict[str, FlagSpec] = {
         "--tool-call-parser", choices=sorted(TOOL_PARSERS),
         help="the model's tool-call format, read back into tool_calls and used for "
              "constrained calls (default for forced calls: hermes)"),
+    "reasoning_parser": flag(
+        "--reasoning-parser", choices=sorted(REASONING_PARSERS),
+        help="the model's thinking format: its <think>...</think> text is returned as "
+             "reasoning_content (chat), reasoning items (Responses), apart from the answer, "
+             "and tool-call parsing and structured output apply to the answer only"),
     "pooling": flag("--pooling", choices=POOLING_TYPES,
                     help="how /v1/embeddings, /pooling, /score and /rerank pool the final "
                     "hidden states: last token, mean, or first token (default: %(default)s; "
@@ -209,7 +215,7 @@ def add_run_batch_args(parser: argparse.ArgumentParser) -> None:
                                                 "max_lora_rank", "max_cpu_loras"))
     add_dataclass_flags(parser.add_argument_group("tool calling and chat"), ServerConfig,
                         _some(TOOL_FLAGS, "enable_auto_tool_choice", "tool_call_parser",
-                              "chat_template"))
+                              "reasoning_parser", "chat_template"))
     # What _check_lora_args and _check_tool_args read of serve's flags.
     parser.set_defaults(allow_runtime_lora_updating=False, max_stored_responses=0)
 
@@ -228,7 +234,8 @@ def run_batch_server_config(args: argparse.Namespace) -> ServerConfig:
     """The ServerConfig run-batch serves its lines with (LoRA modules, tools, template)."""
     values = {**flag_values(args, _some(LORA_SERVER_FLAGS, "lora_modules")),
               **flag_values(args, _some(TOOL_FLAGS, "enable_auto_tool_choice",
-                                        "tool_call_parser", "chat_template"))}
+                                        "tool_call_parser", "reasoning_parser",
+                                        "chat_template"))}
     values["lora_modules"] = tuple(values["lora_modules"] or ())
     return ServerConfig(**values)
 

@@ -29,6 +29,7 @@ from aioengine import envs
 from aioengine.engine.async_engine import AsyncEngine
 from aioengine.errors import EngineDeadError, InvalidRequestError, NotFoundError
 from aioengine.metrics import CONTENT_TYPE
+from aioengine.reasoning_parsers import get_reasoning_parser
 from aioengine.server.browser_safety import BrowserSafety
 from aioengine.server.chat_page import PAGE_PATHS, add_chat_page
 from aioengine.server.connections import CappedSockSite, client_error_log
@@ -319,13 +320,17 @@ def bind_socket(host: str, port: int) -> socket.socket:
 async def build_serving_context(engine: AsyncEngine, served_model_names: list[str],
                                 config: ServerConfig) -> ServingContext:
     """How the engine is served (`serve` and `run-batch`): loads the `--lora-modules`
-    adapters first (LoRAModuleError: none is served), unless they are loaded on demand."""
+    adapters first (LoRAModuleError: none is served), unless they are loaded on demand.
+    ConfigError: a --reasoning-parser whose think tokens the tokenizer lacks."""
     tools = ToolServingConfig(config.enable_auto_tool_choice, config.tool_call_parser)
+    reasoning = (None if config.reasoning_parser is None
+                 else get_reasoning_parser(config.reasoning_parser, engine.tokenizer))
     on_demand = config.lora_modules if config.load_lora_modules_on_demand else ()
     ctx = ServingContext(engine, ServingModels(engine, served_model_names, on_demand), tools,
                          config.chat_template, config.max_queued_requests,
                          pooling=config.pooling, limits=config.limits,
-                         trust_message_special_tokens=config.trust_message_special_tokens)
+                         trust_message_special_tokens=config.trust_message_special_tokens,
+                         reasoning_parser=reasoning)
     if not on_demand:
         await ctx.models.init_static_loras(list(config.lora_modules))
     return ctx

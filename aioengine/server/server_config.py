@@ -55,6 +55,8 @@ class ServerConfig:
     # Tool calling (vLLM's flags), the chat template override, the Responses API's store.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # --reasoning-parser (reasoning_parsers.REASONING_PARSERS): None = output is all answer.
+    reasoning_parser: str | None = None
     chat_template: str | None = None
     # The pooling of the embedding routes (pooling_params.POOLING_TYPES): `last` suits a
     # decoder LLM; a request's pooling_type overrides it.

@@ -20,6 +20,7 @@ from aioengine.engine.client import PreparedRequest
 from aioengine.errors import EngineDeadError, InvalidRequestError, NotFoundError
 from aioengine.lora.request import LoRARequest
 from aioengine.outputs import CompletionOutput, RequestOutput
+from aioengine.reasoning_parsers import ReasoningParser
 from aioengine.sampling_params import SamplingParams
 from aioengine.server.offload import PromptWork, encode_text
 from aioengine.server.protocol import ApiError, StreamSpec, error_body, structured_outputs_field
@@ -67,6 +68,8 @@ class ServingContext:
     limits: RequestLimits = field(default_factory=RequestLimits)
     # --trust-message-special-tokens: message content may hold control tokens, any role.
     trust_message_special_tokens: bool = False
+    # --reasoning-parser, built against the engine's tokenizer (None: output is all answer).
+    reasoning_parser: ReasoningParser | None = None
 
     @property
     def served_model_names(self) -> list[str]:
