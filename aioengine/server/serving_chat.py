@@ -18,10 +18,12 @@ from aioengine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from aioengine.sampling_params import SamplingParams
 from aioengine.chat_prompt import ChatPrompt, render_chat
 from aioengine.server.offload import body_bytes, encode_text
-from aioengine.server.protocol import (ApiError, chat_sampling_params, get_bool, get_priority,
-                                       get_stream, structured_outputs_field)
-from aioengine.server.serving_engine import (ApiCall, PreparedCall, SSEStream, ServingContext,
-                                             check_failed, merged_outputs, random_id)
+from aioengine.engine.client import PreparedRequest
+from aioengine.server.protocol import (ApiError, StreamSpec, chat_sampling_params, get_bool,
+                                       get_priority, get_stream, structured_outputs_field)
+from aioengine.server.serving_engine import (ApiCall, Outputs, PreparedCall, SSEStream,
+                                             ServingContext, check_failed, merged_outputs,
+                                             random_id)
 from aioengine.tool_parsers import (ContentDelta, ToolCallArgsDelta, ToolCallStart,
                                            ToolCallStream, ToolEvent)
 from aioengine.server.tools import ToolPlan, chat_tool_plan, new_tool_call_id
@@ -110,6 +112,21 @@ class ChatChoice:
     call_ids: list[str] = field(default_factory=list)  # of the calls streamed so far
 
 
+@dataclass
+class ChatRequest:
+    """A chat call's engine request, prepared (nothing runs until `outputs` is iterated)."""
+    model: str
+    params: SamplingParams
+    plan: ToolPlan | None
+    prompt_ids: list[int]
+    prepared: list[PreparedRequest]
+    stream: StreamSpec
+    priority: int
+
+    def outputs(self, ctx: ServingContext, call_id: str) -> Outputs:
+        return merged_outputs(ctx.engine, self.prepared, call_id, self.priority)
+
+
 class ChatHandler:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
@@ -120,6 +137,15 @@ class ChatHandler:
     async def create(self, body: dict, body_size: int = 0) -> PreparedCall:
         """The call of a parsed body of `body_size` bytes, validated and prepared (the
         HTTP route and run-batch both come here)."""
+        chat = await self.prepare(body, body_size)
+        params = chat.params
+        call = _ChatCall(random_id("chatcmpl"), chat.model, params.n, params.logprobs,
+                         len(chat.prompt_ids), chat.plan)
+        return PreparedCall(call, chat.outputs(self.ctx, call.id), chat.stream)
+
+    async def prepare(self, body: dict, body_size: int = 0) -> ChatRequest:
+        """A chat body validated, rendered and prepared by the engine; /v1/messages comes
+        here too, with its body translated into a chat body (serving_messages.py)."""
         ctx = self.ctx
         model, lora_request = ctx.resolve_model(body)
         stream = get_stream(body)
@@ -130,10 +156,7 @@ class ChatHandler:
         prepared = await ctx.prepare([prompt_ids], params, lora_request, body,
                                      prompt_param="messages",
                                      grammar_param="tools" if plan else None)
-        call = _ChatCall(random_id("chatcmpl"), model, params.n, params.logprobs, len(prompt_ids),
-                         plan)
-        return PreparedCall(call, merged_outputs(ctx.engine, prepared, call.id, priority),
-                            stream)
+        return ChatRequest(model, params, plan, prompt_ids, prepared, stream, priority)
 
 
 class _ChatCall(ApiCall):
