@@ -126,8 +126,9 @@ class LinearWithLoRA(nn.Module):
         self.lora_a = torch.zeros(max_loras, s, max_rank, k, dtype=dtype, device=device)
         self.lora_b = torch.zeros(max_loras, max_rank, n, dtype=dtype, device=device)
         self.ranks = torch.zeros(max_loras, s, dtype=torch.int32)
-        # The ranks where the slots are too (a kernel on the device reads them there).
-        self.device_ranks = self.ranks if device.type == "cpu" else self.ranks.to(device)
+        # The ranks where the slots are too (a kernel on the device reads them there);
+        # `.to` returns `self.ranks` itself when that is already the slots' device.
+        self.device_ranks = self.ranks.to(device)
         self.slice_sizes_t = torch.tensor(slice_sizes, dtype=torch.int64)
         self.kernel: LoRAKernel = kernel or TorchLoRAKernel()
         # The C kernel's view of the slots (None off the CPU / float32): checked once.

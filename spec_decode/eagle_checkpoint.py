@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from aioengine.config import ConfigError
 from aioengine.model.arch import ModelArchConfig
-from aioengine.model.llama import _has_param, _layer_weight_table, copy_param_rows
+from aioengine.model.llama import has_param, layer_weight_table, copy_param_rows
 from aioengine.model.loader import ModelLoadError, safetensors_files
 
 _FIELD = "speculative_config.model"
@@ -57,7 +57,7 @@ class EagleCheckpoint:
         """Copies every tensor into the head built from this checkpoint (fusing q/k/v and
         gate/up); SpeculativeConfigError for an unknown, misshapen or missing one."""
         fc = self.tensors.get("fc.weight")
-        if fc is not None and _has_param(head, "fc.weight"):
+        if fc is not None and has_param(head, "fc.weight"):
             expected = head.get_parameter("fc.weight").shape[-1]
             if fc.shape[-1] != expected:
                 h = self.arch.hidden_size
@@ -205,8 +205,8 @@ def _copy_weights(head: nn.Module, method: str, arch: ModelArchConfig,
              "layers.0.hidden_norm.weight": ("hidden_norm", None),
              "norm.weight": ("norm", None), "lm_head.weight": ("lm_head.weight", None)}
     table.update({f"layers.0.{name}": (f"layer.{param}", rows)
-                  for name, (param, rows) in _layer_weight_table(arch).items()})
-    table = {name: t for name, t in table.items() if _has_param(head, t[0])}
+                  for name, (param, rows) in layer_weight_table(arch).items()})
+    table = {name: t for name, t in table.items() if has_param(head, t[0])}
     unknown = []
     for name, tensor in tensors.items():
         if (name in _IGNORED or name.endswith("rotary_emb.inv_freq")

@@ -75,7 +75,7 @@ class LlamaForCausalLM(nn.Module):
         # The local layers' own RoPE table (Gemma 3), None where every layer uses `rotary`.
         self.rotary_local = (RotaryEmbedding(arch, dtype, device, local=True)
                              if arch.local_rope_theta is not None else None)
-        self._layer_weights = _layer_weight_table(arch)
+        self._layer_weights = layer_weight_table(arch)
         # Multi-LoRA: the step's adapter slots for the fused decode kernel (the source that
         # made linear_factory's wrappers). None: no adapters, at no cost.
         self.lora_source = lora_source
@@ -391,7 +391,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"unexpected weight {hf_name!r}")
         layer, rest = int(m.group(1)), m.group(2)
         target = self._layer_weights.get(rest)
-        if target is None or not _has_param(self.layers[layer], target[0]):
+        if target is None or not has_param(self.layers[layer], target[0]):
             raise ValueError(f"unexpected weight {hf_name!r} for {self.arch.architecture}")
         return f"layers.{layer}.{target[0]}", target[1]
 
@@ -428,7 +428,7 @@ def copy_param_rows(param: Tensor, rows: tuple[int, int] | None, tensor: Tensor,
     dest.copy_(tensor)
 
 
-def _has_param(module: nn.Module, dotted: str) -> bool:
+def has_param(module: nn.Module, dotted: str) -> bool:
     """module.<dotted> exists and is not None (a bias or norm the architecture lacks is)."""
     obj: object = module
     for part in dotted.split("."):
@@ -438,7 +438,7 @@ def _has_param(module: nn.Module, dotted: str) -> bool:
     return True
 
 
-def _layer_weight_table(arch: ModelArchConfig) -> dict[str, tuple[str, tuple[int, int] | None]]:
+def layer_weight_table(arch: ModelArchConfig) -> dict[str, tuple[str, tuple[int, int] | None]]:
     """HF name inside a layer -> (our parameter, row range for fused ones)."""
     q, kv, inter = arch.q_size, arch.kv_size, arch.intermediate_size
     if arch.norm_style != "pre":  # Gemma, OLMo 2: the HF names of the output norms

@@ -7,9 +7,10 @@
  * and Q6_K v). Row-major weights are not read (their format codes are retired,
  * projection.h).
  *
- * At a few tokens the layers are bound by streaming their weights from memory (14 MB a
- * layer for SmolLM2-135M) and everything else is small; but layer by layer from Python each
- * layer is ~12 torch ops and kernel calls, ~130 us, 4 ms of a 19 ms step. Here one OpenMP
+ * At a few tokens the layers are bound by streaming their weights from memory and
+ * everything else is small; but layer by layer from Python each layer is ~12 torch ops and
+ * kernel calls, whose fixed costs add up to a sizeable part of a small model's step (the
+ * figures are in docs/benchmarks.md). Here one OpenMP
  * region runs every layer: the projections split by panels across the threads, each
  * thread taking the rest of another's share once done with its own (proj_shared,
  * projection.h); the per-token work (residual add, RMSNorm, SiLU-and-mul) done by every

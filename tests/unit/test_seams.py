@@ -23,11 +23,7 @@ DEVICE_CHOICES = {
     "aioengine/model/layers.py": "Linear picks its matmul kernel (the C GEMM, oneDNN, torch) "
                                  "by the input's device and dtype, as the device ops do"}
 # Device branches left in layer code, by file and source line, and why.
-ALLOWED = {
-    ("lora/layers.py",
-     'self.device_ranks = self.ranks if device.type == "cpu" else self.ranks.to(device)'):
-        "LinearWithLoRA keeps its slot ranks where the kernel reads them; `.to(device)` "
-        "returns the same tensor on the CPU, so this branch can go (the LoRA files' change)"}
+ALLOWED: dict[tuple[str, str], str] = {}
 # The packages holding model code (their modules, not subpackages: spec_decode/train is
 # the draft head's training code, which the engine never runs).
 PACKAGES = ("aioengine.model", "aioengine.spec_decode", "aioengine.lora")
