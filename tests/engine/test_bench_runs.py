@@ -113,3 +113,30 @@ def test_offline_prefix_caching_a_b_with_kv_stats(
     assert "aioengine / aioengine-no-prefix-caching: output x" in text
     assert "aioengine-no-prefix-caching        4" in text  # the engine column fits the name
     assert "   40.0%       0    25.0%" in text  # hit rate, preemptions, KV waste
+
+
+def test_profile_mode_records_every_step_of_the_workload(
+        tiny_llama_dir: Path, tmp_path: Path, bench_threads, capsys) -> None:
+    path = tmp_path / "profile.json"
+    rc = bench_main(["profile", "--model", str(tiny_llama_dir), "--dtype", "float32",
+                     "--num-prompts", "3", "--input-len-min", "12", "--input-len-max", "20",
+                     "--output-len", "5", "--no-enable-prefix-caching",
+                     "--save-json", str(path)])
+    assert rc == 0
+    report = json.loads(path.read_text())
+    steps = report["steps"]
+    # Every request's prompt and output tokens went through recorded steps (the warm-up's
+    # were not recorded, and with prefix caching off none of its blocks are reused): 3
+    # requests' prompts, then one token per request per decode step.
+    prompt_tokens = report["workload"]["num_prompt_tokens"]
+    decode_tokens = 3 * (5 - 1)  # the first output token comes from the prefill step
+    assert sum(s["num_tokens"] for s in steps) == prompt_tokens + decode_tokens
+    summary = report["summary"]
+    assert summary["all"]["steps"] == len(steps)
+    assert sum(summary[k]["steps"] for k in ("prefill", "mixed", "decode") if k in summary) \
+        == len(steps)
+    assert summary["decode"]["tokens_per_step"] <= 3
+    for row in summary.values():
+        assert row["forward_ms"] > 0 and 0 <= row["overlap"] <= 1
+    text = capsys.readouterr().out
+    assert "phase (mean ms/step)" in text and "forward_ms" in text
