@@ -6,24 +6,34 @@ opens the block itself (DeepSeek-R1 and its distills, Qwen3's 2507 thinking mode
 output starts inside it and only `</think>` is generated; where the template closes it
 (Qwen3 with `enable_thinking: false`), the output is all answer.
 
-Both parsers decide from where the output starts:
-- `deepseek_r1`: inside the reasoning, always (vLLM's rule: R1 models often omit `<think>`).
-- `qwen3`: inside the reasoning when the prompt left a `<think>` open or the output opens
-  one (leading whitespace allowed); otherwise the output is all answer.
+Where the output starts is decided by the prompt's last think tag, then the parser:
+- the prompt's last think tag is `</think>` (the template closed thinking, as Qwen3's does
+  with `enable_thinking: false`): outside the reasoning, for both parsers (vLLM's
+  `is_reasoning_end` of the prompt);
+- `deepseek_r1`: otherwise inside the reasoning (vLLM's rule: R1 models often omit
+  `<think>`, the template having written it);
+- `qwen3`: inside the reasoning when the prompt's last think tag is `<think>`; with no tag
+  in the prompt, the output decides: opening with `<think>` puts it inside.
+In every case an output that opens with `<think>` (leading whitespace allowed) starts
+inside the reasoning: the tag is dropped.
 Inside the reasoning, everything up to the first `</think>` is reasoning and the rest is
 the answer. An output that never closes the block (cut by max_tokens) is all reasoning:
 this is what a stream has sent by then, and `extract` agrees with the stream (for any split
 of a text into deltas, the deltas joined equal `extract(text)`; tested).
 
 The answer alone goes on to the tool-call parser and is what structured output constrains:
-`end_token_id` is where the grammar starts (the structured feature's reasoning gate).
+`constrain_answer` puts the think token ids on a request's constraint, and the structured
+feature's reasoning gate (structured/reasoning_gate.py) starts the grammar after the
+output's first `</think>` token, agreeing with the split above token for token.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from aioengine.errors import ConfigError
+from aioengine.sampling_params import StructuredOutputs
 
 __all__ = ["REASONING_PARSERS", "ReasoningParser", "ReasoningSplit", "ReasoningStream",
            "get_reasoning_parser"]
@@ -108,21 +118,39 @@ class ReasoningParser:
         self.start_token_id: int = vocab[self.start_tag]
         self.end_token_id: int = vocab[self.end_tag]
 
-    def starts_in_reasoning(self, prompt_ids: list[int]) -> bool:
-        """Whether an output of this prompt starts inside a reasoning block: the prompt's
-        last think tag is an opening one (the template opened it)."""
-        if self.always_starts_in_reasoning:
-            return True
+    def last_tag(self, prompt_ids: list[int]) -> int | None:
+        """The prompt's last think token (start_token_id or end_token_id), None if none."""
         for token_id in reversed(prompt_ids):
-            if token_id == self.end_token_id:
-                return False
-            if token_id == self.start_token_id:
-                return True
-        return False
+            if token_id in (self.start_token_id, self.end_token_id):
+                return token_id
+        return None
+
+    def starts_in_reasoning(self, prompt_ids: list[int]) -> bool:
+        """Whether an output of this prompt starts inside a reasoning block (module doc):
+        the prompt's last think tag is `<think>`, or for deepseek_r1 is not `</think>`."""
+        last = self.last_tag(prompt_ids)
+        if last == self.end_token_id:
+            return False
+        return self.always_starts_in_reasoning or last == self.start_token_id
+
+    def constrain_answer(self, constraint: StructuredOutputs,
+                         prompt_ids: list[int]) -> StructuredOutputs:
+        """`constraint` applied to the answer of an output of `prompt_ids`: from the
+        token after the first `</think>` when the output starts inside the reasoning; from
+        the first token when the prompt closed thinking; and where the output decides
+        (qwen3, no tag in the prompt), `<think>` allowed as its first token too."""
+        if self.starts_in_reasoning(prompt_ids):
+            start = None
+        elif self.last_tag(prompt_ids) is None:
+            start = self.start_token_id
+        else:
+            return constraint
+        return dataclasses.replace(constraint, reasoning_end_token_id=self.end_token_id,
+                                   reasoning_start_token_id=start)
 
     def stream(self, in_reasoning: bool) -> ReasoningStream:
         """`in_reasoning`: starts_in_reasoning(prompt_ids) of the output's prompt."""
-        return ReasoningStream(self, in_reasoning or self.always_starts_in_reasoning)
+        return ReasoningStream(self, in_reasoning)
 
     def extract(self, text: str, in_reasoning: bool) -> ReasoningSplit:
         stream = self.stream(in_reasoning)

@@ -60,6 +60,13 @@ class StructuredOutputs:
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: dict | str | None = None
+    # The reasoning gate (set by the server's --reasoning-parser, never from a body): the
+    # constraint applies to the answer only, from the token after the output's first
+    # `reasoning_end_token_id`. With `reasoning_start_token_id` too, the output may open its
+    # reasoning with that token as its first token, else the constraint starts at once.
+    # Not part of `key`: the compiled grammar is the same.
+    reasoning_end_token_id: int | None = None
+    reasoning_start_token_id: int | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in _CONSTRAINT_KINDS if getattr(self, name) not in (None, False)]

@@ -25,6 +25,7 @@ from aioengine.sampling_params import SamplingParams, StructuredOutputs
 from aioengine.structured.bitmask import GrammarBitmask
 from aioengine.structured.compiler import (DEFAULT_CACHE_BYTES, DEFAULT_COMPILE_TIMEOUT_S,
                                           GrammarCompileCache)
+from aioengine.structured.reasoning_gate import ReasoningGate
 from aioengine.structured.request_state import StructuredRequestState, StructuredStats
 
 if TYPE_CHECKING:
@@ -71,14 +72,20 @@ class StructuredOutputManager(EngineFeature):
     def new_request_state(self, params: SamplingParams) -> StructuredRequestState | None:
         """One sample's grammar state (None if unconstrained). Never blocks: the compile
         may still be running, and the scheduler skips the request until it is done.
-        Jump-forward is off for requests that want logprobs (forced tokens have none)."""
+        Jump-forward is off for requests that want logprobs (forced tokens have none). A
+        constraint with reasoning token ids gets a reasoning gate (reasoning_gate.py)."""
         constraint = params.structured_outputs
         if constraint is None:
             return None
         self.stats.num_requests += 1
+        gate = None
+        if constraint.reasoning_end_token_id is not None:
+            gate = ReasoningGate(constraint.reasoning_end_token_id,
+                                 constraint.reasoning_start_token_id)
         return StructuredRequestState(
             grammar=self.compiler.submit(constraint), encode=self._encode,
-            jump_forward=self.jump_forward and params.logprobs is None, stats=self.stats)
+            jump_forward=self.jump_forward and params.logprobs is None, stats=self.stats,
+            gate=gate)
 
     def prepare(self, params: SamplingParams) -> None:
         """EngineFeature.prepare: the grammar compiled (blocking); a bad one raises."""

@@ -4,6 +4,10 @@ The matcher depends only on the sample's output tokens, never on its KV cache, s
 preemption (recompute) and prefix caching leave it untouched. Each sample of an n > 1
 request has its own state, created with the request: forks start from the same
 (empty-output) position and then diverge.
+
+With a reasoning gate (reasoning_gate.py), the matcher sees only the answer's tokens:
+before it, every token is allowed and none is matched, nothing is jumped forward and the
+grammar cannot end the output.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import torch
 import xgrammar as xgr
 
 from aioengine.request import Request, RequestStatus
+from aioengine.structured.reasoning_gate import Phase, ReasoningGate
 
 
 @dataclass
@@ -36,6 +41,7 @@ class StructuredRequestState:
     encode: Callable[[str], list[int]]  # text -> token ids, no special tokens
     jump_forward: bool
     stats: StructuredStats = field(default_factory=StructuredStats)
+    gate: ReasoningGate | None = None  # None: the whole output is constrained
     _matcher: xgr.GrammarMatcher | None = None
     _probe: torch.Tensor | None = None  # a one-row bitmask for forced_text
 
@@ -57,14 +63,34 @@ class StructuredRequestState:
         return self._matcher
 
     @property
+    def in_answer(self) -> bool:
+        """The matcher is live: no gate, or the gate's reasoning is over."""
+        return self.gate is None or self.gate.in_answer
+
+    @property
     def is_terminated(self) -> bool:
         """The grammar accepted a stop token: the output is complete."""
-        return self.matcher.is_terminated()
+        return self.in_answer and self.matcher.is_terminated()
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int] = ()) -> None:
         """Allowed next tokens into `bitmask[row]`; a terminated matcher allows only its
         stop tokens (xgrammar's own convention), which end the request anyway. With
-        `drafts` (valid ones: num_valid_drafts), the tokens allowed after them."""
+        `drafts` (valid ones: num_valid_drafts), the tokens allowed after them. Inside
+        the reasoning every token is allowed; where the output may still open it, the
+        grammar's first tokens and the gate's `<think>`."""
+        if self.gate is None or self.gate.in_answer:
+            self._fill_matcher(bitmask, row, drafts)
+            return
+        phase, answer_drafts = self.gate.walk(drafts)
+        if phase is Phase.REASONING:
+            bitmask[row].fill_(-1)
+            return
+        self._fill_matcher(bitmask, row, answer_drafts)
+        if phase is Phase.EITHER:
+            assert self.gate.start_token_id is not None
+            _allow_token(bitmask, row, self.gate.start_token_id)
+
+    def _fill_matcher(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int]) -> None:
         matcher = self.matcher
         for token_id in drafts:
             if not matcher.accept_token(token_id):
@@ -74,7 +100,18 @@ class StructuredRequestState:
             matcher.rollback(len(drafts))
 
     def num_valid_drafts(self, drafts: Sequence[int]) -> int:
-        """How many leading draft tokens the grammar accepts from here (matcher unchanged)."""
+        """How many leading draft tokens the grammar accepts from here (matcher unchanged);
+        reasoning tokens are all valid."""
+        if self.gate is not None and not self.gate.in_answer:
+            phase = self.gate.phase
+            for i, token_id in enumerate(drafts):
+                phase, to_matcher = self.gate.next_phase(phase, token_id)
+                if to_matcher:  # the answer starts here: the grammar takes the rest
+                    return i + self._num_valid_matched(drafts[i:])
+            return len(drafts)
+        return self._num_valid_matched(drafts)
+
+    def _num_valid_matched(self, drafts: Sequence[int]) -> int:
         matcher, num_valid = self.matcher, 0
         for token_id in drafts:
             if matcher.is_terminated() or not matcher.accept_token(token_id):
@@ -97,7 +134,11 @@ class StructuredRequestState:
     def advance(self, request: Request, token_id: int, max_extra: int) -> list[int]:
         """After `token_id` was appended to `request`'s output: advances the matcher and
         returns jump-forward tokens to append too (at most `max_extra`). Ends the request
-        with "stop" when the grammar completes, with an error if the token is rejected."""
+        with "stop" when the grammar completes, with an error if the token is rejected.
+        A reasoning token only moves the gate; the answer's first forced tokens follow
+        `</think>` at once."""
+        if self.gate is not None and not self.gate.in_answer and not self.gate.step(token_id):
+            return self.jump_forward_tokens(max_extra) if self.gate.in_answer else []
         if not self.accept(token_id):
             request.status = RequestStatus.FINISHED_ERROR
             request.error = f"token {token_id} does not match the request's grammar"
@@ -118,7 +159,8 @@ class StructuredRequestState:
         own and accepted token by token, stopping at the first token the matcher rejects
         (a token boundary the grammar does not allow).
         """
-        if not self.jump_forward or max_tokens <= 0 or self.matcher.is_terminated():
+        if (not self.jump_forward or max_tokens <= 0 or not self.in_answer
+                or self.matcher.is_terminated()):
             return []
         forced = self.forced_text(min(max_tokens * JUMP_FORWARD_BYTES_PER_TOKEN,
                                       JUMP_FORWARD_MAX_BYTES))
@@ -158,6 +200,13 @@ class StructuredRequestState:
             if forced:
                 matcher.rollback(len(forced))  # each accept_string is one rollback step
         return _whole_characters(bytes(forced))
+
+
+def _allow_token(bitmask: torch.Tensor, row: int, token_id: int) -> None:
+    """Sets `token_id`'s bit in `bitmask[row]` (int32 words, bit 31 the sign bit)."""
+    word, bit = divmod(token_id, 32)
+    value = int(bitmask[row, word]) | (1 << bit)
+    bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
 
 
 # Bounds of one jump-forward: bytes per token of room, and bytes in all (each byte is a

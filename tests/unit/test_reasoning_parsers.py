@@ -8,6 +8,7 @@ import pytest
 
 from aioengine.errors import ConfigError
 from aioengine.reasoning_parsers import REASONING_PARSERS, get_reasoning_parser
+from aioengine.sampling_params import StructuredOutputs
 from tiny_models import bundled_tokenizer
 
 
@@ -23,7 +24,9 @@ QWEN_OPEN = "<think>\nThe user greets me.\n</think>\n\nHello! How can I help?"
 QWEN_CLOSED_IN_OUTPUT = "<think>\n\n</think>\n\nHi there."
 CASES = [
     # (parser, in_reasoning from the prompt, output, reasoning, content)
-    ("deepseek_r1", False, R1, "Let me add 2 and 2. That is 4.\n", "\n\nThe answer is 4."),
+    ("deepseek_r1", True, R1, "Let me add 2 and 2. That is 4.\n", "\n\nThe answer is 4."),
+    # The prompt closed thinking (starts_in_reasoning False): all answer, as qwen3.
+    ("deepseek_r1", False, "Plain answer", "", "Plain answer"),
     ("deepseek_r1", True, "<think>" + R1, "Let me add 2 and 2. That is 4.\n",
      "\n\nThe answer is 4."),
     ("deepseek_r1", True, "Still thinking when cut", "Still thinking when cut", ""),
@@ -75,7 +78,32 @@ def test_prompt_decides_where_qwen3_starts(thinking_tokenizer) -> None:
     assert not parser.starts_in_reasoning(closed)
     plain = thinking_tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
     assert not parser.starts_in_reasoning(plain)
-    assert get_reasoning_parser("deepseek_r1", thinking_tokenizer).starts_in_reasoning(plain)
+    r1 = get_reasoning_parser("deepseek_r1", thinking_tokenizer)
+    assert r1.starts_in_reasoning(plain) and r1.starts_in_reasoning(ids)
+    assert not r1.starts_in_reasoning(closed)  # vLLM's is_reasoning_end of the prompt
+
+
+def test_constrain_answer_gates_where_the_output_starts(thinking_tokenizer) -> None:
+    """The gate's start agrees with starts_in_reasoning: in the reasoning (end id only),
+    answer at once (constraint unchanged), or the output decides (both ids)."""
+    def ids(text: str) -> list[int]:
+        return thinking_tokenizer.encode(text, add_special_tokens=False)
+
+    opened, closed, plain = ids("a\n<think>\n"), ids("a<think>\n\n</think>\n\n"), ids("a\n")
+    constraint = StructuredOutputs(json_object=True)
+    qwen3 = get_reasoning_parser("qwen3", thinking_tokenizer)
+    r1 = get_reasoning_parser("deepseek_r1", thinking_tokenizer)
+    start, end = qwen3.start_token_id, qwen3.end_token_id
+    gates = {(p.name, name): (c.reasoning_end_token_id, c.reasoning_start_token_id)
+             for p in (qwen3, r1)
+             for name, prompt in (("opened", opened), ("closed", closed), ("plain", plain))
+             for c in [p.constrain_answer(constraint, prompt)]}
+    assert gates == {("qwen3", "opened"): (end, None), ("qwen3", "closed"): (None, None),
+                     ("qwen3", "plain"): (end, start), ("deepseek_r1", "opened"): (end, None),
+                     ("deepseek_r1", "closed"): (None, None),
+                     ("deepseek_r1", "plain"): (end, None)}
+    assert qwen3.constrain_answer(constraint, closed) is constraint
+    assert qwen3.constrain_answer(constraint, opened).key == constraint.key  # same grammar
 
 
 def test_a_tokenizer_without_think_tokens_is_refused() -> None:

@@ -1,0 +1,121 @@
+"""The structured feature's reasoning gate on a real thinking tokenizer and real compiled
+grammars: before the output's first `</think>` every token is allowed and none reaches the
+matcher; after it the grammar constrains the answer from its first token (with the forced
+tokens jumped forward); drafts across the boundary are validated and masked alike."""
+from __future__ import annotations
+
+import pytest
+import torch
+import xgrammar as xgr
+
+from aioengine.request import Request, RequestStatus
+from aioengine.sampling_params import SamplingParams, StructuredOutputs
+from aioengine.structured import StructuredOutputManager, StructuredRequestState, StructuredStats
+from thinking_models import VOCAB_SIZE, thinking_tokenizer
+
+EOS = 2
+REGEX = r'\{"a": [0-9]\}'
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return thinking_tokenizer("qwen3")
+
+
+@pytest.fixture(scope="module")
+def manager(tok) -> StructuredOutputManager:
+    m = StructuredOutputManager(tok, VOCAB_SIZE, {EOS})
+    yield m
+    m.shutdown()
+
+
+@pytest.fixture(scope="module")
+def think(tok) -> tuple[int, int]:
+    start, end = tok.convert_tokens_to_ids(["<think>", "</think>"])
+    return start, end
+
+
+def state_for(manager: StructuredOutputManager, end: int | None = None,
+              start: int | None = None, jump_forward: bool = True) -> StructuredRequestState:
+    constraint = StructuredOutputs(regex=REGEX, reasoning_end_token_id=end,
+                                   reasoning_start_token_id=start)
+    state = manager.new_request_state(SamplingParams(structured_outputs=constraint))
+    assert state is not None
+    state.grammar.result(timeout=60)
+    state.jump_forward = jump_forward
+    state.stats = StructuredStats()  # its own counters (the manager's are shared)
+    return state
+
+
+def mask_of(state: StructuredRequestState, drafts: tuple[int, ...] = ()) -> torch.Tensor:
+    bitmask = xgr.allocate_token_bitmask(1, VOCAB_SIZE)
+    bitmask.zero_()  # what a filled row must set is set by the fill itself
+    state.fill_bitmask(bitmask, 0, drafts)
+    return bitmask[0]
+
+
+def allowed(row: torch.Tensor, token_id: int) -> bool:
+    return bool((int(row[token_id // 32]) >> (token_id % 32)) & 1)
+
+
+def ids(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def test_reasoning_is_free_then_the_grammar_takes_the_answer(tok, manager, think) -> None:
+    _, end = think
+    state = state_for(manager, end=end)
+    request = Request("r", [1, 2, 3], SamplingParams())
+    words = ids(tok, "Hmm, letters first")
+    assert bool((mask_of(state) == -1).all())  # everything allowed, the bit-31 words too
+    for token_id in words:
+        assert state.advance(request, token_id, max_extra=8) == []
+    assert state.stats.num_tokens_accepted == 0 and not state.is_terminated
+    forced = state.advance(request, end, max_extra=8)  # the answer's forced start follows
+    assert tok.decode(forced) == '{"a": '
+    row = mask_of(state)
+    assert allowed(row, ids(tok, "7")[0]) and not allowed(row, words[0])
+    assert not allowed(row, end)
+    state.advance(request, ids(tok, "7")[0], 8)
+    state.advance(request, ids(tok, "}")[0], 8)
+    state.advance(request, EOS, 8)
+    assert request.status == RequestStatus.FINISHED_STOPPED
+
+
+def test_without_a_gate_the_grammar_starts_at_once(tok, manager) -> None:
+    state = state_for(manager)
+    row = mask_of(state)
+    assert allowed(row, ids(tok, "{")[0]) and not allowed(row, ids(tok, "Hmm")[0])
+
+
+def test_either_the_output_opens_reasoning_or_the_grammar_starts(tok, manager, think) -> None:
+    start, end = think
+    row = mask_of(state_for(manager, end=end, start=start))
+    brace, word = ids(tok, "{")[0], ids(tok, "Hmm")[0]
+    assert allowed(row, start) and allowed(row, brace) and not allowed(row, word)
+    request = Request("r", [1], SamplingParams())
+    opened = state_for(manager, end=end, start=start)
+    assert opened.advance(request, start, 8) == []
+    assert allowed(mask_of(opened), word)  # inside the reasoning now
+    answered = state_for(manager, end=end, start=start, jump_forward=False)
+    answered.advance(request, brace, 8)  # the answer's first token: the matcher took it
+    assert answered.stats.num_tokens_accepted == 1 and not allowed(mask_of(answered), start)
+
+
+def test_drafts_across_the_end_of_reasoning(tok, manager, think) -> None:
+    _, end = think
+    state = state_for(manager, end=end)
+    reasoning, answer = ids(tok, "so"), ids(tok, '{"a"')
+    drafts = [*reasoning, end, *answer, *ids(tok, "x")]
+    assert state.num_valid_drafts(drafts) == len(reasoning) + 1 + len(answer)
+    assert state.num_valid_drafts(reasoning) == len(reasoning)
+    # The mask after drafts equals the mask of a state that took them, and the state
+    # itself is unchanged (still in the reasoning, matcher untouched).
+    row = mask_of(state, tuple(drafts[:-1]))
+    taken = state_for(manager, end=end, jump_forward=False)
+    request = Request("r", [1], SamplingParams())
+    for token_id in drafts[:-1]:
+        taken.advance(request, token_id, 0)
+    assert torch.equal(row, mask_of(taken))
+    assert not state.in_answer and state.stats.num_tokens_accepted == 0
+    assert bool((mask_of(state) == -1).all())
