@@ -1,4 +1,4 @@
-"""Speculative decoding: proposers (n-gram, EAGLE), the rejection sampler, the config.
+"""Speculative decoding: proposers (n-gram, suffix, EAGLE), the rejection sampler, the config.
 See README.md in this folder. The engine's one entry point is `make_proposer`."""
 from __future__ import annotations
 
@@ -28,6 +28,16 @@ def make_proposer(config: SpeculativeConfig | None, loaded: LoadedModel, num_blo
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
                              config.num_speculative_tokens)
+    if config.method == "suffix":
+        from aioengine.spec_decode.suffix import SuffixParams, SuffixProposer
+        assert config.num_speculative_tokens is not None  # parse fills it in
+        return SuffixProposer(SuffixParams(
+            num_speculative_tokens=config.num_speculative_tokens,
+            max_tree_depth=config.suffix_decoding_max_tree_depth,
+            max_cached_requests=config.suffix_decoding_max_cached_requests,
+            max_spec_factor=config.suffix_decoding_max_spec_factor,
+            min_token_prob=config.suffix_decoding_min_token_prob,
+            max_cached_bytes=config.suffix_decoding_max_cached_bytes))
     from aioengine.spec_decode.eagle import load_eagle_head
     from aioengine.spec_decode.eagle_proposer import EagleProposer
     assert config.model is not None  # SpeculativeConfig.parse checked
@@ -75,7 +85,7 @@ def _check_tree_support(loaded: LoadedModel) -> None:
 def num_lookahead_tokens(config: SpeculativeConfig | None) -> int:
     """KV slots a step needs past its tokens for the proposer (a draft head's chain; a
     tree's head rows, from the position after up to `depth` accepted drafts)."""
-    if config is None or config.method == "ngram":
+    if config is None or not config.uses_draft_head:
         return 0
     if config.tree is not None:
         return config.tree.depth + config.tree.num_head_rows

@@ -9,6 +9,10 @@
                            (EAGLE-2 dynamic tree drafting: spec_decode/tree.py)
     {"method": "eagle3", "quantization": "none"}   (the head's weights in the target's
                            dtype; left out: int8 on the CPU, see HEAD_QUANTIZATIONS)
+    {"method": "suffix", "num_speculative_tokens": 16, "suffix_decoding_max_tree_depth": 24,
+     "suffix_decoding_max_cached_requests": 10000, "suffix_decoding_max_spec_factor": 1.0,
+     "suffix_decoding_min_token_prob": 0.1}   (suffix decoding, spec_decode/suffix.py:
+                           vLLM's names and defaults; k is the cap on a draft's length)
 
 Every error is a ConfigError naming the offending field, raised at engine start-up.
 """
@@ -22,8 +26,15 @@ from typing import Any
 from aioengine.errors import ConfigError
 from aioengine.spec_decode.tree import TreeConfig
 
-METHODS = ("ngram", "eagle", "eagle3")
+METHODS = ("ngram", "eagle", "eagle3", "suffix")
+DRAFT_HEAD_METHODS = ("eagle", "eagle3")
 MAX_SPECULATIVE_TOKENS = 16
+# Suffix drafts are cheap to make and their length adapts per step (0..k), so k may be
+# larger: a cap on the longest draft, not a length every step verifies.
+MAX_SUFFIX_SPECULATIVE_TOKENS = 32
+# k left out for suffix decoding. vLLM takes the tree depth (24); on a small CPU a verified
+# row costs a share of a step, and drafts past ~16 tokens are rarely all kept.
+DEFAULT_SUFFIX_SPECULATIVE_TOKENS = 16
 # A tree's nodes (and its depth, top_k) per request and step.
 MAX_TREE_NODES = 64
 # vLLM's default when neither prompt_lookup_min nor prompt_lookup_max is given.
@@ -59,6 +70,23 @@ class SpeculativeConfig:
     tree: TreeConfig | None = None
     # Draft heads only: their weights' storage (HEAD_QUANTIZATIONS); None for n-gram.
     quantization: str | None = None
+    # Suffix decoding only (spec_decode/suffix.py), vLLM's names and defaults: the trees'
+    # depth (a match plus its draft), finished requests kept in the global tree (0: none),
+    # a draft's length at most max_spec_factor * the match's, and the least empirical
+    # probability a drafted token may have.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    # Ours, not vLLM's: the global tree's bound in bytes (oldest requests evicted first).
+    suffix_decoding_max_cached_bytes: int = 256 * 2**20
+
+    @property
+    def uses_draft_head(self) -> bool:
+        """Drafts from a head over the target's hidden states (eagle, eagle3), which
+        needs lookahead KV slots and the target's aux layers; n-gram and suffix drafts are
+        read off token ids."""
+        return self.method in DRAFT_HEAD_METHODS
 
     @classmethod
     def parse(cls, value: dict[str, Any] | str | SpeculativeConfig | None,
@@ -83,10 +111,12 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_config.method must be one of {list(METHODS)}, "
                               f"got {method!r}")
         k = value.get("num_speculative_tokens")
-        if (k is not None or method == "ngram") and (
-                not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
+        if method == "suffix" and k is None:
+            k = DEFAULT_SUFFIX_SPECULATIVE_TOKENS
+        k_max = MAX_SUFFIX_SPECULATIVE_TOKENS if method == "suffix" else MAX_SPECULATIVE_TOKENS
+        if (k is not None or method == "ngram") and (not _is_int(k) or not 1 <= k <= k_max):
             raise ConfigError("speculative_config.num_speculative_tokens must be an integer in "
-                              f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+                              f"[1, {k_max}], got {k!r}")
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
             if v is not None and (not _is_int(v) or v < 1):
@@ -97,17 +127,18 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_config.prompt_lookup_min ({lo}) must be <= "
                               f"prompt_lookup_max ({hi})")
         model = value.get("model")
-        if method == "ngram":
+        suffix = _parse_suffix(value, method)
+        if method not in DRAFT_HEAD_METHODS:
             if model is not None:
-                raise ConfigError("speculative_config.model is not used by method 'ngram'")
+                raise ConfigError(f"speculative_config.model is not used by method {method!r}")
         elif model is not None and (not isinstance(model, str) or not model):
             raise ConfigError(f"speculative_config.model (the draft head's directory) must "
                               f"be a path, got {model!r}")
         elif model is not None and not os.path.isdir(model):
             raise ConfigError(f"speculative_config.model: no directory {model!r}")
         # Left out: a draft head's default (key given as null: speculate at any batch).
-        limit = value.get("disable_by_batch_size",
-                          None if method == "ngram" else DEFAULT_HEAD_DISABLE_BY_BATCH_SIZE)
+        limit = value.get("disable_by_batch_size", DEFAULT_HEAD_DISABLE_BY_BATCH_SIZE
+                          if method in DRAFT_HEAD_METHODS else None)
         if limit is not None and (not _is_int(limit) or limit < 1):
             raise ConfigError("speculative_config.disable_by_batch_size must be an integer "
                               f">= 1, got {limit!r}")
@@ -120,13 +151,35 @@ class SpeculativeConfig:
             k = tree.depth
         return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo,
                    prompt_lookup_max=hi, model=model, disable_by_batch_size=limit,
-                   tree=tree, quantization=quantization)
+                   tree=tree, quantization=quantization, **suffix)
+
+
+def _parse_suffix(value: dict[str, Any], method: str) -> dict[str, Any]:
+    """The suffix_decoding_* fields given, checked (suffix decoding only)."""
+    given = {name: v for name, v in value.items() if name.startswith("suffix_decoding_")}
+    if given and method != "suffix":
+        raise ConfigError(f"speculative_config.{sorted(given)[0]} is only used by method "
+                          f"'suffix', not {method!r}")
+    for name, v in given.items():
+        if name == "suffix_decoding_max_spec_factor":
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+            want = "a number > 0"
+        elif name == "suffix_decoding_min_token_prob":
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1
+            want = "a number in [0, 1]"
+        else:
+            least = 0 if name == "suffix_decoding_max_cached_requests" else 1
+            ok, want = _is_int(v) and v >= least, f"an integer >= {least}"
+        if not ok:
+            raise ConfigError(f"speculative_config.{name} must be {want}, got {v!r}")
+    return given
 
 
 def _parse_quantization(value: object, method: str) -> str | None:
-    if method == "ngram":
+    if method not in DRAFT_HEAD_METHODS:
         if value is not None:
-            raise ConfigError("speculative_config.quantization is not used by method 'ngram'")
+            raise ConfigError(f"speculative_config.quantization is not used by method "
+                              f"{method!r}")
         return None
     if value is None:
         return "auto"
@@ -139,7 +192,7 @@ def _parse_quantization(value: object, method: str) -> str | None:
 def _parse_tree(value: object, method: str) -> TreeConfig | None:
     if value is None or isinstance(value, TreeConfig):
         return value
-    if method == "ngram":
+    if method not in DRAFT_HEAD_METHODS:
         raise ConfigError("speculative_config.tree needs a draft head (method eagle / eagle3)")
     if not isinstance(value, dict):
         raise ConfigError("speculative_config.tree must be an object with depth, top_k and "

@@ -48,7 +48,7 @@ def resolve_speculative_config(config: SpeculativeConfig | None, model_path: str
                                arch: ModelArchConfig) -> SpeculativeConfig | None:
     """`config` with the draft head (`model`) and `num_speculative_tokens` filled in where
     they were left out: the shipped head for the target, and its config's n_predict."""
-    if config is None or config.method == "ngram":
+    if config is None or not config.uses_draft_head:
         return config
     model = config.model
     if model is None:

@@ -12,6 +12,7 @@ mean acceptance length (tokens per verification, vLLM's count) and the acceptanc
 per draft position, and whether every output equalled `off`'s.
 
     --specs off,ngram,eagle3:2,eagle3:4     off | ngram (k=3, lookup 2..5) | ngramK |
+                                            suffix[K] (suffix decoding, k = K or 16) |
                                             eagle3[:K] (the shipped head, or --draft-model) |
                                             eagle3tree:D:K:N (tree: depth, top_k, nodes)
                                             ...@DIR: an eagle entry with the head in DIR,
@@ -48,6 +49,9 @@ def parse_spec(name: str, draft_model: str | None) -> dict[str, Any] | None:
     if name.startswith("ngram"):
         k = int(name[5:] or NGRAM["num_speculative_tokens"])
         return {**NGRAM, "num_speculative_tokens": k}
+    if name.startswith("suffix"):  # suffix decoding, vLLM's defaults; suffixK: k = K
+        return {"method": "suffix", **({"num_speculative_tokens": int(name[6:])}
+                                       if name[6:] else {})}
     method, _, k = name.partition(":")
     if method.endswith("tree"):  # eagle3tree:D:K:N, a tree of depth D, top_k K, N nodes
         try:
@@ -74,7 +78,8 @@ def add_spec_parser(sub: Any) -> None:
                        "acceptance on held-out chat prompts")
     p.add_argument("--specs", default=DEFAULT_SPECS,
                    help=f"comma-separated configurations (default {DEFAULT_SPECS}): off, "
-                        "ngram (k=3, lookup 2..5), ngramK, eagle3[:K] (K draft tokens; "
+                        "ngram (k=3, lookup 2..5), ngramK, suffix[K] (suffix decoding, "
+                        "k = K or 16), eagle3[:K] (K draft tokens; "
                         "without K the head's n_predict), eagle3tree:D:K:N (EAGLE-2 tree "
                         "drafting: depth D, top_k K, N nodes); an eagle entry ending in @DIR "
                         "uses the head in DIR (two heads compared in one interleaved run)")

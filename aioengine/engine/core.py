@@ -103,7 +103,7 @@ class EngineCore:
         self.kv_layout = kv_cache_layout(
             self.loaded.model.layer_specs, args, self.max_model_len, self._num_kv_blocks(),
             windows_supported="sliding_window" in attn_backend.SUPPORTED_FEATURES,
-            eagle=spec is not None and spec.method != "ngram")
+            eagle=spec is not None and spec.uses_draft_head)
         num_blocks = self.kv_layout.num_blocks[0]
         self.kv_cache_manager = make_kv_cache_manager(self.kv_layout, args)
         proposer = make_proposer(spec, self.loaded, num_blocks, args.block_size, self.dtype,
