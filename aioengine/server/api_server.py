@@ -38,11 +38,14 @@ from aioengine.server.offload import (BODY_BYTES, PARSE_OFF_LOOP_BYTES, PromptWo
 from aioengine.server.protocol import (ApiError, error_body, get_bool, get_int, get_int_list,
                                        get_str, json_object, parse_json_object)
 from aioengine.server.serving_chat import ChatHandler, render_messages
+from aioengine.server.messages_protocol import (MESSAGES_PATH, anthropic_error_body,
+                                                is_messages_path)
 from aioengine.server.serving_completions import CompletionsHandler
 from aioengine.server.serving_embedding import EmbeddingsHandler
 from aioengine.server.serving_engine import (STREAM_WRITE_TIMEOUT, ServingContext, json_response,
                                              not_found_body)
 from aioengine.server.serving_models import ServingModels
+from aioengine.server.serving_messages import MessagesHandler
 from aioengine.server.serving_responses import ResponsesHandler
 from aioengine.server.serving_score import ScoreHandler
 from aioengine.server.request_limits import RequestLimits, check_json_depth, check_request
@@ -63,13 +66,23 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 JsonHandler = Callable[[web.Request, dict], Awaitable[web.StreamResponse]]
 
 
+def error_response(request: web.Request, body: dict, status: int,
+                   headers: dict[str, str] | None = None) -> web.Response:
+    """An error body written in OpenAI's shape, answered in the shape of the route's API:
+    Anthropic's under /v1/messages (messages_protocol.py), else OpenAI's."""
+    if is_messages_path(request.path):
+        body = anthropic_error_body(status, body)
+    return json_response(body, status, headers)
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure as an OpenAI error body; only the server's own faults are 500s."""
+    """Every failure as an error body of the route's API (`error_response`); only the
+    server's own faults are 500s."""
     try:
         return await handler(request)
     except ApiError as e:
-        response = json_response(e.body(), e.status, e.headers)
+        response = error_response(request, e.body(), e.status, e.headers)
         if e.status == 408:  # sent, then closed: the rest of the body is not waited for
             await response.prepare(request)
             await response.write_eof()
@@ -80,25 +93,26 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if e.status < 400:
             raise
         kind = _STATUS_TYPES.get(e.status, "invalid_request_error")
-        return json_response(error_body(e.status, e.reason, kind), e.status)
+        return error_response(request, error_body(e.status, e.reason, kind), e.status)
     except InvalidRequestError as e:
-        return json_response(error_body(400, str(e), "invalid_request_error", e.param), 400)
+        return error_response(request, error_body(400, str(e), "invalid_request_error",
+                                                  e.param), 400)
     except NotFoundError as e:
-        return json_response(not_found_body(e), 404)
+        return error_response(request, not_found_body(e), 404)
     except EngineDeadError as e:
-        return json_response(error_body(503, f"the engine is not running: {e}",
-                                        "service_unavailable_error"), 503)
+        return error_response(request, error_body(503, f"the engine is not running: {e}",
+                                                  "service_unavailable_error"), 503)
     except Exception as e:  # noqa: BLE001 - a bug of ours: log it, answer 500
         logger.exception("error handling %s %s", request.method, request.path)
-        return json_response(error_body(500, f"{type(e).__name__}: {e}",
-                                        "internal_server_error"), 500)
+        return error_response(request, error_body(500, f"{type(e).__name__}: {e}",
+                                                  "internal_server_error"), 500)
 
 
 def auth_middleware(api_key: str | None, metrics_without_api_key: bool = False) -> Callable:
     """With a key, every route but /health, the chat page's static files (it asks for the
-    key itself) and /metrics if told needs `Authorization: Bearer KEY`: /tokenize, /version
-    and /debug/faults too, and an unknown route is a 401 rather than a 404, so nothing
-    about the server is told without the key."""
+    key itself) and /metrics if told needs `Authorization: Bearer KEY` or `x-api-key: KEY`
+    (Anthropic's header): /tokenize, /version and /debug/faults too, and an unknown route
+    is a 401 rather than a 404, so nothing about the server is told without the key."""
     open_paths = {"/health", *PAGE_PATHS}
     key = api_key.encode() if api_key is not None else b""
     if metrics_without_api_key:
@@ -109,7 +123,11 @@ def auth_middleware(api_key: str | None, metrics_without_api_key: bool = False) 
         if api_key is not None and request.path not in open_paths:
             header = request.headers.get("Authorization", "")
             token = header[len("Bearer "):] if header.startswith("Bearer ") else ""
-            if not hmac.compare_digest(_header_bytes(token), key):
+            x_api_key = request.headers.get("x-api-key", "")
+            # Both compared, timing-safe, whichever the client sent.
+            bearer_ok = hmac.compare_digest(_header_bytes(token), key)
+            x_api_key_ok = hmac.compare_digest(_header_bytes(x_api_key), key)
+            if not (bearer_ok or x_api_key_ok):
                 raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
         return await handler(request)
     return check_api_key
@@ -171,6 +189,7 @@ class OpenAIServer:
         self.config = config
         self.completions = CompletionsHandler(ctx)
         self.chat = ChatHandler(ctx)
+        self.messages = MessagesHandler(ctx, self.chat)
         self.responses = ResponsesHandler(ctx, config.max_stored_responses,
                                           config.response_id_tag)
         self.embeddings = EmbeddingsHandler(ctx)
@@ -195,6 +214,9 @@ class OpenAIServer:
         app.router.add_post("/v1/completions", self._json(self.completions))
         app.router.add_post("/v1/chat/completions", self._json(self.chat))
         app.router.add_post("/v1/responses", self._json(self.responses.create))
+        app.router.add_post(MESSAGES_PATH, self._json(self.messages.create))
+        app.router.add_post(MESSAGES_PATH + "/count_tokens",
+                            self._json(self.messages.count_tokens))
         app.router.add_post("/v1/embeddings", self._json(self.embeddings.embeddings))
         app.router.add_post("/pooling", self._json(self.embeddings.pooling))
         for prefix in ("", "/v1"):  # vLLM serves both
