@@ -102,7 +102,7 @@ class JsonScan:
         return -1
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
@@ -159,7 +159,7 @@ class ToolCallStream:
             self._content(self._buf[:i])
             self._buf, self._step = self._buf[i:], self._header
             return True
-        n = len(self._buf) - (0 if final else _partial_suffix(self._buf, self._p.trigger))
+        n = len(self._buf) - (0 if final else partial_suffix(self._buf, self._p.trigger))
         self._content(self._buf[:n])
         self._buf = self._buf[n:]
         return False

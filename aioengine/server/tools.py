@@ -2,17 +2,18 @@
 constraint that makes a call parse.
 
 A request's tools become one `ToolPlan`. Its constraint is an xgrammar structural tag built
-from the tool-call parser's own format (`tag_begin(name) + arguments JSON + tag_end`), so
-the text the grammar allows is exactly the text the parser reads back:
+from the tool-call parser's own format (`call_tag(name, schema)` per function, wrapped by
+`only_calls` / `auto_calls`: tool_parsers/base.py), so the text the grammar allows is
+exactly the text the parser reads back:
 
     tool_choice        structural tag                        what the model may write
-    "auto"             triggered_tags (trigger = call start)  free text; a call once opened
-                                                              names an offered function and
+    "auto"             auto_calls: triggered_tags             free text; a call once opened
+                       (trigger = call start)                 names an offered function and
                                                               its arguments match its schema
                        (a parser whose calls end the output: text without the trigger, then
                        only calls)
-    "required"         tags_with_separator, at_least_one      only calls (one or more)
-    {"function": f}    tags_with_separator over f's tag,      exactly one call of f
+    "required"         only_calls, at_least_one               only calls (one or more)
+    {"function": f}    only_calls over f's tag alone,         exactly one call of f
                        stop_after_first
     "none"             no constraint, no tools in the prompt
 
@@ -20,6 +21,7 @@ With `parallel_tool_calls: false` every form stops after the first call.
 """
 from __future__ import annotations
 
+import logging
 import re
 import uuid
 from dataclasses import dataclass
@@ -30,7 +32,10 @@ import jsonschema
 from aioengine.sampling_params import StructuredOutputs
 from aioengine.server.protocol import ApiError, get_bool
 from aioengine.chat_prompt import tool_dict
-from aioengine.tool_parsers import DEFAULT_TOOL_PARSER, ToolParser, get_tool_parser
+from aioengine.tool_parsers import (AUTO_TOOL_PARSER, DEFAULT_TOOL_PARSER, ToolParser,
+                                    detect_tool_parser, get_tool_parser)
+
+logger = logging.getLogger("aioengine.server")
 
 # OpenAI: a-z, A-Z, 0-9, underscores and dashes (dots accepted too, as vLLM does), <= 64.
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -58,10 +63,22 @@ class ToolChoice:
 
 @dataclass(frozen=True)
 class ToolServingConfig:
-    """The server's tool settings (vLLM's flags)."""
+    """The server's tool settings (vLLM's flags); `auto` resolved (`resolve`)."""
 
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+
+    @classmethod
+    def resolve(cls, enable_auto_tool_choice: bool, tool_call_parser: str | None,
+                chat_template: str | dict | None) -> ToolServingConfig:
+        """The settings with `--tool-call-parser auto` replaced by the parser whose format
+        `chat_template` (the one the server renders with) writes, logged; ValueError naming
+        the choices when it writes none we know."""
+        if tool_call_parser == AUTO_TOOL_PARSER:
+            tool_call_parser = detect_tool_parser(chat_template)
+            logger.info("--tool-call-parser auto: the chat template writes %s tool calls",
+                        tool_call_parser)
+        return cls(enable_auto_tool_choice, tool_call_parser)
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None:
@@ -174,19 +191,8 @@ class ToolPlan:
         max_tokens, never content."""
         return self.choice.mode in ("required", "function")
 
-    def _tag(self, tool: FunctionTool) -> dict[str, Any]:
-        # At most one whitespace character in a row between JSON tokens: a small model
-        # cannot wander into endless indentation inside a call.
-        content = {"type": "json_schema", "json_schema": tool.parameters,
-                   "max_whitespace_cnt": 1}
-        return {"type": "tag", "begin": self.parser.tag_begin(tool.name), "content": content,
-                "end": self.parser.tag_end()}
-
-    def _only_calls(self, tools: list[FunctionTool], single: bool,
-                    at_least_one: bool = True) -> dict[str, Any]:
-        return {"type": "tags_with_separator", "tags": [self._tag(t) for t in tools],
-                "separator": self.parser.separator, "at_least_one": at_least_one,
-                "stop_after_first": single}
+    def _tags(self, tools: list[FunctionTool]) -> list[dict[str, Any]]:
+        return [self.parser.call_tag(t.name, t.parameters) for t in tools]
 
     def structural_tag(self, text_schema: dict[str, Any] | None = None) -> dict[str, Any]:
         """The constraint of the output (see the module docstring). With `text_schema`
@@ -194,21 +200,15 @@ class ToolPlan:
         single = not self.parallel
         if self.choice.mode == "function":
             named = [t for t in self.tools if t.name == self.choice.name]
-            fmt = self._only_calls(named, single=True)
+            fmt = self.parser.only_calls(self._tags(named), single=True)
         elif self.choice.mode == "required":
-            fmt = self._only_calls(self.tools, single)
+            fmt = self.parser.only_calls(self._tags(self.tools), single)
         elif text_schema is not None:
             fmt = {"type": "or", "elements": [
                 {"type": "json_schema", "json_schema": text_schema},
-                self._only_calls(self.tools, single)]}
-        elif self.parser.calls_end_output:  # text without a call start, then calls, if any
-            fmt = {"type": "sequence", "elements": [
-                {"type": "any_text", "excludes": [self.parser.trigger]},
-                self._only_calls(self.tools, single, at_least_one=False)]}
+                self.parser.only_calls(self._tags(self.tools), single)]}
         else:
-            fmt = {"type": "triggered_tags", "triggers": [self.parser.trigger],
-                   "tags": [self._tag(t) for t in self.tools], "at_least_one": False,
-                   "stop_after_first": single}
+            fmt = self.parser.auto_calls(self._tags(self.tools), single)
         return {"type": "structural_tag", "format": fmt}
 
     def constraint(self, response_format: StructuredOutputs | None,
@@ -235,7 +235,8 @@ def plan_tools(tools: list[FunctionTool], choice: ToolChoice, parallel: bool,
     if choice.mode == "auto" and not config.enable_auto_tool_choice:
         raise ApiError(400, '"auto" tool choice requires --enable-auto-tool-choice and '
                        "--tool-call-parser to be set", param)
-    return ToolPlan(tools, choice, config.parser, parallel)
+    parser = config.parser.bind({t.name: t.parameters for t in tools})
+    return ToolPlan(tools, choice, parser, parallel)
 
 
 def new_tool_call_id() -> str:

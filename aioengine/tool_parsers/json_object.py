@@ -1,11 +1,6 @@
-"""Tool-call parsers: a model's call text <-> OpenAI tool calls (vLLM's `--tool-call-parser`).
-
-The server builds xgrammar structural tags from a parser's `trigger`, `separator`,
-`tag_begin(name)` and `tag_end()` (a constrained call is exactly `tag_begin(name) + <arguments
-JSON> + tag_end()`); `extract` splits a finished output into content and calls; `stream()`
-turns text deltas into events. `extract` is a stream fed the whole text at once, and a stream
-decides a piece of text only once no later text can change the decision: so for any split of
-a text into deltas, the events joined equal `extract(text)` (tested).
+"""Calls that are a JSON object after a tag: `hermes` (Hermes 2 Pro, Qwen2.5, Qwen3) and
+`llama3_json` (Llama 3.1+). A constrained call is exactly `tag_begin(name) + <arguments
+JSON> + tag_end()`.
 
 A canonical call starts with `tag_begin(name)` (any JSON string literal as the name), then the
 `{` of the arguments: its arguments are that object's raw text, ended by string-aware bracket
@@ -21,47 +16,34 @@ from __future__ import annotations
 
 import json
 import re
-from abc import ABC, abstractmethod
-from typing import ClassVar
+from abc import abstractmethod
+from typing import Any, ClassVar
 
-# The stream and its events, re-exported: the server and the tests import them from here.
-from aioengine.tool_call_stream import (INSIDE_STRING, JSON_WS, UNDECIDED, ContentDelta,
-                                        ExtractedToolCalls, JsonScan, ParsedToolCall,
-                                        ToolCallArgsDelta, ToolCallStart, ToolCallStream,
-                                        ToolEvent, collect_events)
-
-__all__ = ["ContentDelta", "DEFAULT_TOOL_PARSER", "ExtractedToolCalls", "HermesToolParser",
-           "Llama3JsonToolParser", "PROMPT_EXAMPLE", "ParsedToolCall", "TOOL_PARSERS",
-           "ToolCallArgsDelta", "ToolCallStart", "ToolCallStream", "ToolEvent", "ToolParser",
-           "get_tool_parser"]
-
-# The call in the default tool prompt's example: a function no request is likely to offer,
-# so the example does not steer a model towards one of the real tools' arguments.
-PROMPT_EXAMPLE = ("lookup_word", '{"word": "example"}')
+from aioengine.tool_call_stream import (INSIDE_STRING, JSON_WS, JsonScan, ParsedToolCall,
+                                        ToolCallStream)
+from aioengine.tool_parsers.base import (PROMPT_EXAMPLE, ToolParser, json_content,
+                                         match_json_header, parse_json_call)
 
 _QUOTE_OR_TAG = re.compile(r'["<]')
-_STRING = re.compile(r'"(?:[^"\\\x00-\x1f]|\\.)*"')  # a complete JSON string literal
-_OPEN_STRING = re.compile(r'"(?:[^"\\\x00-\x1f]|\\.)*\\?\Z')  # one that may still close
 
 
-def _json_end(buf: str, depth: int, final: bool) -> int | None:
+def json_end(buf: str, depth: int, final: bool) -> int | None:
     """Where the JSON value open `depth` levels at buf[0] closes; at the end of the output
     the whole rest if it never does; None: not known yet."""
     end = JsonScan(depth).advance(buf)
     return end if end >= 0 else (len(buf) if final else None)
 
 
-class ToolParser(ABC):
-    name: ClassVar[str]
-    trigger: ClassVar[str]  # a prefix of every tag_begin: where a call starts
+class JsonObjectToolParser(ToolParser):
+    """A call is `tag_begin(name) + arguments + tag_end()`; its stream is ToolCallStream,
+    which asks the parser where a canonical header ends (`match_header`), where any other
+    block ends and what call it holds (`other_block`), and where a canonical call's trailer
+    ends (`trailer_end`)."""
+
     separator: ClassVar[str]  # between calls when only calls are allowed
     args_key: ClassVar[str]
-    # Whether calls end an output (llama3_json: a reply is text or calls, nothing after).
-    calls_end_output: ClassVar[bool] = False
     _head: ClassVar[str]  # tag_begin up to the name's JSON string
     _end: ClassVar[str]
-    gap: ClassVar[str] = JSON_WS  # text around calls that is dropped
-    start_tag: ClassVar[str] = ""  # dropped at the start of an output
     _args_required: ClassVar[bool] = False  # a non-canonical block without them is content
 
     def tag_begin(self, name: str) -> str:
@@ -76,13 +58,20 @@ class ToolParser(ABC):
     def stream(self) -> ToolCallStream:
         return ToolCallStream(self)
 
-    def extract(self, text: str) -> ExtractedToolCalls:
-        stream = self.stream()
-        return collect_events(stream.feed(text) + stream.finish())
+    def call_tag(self, name: str, schema: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "tag", "begin": self.tag_begin(name), "content": json_content(schema),
+                "end": self.tag_end()}
 
-    @abstractmethod
-    def prompt_instructions(self) -> str:
-        """One paragraph for a system prompt: how to write a call, with an example."""
+    def only_calls(self, tags: list[dict[str, Any]], single: bool,
+                   at_least_one: bool = True) -> dict[str, Any]:
+        return self._separated(tags, self.separator, single, at_least_one)
+
+    def auto_calls(self, tags: list[dict[str, Any]], single: bool) -> dict[str, Any]:
+        if self.calls_end_output:  # text without a call start, then calls, if any
+            return {"type": "sequence", "elements": [
+                {"type": "any_text", "excludes": [self.trigger]},
+                self.only_calls(tags, single, at_least_one=False)]}
+        return self._triggered(tags, single)
 
     @abstractmethod
     def other_block(self, buf: str, final: bool) -> tuple[int, ParsedToolCall | None] | None:
@@ -97,50 +86,15 @@ class ToolParser(ABC):
         """(name, length) of a canonical header at the start of `buf`: tag_begin(name) for
         any JSON string literal, then optional whitespace and the `{` that opens the
         arguments (not counted). UNDECIDED: it may still become one; None: it will not."""
-        head = self._head
-        if not buf.startswith(head):
-            return UNDECIDED if head.startswith(buf) else None
-        m = _STRING.match(buf, len(head))
-        if m is None:
-            undecided = len(buf) == len(head) or _OPEN_STRING.match(buf, len(head))
-            return UNDECIDED if undecided else None
-        mid = f', "{self.args_key}": '
-        got = buf[m.end():m.end() + len(mid)]
-        if got != mid:
-            return UNDECIDED if mid.startswith(got) else None
-        n = len(buf) - len(buf[m.end() + len(mid):].lstrip(JSON_WS))
-        if n == len(buf):
-            return UNDECIDED
-        if buf[n] != "{":
-            return None
-        try:
-            return json.loads(m.group()), n
-        except ValueError:  # an invalid escape
-            return None
+        return match_json_header(buf, self._head, f', "{self.args_key}": ')
 
     def _parse_call(self, text: str) -> ParsedToolCall | None:
         """A call written as a JSON object in any layout, or None."""
-        try:
-            obj = json.loads(text)
-        except (ValueError, RecursionError):
-            return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return None
-        key = next((k for k in (self.args_key, "arguments", "parameters") if k in obj), None)
-        if key is None and self._args_required:
-            return None
-        args = {} if key is None or obj[key] is None else obj[key]
-        if isinstance(args, str):  # some models write the arguments as a JSON string
-            try:
-                args = json.loads(args)
-            except (ValueError, RecursionError):
-                return None
-        if not isinstance(args, dict):
-            return None
-        return ParsedToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+        return parse_json_call(text, (self.args_key, "arguments", "parameters"),
+                               self._args_required)
 
 
-class HermesToolParser(ToolParser):
+class HermesToolParser(JsonObjectToolParser):
     """Hermes 2 Pro / Qwen2.5: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`."""
 
     name = "hermes"
@@ -193,7 +147,7 @@ class HermesToolParser(ToolParser):
         return o if o >= 0 else len(buf)
 
 
-class Llama3JsonToolParser(ToolParser):
+class Llama3JsonToolParser(JsonObjectToolParser):
     """Llama 3.1+ JSON calls: `{"name": ..., "parameters": {...}}`, several joined by "; "."""
 
     name = "llama3_json"
@@ -214,23 +168,8 @@ class Llama3JsonToolParser(ToolParser):
                 f'separate their objects with "; ". For example:\n{example}')
 
     def other_block(self, buf: str, final: bool) -> tuple[int, ParsedToolCall | None] | None:
-        n = _json_end(buf, 0, final)
+        n = json_end(buf, 0, final)
         return None if n is None else (n, self._parse_call(buf[:n]))
 
     def trailer_end(self, buf: str, final: bool) -> int | None:
-        return _json_end(buf, 1, final)  # the rest of the call's object
-
-
-
-
-# The call format used for forced calls and past calls when no parser is configured.
-DEFAULT_TOOL_PARSER = "hermes"
-
-TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser)}
-
-
-def get_tool_parser(name: str) -> ToolParser:
-    if name not in TOOL_PARSERS:
-        raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(TOOL_PARSERS)}")
-    return TOOL_PARSERS[name]()
+        return json_end(buf, 1, final)  # the rest of the call's object
