@@ -18,7 +18,7 @@ from aioengine.server.request_limits import RequestLimits
 from aioengine.server.server_config import ServerConfig
 from aioengine.pooling_params import POOLING_TYPES
 from aioengine.reasoning_parsers import REASONING_PARSERS
-from aioengine.tool_parsers import TOOL_PARSERS
+from aioengine.tool_parsers import AUTO_TOOL_PARSER, TOOL_PARSERS
 
 
 def lora_modules_arg(text: str) -> list:
@@ -130,9 +130,10 @@ TOOL_FLAGS: dict[str, FlagSpec] = {
         help='let the model decide to call tools (tool_choice "auto", the default when a '
              "request has tools); needs --tool-call-parser"),
     "tool_call_parser": flag(
-        "--tool-call-parser", choices=sorted(TOOL_PARSERS),
+        "--tool-call-parser", choices=[*sorted(TOOL_PARSERS), AUTO_TOOL_PARSER],
         help="the model's tool-call format, read back into tool_calls and used for "
-             "constrained calls (default for forced calls: hermes)"),
+             "constrained calls (default for forced calls: hermes); auto: the format the "
+             "chat template writes"),
     "reasoning_parser": flag(
         "--reasoning-parser", choices=sorted(REASONING_PARSERS),
         help="the model's thinking format: its <think>...</think> text is returned as "

@@ -343,8 +343,11 @@ async def build_serving_context(engine: AsyncEngine, served_model_names: list[st
                                 config: ServerConfig) -> ServingContext:
     """How the engine is served (`serve` and `run-batch`): loads the `--lora-modules`
     adapters first (LoRAModuleError: none is served), unless they are loaded on demand.
-    ConfigError: a --reasoning-parser whose think tokens the tokenizer lacks."""
-    tools = ToolServingConfig(config.enable_auto_tool_choice, config.tool_call_parser)
+    ConfigError: a --reasoning-parser whose think tokens the tokenizer lacks, or
+    --tool-call-parser auto with a chat template that writes no known call format."""
+    tools = ToolServingConfig.resolve(
+        config.enable_auto_tool_choice, config.tool_call_parser,
+        config.chat_template or getattr(engine.tokenizer, "chat_template", None))
     reasoning = (None if config.reasoning_parser is None
                  else get_reasoning_parser(config.reasoning_parser, engine.tokenizer))
     on_demand = config.lora_modules if config.load_lora_modules_on_demand else ()
