@@ -232,13 +232,16 @@ def render_chat(tokenizer: Any, messages: Any, tools: list[dict], parser: ToolPa
         raise ChatTemplateError("messages must be a non-empty list")
     boundary = prompt_boundary(tokenizer)
     check_roles(messages, chat_template or getattr(tokenizer, "chat_template", None), boundary)
+    # The template variables too: a template may write them into the prompt.
     escaped_messages, escaped_tools = boundary.escape(messages), boundary.escape(tools)
+    escaped_kwargs = boundary.escape(chat_template_kwargs)
     try:
         text = render_chat_text(tokenizer, escaped_messages, escaped_tools, parser,
-                                chat_template, add_generation_prompt, chat_template_kwargs)
+                                chat_template, add_generation_prompt, escaped_kwargs)
     except ChatTemplateError as e:  # its message may quote escaped text
         raise ChatTemplateError(boundary.unescape(str(e))) from e.__cause__
-    if escaped_messages is messages and escaped_tools is tools:
+    if (escaped_messages is messages and escaped_tools is tools
+            and escaped_kwargs is chat_template_kwargs):
         return ChatPrompt(text)  # nothing escaped: the ids are those of the text as it is
     return ChatPrompt(text, boundary)
 

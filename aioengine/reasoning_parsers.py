@@ -117,6 +117,10 @@ class ReasoningParser:
                 f"token, so this model does not reason in {self.name}'s format")
         self.start_token_id: int = vocab[self.start_tag]
         self.end_token_id: int = vocab[self.end_tag]
+        # Special tags are dropped by skip_special_tokens: requests keep special tokens
+        # in their text then (Qwen3's and the R1 distills' tags are not special).
+        special = set(getattr(tokenizer, "all_special_ids", ()))
+        self.tags_are_special = bool(special & {self.start_token_id, self.end_token_id})
 
     def last_tag(self, prompt_ids: list[int]) -> int | None:
         """The prompt's last think token (start_token_id or end_token_id), None if none."""

@@ -8,7 +8,9 @@ them, so they stay in decoded text) and a ChatML template that opens or closes t
 Styles (THINKING_TEMPLATES):
 - "qwen3": Qwen3's switch: with `enable_thinking=False` (a chat_template_kwargs variable)
   the generation prompt ends with an empty, closed `<think>\\n\\n</think>\\n\\n` block;
-  otherwise it writes no tag and the model opens `<think>` itself.
+  not given, it writes no tag and the model opens `<think>` itself (Qwen3's default);
+  `enable_thinking=True` opens `<think>\\n` in the prompt (as Qwen3's 2507 thinking
+  models' templates do), so one server covers the three places an output can start.
 - "deepseek_r1": the generation prompt opens `<think>\\n` itself (DeepSeek-R1's template
   since its 0528 update and the distills'), so the output starts inside the reasoning.
 
@@ -39,6 +41,8 @@ THINKING_TEMPLATES: dict[str, str] = {
                        "{{- '<|im_start|>assistant\\n' }}"
                        "{%- if enable_thinking is defined and enable_thinking is false %}"
                        "{{- '<think>\\n\\n</think>\\n\\n' }}"
+                       "{%- elif enable_thinking is defined and enable_thinking %}"
+                       "{{- '<think>\\n' }}"
                        "{%- endif %}"
                        "{%- endif %}"),
     "deepseek_r1": _TURNS + ("{%- if add_generation_prompt %}"
