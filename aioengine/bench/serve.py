@@ -1,4 +1,5 @@
-"""`serve` mode: drive any OpenAI-compatible server with streaming requests and time them.
+"""`serve` mode: drive any OpenAI-compatible server with streaming requests and time them
+(`--endpoint messages`: its Anthropic Messages API).
 
 Arrivals: every request at once (bounded only by `--max-concurrency`), or at
 `--request-rate` R requests/s with gamma-distributed gaps of mean 1/R; burstiness k is
@@ -25,7 +26,8 @@ from aioengine.bench.common import add_workload_args, emit, run_config
 from aioengine.bench.datasets import BenchRequest, Workload, build_workload, with_text
 from aioengine.bench.metrics import RequestResult, parse_slo, summarize
 
-ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions",
+             "messages": "/v1/messages"}  # messages: Anthropic's API, its SSE events
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,10 @@ class ServeConfig:
         h = {"Content-Type": "application/json"}
         if self.api_key:
             h["Authorization"] = f"Bearer {self.api_key}"
+            if self.endpoint == "messages":
+                h["x-api-key"] = self.api_key
+        if self.endpoint == "messages":
+            h["anthropic-version"] = "2023-06-01"
         return h
 
 
@@ -88,11 +94,13 @@ def build_payload(req: BenchRequest, config: ServeConfig, model: str,
     """The request body; `ignore_eos` + `max_tokens` make the output length exact."""
     body: dict[str, Any] = {
         "model": model, "max_tokens": max_tokens or req.output_len,
-        "temperature": config.temperature, "ignore_eos": True, "stream": True,
-        "stream_options": {"include_usage": True}}
-    if config.endpoint == "chat":
+        "temperature": config.temperature, "ignore_eos": True, "stream": True}
+    if config.endpoint != "messages":  # Anthropic's stream always reports usage
+        body["stream_options"] = {"include_usage": True}
+    if config.endpoint in ("chat", "messages"):
         if req.prompt_text is None:
-            raise ValueError("the chat endpoint needs text prompts (see datasets.with_text)")
+            raise ValueError(f"the {config.endpoint} endpoint needs text prompts "
+                             "(see datasets.with_text)")
         body["messages"] = [{"role": "user", "content": req.prompt_text}]
     else:
         # Text as written (the text dataset), else the exact token ids.
@@ -101,12 +109,24 @@ def build_payload(req: BenchRequest, config: ServeConfig, model: str,
 
 
 def _chunk_text(chunk: dict[str, Any], endpoint: str) -> str:
+    if endpoint == "messages":
+        delta = chunk.get("delta") if chunk.get("type") == "content_block_delta" else None
+        return (delta or {}).get("text") or ""
     choices = chunk.get("choices") or []
     if not choices:
         return ""
     if endpoint == "chat":
         return (choices[0].get("delta") or {}).get("content") or ""
     return choices[0].get("text") or ""
+
+
+def _chunk_usage(chunk: dict[str, Any], endpoint: str) -> dict[str, Any] | None:
+    """The chunk's usage in OpenAI's names (Anthropic's comes in message_delta)."""
+    usage = chunk.get("usage")
+    if endpoint != "messages" or not usage:
+        return usage
+    return {"completion_tokens": usage.get("output_tokens"),
+            "prompt_tokens": usage.get("input_tokens")}
 
 
 async def send_request(session: aiohttp.ClientSession, config: ServeConfig,
@@ -138,7 +158,10 @@ async def send_request(session: aiohttp.ClientSession, config: ServeConfig,
                     return result
                 if _chunk_text(chunk, config.endpoint):
                     result.chunk_times_s.append(time.perf_counter() - sent)
-                usage = chunk.get("usage") or usage
+                usage = _chunk_usage(chunk, config.endpoint) or usage
+                if chunk.get("type") == "message_stop":  # Anthropic's end: no [DONE]
+                    done = True
+                    break
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
         result.error = f"{type(e).__name__}: {e}"
         return result
@@ -219,7 +242,8 @@ async def run_serve(config: ServeConfig, workload: Workload
 def add_serve_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="stream requests to an OpenAI-compatible server")
     p.add_argument("--base-url", required=True, help="http://HOST:PORT (a trailing /v1 is fine)")
-    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--endpoint", choices=tuple(ENDPOINTS), default="completions",
+                   help="messages: Anthropic's /v1/messages (text prompts, as chat)")
     p.add_argument("--model", default=None, help="model name in the API (default: the "
                    "server's first in /v1/models)")
     p.add_argument("--tokenizer", default=None, help="HF directory or .gguf for the dataset "
@@ -249,7 +273,7 @@ def serve_main(args: argparse.Namespace) -> int:
     slo = parse_slo(args.slo)
     tokenizer = load_hf_tokenizer(args.tokenizer or bundled_model_path())
     workload = build_workload(args, tokenizer)
-    if args.endpoint == "chat":
+    if args.endpoint in ("chat", "messages"):
         workload = with_text(workload, tokenizer)
     config = ServeConfig(base_url=args.base_url, endpoint=args.endpoint, model=args.model,
                          api_key=args.api_key, max_concurrency=args.max_concurrency,

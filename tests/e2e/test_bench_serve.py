@@ -65,3 +65,12 @@ def test_chat_text_dataset(server: ServerProcess, tmp_path) -> None:
     # The chat template wraps each prompt, so the server counts more tokens than the text.
     assert report["summary"]["total_input_tokens"] > report["workload"]["num_prompt_tokens"]
     server.wait_idle()
+
+
+def test_messages_endpoint(server: ServerProcess, tmp_path) -> None:
+    """Anthropic's /v1/messages: its SSE events timed as chat's chunks, its usage read."""
+    rc, report = _bench(server, tmp_path, "--endpoint", "messages", "--dataset", "text")
+    assert rc == 0
+    _check_requests(report)
+    assert report["summary"]["total_input_tokens"] > report["workload"]["num_prompt_tokens"]
+    server.wait_idle()

@@ -73,6 +73,11 @@ def test_payloads() -> None:
     assert chat.headers["Authorization"] == "Bearer k"
     with pytest.raises(ValueError):
         build_payload(ids_req, chat, "m")
+    messages = ServeConfig("http://h:1", endpoint="messages", api_key="k")
+    body = build_payload(text_req, messages, "m", 2)
+    assert body["messages"] == [{"role": "user", "content": "Hi there?"}]
+    assert "stream_options" not in body and body["max_tokens"] == 2
+    assert messages.headers["x-api-key"] == "k"
 
 
 def _sse(obj: dict | str) -> bytes:
