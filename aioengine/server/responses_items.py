@@ -4,7 +4,10 @@ output items and stream events.
 `input` (a string, or a list of message / function_call / function_call_output items) and a
 previous response's conversation become chat messages, which the same chat-template path as
 /v1/chat/completions renders. The model's output becomes output items: a `message` with one
-`output_text` part, and one `function_call` per call.
+`output_text` part, and one `function_call` per call; with --reasoning-parser, a `reasoning`
+item (one `reasoning_text` part, no summary) before them holds the model's reasoning,
+streamed as `response.reasoning_text.delta` / `.done` between its part's added and done
+events. Reasoning items given back in `input` are skipped (templates drop past reasoning).
 
 A response that has ended keeps its output items as JSON bytes (`ResponseState.freeze`): a
 stored response is then a handful of objects the garbage collector tracks, whatever its
@@ -22,6 +25,7 @@ from typing import Any
 import orjson
 
 from aioengine.outputs import CompletionOutput
+from aioengine.reasoning_parsers import ReasoningSplit, ReasoningStream
 from aioengine.server.protocol import ApiError
 from aioengine.server.request_limits import (METADATA_MAX_KEY_CHARS, METADATA_MAX_KEYS,
                                              METADATA_MAX_VALUE_CHARS)
@@ -119,9 +123,9 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
             output = item.get("output")
             text = output if isinstance(output, str) else _text_of(output, where)
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
-        else:
+        elif kind != "reasoning":  # a past output's reasoning: not rendered again
             raise ApiError(400, f"{where} has unsupported type {kind!r:.40}; supported: "
-                           "message, function_call, function_call_output", "input")
+                           "message, function_call, function_call_output, reasoning", "input")
     return messages
 
 
@@ -131,6 +135,12 @@ def message_item(text: str, item_id: str | None = None,
             "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [],
                          "logprobs": []}]}
+
+
+def reasoning_item(text: str, item_id: str | None = None,
+                   status: str = "completed") -> dict[str, Any]:
+    return {"id": item_id or new_item_id("rs"), "type": "reasoning", "status": status,
+            "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def function_call_item(name: str, arguments: str, item_id: str | None = None,
@@ -213,6 +223,8 @@ class ResponseBuilder:
 
     state: ResponseState
     plan: ToolPlan | None
+    # With a reasoning parser: the output's split (its answer goes on to `stream`).
+    reasoning: ReasoningStream | None = None
     seq: int = 0
     open_item: dict[str, Any] | None = None
     stream: Any = field(init=False)
@@ -234,7 +246,7 @@ class ResponseBuilder:
         # serialised when the whole update has been applied.
         events = [self.event("response.output_item.added", output_index=self._index(),
                              item=copy.deepcopy(item))]
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             events.append(self.event("response.content_part.added", item_id=item["id"],
                                      output_index=self._index(), content_index=0,
                                      part=dict(item["content"][0])))
@@ -253,6 +265,12 @@ class ResponseBuilder:
             part = item["content"][0]
             events = [self.event("response.output_text.done", **where, content_index=0,
                                  text=part["text"], logprobs=[]),
+                      self.event("response.content_part.done", **where, content_index=0,
+                                 part=dict(part))]
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            events = [self.event("response.reasoning_text.done", **where, content_index=0,
+                                 text=part["text"]),
                       self.event("response.content_part.done", **where, content_index=0,
                                  part=dict(part))]
         else:
@@ -285,11 +303,36 @@ class ResponseBuilder:
                                      delta=ev.text))
         return events
 
+    def apply_reasoning(self, text: str) -> list[dict[str, Any]]:
+        """Reasoning text into the open reasoning item (opened first if need be)."""
+        events: list[dict[str, Any]] = []
+        if self.open_item is None or self.open_item["type"] != "reasoning":
+            events += self.close()
+            events += self._open(reasoning_item("", status="in_progress"))
+        assert self.open_item is not None
+        self.open_item["content"][0]["text"] += text
+        events.append(self.event("response.reasoning_text.delta", item_id=self.open_item["id"],
+                                 output_index=self._index(), content_index=0, delta=text))
+        return events
+
+    def _split(self, c: CompletionOutput) -> ReasoningSplit:
+        """The update's new text as reasoning and answer (all answer without a parser)."""
+        if self.reasoning is None:
+            return ReasoningSplit("", c.text)
+        split = self.reasoning.feed(c.text) if c.text else ReasoningSplit()
+        if c.finished:  # reasoning held back (a partial tag) comes before any answer
+            rest = self.reasoning.finish()
+            split = ReasoningSplit(split.reasoning + rest.reasoning, split.content + rest.content)
+        return split
+
     def advance(self, c: CompletionOutput) -> list[dict[str, Any]]:
         """Events for one update of the sample; on its last, the items are closed and the
         response's status set."""
         check_failed(c.finish_reason, c.error)
-        events = [e for ev in (self.stream.feed(c.text) if c.text else []) for e in self.apply(ev)]
+        split = self._split(c)
+        events = self.apply_reasoning(split.reasoning) if split.reasoning else []
+        answer = split.content
+        events += [e for ev in (self.stream.feed(answer) if answer else []) for e in self.apply(ev)]
         if not c.finished:
             return events
         events += [e for ev in self.stream.finish() for e in self.apply(ev)]

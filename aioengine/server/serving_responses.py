@@ -8,11 +8,17 @@ the same incremental path (the tool-call parser's stream when tools are offered)
 both builds the output items and, when streaming, sends the Responses events:
 
     response.created, response.in_progress,
+    per reasoning (--reasoning-parser): output_item.added, content_part.added,
+                  reasoning_text.delta..., then reasoning_text.done, content_part.done,
+                  output_item.done
     per message:  output_item.added, content_part.added, output_text.delta..., then
                   output_text.done, content_part.done, output_item.done
     per call:     output_item.added, function_call_arguments.delta..., then
                   function_call_arguments.done, output_item.done
     response.completed | response.incomplete (max_output_tokens) | response.failed
+
+As in chat, `chat_template_kwargs` and `enable_thinking` (vLLM's extensions) reach the
+template.
 
 Stored responses (`store`, default true) live in `responses_store.ResponsesStore` (its rules
 are there); `background: true` runs the response as a task that GET polls and cancel stops.
@@ -34,7 +40,8 @@ from aioengine.server.responses_items import (ResponseBuilder, ResponseState, ch
                                               input_messages, new_item_id, output_messages)
 from aioengine.server.responses_store import (ENTRY_OVERHEAD_BYTES, ResponsesStore,
                                               StoredResponse)
-from aioengine.server.serving_chat import apply_tool_plan, render_messages
+from aioengine.server.serving_chat import (apply_reasoning, apply_tool_plan,
+                                           chat_template_kwargs, render_messages)
 from aioengine.server.serving_engine import (Outputs, SSEStream, ServingContext, UsageTracker,
                                              failure_body, json_response, merged_outputs)
 from aioengine.server.tools import ToolPlan, parse_tool_choice, parse_tools, plan_tools
@@ -98,7 +105,8 @@ def response_prompt(ctx: ServingContext, body: dict, history: list[dict[str, Any
     messages = history + input_messages(body["input"])
     plan = responses_tool_plan(body, ctx)
     system = [{"role": "system", "content": instructions}] if instructions else []
-    prompt_ids = render_messages(ctx, system + messages, plan, param="input", check=True)
+    prompt_ids = render_messages(ctx, system + messages, plan, param="input", check=True,
+                                 template_kwargs=chat_template_kwargs(body))
     return messages, plan, prompt_ids
 
 
@@ -200,6 +208,7 @@ class ResponsesHandler:
         messages, plan, prompt_ids = await ctx.work.run(request, response_prompt, ctx, body,
                                                         history, instructions)
         apply_tool_plan(plan, params, "text")
+        in_reasoning = apply_reasoning(ctx.reasoning_parser, params, prompt_ids)
         prepared = await ctx.prepare([prompt_ids], params, lora_request, body,
                                      prompt_param="input",
                                      grammar_param="tools" if plan else "text")
@@ -208,7 +217,8 @@ class ResponsesHandler:
         stored = StoredResponse(state, messages, background, echo_bytes)
         if store:
             self._admit(stored)  # before the engine request starts: a refusal costs nothing
-        run = ResponseBuilder(state, plan)
+        run = ResponseBuilder(state, plan, ctx.reasoning_parser.stream(in_reasoning)
+                              if ctx.reasoning_parser else None)
         outputs = merged_outputs(ctx.engine, prepared, state.id, get_priority(body))
         usage = UsageTracker([len(prompt_ids)])
         if background:

@@ -183,3 +183,45 @@ def test_a_model_without_think_tokens_is_refused(tmp_path: Path) -> None:
     assert "error: --reasoning-parser deepseek_r1: the tokenizer has no <think> or </think>" \
         in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# ---- the Responses API ------------------------------------------------------------------
+
+OPENED = {"chat_template_kwargs": {"enable_thinking": True}}
+
+
+def test_responses_reasoning_item(client: openai.OpenAI) -> None:
+    """The prompt opens the reasoning and the output is cut inside it: one reasoning item
+    (OpenAI's shape), no message; the stream's reasoning events join to its text."""
+    model = client.models.list().data[0].id
+    response = client.responses.create(model=model, input="What is 2 + 2?", temperature=0,
+                                       max_output_tokens=8, extra_body=OPENED)
+    assert response.status == "incomplete"
+    (item,) = response.output
+    assert item.type == "reasoning" and item.id.startswith("rs_") and item.summary == []
+    (part,) = item.content
+    assert part.type == "reasoning_text" and part.text and "think>" not in part.text
+    events = list(client.responses.create(model=model, input="What is 2 + 2?", temperature=0,
+                                          max_output_tokens=8, extra_body=OPENED, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.reasoning_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.incomplete"]
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == part.text == events[-4].text
+    assert events[2].item.type == "reasoning" and events[-2].item.content[0].text == part.text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    # Replayed as input (as clients pass output back), the reasoning item is accepted.
+    again = client.responses.create(
+        model=model, max_output_tokens=2,
+        input=[{"role": "user", "content": "Hi"}, item.model_dump(exclude_none=True),
+               {"role": "user", "content": "And now?"}])
+    assert again.status in ("completed", "incomplete")
+
+
+def test_responses_without_reasoning_has_no_reasoning_item(client: openai.OpenAI) -> None:
+    response = client.responses.create(model=client.models.list().data[0].id, input="Hi",
+                                       temperature=0, max_output_tokens=4,
+                                       extra_body={"enable_thinking": False})
+    assert [item.type for item in response.output] == ["message"]

@@ -33,8 +33,13 @@ def test_items_become_chat_turns() -> None:
     turn = output_messages(output)
     assert len(turn) == 1 and turn[0]["content"] == "hi" and turn[0]["tool_calls"][0]["id"] == "c3"
     with pytest.raises(ApiError, match="unsupported type") as e:
-        input_messages([{"type": "reasoning", "id": "r"}])
+        input_messages([{"type": "web_search_call", "id": "w"}])
     assert e.value.param == "input"
+    # A past output's reasoning item, passed back as clients do, is skipped.
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": [],
+                 "content": [{"type": "reasoning_text", "text": "hmm"}]}
+    assert input_messages([{"role": "user", "content": "a"}, reasoning]) == [
+        {"role": "user", "content": "a"}]
 
 
 def test_metadata_follows_openais_limits() -> None:
