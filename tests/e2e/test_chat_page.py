@@ -7,7 +7,9 @@ conversation is kept); a long answer is stopped mid-way and the server's running
 and KV usage return to 0 (the abort reached the engine); a screenshot is saved under the
 test's tmp_path and checked to be a PNG. With --api-key the page asks for the key,
 refuses a wrong one, and works once the right one is entered, while the page's own files
-are served without it and /v1 stays closed.
+are served without it and /v1 stays closed. With --reasoning-parser (a tiny thinking model
+whose template opens `<think>`), the reasoning streams into a collapsed <details> above the
+answer, never into the answer.
 
 Without chromium and chromedriver on PATH (`apt-get install chromium chromium-driver`) or
 selenium (`pip install 'aioengine[browser]'`) the module is skipped with that reason."""
@@ -78,6 +80,14 @@ def server() -> Iterator[ServerProcess]:
 @pytest.fixture(scope="module")
 def key_server() -> Iterator[ServerProcess]:
     yield from serving("--api-key", API_KEY)
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    from thinking_models import make_thinking_model_dir
+
+    model = make_thinking_model_dir(tmp_path_factory.mktemp("r1") / "r1", "deepseek_r1")
+    yield from serving(str(model), "--dtype", "float32", "--reasoning-parser", "deepseek_r1")
 
 
 def open_page(driver: Any, server: ServerProcess) -> None:
@@ -196,3 +206,27 @@ def test_api_key_is_asked_for_and_the_page_works_with_it(browser: Any,
     assert browser.save_screenshot(str(shot))
     print(f"screenshot: {shot}")
     assert shot.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_reasoning_is_shown_collapsed_above_the_answer(browser: Any,
+                                                       thinking_server: ServerProcess) -> None:
+    """The template opens the reasoning and the random model never closes it within
+    max_tokens: everything it writes is reasoning, in the <details>, none in the answer."""
+    open_page(browser, thinking_server)
+    wait_ready(browser)
+    set_value(browser, "temperature", "0")
+    set_value(browser, "max_tokens", "16")
+    answer = send(browser, "What is 2 + 2?")
+    wait_for(lambda: finished(answer), 60, "the answer")
+    details = answer.find_element(By.CSS_SELECTOR, "details.reasoning")
+    assert details.is_displayed() and details.get_attribute("open") is None  # collapsed
+    reasoning = details.find_element(By.CLASS_NAME, "reasoning-text")
+    thought = reasoning.get_attribute("textContent")
+    assert thought and "think>" not in thought
+    assert "think>" not in answer_text(answer)
+    body = answer.find_element(By.CLASS_NAME, "text")
+    # Above the answer: the details come first in the bubble.
+    assert details.location["y"] < body.location["y"] or not answer_text(answer)
+    details.find_element(By.TAG_NAME, "summary").click()
+    wait_for(lambda: reasoning.is_displayed(), 10, "the reasoning to open")
+    assert reasoning.text.strip() == thought.strip()

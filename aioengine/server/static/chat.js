@@ -2,6 +2,8 @@
 // a ReadableStream, shows each answer's time to first token and tokens/s, and stops an
 // answer by aborting its fetch (the server sees the disconnect and frees the request).
 // With --api-key the key is asked for once, kept in sessionStorage, sent as a Bearer token.
+// With --reasoning-parser, an answer's reasoning (delta.reasoning_content) is shown in a
+// collapsed <details> above it and is not sent back with the conversation.
 "use strict";
 
 const KEY_STORAGE = "aioengine-api-key";
@@ -82,15 +84,24 @@ function addMessage(role, text) {
   const label = document.createElement("div");
   label.className = "role";
   label.textContent = role;
+  // The reasoning, collapsed, shown once some arrives.
+  const reasoning = document.createElement("details");
+  reasoning.className = "reasoning";
+  reasoning.hidden = true;
+  const summary = document.createElement("summary");
+  summary.textContent = "Reasoning";
+  const reasoningText = document.createElement("div");
+  reasoningText.className = "reasoning-text";
+  reasoning.append(summary, reasoningText);
   const body = document.createElement("div");
   body.className = "text";
   body.textContent = text;
   const stats = document.createElement("div");
   stats.className = "stats";
-  root.append(label, body, stats);
+  root.append(label, reasoning, body, stats);
   $("messages").append(root);
   root.scrollIntoView({ block: "end" });
-  return { root, text: body, stats };
+  return { root, text: body, stats, reasoning, reasoningText };
 }
 
 function requestBody() {
@@ -164,13 +175,18 @@ async function streamAnswer(answer, timing) {
     if (chunk.usage) usage = chunk.usage;
     for (const choice of chunk.choices || []) {
       const content = choice.delta?.content;
-      if (content) {
+      const thought = choice.delta?.reasoning_content;
+      if (content || thought) {
         if (timing.first === null) timing.first = performance.now();
         chunks += 1;
         timing.tokens = chunks;
-        answer.text.textContent += content;
-        answer.root.scrollIntoView({ block: "end" });
       }
+      if (thought) {
+        answer.reasoning.hidden = false;
+        answer.reasoningText.textContent += thought;
+      }
+      if (content) answer.text.textContent += content;
+      if (content || thought) answer.root.scrollIntoView({ block: "end" });
       if (choice.finish_reason) timing.finish = choice.finish_reason;
     }
   }
