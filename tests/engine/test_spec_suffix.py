@@ -1,0 +1,150 @@
+"""Suffix decoding through the engine: greedy output equals no speculation (every step
+shape the n-gram tests cover, preemption, prefix caching, grammars), drafts up to k = 32
+are verified, sampled tokens keep their distribution, and every block is released; the
+proposer drops each request's tree once it finished (nothing is kept past a request)."""
+from __future__ import annotations
+
+import collections
+import re
+from pathlib import Path
+
+import pytest
+
+from aioengine import LLM, SamplingParams
+from aioengine.sampling_params import StructuredOutputs
+
+from tests.chi_square import ALPHA, chi2_sf, two_sample_statistic
+from tests.engine.conftest import assert_blocks_released
+from tests.engine.test_spec_decode import (CONFIGS, NARROW, assert_speculated, generate,
+                                           params_for, reference, spec_prompts)
+from tests.engine.test_spec_decode_sampled import (SAMPLED, assert_drafts_kept_and_rejected,
+                                                   spec_counters, trio_prompt)
+
+__all__ = ["reference", "spec_prompts", "trio_prompt"]  # fixtures, shared
+
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
+
+
+def proposer_of(llm: LLM):
+    return llm.core.runner.spec_decode.proposer
+
+
+def assert_no_request_state(llm: LLM) -> None:
+    """Every finished sample's own tree is gone (after the next step's propose, or now)."""
+    proposer = proposer_of(llm)
+    proposer.retire_finished()
+    assert not proposer.samples
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_equals_no_speculation(name: str, tiny_llama_dir: Path,
+                                      spec_prompts: list[list[int]],
+                                      reference: list[list[int]]) -> None:
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=512,
+              speculative_config=SUFFIX, **CONFIGS[name])
+    if name == "layer_path":
+        llm.core.loaded.model.use_fused_decode = False
+    outs = llm.generate(spec_prompts, params_for(spec_prompts))
+    assert_blocks_released(llm.core)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert_speculated(llm)
+    assert_no_request_state(llm)
+    # A second pass also drafts from the first pass's outputs (the global tree): the
+    # same tokens again.
+    again = llm.generate(spec_prompts, params_for(spec_prompts))
+    assert [o.outputs[0].token_ids for o in again] == reference
+    assert_blocks_released(llm.core)
+    assert_no_request_state(llm)
+    assert len(proposer_of(llm).global_cache.cached) == 2 * len(spec_prompts)
+
+
+def test_preemption(tiny_llama_dir: Path, spec_prompts: list[list[int]],
+                    reference: list[list[int]]) -> None:
+    tokens, llm = generate(tiny_llama_dir, spec_prompts, params_for(spec_prompts), SUFFIX,
+                           block_size=8, num_kv_blocks=14)
+    assert llm.core.scheduler.num_preemptions > 0
+    assert tokens == reference
+    assert_speculated(llm)
+    assert_no_request_state(llm)
+
+
+def test_prefix_cache_and_the_global_tree(tiny_llama_dir: Path,
+                                          spec_prompts: list[list[int]]) -> None:
+    """Follow-up turns (prompt = the first turn's prompt and output) hit the prefix cache
+    and draft from the first turns' outputs; they continue exactly as a cold run does."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=512,
+              speculative_config=SUFFIX)
+    first = llm.generate(spec_prompts, params_for(spec_prompts))
+    follow = [p + o.outputs[0].token_ids for p, o in zip(spec_prompts, first)]
+    hot = llm.generate(follow, params_for(follow))
+    assert sum(o.num_cached_tokens for o in hot) > 0
+    cold, _ = generate(tiny_llama_dir, follow, params_for(follow), None,
+                       enable_prefix_caching=False)
+    assert [o.outputs[0].token_ids for o in hot] == cold
+    assert_blocks_released(llm.core)
+
+
+def test_drafts_up_to_32_tokens(tiny_llama_dir: Path, spec_prompts: list[list[int]]) -> None:
+    """With k = 32 and a deep tree, drafts longer than 16 tokens are verified and kept in
+    one step (the scheduler and the fused decode rows take them; the second run drafts
+    from the first one's output too), and the output is still the one-token-a-time one."""
+    spec = {"method": "suffix", "num_speculative_tokens": 32,
+            "suffix_decoding_max_tree_depth": 64, "suffix_decoding_max_spec_factor": 2.0}
+    prompts = spec_prompts[5:6]
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True,
+                            logit_bias=NARROW)
+    plain, _ = generate(tiny_llama_dir, prompts, params, None)
+    tokens, llm = generate(tiny_llama_dir, prompts, params, spec)
+    assert tokens == plain
+    again = llm.generate(prompts, params)
+    assert again[0].outputs[0].token_ids == plain[0]
+    assert_blocks_released(llm.core)
+    stats = llm.core.stats()
+    assert stats["spec_decode_num_accepted_tokens_per_pos_24"] > 0, stats
+    assert_no_request_state(llm)
+
+
+def test_structured_output(tiny_llama_dir: Path) -> None:
+    """Drafts are cut to what the grammar accepts; the output equals the one-token-a-time
+    output and matches."""
+    regex = "[a-f]{30}"
+    outs = []
+    for spec in (None, SUFFIX):
+        llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=512,
+                  speculative_config=spec)
+        bias = {t: 5.0 for t in llm.tokenizer.encode("ab cd ef abcd cdab")}
+        params = SamplingParams(temperature=0.0, max_tokens=40, logit_bias=bias,
+                                structured_outputs=StructuredOutputs(regex=regex))
+        prompt = llm.tokenizer.encode("abcdabcdab cd ab 1234 abab")
+        outs.append([o.outputs[0] for o in llm.generate([prompt, prompt], params)])
+        assert_blocks_released(llm.core)
+    assert_speculated(llm)
+    for a, b in zip(*outs):
+        assert re.fullmatch(regex, b.text)
+        assert (a.text, a.token_ids) == (b.text, b.token_ids)
+
+
+N_SEEDS = 600
+
+
+def test_sampled_tokens_keep_their_joint_distribution(tiny_llama_dir: Path,
+                                                      trio_prompt: list[int]) -> None:
+    """As the n-gram test (test_spec_decode_sampled.py): the joint distribution of 3
+    sampled tokens with suffix drafts (from the prompt and, soon, from earlier requests'
+    outputs) is the one without, by a two-sample chi-square test."""
+    counts = []
+    for spec in (None, {"method": "suffix", "num_speculative_tokens": 2}):
+        llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=512,
+                  speculative_config=spec, max_num_seqs=64)
+        before = spec_counters(llm) if spec else None
+        # In waves, so later requests draft from the outputs of finished ones.
+        outs = []
+        for wave in range(0, N_SEEDS, 60):
+            outs += llm.generate([trio_prompt] * 60, [SamplingParams(seed=i, **SAMPLED)
+                                                      for i in range(wave, wave + 60)])
+        assert_blocks_released(llm.core)
+        counts.append(collections.Counter(tuple(o.outputs[0].token_ids) for o in outs))
+    assert_drafts_kept_and_rejected(before, spec_counters(llm))
+    stat, df = two_sample_statistic(*counts)
+    assert df >= 3, counts
+    assert chi2_sf(stat, df) > ALPHA, (f"chi2 = {stat:.1f}, df = {df}", counts)
