@@ -16,7 +16,9 @@ the chat path's own checks run.
     tool_choice auto | any | tool | none        "auto" | "required" | named | "none"
     disable_parallel_tool_use                   parallel_tool_calls: false
     stop_sequences                              stop
+    temperature, top_p, top_k, vLLM's extras    the same fields
     thinking {type: enabled | disabled}         chat_template_kwargs.enable_thinking
+    thinking {type: adaptive}                   (the template's default)
     output_config.format (json_schema)          response_format (json_schema)
 """
 from __future__ import annotations
@@ -37,8 +39,10 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 504: "timeout_error", 529: "overloaded_error"}
 # The content blocks a text model cannot take.
 _MEDIA_BLOCKS = ("image", "document", "search_result", "container_upload")
-# Fields passed to the chat body as they are (validated there as chat validates them).
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
+# Fields passed to the chat body as they are (validated there as chat validates them):
+# Anthropic's sampling fields, then vLLM's extras that make sense here (as /v1/responses).
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos")
 
 
 def is_messages_path(path: str) -> bool:

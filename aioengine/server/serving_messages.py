@@ -244,8 +244,7 @@ class MessagesHandler:
         chat_body = await self.ctx.work.run_sized(size, messages_to_chat, body)
         chat = await self.chat.prepare(chat_body, size)
         parser = self.ctx.reasoning_parser
-        reasoning = (parser.stream(parser.starts_in_reasoning(chat.prompt_ids))
-                     if parser is not None else None)
+        reasoning = parser.stream(chat.in_reasoning) if parser is not None else None
         call = _MessagesCall(chat.model, len(chat.prompt_ids),
                              MessageBuilder(chat.plan, reasoning))
         return await PreparedCall(call, chat.outputs(self.ctx, call.id),

@@ -101,6 +101,19 @@ def test_thinking_becomes_enable_thinking() -> None:
     assert off["chat_template_kwargs"] == {"enable_thinking": False}
 
 
+def test_output_config_and_vllm_extras() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    body = chat(messages=[{"role": "user", "content": "x"}], seed=3, ignore_eos=True,
+                output_config={"effort": "low", "format": {"type": "json_schema",
+                                                           "schema": schema}})
+    assert body["response_format"] == {"type": "json_schema", "json_schema": {"schema": schema}}
+    assert (body["seed"], body["ignore_eos"]) == (3, True)
+    assert "output_config" in bad("output_config", messages=[{"role": "user", "content": "x"}],
+                                  output_config={"format": {"type": "regex"}})
+    adaptive = chat(messages=[{"role": "user", "content": "x"}], thinking={"type": "adaptive"})
+    assert "chat_template_kwargs" not in adaptive
+
+
 def test_count_only_needs_no_max_tokens() -> None:
     body = messages_to_chat({"model": "m", "messages": [{"role": "user", "content": "x"}]},
                             count_only=True)
