@@ -267,16 +267,67 @@ def _from_panels(panels: Tensor, f: BlockFormat) -> _Fields:
     return fields
 
 
-def pack_blocks(blocks: Tensor, block_type: str, out: Tensor | None = None) -> Tensor:
-    """A file's blocks uint8 [n, row_bytes] -> the packed panels, uint8 1-D of
-    packed_nbytes(n, k) (written into `out` when given). Columns past n are zero blocks."""
-    f = BLOCK_TYPES[block_type]
+def _pack_c(blocks: Tensor, f: BlockFormat, k: int, out: Tensor | None) -> Tensor | None:
+    """kernels/cpu/pack_blocks.c's packing of `blocks` [n, row_bytes] into `out` (of the
+    packed size; allocated when None): the bytes the torch path writes, in one pass per
+    panel. None, nothing written, where the kernels are not built or do not take these
+    tensors (not uint8 contiguous CPU tensors)."""
+    lib = cpu_build.load()
+    if lib is None or not (blocks.dtype == torch.uint8 and blocks.device.type == "cpu"
+                           and blocks.is_contiguous()):
+        return None
+    if out is None:
+        out = torch.empty(packed_nbytes(blocks.shape[0], k, f.name), dtype=torch.uint8)
+    elif not (out.dtype == torch.uint8 and out.device.type == "cpu" and out.is_contiguous()):
+        return None
+    if blocks.shape[0] and lib.pack_gguf_blocks(out.data_ptr(), blocks.data_ptr(),
+                                                blocks.shape[0], k, f.code,
+                                                torch.get_num_threads()) != 0:
+        return None
+    return out
+
+
+# Rows per step of the torch path (a multiple of PANEL): bounds its transient codes and
+# fields, several bytes per weight, to a few MB whatever the tensor's size.
+_REFERENCE_ROWS = 256
+
+
+def _pack_reference(blocks: Tensor, f: BlockFormat) -> Tensor:
     n = blocks.shape[0]
     padded_n = -(-n // PANEL) * PANEL
     if padded_n != n:
         blocks = torch.cat((blocks, blocks.new_zeros(padded_n - n, blocks.shape[1])))
-    panels = _to_panels(_file_fields(blocks, f), f).reshape(-1)
-    return panels if out is None else out.copy_(panels)
+    return _to_panels(_file_fields(blocks, f), f).reshape(-1)
+
+
+def pack_blocks(blocks: Tensor, block_type: str, out: Tensor | None = None,
+                reference: bool = False) -> Tensor:
+    """A file's blocks uint8 [n, row_bytes] -> the packed panels, uint8 1-D of
+    packed_nbytes(n, k) (written into `out` when given). Columns past n are zero blocks.
+    The C packer (kernels/cpu/pack_blocks.c) writes them where it takes the tensors;
+    `reference`, or no kernels, takes the torch path, which defines the bytes. ValueError
+    where the rows are not whole blocks or `out` is not packed_nbytes(n, k) long."""
+    f = BLOCK_TYPES[block_type]
+    n, width = blocks.shape
+    if width == 0 or width % f.block_bytes:
+        raise ValueError(f"{block_type}: rows of {width} bytes are not whole "
+                         f"{f.block_bytes}-byte blocks")
+    k = width // f.block_bytes * f.block_weights
+    nbytes = packed_nbytes(n, k, block_type)
+    if out is not None and out.numel() != nbytes:
+        raise ValueError(f"{block_type} [{n}, {k}] packs to {nbytes} bytes, not "
+                         f"out's {out.numel()}")
+    if not reference:
+        packed = _pack_c(blocks, f, k, out)
+        if packed is not None:
+            return packed
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8)
+    step = packed_nbytes(_REFERENCE_ROWS, k, block_type)
+    for i, first in enumerate(range(0, n, _REFERENCE_ROWS)):
+        panels = _pack_reference(blocks[first:first + _REFERENCE_ROWS], f)
+        out[i * step:i * step + panels.numel()].copy_(panels)
+    return out
 
 
 def unpack_blocks(packed: Tensor, block_type: str, n: int, k: int) -> Tensor:

@@ -195,6 +195,9 @@ def _build(name: str) -> ctypes.CDLL:
     mismatches = cpu_layout.layout_mismatches(lib)
     if mismatches:  # the kernel would read the wrong fields: the torch path instead
         raise RuntimeError(f"kernels/cpu_layout.py disagrees with decode_layer.h: {mismatches}")
+    fn = lib.pack_gguf_blocks
+    fn.argtypes = [ptr, ptr, i64, i64, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
     fn = lib.lora_apply_f32
     fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, i64, i64,
                    i64, ctypes.c_int]

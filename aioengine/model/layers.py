@@ -298,10 +298,6 @@ class Linear(nn.Module):
         self.packed, self.scales, self.act_quant, self.blocks = None, None, False, layout
         self.weight = _param(layout.nbytes, dtype=torch.uint8, device=self.weight.device)
 
-    # Rows packed per pack_blocks call: bounds the transient memory of unpacking a tensor's
-    # codes and fields (several bytes per weight) to a few MB, whatever the tensor's size.
-    _PACK_ROWS = 256
-
     @torch.no_grad()
     def load_block_rows(self, first_row: int, blocks: Tensor, block_type: str) -> None:
         """Packs a file's blocks uint8 [rows, row_bytes] (rows in HF order) as this weight's
@@ -324,11 +320,8 @@ class Linear(nn.Module):
                              f"[{start}, {start + part.rows})")
         panel_bytes = cpu_blocks.packed_nbytes(cpu_blocks.PANEL, k, block_type)
         offset = part.offset + (first_row - start) // cpu_blocks.PANEL * panel_bytes
-        for r in range(0, rows, self._PACK_ROWS):
-            chunk = blocks[r:r + self._PACK_ROWS]
-            nbytes = cpu_blocks.packed_nbytes(chunk.shape[0], k, block_type)
-            cpu_blocks.pack_blocks(chunk, block_type, out=self.weight.data[offset:offset + nbytes])
-            offset += nbytes
+        nbytes = cpu_blocks.packed_nbytes(rows, k, block_type)
+        cpu_blocks.pack_blocks(blocks, block_type, out=self.weight.data[offset:offset + nbytes])
 
     @property
     def kernel_format(self) -> int | None:
