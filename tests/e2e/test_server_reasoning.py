@@ -225,3 +225,34 @@ def test_responses_without_reasoning_has_no_reasoning_item(client: openai.OpenAI
                                        temperature=0, max_output_tokens=4,
                                        extra_body={"enable_thinking": False})
     assert [item.type for item in response.output] == ["message"]
+
+
+# ---- run-batch shares the server's configuration ------------------------------------------
+
+def run_batch(model: Path, tmp_path: Path, body: dict) -> subprocess.CompletedProcess:
+    lines = tmp_path / "in.jsonl"
+    lines.write_text(json.dumps({"custom_id": "a", "method": "POST",
+                                 "url": "/v1/chat/completions", "body": body}) + "\n")
+    return subprocess.run(
+        [sys.executable, "-m", "aioengine.cli", "run-batch", "-i", str(lines), "-o",
+         str(tmp_path / "out.jsonl"), str(model), "--dtype", "float32", "--no-progress",
+         "--num-kv-blocks", "64", "--reasoning-parser", "qwen3"],
+        capture_output=True, text=True, timeout=300)
+
+
+def test_run_batch_splits_reasoning(model_dir: Path, tmp_path: Path) -> None:
+    body = {"messages": ASK, "temperature": 0, "max_tokens": 40, **CLOSED,
+            "structured_outputs": {"regex": THOUGHT_RE}}
+    proc = run_batch(model_dir, tmp_path, body)
+    assert proc.returncode == 0, proc.stderr
+    (record,) = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    message = record["response"]["body"]["choices"][0]["message"]
+    assert re.fullmatch(r"[a-z]{4,12}", message["reasoning_content"])
+    assert re.fullmatch(r"\n\nAnswer: [0-9]", message["content"])
+
+
+def test_run_batch_refuses_a_model_without_think_tokens(tmp_path: Path) -> None:
+    plain = make_tiny_model_dir("qwen3", tmp_path / "plain")
+    proc = run_batch(plain, tmp_path, {"messages": ASK})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "error: --reasoning-parser qwen3: the tokenizer has no <think>" in proc.stderr
