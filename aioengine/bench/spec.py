@@ -1,6 +1,8 @@
 """`spec` mode: speculative-decoding configurations against no speculation, one request at a
 time, on the draft-head trainer's held-out chat prompts (never trained on) or, with `--prompts
-grounded`, the input-grounded ones (where n-gram lookup has something to copy).
+grounded`, the input-grounded ones (where n-gram lookup has something to copy), or with
+`--prompts extraction|sql|code-edit` an agent-shaped set (bench/agentic.py), warmed up on
+`--warmup` other prompts of the same set (suffix decoding's global tree learns from them).
 
 Every configuration is its own AsyncEngine, all loaded at once, and each prompt runs
 through all of them back to back (the order rotated per prompt), so machine drift over
@@ -27,6 +29,7 @@ import sys
 import time
 from typing import Any
 
+from aioengine.bench.agentic import AGENTIC_SETS, TIMED_SEED, WARMUP_SEED, prompt_set
 from aioengine.metrics import spec_decode_delta
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
@@ -85,10 +88,13 @@ def add_spec_parser(sub: Any) -> None:
                         "uses the head in DIR (two heads compared in one interleaved run)")
     p.add_argument("--draft-model", default=None,
                    help="the EAGLE head's directory (default: the one shipped for the model)")
-    p.add_argument("--prompts", choices=("held-out", "grounded"), default="held-out",
-                   help="the draft-head trainer's held-out chat prompts, or the input-grounded "
+    p.add_argument("--prompts", choices=("held-out", "grounded") + AGENTIC_SETS,
+                   default="held-out",
+                   help="the draft-head trainer's held-out chat prompts, the input-grounded "
                         "ones (bench data/grounded.jsonl: answers that copy the prompt, where "
-                        "n-gram lookup finds drafts)")
+                        "n-gram lookup finds drafts), or an agent-shaped set (bench/agentic.py: "
+                        "one request shape repeated with small changes; --warmup prompts of "
+                        "the same set, other instances, run first)")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="the first N prompts (default: all)")
     p.add_argument("--output-len", type=int, default=128, help="greedy tokens at most")
@@ -119,7 +125,9 @@ async def _one(engine, prompt: list[dict], max_tokens: int) -> dict[str, Any]:
 
 async def run_spec(model: str | None, specs: dict[str, dict | None], prompts: list[str],
                    output_len: int, warmup: int, engine_kwargs: dict[str, Any],
-                   ) -> dict[str, Any]:
+                   warm_prompts: list[str] | None = None) -> dict[str, Any]:
+    """`warm_prompts`: the untimed prompts each engine runs first (default: the first
+    `warmup` of the trainer's chat prompts)."""
     from aioengine import AsyncEngine
     from aioengine.spec_decode.train.prompts import split_prompts
 
@@ -129,7 +137,9 @@ async def run_spec(model: str | None, specs: dict[str, dict | None], prompts: li
                                                            "speculative_config": spec})
     chats = [[{"role": "user", "content": p}] for p in prompts]
     try:
-        warm = [[{"role": "user", "content": p}] for p in split_prompts()[0][:warmup]]
+        if warm_prompts is None:
+            warm_prompts = split_prompts()[0][:warmup]
+        warm = [[{"role": "user", "content": p}] for p in warm_prompts]
         for engine in engines.values():
             for chat in warm:
                 await _one(engine, chat, output_len)
@@ -197,7 +207,7 @@ def format_spec(report: dict[str, Any]) -> str:
 
     width = max(12, *(len(name) for name in report["summary"]))
     lines = [cpu_line(report["environment"]),
-             f"{report['num_prompts']} {report.get('prompts', 'held-out')} chat prompts, "
+             f"{report['num_prompts']} {report.get('prompts', 'held-out')} prompts, "
              f"greedy, <= "
              f"{report['output_len']} tokens, one request at a time",
              f"{'config':<{width}} {'k':>2} {'TPOT ms':>8} {'speedup':>8} {'TTFT ms':>8} "
@@ -236,9 +246,14 @@ def spec_main(args: argparse.Namespace) -> int:
         print(f"aioengine bench spec: error: {e}", file=sys.stderr)
         return 2
     set_threads(None)
-    prompts = _prompt_texts(args.prompts)[:args.num_prompts]
+    warm_prompts = None
+    if args.prompts in AGENTIC_SETS:
+        prompts = prompt_set(args.prompts, args.num_prompts or 20, TIMED_SEED)
+        warm_prompts = prompt_set(args.prompts, args.warmup, WARMUP_SEED)
+    else:
+        prompts = _prompt_texts(args.prompts)[:args.num_prompts]
     result = asyncio.run(run_spec(args.model, specs, prompts, args.output_len, args.warmup,
-                                  engine_kwargs(args)))
+                                  engine_kwargs(args), warm_prompts))
     report = {"mode": "spec", "environment": environment_info(), "model": args.model,
               "config": run_config(args), "prompts": args.prompts,
               "num_prompts": len(prompts),
