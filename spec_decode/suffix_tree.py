@@ -74,21 +74,22 @@ class SuffixTree:
         suffixes (and the empty one) gains an occurrence followed by `token`. Returns the
         new cursor."""
         new = [ROOT]
-        max_depth = self.max_depth
+        max_depth, edges, count, best, depth = (self.max_depth, self.edges, self.count,
+                                                self.best, self.depth)
         for node in cursor:
-            if self.depth[node] >= max_depth:
+            if depth[node] >= max_depth:
                 break
-            c = self._child_or_new(node, token)
-            self.count[c] += 1
-            self._raise_best(node, c)
+            c = edges.get((node << 32) | token, _NONE)
+            if c == _NONE:
+                c = self._new_child(node, token)
+            count[c] += 1
+            b = best[node]
+            if b != c and (b == _NONE or self._beats(c, b)):
+                best[node] = c
             new.append(c)
         return new
 
-    def _child_or_new(self, node: int, token: int) -> int:
-        key = _edge(node, token)
-        c = self.edges.get(key, _NONE)
-        if c != _NONE:
-            return c
+    def _new_child(self, node: int, token: int) -> int:
         if self.free:
             c = self.free.pop()
             self.token[c], self.count[c], self.depth[c] = token, 0, self.depth[node] + 1
@@ -104,18 +105,13 @@ class SuffixTree:
             self.next_sibling.append(_NONE)
         self.next_sibling[c] = self.first_child[node]
         self.first_child[node] = c
-        self.edges[key] = c
+        self.edges[_edge(node, token)] = c
         return c
 
     def _beats(self, a: int, b: int) -> bool:
         """Child a is more frequent than child b (ties: the lower token)."""
         ca, cb = self.count[a], self.count[b]
         return ca > cb or (ca == cb and self.token[a] < self.token[b])
-
-    def _raise_best(self, node: int, c: int) -> None:
-        b = self.best[node]
-        if b == _NONE or (b != c and self._beats(c, b)):
-            self.best[node] = c
 
     # ---- remove ---------------------------------------------------------------------
 
