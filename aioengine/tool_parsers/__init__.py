@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 
+from aioengine.errors import ConfigError
 # The stream and its events, re-exported: the server and the tests import them from here.
 from aioengine.tool_call_stream import (ContentDelta, ExtractedToolCalls, ParsedToolCall,
                                         ToolCallArgsDelta, ToolCallStart, ToolCallStream,
@@ -47,7 +48,7 @@ _TEMPLATE_MARKERS: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"<tool_call>"), "hermes"),
     (re.compile(r"\[TOOL_CALLS\]"), "mistral"),
     (re.compile(r"<\|tool_call\|>"), "granite"),
-    (re.compile(r"functools"), "phi4_mini_json"),
+    (re.compile(r"functools|<\|/tool\|>"), "phi4_mini_json"),  # Phi-4-mini's <|tool|> list
     (re.compile(r"\[func_name\d*\(|\[\s*\w+\(\s*\w+\s*=\s*\w+"), "pythonic"),
     (re.compile(r"<\|python_tag\|>|[\"']parameters[\"']\s*:"), "llama3_json"),
 ]
@@ -61,7 +62,7 @@ def get_tool_parser(name: str) -> ToolParser:
 
 def detect_tool_parser(template: str | dict | None) -> str:
     """The parser whose format a chat template writes (`--tool-call-parser auto`);
-    ValueError naming the choices when it writes none we know."""
+    ConfigError (a ValueError) naming the choices when it writes none we know."""
     text = "\n".join(v for v in template.values() if isinstance(v, str)) \
         if isinstance(template, dict) else template or ""
     for pattern, name in _TEMPLATE_MARKERS:
@@ -69,5 +70,5 @@ def detect_tool_parser(template: str | dict | None) -> str:
             return name
     where = "the model has no chat template" if not text else \
         "its chat template writes none of the known call formats"
-    raise ValueError(f"--tool-call-parser auto cannot tell the model's tool-call format: "
+    raise ConfigError(f"--tool-call-parser auto cannot tell the model's tool-call format: "
                      f"{where}; name one of {', '.join(TOOL_PARSERS)}")

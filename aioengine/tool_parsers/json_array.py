@@ -30,23 +30,34 @@ _NAME_CHARS = re.compile(r"[A-Za-z0-9_.\-]*")
 _DELIMITERS = re.compile(r'[\[\]{}",]')
 
 
-def _element_end(buf: str, final: bool) -> int | None:
-    """Where the array element at the start of `buf` ends: at the `,` or `]` after it
-    outside strings and brackets (at the end of the output, there); None: not known yet."""
-    depth, in_str, i = 0, False, 0
-    while (m := (INSIDE_STRING if in_str else _DELIMITERS).search(buf, i)) is not None:
-        c, i = m.group(), m.end()
-        if c == "\\":
-            i += 1
-        elif c == '"':
-            in_str = not in_str
-        elif c in "[{":
-            depth += 1
-        elif depth == 0:
-            return i - 1
-        elif c != ",":
-            depth -= 1
-    return len(buf) if final else None
+class _ElementScan:
+    """Where an array element ends: at the `,` or `]` after it outside strings and
+    brackets. Reads text that may arrive in pieces; `pos`: how far it has read."""
+
+    def __init__(self) -> None:
+        self.depth, self.in_str, self.pos = 0, False, 0
+
+    def advance(self, buf: str, final: bool) -> int | None:
+        """The element's length (at the end of the output, all of `buf` if it does not
+        end); None: not known yet."""
+        i = self.pos
+        while (m := (INSIDE_STRING if self.in_str else _DELIMITERS).search(buf, i)) is not None:
+            c, i = m.group(), m.end()
+            if c == "\\":
+                if i == len(buf):  # the escaped character has not arrived: read it again
+                    self.pos = i - 1
+                    return len(buf) if final else None
+                i += 1
+            elif c == '"':
+                self.in_str = not self.in_str
+            elif c in "[{":
+                self.depth += 1
+            elif self.depth == 0:
+                return i - 1
+            elif c != ",":
+                self.depth -= 1
+        self.pos = len(buf)
+        return len(buf) if final else None
 
 
 class JsonArrayToolParser(ToolParser):
@@ -136,6 +147,7 @@ class JsonArrayStream(ToolCallStream):
         super().__init__(parser)
         self._raw = ""
         self._block_calls = 0
+        self._element_scan = _ElementScan()
 
     def _header(self, final: bool) -> bool:
         marker = self._p.trigger
@@ -181,7 +193,7 @@ class JsonArrayStream(ToolCallStream):
         if found == UNDECIDED and not final:
             return False
         if found is None or found == UNDECIDED:
-            self._step = self._held_element
+            self._element_scan, self._step = _ElementScan(), self._held_element
             return True
         self._call(found[0])
         self._buf, self._scan, self._step = body[found[1]:], JsonScan(), self._arguments
@@ -205,7 +217,7 @@ class JsonArrayStream(ToolCallStream):
         return True
 
     def _held_element(self, final: bool) -> bool:
-        n = _element_end(self._buf, final)
+        n = self._element_scan.advance(self._buf, final)
         if n is None:
             return False
         call = parse_json_call(self._buf[:n])

@@ -228,7 +228,9 @@ class _PyScan:
 
 # The grammar of a call's keyword arguments (pythonic forced calls).
 _GRAMMAR_BASE = r'''
-py_string ::= "\"" ([^"\\\n\r] | "\\" ["\\/bfnrt] | "\\u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])* "\""
+py_string ::= "\"" py_char* "\""
+py_char ::= [^"\\\n\r] | "\\" ["\\bfnrt] | "\\u" py_hex py_hex py_hex py_hex
+py_hex ::= [0-9a-fA-F]
 py_integer ::= "-"? ("0" | [1-9] [0-9]*)
 py_number ::= py_integer ("." [0-9]+)? ([eE] [+\-]? [0-9]+)?
 py_boolean ::= "True" | "False"

@@ -75,6 +75,8 @@ GRANITE_CASES = [
     ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Boston"}}, '
      '{"name": "get_time", "arguments": {"zone": "EST"}}]',
      E(None, [call(W, '{"city": "Boston"}'), call("get_time", '{"zone": "EST"}')])),
+    ('<|tool_call|>[{"arguments": {"q": "a\\"]},\\\\"}, "name": "f"}, {"name": "g", '
+     '"arguments": {}}]', E(None, [call("f", '{"q": "a\\"]},\\\\"}'), call("g", "{}")])),
     ("<|tool_call|>no", E("<|tool_call|>no", [])),
     ("a <|tool_", E("a <|tool_", [])),
 ]
@@ -123,7 +125,8 @@ PY_CASES = [
     ('[get_weather(city="Paris", unit="celsius")]',
      E(None, [call(W, '{"city": "Paris", "unit": "celsius"}')])),
     ("[get_weather(city='San Francisco', days=3), get_time(zone=\"PST\")]",
-     E(None, [call(W, '{"city": "San Francisco", "days": 3}'), call("get_time", '{"zone": "PST"}')])),
+     E(None, [call(W, '{"city": "San Francisco", "days": 3}'),
+              call("get_time", '{"zone": "PST"}')])),
     # literals: nested, negative, JSON's true/null, tuples; brackets and quotes in strings
     ('[f(a=[1, -2.5, (3, 4)], b={"k": None, "t": True}, c=true, d=null, e="x])\\"y\'")]',
      E(None, [call("f", '{"a": [1, -2.5, [3, 4]], "b": {"k": null, "t": true}, "c": true, '
@@ -285,6 +288,8 @@ def test_stream_agrees_with_extract_for_any_text_and_split(parser: ToolParser, t
     ("{{ '[AVAILABLE_TOOLS]' }}{{ tools | tojson }}{{ '[TOOL_CALLS]' }}", "mistral"),
     ("<|start_of_role|>available_tools<|end_of_role|>... <|tool_call|>", "granite"),
     ("<|tool|>{{ tools }}<|/tool|> functools[...]", "phi4_mini_json"),
+    ("{{ '<|system|>' + m['content'] + '<|tool|>' + m['tools'] + '<|/tool|>' }}",
+     "phi4_mini_json"),  # Phi-4-mini's own template names no call format
     ("[func_name1(params_name1=params_value1, params_name2=params_value2...)]", "pythonic"),
     ('Respond in the format {"name": function name, "parameters": dictionary of argument '
      "name and its value}. <|python_tag|>", "llama3_json"),
