@@ -122,9 +122,9 @@ class ToolParser(ABC):
         """The structural tag of one call of `name` whose arguments match `schema`."""
 
     @abstractmethod
-    def only_calls(self, tags: list[dict[str, Any]], single: bool,
-                   at_least_one: bool = True) -> dict[str, Any]:
-        """An output of calls only, each one of `tags` (`single`: exactly one)."""
+    def only_calls(self, tags: list[dict[str, Any]], single: bool) -> dict[str, Any]:
+        """An output of one or more calls and nothing else, each one of `tags` (`single`:
+        exactly one)."""
 
     @abstractmethod
     def auto_calls(self, tags: list[dict[str, Any]], single: bool) -> dict[str, Any]:

@@ -80,16 +80,11 @@ class JsonArrayToolParser(ToolParser):
         return {"type": "tag", "begin": f"{_HEAD}{json.dumps(name)}{_MID}",
                 "content": json_content(schema), "end": "}"}
 
-    def only_calls(self, tags: list[dict[str, Any]], single: bool,
-                   at_least_one: bool = True) -> dict[str, Any]:
-        # An array holds at least one call: "none at all" is the empty output.
-        block = {"type": "sequence", "elements": [
+    def only_calls(self, tags: list[dict[str, Any]], single: bool) -> dict[str, Any]:
+        return {"type": "sequence", "elements": [
             {"type": "const_string", "value": self.trigger + "["},
             self._separated(tags, self.separator, single, True),
             {"type": "const_string", "value": "]"}]}
-        if at_least_one:
-            return block
-        return {"type": "or", "elements": [{"type": "const_string", "value": ""}, block]}
 
     def auto_calls(self, tags: list[dict[str, Any]], single: bool) -> dict[str, Any]:
         block = {"type": "tag", "begin": self.trigger + "[",

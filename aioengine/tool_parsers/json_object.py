@@ -62,15 +62,14 @@ class JsonObjectToolParser(ToolParser):
         return {"type": "tag", "begin": self.tag_begin(name), "content": json_content(schema),
                 "end": self.tag_end()}
 
-    def only_calls(self, tags: list[dict[str, Any]], single: bool,
-                   at_least_one: bool = True) -> dict[str, Any]:
-        return self._separated(tags, self.separator, single, at_least_one)
+    def only_calls(self, tags: list[dict[str, Any]], single: bool) -> dict[str, Any]:
+        return self._separated(tags, self.separator, single, at_least_one=True)
 
     def auto_calls(self, tags: list[dict[str, Any]], single: bool) -> dict[str, Any]:
         if self.calls_end_output:  # text without a call start, then calls, if any
             return {"type": "sequence", "elements": [
                 {"type": "any_text", "excludes": [self.trigger]},
-                self.only_calls(tags, single, at_least_one=False)]}
+                self._separated(tags, self.separator, single, at_least_one=False)]}
         return self._triggered(tags, single)
 
     @abstractmethod

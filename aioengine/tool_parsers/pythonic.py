@@ -124,15 +124,11 @@ class PythonicToolParser(ToolParser):
                 "content": {"type": "grammar", "grammar": keywords_grammar(schema)},
                 "end": ")"}
 
-    def only_calls(self, tags: list[dict[str, Any]], single: bool,
-                   at_least_one: bool = True) -> dict[str, Any]:
-        block = {"type": "sequence", "elements": [
+    def only_calls(self, tags: list[dict[str, Any]], single: bool) -> dict[str, Any]:
+        return {"type": "sequence", "elements": [
             {"type": "const_string", "value": "["},
             self._separated(tags, self.separator, single, True),
             {"type": "const_string", "value": "]"}]}
-        if at_least_one:
-            return block
-        return {"type": "or", "elements": [{"type": "const_string", "value": ""}, block]}
 
     def auto_calls(self, tags: list[dict[str, Any]], single: bool) -> dict[str, Any]:
         # One trigger per function, `[name(`, so a `[` in text is free; the list it opens

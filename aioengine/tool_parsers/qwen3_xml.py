@@ -143,9 +143,8 @@ class Qwen3CoderToolParser(ToolParser):
                             "style": "qwen_xml", "max_whitespace_cnt": 1},
                 "end": self._end}
 
-    def only_calls(self, tags: list[dict[str, Any]], single: bool,
-                   at_least_one: bool = True) -> dict[str, Any]:
-        return self._separated(tags, self.separator, single, at_least_one)
+    def only_calls(self, tags: list[dict[str, Any]], single: bool) -> dict[str, Any]:
+        return self._separated(tags, self.separator, single, at_least_one=True)
 
     def auto_calls(self, tags: list[dict[str, Any]], single: bool) -> dict[str, Any]:
         return self._triggered(tags, single)
