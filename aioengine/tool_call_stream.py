@@ -1,9 +1,12 @@
-"""The streaming half of the tool-call parsers (tool_parsers.py: the call formats and the
+"""The streaming half of the tool-call parsers (tool_parsers/: the call formats and the
 rules): text deltas in, ContentDelta / ToolCallStart / ToolCallArgsDelta events out, and the
-JSON scanning both halves share. A stream reads its parser's format (`trigger`, `start_tag`,
-`gap`) and asks it where a canonical header ends (`match_header`), where any other block
-ends and what call it holds (`other_block`), and where a canonical call's trailer ends
-(`trailer_end`): the CallFormat protocol, which every ToolParser implements."""
+JSON scanning the parsers share. A stream reads its parser's format (`trigger`, `start_tag`,
+`gap`): text up to a trigger is content (whitespace before a call dropped), and what follows
+a trigger is the parser's to decide. ToolCallStream itself decides it for calls that are a
+JSON object after a tag (json_object.py): it asks where a canonical header ends
+(`match_header`), where any other block ends and what call it holds (`other_block`), and
+where a canonical call's trailer ends (`trailer_end`): the CallFormat protocol. The other
+formats' streams subclass it and replace `_header`, the step taken at a trigger."""
 from __future__ import annotations
 
 import re
