@@ -13,7 +13,6 @@
 #include <string.h>
 
 #include "gemm.h"
-#include "parallel.h"
 
 #define PACK_COLS GEMM_NR
 #define PACK_MAX_BLOCK 256 /* weights of the largest block (the K-quants') */
@@ -178,6 +177,13 @@ int pack_gguf_blocks(uint8_t *out, const uint8_t *blocks, int64_t n, int64_t k, 
     if (file_block_bytes(fmt) == 0 || k <= 0 || n < 0 || k % gemm_block_weights(fmt)) return -2;
     const int64_t groups = k / gemm_block_weights(fmt), panels = gemm_num_panels(n);
     if (num_threads < 1) num_threads = 1;
-    PARALLEL_FOR(p, panels, 2, pack_panel(out, blocks, n, groups, fmt, p));
+    if (panels < 2 || num_threads == 1) { /* not through OpenMP at all: parallel.h says why */
+        for (int64_t p = 0; p < panels; p++) pack_panel(out, blocks, n, groups, fmt, p);
+        return 0;
+    }
+    /* A panel at a time: a thread the OS has descheduled (a load runs the tokenizer's
+     * thread beside this) leaves the others its share instead of a wait at the barrier. */
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
+    for (int64_t p = 0; p < panels; p++) pack_panel(out, blocks, n, groups, fmt, p);
     return 0;
 }
