@@ -9,7 +9,7 @@
                            (EAGLE-2 dynamic tree drafting: spec_decode/tree.py)
     {"method": "eagle3", "quantization": "none"}   (the head's weights in the target's
                            dtype; left out: int8 on the CPU, see HEAD_QUANTIZATIONS)
-    {"method": "suffix", "num_speculative_tokens": 16, "suffix_decoding_max_tree_depth": 24,
+    {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 24,
      "suffix_decoding_max_cached_requests": 10000, "suffix_decoding_max_spec_factor": 1.0,
      "suffix_decoding_min_token_prob": 0.1}   (suffix decoding, spec_decode/suffix.py:
                            vLLM's names and defaults; k is the cap on a draft's length)
@@ -32,9 +32,10 @@ MAX_SPECULATIVE_TOKENS = 16
 # Suffix drafts are cheap to make and their length adapts per step (0..k), so k may be
 # larger: a cap on the longest draft, not a length every step verifies.
 MAX_SUFFIX_SPECULATIVE_TOKENS = 32
-# k left out for suffix decoding. vLLM takes the tree depth (24); on a small CPU a verified
-# row costs a share of a step, and drafts past ~16 tokens are rarely all kept.
-DEFAULT_SUFFIX_SPECULATIVE_TOKENS = 16
+# k left out for suffix decoding. vLLM takes the tree depth (24); on a CPU every verified
+# row costs a share of a step, and drafts are rarely kept past their 8th token
+# (docs/benchmarks.md, "Speculative decoding": k = 8 beat k = 16 on the extraction set).
+DEFAULT_SUFFIX_SPECULATIVE_TOKENS = 8
 # A tree's nodes (and its depth, top_k) per request and step.
 MAX_TREE_NODES = 64
 # vLLM's default when neither prompt_lookup_min nor prompt_lookup_max is given.

@@ -14,7 +14,7 @@ mean acceptance length (tokens per verification, vLLM's count) and the acceptanc
 per draft position, and whether every output equalled `off`'s.
 
     --specs off,ngram,eagle3:2,eagle3:4     off | ngram (k=3, lookup 2..5) | ngramK |
-                                            suffix[K] (suffix decoding, k = K or 16) |
+                                            suffix[K] (suffix decoding, k = K or 8) |
                                             eagle3[:K] (the shipped head, or --draft-model) |
                                             eagle3tree:D:K:N (tree: depth, top_k, nodes)
                                             ...@DIR: an eagle entry with the head in DIR,
@@ -82,7 +82,7 @@ def add_spec_parser(sub: Any) -> None:
     p.add_argument("--specs", default=DEFAULT_SPECS,
                    help=f"comma-separated configurations (default {DEFAULT_SPECS}): off, "
                         "ngram (k=3, lookup 2..5), ngramK, suffix[K] (suffix decoding, "
-                        "k = K or 16), eagle3[:K] (K draft tokens; "
+                        "k = K or 8), eagle3[:K] (K draft tokens; "
                         "without K the head's n_predict), eagle3tree:D:K:N (EAGLE-2 tree "
                         "drafting: depth D, top_k K, N nodes); an eagle entry ending in @DIR "
                         "uses the head in DIR (two heads compared in one interleaved run)")

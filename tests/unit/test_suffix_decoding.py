@@ -256,7 +256,7 @@ def test_config() -> None:
     cfg = SpeculativeConfig.parse({"method": "suffix"})
     assert (cfg.num_speculative_tokens, cfg.suffix_decoding_max_tree_depth,
             cfg.suffix_decoding_max_cached_requests, cfg.suffix_decoding_max_spec_factor,
-            cfg.suffix_decoding_min_token_prob) == (16, 24, 10000, 1.0, 0.1)
+            cfg.suffix_decoding_min_token_prob) == (8, 24, 10000, 1.0, 0.1)
     assert not cfg.uses_draft_head and cfg.disable_by_batch_size is None
     cfg = SpeculativeConfig.parse('{"method": "suffix", "num_speculative_tokens": 32, '
                                   '"suffix_decoding_max_cached_requests": 0}')
