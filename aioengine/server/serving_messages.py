@@ -70,7 +70,9 @@ class MessageBuilder:
         self.reasoning = reasoning
         self.blocks: list[dict[str, Any]] = []
         self.open = False  # the last block is open (it still takes deltas)
-        self.arguments = ""  # of the open tool_use block
+        # The open block's text (thinking, text or tool_use arguments), joined at its stop:
+        # a list, so that a long answer costs O(its length), not O(length^2).
+        self.pieces: list[str] = []
         self.calls = 0
 
     def feed(self, text: str, final: bool) -> list[Event]:
@@ -111,7 +113,7 @@ class MessageBuilder:
             self.calls += 1
         else:
             assert isinstance(event, ToolCallArgsDelta)
-            self.arguments += event.text
+            self.pieces.append(event.text)
             events.append(self._event("content_block_delta", delta={
                 "type": "input_json_delta", "partial_json": event.text}))
 
@@ -121,7 +123,7 @@ class MessageBuilder:
             start = ({"type": "thinking", "thinking": "", "signature": THINKING_SIGNATURE}
                      if kind == "thinking" else {"type": "text", "text": ""})
             self._start(events, start)
-        self.blocks[-1][kind] += text
+        self.pieces.append(text)
         events.append(self._event("content_block_delta", delta={
             "type": f"{kind}_delta", kind: text}))
 
@@ -134,9 +136,12 @@ class MessageBuilder:
     def _stop(self, events: list[Event]) -> None:
         if not self.open:
             return
-        block = self.blocks[-1]
+        block, text = self.blocks[-1], "".join(self.pieces)
         if block["type"] == "tool_use":
-            block["input"], self.arguments = _tool_input(self.arguments), ""
+            block["input"] = _tool_input(text)
+        else:
+            block[block["type"]] = text  # "text" or "thinking"
+        self.pieces = []
         self.open = False
         events.append(self._event("content_block_stop"))
 

@@ -13,7 +13,7 @@ import jsonschema
 import orjson
 import pytest
 from conftest import TOOL_SERVER_ARGS
-from server_process import API_KEY, ServerProcess, openai_client, serving
+from server_process import API_KEY, ServerProcess, openai_client, serving, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -240,7 +240,9 @@ def test_errors_are_the_sdks_typed_exceptions(server, client, model) -> None:
 @pytest.mark.parametrize("raw,words", [
     (b"{not json", "not valid JSON"),
     (b"[1, 2]", "JSON object"),
-    (b'{"model": "m", "messages": []}', "max_tokens is required"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}]}',
+     "max_tokens is required"),
+    (b'{"model": "m", "max_tokens": 5, "messages": []}', "non-empty"),
 ])
 def test_raw_bodies_get_anthropic_400s(server, model, raw, words) -> None:
     raw = raw.replace(b'"m"', orjson.dumps(model))
@@ -248,7 +250,7 @@ def test_raw_bodies_get_anthropic_400s(server, model, raw, words) -> None:
     assert status == 400, body
     error = orjson.loads(body)
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
-    assert words in error["error"]["message"] or "messages" in error["error"]["message"]
+    assert words in error["error"]["message"]
 
 
 def test_no_key_and_wrong_method_in_anthropic_shape(server) -> None:
@@ -265,3 +267,31 @@ def test_no_key_and_wrong_method_in_anthropic_shape(server) -> None:
 def test_server_is_idle_after_the_module(server) -> None:
     metrics = server.wait_idle()
     assert metrics["aioengine:kv_cache_usage_perc"] == 0
+
+
+@pytest.fixture(scope="module")
+def fault_server() -> Iterator[ServerProcess]:
+    # Not `serving()`: injected failures are logged as errors, on purpose.
+    srv = start_server(env={"AIOENGINE_FAULT_INJECTION": "1"})
+    yield srv
+    assert srv.stop() == 0
+
+
+def test_engine_failure_mid_stream_is_an_error_event(fault_server) -> None:
+    client = anthropic_client(fault_server, api_key="unused")
+    long_ask = [{"role": "user", "content": "Write a long story about the sea."}]
+    with client.messages.stream(model=fault_server.model, max_tokens=200,
+                                messages=long_ask) as stream:
+        events = iter(stream)
+        assert next(events).type == "message_start"  # the stream has begun
+        status, body = fault_server.request("POST", "/debug/faults", {"kind": "forward"})
+        assert status == 200, body
+        with pytest.raises(anthropic.APIStatusError, match="injected forward failure") as e:
+            for _ in events:
+                pass
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "api_error"
+    fault_server.request("POST", "/debug/faults", {"kind": "forward"})
+    with pytest.raises(anthropic.InternalServerError) as e:
+        client.messages.create(model=fault_server.model, max_tokens=20, messages=long_ask)
+    assert e.value.status_code == 500 and e.value.body["error"]["type"] == "api_error"
+    assert fault_server.wait_idle()["aioengine:kv_cache_usage_perc"] == 0
