@@ -68,6 +68,18 @@ class ReasoningStream:
         self.default = "reasoning" if in_reasoning else "content"
         self.buf = ""
 
+    def count_tokens(self, token_ids: list[int]) -> int:
+        """The reasoning's share of an output's token ids (usage's reasoning_tokens): up to
+        and including the first `</think>` when the output starts inside the reasoning or
+        its first token is `<think>`; all of them when it never closes; 0 otherwise."""
+        if not token_ids or (self.default == "content"
+                             and token_ids[0] != self.parser.start_token_id):
+            return 0
+        try:
+            return token_ids.index(self.parser.end_token_id) + 1
+        except ValueError:
+            return len(token_ids)
+
     def feed(self, delta: str) -> ReasoningSplit:
         self.buf += delta
         return self._advance(final=False)

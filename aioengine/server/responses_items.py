@@ -192,10 +192,10 @@ class ResponseState:
             self.output = []
         return len(self.output_json)
 
-    def set_usage(self, prompt: int, cached: int, completion: int) -> None:
+    def set_usage(self, prompt: int, cached: int, completion: int, reasoning: int = 0) -> None:
         self.usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
                       "output_tokens": completion,
-                      "output_tokens_details": {"reasoning_tokens": 0},
+                      "output_tokens_details": {"reasoning_tokens": reasoning},
                       "total_tokens": prompt + completion}
 
     def body(self) -> dict[str, Any]:
@@ -228,6 +228,7 @@ class ResponseBuilder:
     seq: int = 0
     open_item: dict[str, Any] | None = None
     stream: Any = field(init=False)
+    num_reasoning_tokens: int = 0  # set when the output finishes
 
     def __post_init__(self) -> None:
         self.stream = self.plan.parser.stream() if self.plan else _TextStream()
@@ -335,6 +336,8 @@ class ResponseBuilder:
         events += [e for ev in (self.stream.feed(answer) if answer else []) for e in self.apply(ev)]
         if not c.finished:
             return events
+        if self.reasoning is not None:
+            self.num_reasoning_tokens = self.reasoning.count_tokens(c.cumulative_token_ids)
         events += [e for ev in self.stream.finish() for e in self.apply(ev)]
         incomplete = c.finish_reason == "length"
         events += self.close("incomplete" if incomplete else "completed")

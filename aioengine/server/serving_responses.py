@@ -265,7 +265,7 @@ class ResponsesHandler:
         state = run.state
         u = usage.body()
         state.set_usage(u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"],
-                        u["completion_tokens"])
+                        u["completion_tokens"], run.num_reasoning_tokens)
         stored.messages_json = orjson.dumps(stored.messages + output_messages(state.output))
         stored.messages = []
         nbytes = (ENTRY_OVERHEAD_BYTES + stored.request_bytes + len(stored.messages_json)

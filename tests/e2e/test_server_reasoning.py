@@ -197,6 +197,8 @@ def test_responses_reasoning_item(client: openai.OpenAI) -> None:
     response = client.responses.create(model=model, input="What is 2 + 2?", temperature=0,
                                        max_output_tokens=8, extra_body=OPENED)
     assert response.status == "incomplete"
+    details = response.usage.output_tokens_details
+    assert details.reasoning_tokens == response.usage.output_tokens == 8  # all reasoning
     (item,) = response.output
     assert item.type == "reasoning" and item.id.startswith("rs_") and item.summary == []
     (part,) = item.content
@@ -225,6 +227,7 @@ def test_responses_without_reasoning_has_no_reasoning_item(client: openai.OpenAI
                                        temperature=0, max_output_tokens=4,
                                        extra_body={"enable_thinking": False})
     assert [item.type for item in response.output] == ["message"]
+    assert response.usage.output_tokens_details.reasoning_tokens == 0
 
 
 # ---- run-batch shares the server's configuration ------------------------------------------

@@ -112,3 +112,14 @@ def test_a_tokenizer_without_think_tokens_is_refused() -> None:
             get_reasoning_parser(name, bundled_tokenizer())
     with pytest.raises(ConfigError, match="unknown reasoning parser"):
         get_reasoning_parser("nope", bundled_tokenizer())
+
+
+def test_reasoning_token_count(thinking_tokenizer) -> None:
+    """usage's reasoning_tokens: the tokens up to the first `</think>`, tags included."""
+    parser = get_reasoning_parser("qwen3", thinking_tokenizer)
+    start, end = parser.start_token_id, parser.end_token_id
+    assert parser.stream(True).count_tokens([5, 6, end, 7]) == 3
+    assert parser.stream(True).count_tokens([5, 6]) == 2  # never closed: all reasoning
+    assert parser.stream(False).count_tokens([start, 5, end, 7, 8]) == 3
+    assert parser.stream(False).count_tokens([5, end, 7]) == 0
+    assert parser.stream(True).count_tokens([]) == 0
