@@ -136,8 +136,10 @@ class SuffixProposer(Proposer):
         the new ones; if they ever disagree the tree is rebuilt."""
         state = self.samples.get(sample.request_id)
         if state is None or state.request is not sample or state.num_indexed > len(token_ids):
-            tree = SuffixTree(self.params.max_tree_depth)
-            state = self.samples[sample.request_id] = _SampleState(sample, tree, [0], 0)
+            # The prompt (and what came after it so far) indexed at once.
+            tree = SuffixTree.from_sequence(token_ids, self.params.max_tree_depth)
+            state = self.samples[sample.request_id] = _SampleState(
+                sample, tree, tree.match(token_ids), len(token_ids))
         tree = state.tree
         for t in token_ids[state.num_indexed:]:
             state.cursor = tree.append(state.cursor, t)

@@ -22,11 +22,19 @@ from __future__ import annotations
 from array import array
 from typing import Sequence
 
+import numpy as np
+
 ROOT = 0
 _NONE = -1
 # Bytes a node costs on CPython: seven int32 fields, and its dict entry (a key above
 # 2**30, a value and the table slot). Used to bound the global tree, not measured per tree.
 BYTES_PER_NODE = 7 * 4 + 120
+
+
+def _int32_array(values: np.ndarray) -> array:
+    out = array("i")
+    out.frombytes(values.astype(np.int32).tobytes())
+    return out
 
 
 def _edge(node: int, token: int) -> int:
@@ -60,6 +68,69 @@ class SuffixTree:
     def child(self, node: int, token: int) -> int:
         """`node`'s child by `token`, or -1."""
         return self.edges.get(_edge(node, token), _NONE)
+
+    @classmethod
+    def from_sequence(cls, tokens: Sequence[int], max_depth: int) -> SuffixTree:
+        """The tree `insert(tokens)` builds in an empty tree, built with numpy (a prompt is
+        indexed at once): the windows tokens[i:i + max_depth] sorted, a node is a run of
+        windows sharing its first d tokens (its count the run's length), its parent the
+        run of d - 1 tokens around it. Children come out sorted by token."""
+        tree = cls(max_depth)
+        x = np.asarray(tokens, dtype=np.int64)
+        n = len(x)
+        if n == 0:
+            return tree
+        windows = np.full((n, max_depth), -1, dtype=np.int64)  # -1 past the end
+        for j in range(min(max_depth, n)):
+            windows[:n - j, j] = x[j:]
+        lengths = np.minimum(max_depth, n - np.arange(n))
+        order = np.lexsort(windows.T[::-1])
+        w, lengths = windows[order], lengths[order]
+        lcp = np.zeros(n, dtype=np.int64)  # shared leading tokens with the row before
+        lcp[1:] = np.cumprod(w[1:] == w[:-1], axis=1).sum(axis=1)
+        lcp[1:] = np.minimum(lcp[1:], np.minimum(lengths[1:], lengths[:-1]))
+        parents, toks, counts = [], [], []
+        prev_bounds, prev_ids, next_id = np.array([0]), np.array([ROOT]), 1
+        for d in range(1, max_depth + 1):
+            bounds = np.flatnonzero(lcp < d)  # runs of rows sharing d tokens start here
+            sizes = np.diff(np.append(bounds, n))
+            keep = lengths[bounds] >= d
+            starts = bounds[keep]
+            if not len(starts):
+                break
+            ids = np.arange(next_id, next_id + len(starts))
+            parents.append(prev_ids[np.searchsorted(prev_bounds, starts, side="right") - 1])
+            toks.append(w[starts, d - 1])
+            counts.append(sizes[keep])
+            prev_bounds, prev_ids, next_id = starts, ids, next_id + len(starts)
+        tree._fill(np.concatenate(parents), np.concatenate(toks), np.concatenate(counts),
+                   np.repeat(np.arange(1, len(parents) + 1), [len(p) for p in parents]))
+        return tree
+
+    def _fill(self, parent: np.ndarray, token: np.ndarray, count: np.ndarray,
+              depth: np.ndarray) -> None:
+        """Nodes 1.. of an empty tree from their fields; node ids grouped by parent, in
+        token order within a parent (as from_sequence makes them)."""
+        num = len(parent) + 1
+        ids = np.arange(1, num)
+        same = np.append(parent[1:] == parent[:-1], False)  # the next node is a sibling
+        next_sibling = np.where(same, ids + 1, _NONE)
+        first_child = np.full(num, _NONE, dtype=np.int64)
+        group_start = np.append(True, ~same[:-1])
+        first_child[parent[group_start]] = ids[group_start]
+        best = np.full(num, _NONE, dtype=np.int64)
+        by_count = np.lexsort((ids, -count, parent))  # per parent: most frequent first
+        firsts = by_count[np.append(True, parent[by_count][1:] != parent[by_count][:-1])]
+        best[parent[firsts]] = ids[firsts]
+        lead = np.array([_NONE])
+        self.token = _int32_array(np.concatenate([lead, token]))
+        self.count = _int32_array(np.concatenate([[0], count]))
+        self.depth = _int32_array(np.concatenate([[0], depth]))
+        self.parent = _int32_array(np.concatenate([lead, parent]))
+        self.best = _int32_array(best)
+        self.first_child = _int32_array(first_child)
+        self.next_sibling = _int32_array(np.concatenate([lead, next_sibling]))
+        self.edges = dict(zip(((parent << 32) | token).tolist(), ids.tolist()))
 
     # ---- insert ---------------------------------------------------------------------
 

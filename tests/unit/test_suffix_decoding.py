@@ -103,6 +103,38 @@ def test_append_cursor_builds_the_same_tree_and_matches_its_own_end() -> None:
     assert a.speculate(a.match(seq), 8, 1.0, 0.1) == b.speculate(cursor, 8, 1.0, 0.1)
 
 
+def _paths(tree: SuffixTree) -> dict[tuple[int, ...], tuple]:
+    """Every node by its path: count, most frequent child's token, children's tokens."""
+    out, stack = {}, [(0, ())]
+    while stack:
+        node, path = stack.pop()
+        kids, c = [], tree.first_child[node]
+        while c != -1:
+            kids.append(tree.token[c])
+            stack.append((c, path + (tree.token[c],)))
+            c = tree.next_sibling[c]
+        best = tree.best[node]
+        out[path] = (tree.count[node] if node else None,
+                     tree.token[best] if best != -1 else None, sorted(kids))
+    return out
+
+
+def test_from_sequence_builds_what_insert_builds() -> None:
+    """The numpy build of a prompt's tree is node for node the token-by-token one, and
+    grows the same afterwards."""
+    rng = random.Random(3)
+    for _ in range(200):
+        depth = rng.randint(1, 8)
+        seq = [rng.randrange(rng.randint(1, 5)) for _ in range(rng.randint(0, 40))]
+        a, b = SuffixTree(depth), SuffixTree.from_sequence(seq, depth)
+        a.insert(seq)
+        assert _paths(a) == _paths(b) and len(a.edges) == len(b.edges) == b.num_nodes - 1
+        ca, cb = a.match(seq), b.match(seq)
+        for t in [rng.randrange(5) for _ in range(10)]:
+            ca, cb = a.append(ca, t), b.append(cb, t)
+        assert _paths(a) == _paths(b)
+
+
 def test_remove_takes_back_an_insert_and_frees_its_nodes() -> None:
     rng = random.Random(1)
     seqs = [[rng.randrange(5) for _ in range(rng.randint(5, 60))] for _ in range(6)]
