@@ -72,8 +72,8 @@ class ToolServingConfig:
     def resolve(cls, enable_auto_tool_choice: bool, tool_call_parser: str | None,
                 chat_template: str | dict | None) -> ToolServingConfig:
         """The settings with `--tool-call-parser auto` replaced by the parser whose format
-        `chat_template` (the one the server renders with) writes, logged; ValueError naming
-        the choices when it writes none we know."""
+        `chat_template` (the one the server renders with) writes, logged; ConfigError
+        naming the choices when it writes none we know."""
         if tool_call_parser == AUTO_TOOL_PARSER:
             tool_call_parser = detect_tool_parser(chat_template)
             logger.info("--tool-call-parser auto: the chat template writes %s tool calls",
