@@ -7,7 +7,9 @@ earlier requests' outputs.
 - `code-edit`: rewrite a given function with a small change (the answer copies the code).
 
 Each set is generated from a seed: `prompt_set(name, n, seed)`. The bench warms up on one
-seed's prompts and times another's, so the timed prompts are never the warm-up ones.
+seed's prompts and times another's; an odd and an even seed draw their people, cities,
+dates and function names from disjoint halves of the lists, so a timed prompt is never a
+warm-up one (the shapes and the rest of the wording are shared, as in agent traffic).
 """
 from __future__ import annotations
 
@@ -29,9 +31,15 @@ _ROLES = ["sales manager", "data engineer", "head of marketing", "accountant",
           "product designer", "CTO", "support lead", "recruiter"]
 
 
-def _extraction(rng: random.Random) -> str:
-    first, last = rng.choice(_FIRST), rng.choice(_LAST)
-    company, city, role = rng.choice(_COMPANIES), rng.choice(_CITIES), rng.choice(_ROLES)
+def _half(values: list[str], part: int) -> list[str]:
+    """The half of `values` a seed of parity `part` draws from."""
+    return values[part::2]
+
+
+def _extraction(rng: random.Random, part: int) -> str:
+    first, last = rng.choice(_half(_FIRST, part)), rng.choice(_LAST)
+    company, city, role = (rng.choice(_COMPANIES), rng.choice(_half(_CITIES, part)),
+                           rng.choice(_ROLES))
     phone = f"+{rng.randint(1, 49)} {rng.randint(100, 999)} {rng.randint(1000, 9999)}"
     email = f"{first.lower()}.{last.lower()}@{company.split()[0].lower()}.com"
     text = rng.choice([
@@ -56,10 +64,11 @@ _SQL_ASKS = [
 ]
 
 
-def _sql(rng: random.Random) -> str:
+def _sql(rng: random.Random, part: int) -> str:
+    day = 2 * rng.randint(1, 14) - part  # odd or even days
     ask = rng.choice(_SQL_ASKS).format(
         s=rng.choice(["paid", "shipped", "refunded", "pending"]),
-        d=f"2024-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}", c=rng.choice(_CITIES))
+        d=f"2024-{rng.randint(1, 12):02d}-{day:02d}", c=rng.choice(_half(_CITIES, part)))
     return ("Tables: customers(id, name, city, created_at) and orders(id, customer_id, "
             "amount, status, created_at).\nWrite one PostgreSQL query that returns " + ask +
             ". Answer with the SQL only.")
@@ -78,9 +87,13 @@ _CHANGES = ["logs how many items it skipped", "raises ValueError on an empty inp
             "has type hints and a docstring"]
 
 
-def _code_edit(rng: random.Random) -> str:
+_NAMES = ["summarize", "collect", "load_matches", "compute", "unique_keys", "total_of",
+          "find_lines", "distinct", "aggregate", "scan", "tally", "gather"]
+
+
+def _code_edit(rng: random.Random, part: int) -> str:
     code = rng.choice(_FUNCS).format(
-        f=rng.choice(["summarize", "collect", "load_matches", "compute", "unique_keys"]),
+        f=rng.choice(_half(_NAMES, part)),
         a=rng.choice(["quantity", "weight", "name", "needle", "tag"]))
     return (f"Rewrite this Python function so that it {rng.choice(_CHANGES)}. Answer with the "
             f"whole function only.\n\n```python\n{code}```")
@@ -92,4 +105,4 @@ _MAKERS = {"extraction": _extraction, "sql": _sql, "code-edit": _code_edit}
 def prompt_set(name: str, n: int, seed: int) -> list[str]:
     """`n` prompts of the set `name` (AGENTIC_SETS), deterministic in `seed`."""
     rng = random.Random(f"{name}-{seed}")
-    return [_MAKERS[name](rng) for _ in range(n)]
+    return [_MAKERS[name](rng, seed % 2) for _ in range(n)]

@@ -304,3 +304,15 @@ def test_config() -> None:
     with pytest.raises(ConfigError, match="only used by method 'suffix'"):
         SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2,
                                  "suffix_decoding_max_tree_depth": 8})
+
+
+def test_bench_spec_entries_and_agentic_sets() -> None:
+    from aioengine.bench.agentic import AGENTIC_SETS, TIMED_SEED, WARMUP_SEED, prompt_set
+    from aioengine.bench.spec import parse_spec
+
+    assert parse_spec("suffix", None) == {"method": "suffix"}
+    assert parse_spec("suffix16", None) == {"method": "suffix", "num_speculative_tokens": 16}
+    for name in AGENTIC_SETS:
+        timed = prompt_set(name, 20, TIMED_SEED)
+        assert timed == prompt_set(name, 20, TIMED_SEED)  # deterministic
+        assert not set(timed) & set(prompt_set(name, 50, WARMUP_SEED))  # held out
