@@ -133,7 +133,8 @@ class SuffixProposer(Proposer):
     def _sync(self, sample: Request, token_ids: list[int]) -> _SampleState:
         """The sample's state with every token of `token_ids` indexed. Tokens only ever
         get appended to a sample (a preempted one keeps its tokens), so its tree grows by
-        the new ones; if they ever disagree the tree is rebuilt."""
+        the new ones; a new sample object under the id, or fewer tokens than indexed,
+        starts a new tree."""
         state = self.samples.get(sample.request_id)
         if state is None or state.request is not sample or state.num_indexed > len(token_ids):
             # The prompt (and what came after it so far) indexed at once.
