@@ -40,7 +40,7 @@ SERVE_FLAG_NAMES = {
     "-h", "--help", "--host", "--port", "--served-model-name", "--api-key",
     "--max-request-body-bytes", "--max-queued-requests", "--enable-lora", "--lora-modules",
     "--max-loras", "--max-lora-rank", "--max-cpu-loras", "--allow-runtime-lora-updating",
-    "--enable-auto-tool-choice", "--tool-call-parser", "--chat-template",
+    "--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser", "--chat-template",
     "--max-stored-responses", "--ray-replicas", "--ray-min-replicas", "--ray-max-replicas",
     "--ray-target-ongoing-requests", "--ray-replica-cpus", "--ray-max-ongoing-requests",
     "--ray-router", "--ray-max-imbalance", "--ray-prefix-block-chars",
@@ -154,6 +154,8 @@ def test_every_serve_flag_keeps_its_name_and_dest() -> None:
     limits = server_config_from_args(parse_serve_args(
         ["--max-tools", "3", "--max-json-depth", "9", "--allowed-hosts", "a", "b"]))
     assert (limits.limits.max_tools, limits.limits.max_json_depth) == (3, 9)
+    assert server_config_from_args(parse_serve_args(
+        ["--reasoning-parser", "qwen3"])).reasoning_parser == "qwen3"
     assert limits.allowed_hosts == ("a", "b")
     assert (config.max_queued_requests, config.max_stored_responses) == (4, 0)
     assert (args.ray_replicas, args.ray_health_check_period) == (3, 1.5)
