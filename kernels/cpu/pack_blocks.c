@@ -118,8 +118,10 @@ static void code_chunks(uint8_t *dst, const uint8_t *q, int bits) {
     if (bits == 8) {
         for (int j = 0; j < 4; j++)
             for (int h = 0; h < 2; h++)
-                for (int c = 0; c < PACK_COLS; c++)
-                    memcpy(dst + 128 * j + 64 * h + 4 * c, q + c * PACK_MAX_BLOCK + 16 * h + 4 * j, 4);
+                for (int c = 0; c < PACK_COLS; c++) {
+                    const uint8_t *col = q + c * PACK_MAX_BLOCK + 16 * h + 4 * j;
+                    memcpy(dst + 128 * j + 64 * h + 4 * c, col, 4);
+                }
         return;
     }
     for (int j = 0; j < 4; j++)
