@@ -15,6 +15,7 @@ per draft position, and whether every output equalled `off`'s.
 
     --specs off,ngram,eagle3:2,eagle3:4     off | ngram (k=3, lookup 2..5) | ngramK |
                                             suffix[K] (suffix decoding, k = K or 8) |
+                                            suffix:K:P (k = K, min_token_prob P) |
                                             eagle3[:K] (the shipped head, or --draft-model) |
                                             eagle3tree:D:K:N (tree: depth, top_k, nodes)
                                             ...@DIR: an eagle entry with the head in DIR,
@@ -52,6 +53,13 @@ def parse_spec(name: str, draft_model: str | None) -> dict[str, Any] | None:
     if name.startswith("ngram"):
         k = int(name[5:] or NGRAM["num_speculative_tokens"])
         return {**NGRAM, "num_speculative_tokens": k}
+    if name.startswith("suffix:"):  # suffix:K:P, k = K and min_token_prob P
+        try:
+            k_text, p_text = name[len("suffix:"):].split(":")
+            return {"method": "suffix", "num_speculative_tokens": int(k_text),
+                    "suffix_decoding_min_token_prob": float(p_text)}
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--specs {name!r}: suffix:K:MIN_TOKEN_PROB")
     if name.startswith("suffix"):  # suffix decoding, vLLM's defaults; suffixK: k = K
         return {"method": "suffix", **({"num_speculative_tokens": int(name[6:])}
                                        if name[6:] else {})}
@@ -82,7 +90,7 @@ def add_spec_parser(sub: Any) -> None:
     p.add_argument("--specs", default=DEFAULT_SPECS,
                    help=f"comma-separated configurations (default {DEFAULT_SPECS}): off, "
                         "ngram (k=3, lookup 2..5), ngramK, suffix[K] (suffix decoding, "
-                        "k = K or 8), eagle3[:K] (K draft tokens; "
+                        "k = K or 8), suffix:K:P (min_token_prob P), eagle3[:K] (K draft tokens; "
                         "without K the head's n_predict), eagle3tree:D:K:N (EAGLE-2 tree "
                         "drafting: depth D, top_k K, N nodes); an eagle entry ending in @DIR "
                         "uses the head in DIR (two heads compared in one interleaved run)")

@@ -5,6 +5,7 @@ count ratios stays >= min_token_prob, at most min(k, factor * m) tokens from a m
 tokens and never past max_depth, and the best-scored walk wins (ties: the longer match)."""
 from __future__ import annotations
 
+import argparse
 import random
 import time
 
@@ -312,6 +313,10 @@ def test_bench_spec_entries_and_agentic_sets() -> None:
 
     assert parse_spec("suffix", None) == {"method": "suffix"}
     assert parse_spec("suffix16", None) == {"method": "suffix", "num_speculative_tokens": 16}
+    assert parse_spec("suffix:4:0.3", None) == {"method": "suffix", "num_speculative_tokens": 4,
+                                                "suffix_decoding_min_token_prob": 0.3}
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_spec("suffix:4", None)
     for name in AGENTIC_SETS:
         timed = prompt_set(name, 20, TIMED_SEED)
         assert timed == prompt_set(name, 20, TIMED_SEED)  # deterministic
