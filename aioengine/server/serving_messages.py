@@ -260,5 +260,9 @@ class MessagesHandler:
         tools included; a prompt that could never run is a 400, as it would be there."""
         chat_body = await self.ctx.work.run(request, messages_to_chat, body, True)
         self.ctx.check_model(chat_body)
+        if chat_body.get("tools") and chat_body.get("tool_choice") in (None, "auto"):
+            # Every tool choice renders the same prompt; "auto" alone needs the server's
+            # --enable-auto-tool-choice, which a count does not.
+            chat_body["tool_choice"] = "required"
         count = await self.ctx.work.run(request, _count_tokens, self.ctx, chat_body)
         return json_response({"input_tokens": count})

@@ -295,3 +295,13 @@ def test_engine_failure_mid_stream_is_an_error_event(fault_server) -> None:
         client.messages.create(model=fault_server.model, max_tokens=20, messages=long_ask)
     assert e.value.status_code == 500 and e.value.body["error"]["type"] == "api_error"
     assert fault_server.wait_idle()["aioengine:kv_cache_usage_perc"] == 0
+
+
+def test_count_tokens_with_tools_on_a_server_without_auto_tool_choice(fault_server) -> None:
+    client = anthropic_client(fault_server, api_key="unused")
+    kwargs = dict(model=fault_server.model, messages=ASK, tools=[WEATHER])
+    counted = client.messages.count_tokens(**kwargs)
+    with pytest.raises(anthropic.BadRequestError, match="enable-auto-tool-choice"):
+        client.messages.create(**kwargs, max_tokens=5)
+    forced = client.messages.create(**kwargs, max_tokens=1, tool_choice={"type": "any"})
+    assert counted.input_tokens == forced.usage.input_tokens
