@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Hashable
 
 from aioengine.pooling_params import PoolingParams, PoolingState
 from aioengine.sampling_params import SamplingParams
@@ -95,6 +95,9 @@ class Request:
     # Whether every feature lets it be drafted as a tree (EngineFeature.allows_tree_drafts,
     # decided at admission); else its drafts are a chain.
     allows_tree_drafts: bool = True
+    # Which finished requests' outputs may draft for it (EngineFeature.draft_pool, decided
+    # at admission): requests with equal pools share what a proposer learned across them.
+    draft_pool: tuple[tuple[str, Hashable], ...] = ()
     # A pooling (prefill-only) request: no token is sampled; it ends once its prompt is
     # computed, with the pooled vector of its final hidden states (pooling_params.py).
     pooling_params: PoolingParams | None = None

@@ -208,6 +208,11 @@ class LoRAManager(EngineFeature):
     # it. It is part of the request's identity (its block hashes' cache_salt, the outputs),
     # so the feature keeps no state of its own per request (no admit).
 
+    def draft_pool(self, request: Request) -> int | None:
+        """An adapter's outputs draft only for requests with the same adapter (its
+        lora_int_id is unique to one load); the base model's for the base model's."""
+        return request.lora_id or None
+
     def allows_tree_drafts(self, request: Request) -> bool:
         """Requests with an adapter are left to the chain path, which is tested with
         adapters."""

@@ -3,7 +3,8 @@ already written, in this request and in recent finished ones.
 
 Two kinds of suffix tree (spec_decode/suffix_tree.py):
 - one per running sample over its prompt and output, grown by the tokens of every step;
-- a global one per LoRA adapter (0: the base model) over the outputs of the last
+- a global one per draft pool (Request.draft_pool, from the features: one per LoRA
+  adapter, and one for the base model) over the outputs of the last
   `max_cached_requests` finished samples, first in first out, and never more than
   `max_cached_bytes` of nodes.
 
@@ -21,6 +22,7 @@ its own tree is dropped. Nothing of it lives in the scheduler or the runner.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from aioengine.request import Request
@@ -53,14 +55,15 @@ class _SampleState:
 
 
 class GlobalSuffixCache:
-    """Finished outputs, one tree per adapter, evicted oldest first past either bound."""
+    """Finished outputs, one tree per draft pool, evicted oldest first past either
+    bound."""
 
     def __init__(self, max_depth: int, max_requests: int, max_bytes: int) -> None:
         self.max_depth = max_depth
         self.max_requests = max_requests
         self.max_bytes = max_bytes
-        self.trees: dict[int, SuffixTree] = {}
-        self.cached: deque[tuple[int, list[int]]] = deque()  # (adapter, output), oldest first
+        self.trees: dict[Hashable, SuffixTree] = {}
+        self.cached: deque[tuple[Hashable, list[int]]] = deque()  # (pool, output), oldest first
         # Bumped on every change: cursors into a tree are only valid for one version.
         self.version = 0
 
@@ -68,25 +71,25 @@ class GlobalSuffixCache:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.trees.values())
 
-    def add(self, adapter: int, output: list[int]) -> None:
+    def add(self, pool: Hashable, output: list[int]) -> None:
         if self.max_requests <= 0 or not output:
             return
-        tree = self.trees.get(adapter)
+        tree = self.trees.get(pool)
         if tree is None:
-            tree = self.trees[adapter] = SuffixTree(self.max_depth)
+            tree = self.trees[pool] = SuffixTree(self.max_depth)
         tree.insert(output)
-        self.cached.append((adapter, output))
+        self.cached.append((pool, output))
         self.version += 1
         while self.cached and (len(self.cached) > self.max_requests
                                or self.nbytes > self.max_bytes):
             self._evict_oldest()
 
     def _evict_oldest(self) -> None:
-        adapter, output = self.cached.popleft()
-        tree = self.trees[adapter]
+        pool, output = self.cached.popleft()
+        tree = self.trees[pool]
         tree.remove(output)
         if tree.num_nodes == 1:  # the root alone
-            del self.trees[adapter]
+            del self.trees[pool]
         self.version += 1
 
 
@@ -113,7 +116,7 @@ class SuffixProposer(Proposer):
         done = [rid for rid, s in self.samples.items() if s.request.is_finished]
         for rid in done:
             state = self.samples.pop(rid)
-            self.global_cache.add(state.request.lora_id, list(state.request.output_token_ids))
+            self.global_cache.add(state.request.draft_pool, list(state.request.output_token_ids))
 
     def propose_one(self, sample: Request, token_ids: list[int]) -> list[int]:
         """The draft after `token_ids` (the sample's prompt and output so far)."""
@@ -121,7 +124,7 @@ class SuffixProposer(Proposer):
         p = self.params
         draft, score = state.tree.speculate(state.cursor, p.num_speculative_tokens,
                                             p.max_spec_factor, p.min_token_prob)
-        tree = self.global_cache.trees.get(sample.lora_id)
+        tree = self.global_cache.trees.get(sample.draft_pool)
         if tree is not None:
             cursor = self._global_cursor(state, tree, token_ids)
             other, other_score = tree.speculate(cursor, p.num_speculative_tokens,

@@ -13,6 +13,9 @@ request path names a feature.
                                  request.feature_state[feature.name]
     allows_tree_drafts(request)  EngineCore.add_request, per sample: False when drafts
                                  for it must be a chain (request.allows_tree_drafts)
+    draft_pool(request)          EngineCore.add_request, per sample: which requests' outputs
+                                 may draft for it (request.draft_pool; suffix decoding's
+                                 global tree), None when the feature does not split them
     begin_admission(running)     scheduler, before it admits waiting requests in a step
     can_admit(request)           scheduler, per waiting request: False skips it this step
                                  (it stays waiting); raising AdmissionFailed fails it
@@ -39,7 +42,7 @@ structured.manager.structured_state); everything else asks the feature's hooks.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar, Sequence
+from typing import TYPE_CHECKING, ClassVar, Hashable, Sequence
 
 if TYPE_CHECKING:
     from aioengine.sched.scheduler_output import SchedulerOutput
@@ -73,6 +76,12 @@ class EngineFeature(ABC):
         """Whether speculative decoding may draft a tree for the admitted `request` (else
         a chain: the tree's most likely path)."""
         return True
+
+    def draft_pool(self, request: Request) -> Hashable | None:
+        """What must be equal between two admitted requests for one's output to draft
+        for the other (a proposer that learns across requests keeps one pool per value);
+        None: this feature lets any request's output draft for it."""
+        return None
 
     def begin_admission(self, running: Sequence[Request]) -> None:
         """Scheduler: a step's admissions start; `running` as they start from."""
@@ -129,13 +138,15 @@ async def prepare_request_async(features: tuple[EngineFeature, ...],
 
 
 def admit_request(features: tuple[EngineFeature, ...], request: Request) -> None:
-    """Every feature's admit and allows_tree_drafts for one new sample, into its
-    feature_state and allows_tree_drafts (before it is queued)."""
+    """Every feature's admit, allows_tree_drafts and draft_pool for one new sample, into
+    its feature_state, allows_tree_drafts and draft_pool (before it is queued)."""
     for feature in features:
         state = feature.admit(request)
         if state is not None:
             request.feature_state[feature.name] = state
     request.allows_tree_drafts = all(f.allows_tree_drafts(request) for f in features)
+    request.draft_pool = tuple((f.name, key) for f in features
+                               if (key := f.draft_pool(request)) is not None)
 
 
 def prepare_step(features: tuple[EngineFeature, ...],

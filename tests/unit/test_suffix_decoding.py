@@ -202,9 +202,13 @@ def test_global_cache_evicts_oldest_first_by_count_and_bytes() -> None:
 
 
 def _request(rid: str, prompt: list[int], lora: int = 0) -> Request:
+    """A sample as admission leaves it: with an adapter, in that adapter's draft pool
+    (LoRAManager.draft_pool; the engine tests run the real admission)."""
     lora_request = LoRARequest(f"a{lora}", "", lora) if lora else None
-    return Request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=64),
-                   lora_request=lora_request)
+    request = Request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=64),
+                      lora_request=lora_request)
+    request.draft_pool = (("lora", lora),) if lora else ()
+    return request
 
 
 def _params(**kw) -> SuffixParams:
@@ -255,7 +259,7 @@ def test_proposer_follows_the_global_tree_as_it_changes() -> None:
         for j in range(1, 20):
             tokens = r.all_token_ids + out[:j]
             got = proposer.propose_one(r, tokens)
-            tree = proposer.global_cache.trees[0]
+            tree = proposer.global_cache.trees[()]
             local = proposer.samples[r.request_id]
             fresh = tree.speculate(tree.match(tokens[-24:]), 8, 1.0, 0.1)
             own = local.tree.speculate(local.cursor, 8, 1.0, 0.1)
