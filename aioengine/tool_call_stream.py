@@ -125,6 +125,7 @@ class ToolCallStream:
         self._buf = ""
         self._step: Callable[[bool], bool] = self._at_start
         self._scan = JsonScan()  # over a canonical call's arguments
+        self._after_arguments: Callable[[bool], bool] = self._trailer
         self._out: list[ToolEvent] = []
         self._held = ""  # gap text at the end of the current content piece: unsent
         self._piece_has_text = False  # the current content piece has sent text
@@ -175,8 +176,13 @@ class ToolCallStream:
             self._step = self._block
             return True
         self._start(found[0])
-        self._buf, self._scan, self._step = self._buf[found[1]:], JsonScan(), self._arguments
+        self._begin_arguments(self._buf[found[1]:], self._trailer)
         return True
+
+    def _begin_arguments(self, rest: str, then: Callable[[bool], bool]) -> None:
+        """`rest` starts with a call's arguments object: stream it, then go on with `then`."""
+        self._buf, self._scan = rest, JsonScan()
+        self._step, self._after_arguments = self._arguments, then
 
     def _arguments(self, final: bool) -> bool:
         end = self._scan.advance(self._buf)
@@ -184,7 +190,7 @@ class ToolCallStream:
         self._args(self._buf[:n])
         self._buf = self._buf[n:]
         if end >= 0:
-            self._step = self._trailer
+            self._step = self._after_arguments
         return end >= 0
 
     def _trailer(self, final: bool) -> bool:

@@ -17,8 +17,7 @@ import json
 import re
 from typing import Any, ClassVar
 
-from aioengine.tool_call_stream import (INSIDE_STRING, JSON_WS, UNDECIDED, JsonScan,
-                                        ToolCallStream)
+from aioengine.tool_call_stream import INSIDE_STRING, JSON_WS, UNDECIDED, ToolCallStream
 from aioengine.tool_parsers.base import (PROMPT_EXAMPLE, ToolParser, json_content,
                                          match_json_header, parse_json_call)
 from aioengine.tool_parsers.json_object import json_end
@@ -160,21 +159,11 @@ class JsonArrayStream(ToolCallStream):
             return False
         if named is not None:
             self._start(named[0])
-            self._buf, self._scan = rest[named[1]:], JsonScan()
-            self._step = self._named_arguments
+            self._begin_arguments(rest[named[1]:], self._text)
             return True
         self._content(marker)  # not a block: the marker is text
         self._buf, self._step = rest, self._text
         return True
-
-    def _named_arguments(self, final: bool) -> bool:
-        end = self._scan.advance(self._buf)
-        n = len(self._buf) if end < 0 else end
-        self._args(self._buf[:n])
-        self._buf = self._buf[n:]
-        if end >= 0:
-            self._step = self._text
-        return end >= 0
 
     def _element(self, final: bool) -> bool:
         body = self._buf.lstrip(JSON_WS)
@@ -191,17 +180,8 @@ class JsonArrayStream(ToolCallStream):
             self._element_scan, self._step = _ElementScan(), self._held_element
             return True
         self._call(found[0])
-        self._buf, self._scan, self._step = body[found[1]:], JsonScan(), self._arguments
+        self._begin_arguments(body[found[1]:], self._element_rest)
         return True
-
-    def _arguments(self, final: bool) -> bool:
-        end = self._scan.advance(self._buf)
-        n = len(self._buf) if end < 0 else end
-        self._args(self._buf[:n])
-        self._buf = self._buf[n:]
-        if end >= 0:
-            self._step = self._element_rest
-        return end >= 0
 
     def _element_rest(self, final: bool) -> bool:
         """The rest of a canonical element's object after its arguments (dropped)."""
