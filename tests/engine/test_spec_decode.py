@@ -186,13 +186,16 @@ def test_n_greater_than_one_and_logprobs(tiny_llama_dir: Path,
     assert_speculated(n2_logprobs_equal(tiny_llama_dir, spec_prompts[4:], NGRAM))
 
 
+# Suffix decoding's follow-up turns also draft from the first turns' outputs (its global tree).
+@pytest.mark.parametrize("spec", [NGRAM, {"method": "suffix", "num_speculative_tokens": 8}],
+                         ids=["ngram", "suffix"])
 def test_prefix_cache_holds_only_verified_kv(tiny_llama_dir: Path,
                                              spec_prompts: list[list[int]],
-                                             reference: list[list[int]]) -> None:
+                                             reference: list[list[int]], spec: dict) -> None:
     """A second request whose prompt is the first one's prompt and output hits the blocks
     the first one wrote with drafts (rejected ones included) and still continues exactly
     as a cold run does."""
-    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=512, speculative_config=NGRAM)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=512, speculative_config=spec)
     first = llm.generate(spec_prompts, params_for(spec_prompts))
     follow = [p + o.outputs[0].token_ids for p, o in zip(spec_prompts, first)]
     hot = llm.generate(follow, params_for(follow))

@@ -68,22 +68,6 @@ def test_preemption(tiny_llama_dir: Path, spec_prompts: list[list[int]],
     assert_no_request_state(llm)
 
 
-def test_prefix_cache_and_the_global_tree(tiny_llama_dir: Path,
-                                          spec_prompts: list[list[int]]) -> None:
-    """Follow-up turns (prompt = the first turn's prompt and output) hit the prefix cache
-    and draft from the first turns' outputs; they continue exactly as a cold run does."""
-    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=512,
-              speculative_config=SUFFIX)
-    first = llm.generate(spec_prompts, params_for(spec_prompts))
-    follow = [p + o.outputs[0].token_ids for p, o in zip(spec_prompts, first)]
-    hot = llm.generate(follow, params_for(follow))
-    assert sum(o.num_cached_tokens for o in hot) > 0
-    cold, _ = generate(tiny_llama_dir, follow, params_for(follow), None,
-                       enable_prefix_caching=False)
-    assert [o.outputs[0].token_ids for o in hot] == cold
-    assert_blocks_released(llm.core)
-
-
 def test_drafts_up_to_32_tokens(tiny_llama_dir: Path, spec_prompts: list[list[int]]) -> None:
     """With k = 32 and a deep tree, drafts longer than 16 tokens are verified and kept in
     one step (the scheduler and the fused decode rows take them; the second run drafts
