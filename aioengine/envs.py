@@ -18,9 +18,13 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 0 turns off the C kernels of aioengine.kernels.cpu (compiled on first use) and keeps
     # the plain torch paths.
     "AIOENGINE_CPU_KERNELS": lambda: os.getenv("AIOENGINE_CPU_KERNELS", "1") != "0",
-    # Forces one build of the C kernels (avx512_bf16, avx512, avx2, baseline) instead of
+    # Forces one build of the C kernels (amx, avx512_bf16, avx512, avx2, baseline) instead of
     # the best this CPU runs; one it cannot run is an error.
     "AIOENGINE_CPU_ISA": lambda: os.getenv("AIOENGINE_CPU_ISA") or None,
+    # The bf16 GEMM on AMX tiles: auto (on in the amx build when the kernel grants the tile
+    # state), 0 (the build's AVX-512 kernels), 1 (tiles, refused to 0 where unavailable)
+    # or emulate (AMX's arithmetic in software, in any build: for tests).
+    "AIOENGINE_AMX": lambda: (os.getenv("AIOENGINE_AMX") or "auto").lower(),
     # Path of the default model, overriding the bundled SmolLM2-135M-Instruct GGUF.
     "AIOENGINE_DEFAULT_MODEL": lambda: os.getenv("AIOENGINE_DEFAULT_MODEL") or None,
     # Seconds between AsyncEngine's periodic stats log lines (vLLM's

@@ -50,6 +50,11 @@ _CFLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
 _V3_FLAGS = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")
 _V4_FLAGS = _V3_FLAGS + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
 ISA_VARIANTS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
+    # AVX512-BF16 plus AMX tiles for the bf16 GEMM (gemm_amx.c; used where the kernel grants
+    # the tile state, set_amx_mode).
+    ("amx", ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16",
+             "-mamx-int8"),
+     _V4_FLAGS + ("avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")),
     ("avx512_bf16", ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
      _V4_FLAGS + ("avx512_bf16", "avx512_vnni")),
     ("avx512", ("-march=x86-64-v4",), _V4_FLAGS),
@@ -62,6 +67,8 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _load_error: str | None = None
 _variant: str | None = None  # the loaded (or chosen) build; None until load()
+_amx_mode = 0  # gemm.h's gemm_amx_mode as set in the loaded build (AMX_MODES)
+AMX_MODES = {0: None, 1: "tiles", 2: "emulated"}
 # AIOENGINE_CPU_KERNELS, read once: the model calls these kernels ~150 times per decode
 # step, and reading the environment each time cost ~0.5 ms of a ~20 ms step.
 _enabled: bool | None = None
@@ -198,6 +205,9 @@ def _build(name: str) -> ctypes.CDLL:
     fn = lib.pack_gguf_blocks
     fn.argtypes = [ptr, ptr, i64, i64, ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
+    fn = lib.gemm_set_amx_mode
+    fn.argtypes = [ctypes.c_int]
+    fn.restype = ctypes.c_int
     fn = lib.lora_apply_f32
     fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, i64, i64,
                    i64, ctypes.c_int]
@@ -219,11 +229,49 @@ def load() -> ctypes.CDLL | None:
             try:
                 _variant = _variant or _choose_variant()
                 _lib = _build(_variant)
-                logger.debug("CPU kernels: the %s build", _variant)
+                _set_amx_mode(_lib, _wanted_amx_mode())
+                logger.debug("CPU kernels: the %s build, bf16 GEMM on %s", _variant,
+                             AMX_MODES[_amx_mode] or "vector registers")
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 _load_error = str(e)
                 logger.warning("CPU kernels unavailable, using the torch path: %s", e)
     return _lib
+
+
+def _wanted_amx_mode() -> int:
+    setting = envs.AIOENGINE_AMX
+    modes = {"auto": 1 if _variant == "amx" else 0, "0": 0, "off": 0, "1": 1, "on": 1,
+             "emulate": 2}
+    if setting not in modes:
+        raise RuntimeError(f"AIOENGINE_AMX={setting!r}: expected one of {sorted(modes)}")
+    return modes[setting]
+
+
+def _set_amx_mode(lib: ctypes.CDLL, mode: int) -> int:
+    global _amx_mode
+    _amx_mode = lib.gemm_set_amx_mode(mode)
+    if mode == 1 and _amx_mode != 1:
+        logger.warning("AMX tiles unavailable (the %s build, or the kernel refused the tile "
+                       "state): the bf16 GEMM stays on vector registers", _variant)
+    return _amx_mode
+
+
+def amx_mode() -> str | None:
+    """Where the loaded build's bf16 GEMM runs: "tiles" (AMX), "emulated" (AMX's arithmetic
+    in software) or None (vector registers; also when no build is loaded)."""
+    return AMX_MODES[_amx_mode] if _lib is not None else None
+
+
+def set_amx_mode(mode: int) -> str | None:
+    """Switches the loaded build's bf16 GEMM (0 vector registers, 1 AMX tiles, 2 emulated
+    tiles; 1 falls back to 0 where unavailable) and returns amx_mode(). For tests and
+    benchmarks: never while a product runs."""
+    lib = load()
+    if lib is None:
+        return None
+    with _lock:
+        _set_amx_mode(lib, mode)
+    return amx_mode()
 
 
 def use_variant(name: str | None) -> None:

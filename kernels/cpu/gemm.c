@@ -16,6 +16,27 @@
 #include "gemm_w8a8.h"
 
 typedef float g8f __attribute__((vector_size(32), aligned(4)));
+
+#if !defined(__AVX512BF16__)
+/* gemm.h's gemm_x_pairs without the instruction (the AMX emulation's x in the other
+ * builds): round to nearest even, a NaN kept a quiet NaN. */
+static inline uint32_t gemm_bf16_bits(float f) {
+    uint32_t u;
+    __builtin_memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u >> 16) | 0x40u;
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+
+void gemm_x_pairs(uint32_t *restrict xp, const float *restrict x, int64_t rows, int64_t k) {
+    const int64_t xs = gemm_x_pair_stride(k);
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t j = 0; j < xs; j++) {
+            const uint32_t lo = 2 * j < k ? gemm_bf16_bits(x[m * k + 2 * j]) : 0;
+            const uint32_t hi = 2 * j + 1 < k ? gemm_bf16_bits(x[m * k + 2 * j + 1]) : 0;
+            xp[m * xs + j] = lo | hi << 16;
+        }
+}
+#endif
 typedef uint32_t g8u __attribute__((vector_size(32), aligned(4)));
 typedef int8_t g8b __attribute__((vector_size(8), aligned(1)));
 typedef int32_t g8i __attribute__((vector_size(32), aligned(4)));
@@ -168,12 +189,10 @@ static const int16_t gemm_pair_index[32] __attribute__((aligned(64))) = {
     0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30,
     1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
 
-/* x [rows, k] float32 -> xp [rows, ceil(k / 2)] bf16 pairs (k + 1 zero when k is odd),
- * rounded by the instruction (to nearest even). */
-void gemm_x_pairs(uint32_t *restrict xp, const float *restrict x, int64_t rows,
-                         int64_t k) {
-    const int64_t k2 = (k + 1) / 2;
-    for (int64_t m = 0; m < rows; m++)
+/* gemm.h's gemm_x_pairs, rounded by the instruction (to nearest even). */
+void gemm_x_pairs(uint32_t *restrict xp, const float *restrict x, int64_t rows, int64_t k) {
+    const int64_t xs = gemm_x_pair_stride(k), k2 = (k + 1) / 2;
+    for (int64_t m = 0; m < rows; m++) {
         for (int64_t d = 0; d < k; d += 32) {
             const int64_t left = k - d;
             const __mmask16 lo = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
@@ -183,8 +202,10 @@ void gemm_x_pairs(uint32_t *restrict xp, const float *restrict x, int64_t rows,
             const __m512 b = _mm512_maskz_loadu_ps(hi, x + m * k + d + 16);
             const __m512i pairs = (__m512i)_mm512_cvtne2ps_pbh(b, a);
             const int64_t n2 = left >= 32 ? 16 : (left + 1) / 2;
-            _mm512_mask_storeu_epi32(xp + m * k2 + d / 2, (__mmask16)((1u << n2) - 1), pairs);
+            _mm512_mask_storeu_epi32(xp + m * xs + d / 2, (__mmask16)((1u << n2) - 1), pairs);
         }
+        for (int64_t j = k2; j < xs; j++) xp[m * xs + j] = 0;
+    }
 }
 
 /* One pair of k rows of panel p (raw: the two rows as loaded) into every row's accumulator. */
@@ -193,14 +214,14 @@ void gemm_x_pairs(uint32_t *restrict xp, const float *restrict x, int64_t rows,
         const __m512bh wv = (__m512bh)_mm512_permutexvar_epi16(idx, raw);                   \
         for (int m = 0; m < MR; m++)                                                       \
             acc[m][p] = _mm512_dpbf16_ps(                                                  \
-                acc[m][p], (__m512bh)_mm512_set1_epi32((int)xp[m * k2 + d2]), wv);         \
+                acc[m][p], (__m512bh)_mm512_set1_epi32((int)xp[m * xs + d2]), wv);         \
     } while (0)
 
 static inline __attribute__((always_inline)) void gemm_tile_dpbf16(
     float *restrict y, int64_t ldy, const uint32_t *restrict xp, const char *restrict w,
     int64_t panel_bytes, int64_t k, int64_t c0, int64_t n, const float *restrict bias,
     const int MR, const int P) {
-    const int64_t k2 = (k + 1) / 2;
+    const int64_t xs = gemm_x_pair_stride(k);  /* x's row stride in pairs */
     const __m512i idx = _mm512_load_si512(gemm_pair_index);
     __m512 acc[MR][P];
     for (int m = 0; m < MR; m++)
@@ -358,11 +379,15 @@ void gemm_range(float *restrict y, int64_t ldy, const float *restrict x,
                               const float *restrict bias, int64_t M, int64_t n, int64_t k,
                               int64_t p_lo, int64_t p_hi) {
     const int64_t panel_bytes = gemm_panel_bytes(fmt, k);
+    if (fmt == GEMM_BF16P && gemm_amx_mode != 0) {
+        gemm_amx_range(y, ldy, (const uint32_t *)x, w, panel_bytes, k, n, bias, M, p_lo, p_hi);
+        return;
+    }
     /* x's row stride in floats (bf16 pairs, one float's size each, where gemm_x_pairs
      * prepared x; block formats: q41_prepare_x's rows, 44 bytes per 32-block) */
     const int64_t x_stride = gemm_is_block(fmt)      ? q41_x_row_bytes(k) / 4
                              : fmt == GEMM_W8A8P    ? w8_x_row_bytes(k) / 4
-                             : gemm_x_is_pairs(fmt) ? (k + 1) / 2
+                             : gemm_x_is_pairs(fmt) ? gemm_x_pair_stride(k)
                                                     : k;
     for (int64_t r0 = 0; r0 < M; r0 += GEMM_ROWS_PER_PASS) {
         const int64_t rows = M - r0 < GEMM_ROWS_PER_PASS ? M - r0 : GEMM_ROWS_PER_PASS;

@@ -85,22 +85,38 @@ static inline int gemm_tile_panels(int64_t mr) { return mr == 1 ? 8 : mr == 2 ? 
 static inline int gemm_tile_panels(int64_t mr) { return mr == 1 ? 4 : mr == 2 ? 3 : mr == 3 ? 2 : 1; }
 #endif
 
-/* Whether gemm_range reads x of format fmt as gemm_x_pairs leaves it: bf16 pairs [M,
- * ceil(k / 2)] for vdpbf16ps, in the AVX512-BF16 build's bf16 case; else float32 [M, k]. */
+/* The bf16 GEMM's path (gemm_amx.c): 0 the register tiles of this build, 1 AMX tiles
+ * (the AMX build, with the kernel's permission), 2 AMX's arithmetic emulated (any build;
+ * for tests). Set once by gemm_set_amx_mode, before any product. */
+extern int gemm_amx_mode;
+
+/* Asks for mode (0, 1 or 2); returns the mode set: 0 for 1 where this build has no AMX or
+ * the kernel refuses the tile state (fail closed). */
+int gemm_set_amx_mode(int mode);
+
+/* Whether gemm_range reads x of format fmt as gemm_x_pairs leaves it: bf16 pairs for
+ * vdpbf16ps (the AVX512-BF16 build's bf16 case) or for AMX tiles; else float32 [M, k]. */
 static inline int gemm_x_is_pairs(int fmt) {
 #if defined(__AVX512BF16__)
     return fmt == GEMM_BF16P;
 #else
-    (void)fmt;
-    return 0;
+    return fmt == GEMM_BF16P && gemm_amx_mode != 0;
 #endif
 }
 
-#if defined(__AVX512BF16__)
-/* x [rows, k] float32 -> xp [rows, ceil(k / 2)] bf16 pairs (k + 1 zero when k is odd),
+/* Pairs per row of gemm_x_pairs' output: ceil(k / 2) rounded up to AMX's 16-pair k chunk
+ * (zeros past k), so a tile's row of x never reads past its row. */
+static inline int64_t gemm_x_pair_stride(int64_t k) { return (k + 31) / 32 * 16; }
+
+/* x [rows, k] float32 -> xp [rows, gemm_x_pair_stride(k)] bf16 pairs (zeros past k),
  * rounded to nearest even (gemm.c). */
 void gemm_x_pairs(uint32_t *restrict xp, const float *restrict x, int64_t rows, int64_t k);
-#endif
+
+/* gemm_range's bf16 case on AMX tiles, real or emulated (gemm_amx_mode 1 or 2): xp as
+ * gemm_x_pairs leaves it. */
+void gemm_amx_range(float *restrict y, int64_t ldy, const uint32_t *restrict xp, const void *w,
+                    int64_t panel_bytes, int64_t k, int64_t n, const float *restrict bias,
+                    int64_t M, int64_t p_lo, int64_t p_hi);
 
 /* Panels [p_lo, p_hi) of y [M, n] (row stride ldy) = x [M, k] w^T (* scales) (+ bias), w
  * packed in format fmt: every row of x over those panels (gemm.c). Defined once, not

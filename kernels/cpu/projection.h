@@ -57,23 +57,25 @@ static inline int proj_weight_ok(const proj_weight *W, int64_t n) {
  * decode's are sized by the model's widths and the step's formats). */
 static inline int64_t proj_buffer_floats(int fmt, int64_t M, int64_t k) {
     const int64_t plain = M * k + 16;
+    if (gemm_x_is_pairs(fmt)) {
+        const int64_t pairs = M * gemm_x_pair_stride(k) + 16;
+        return pairs > plain ? pairs : plain;
+    }
     if (fmt != GEMM_W8A8P) return plain;
     const int64_t w8 = (M * w8_x_row_bytes(k) + 3) / 4;
     return w8 > plain ? w8 : plain;
 }
 
 /* x [M, k] in the form W's parts read (proj_x_form), in buf (proj_buffer_floats) where it
- * differs from x: bf16 pairs where the AVX512-BF16 build's dot-product instruction reads
- * them, quantized per 32-block for the GGUF block formats (q4_1.h) and per row for W8A8
+ * differs from x: bf16 pairs where the AVX512-BF16 build's dot-product instruction or AMX
+ * tiles read them, quantized per 32-block for the GGUF block formats (q4_1.h) and per row for W8A8
  * panels (w8a8.h); else the rows themselves. */
 static inline const float *proj_prepare_x(float *restrict buf, const float *restrict x,
                                           int64_t M, int64_t k, const proj_weight *W) {
     switch (proj_x_form(W->parts[0].fmt)) {
-#if defined(__AVX512BF16__)
-    case 1:  /* [M, ceil(k / 2)] pairs fit in the [M, k] floats */
+    case 1:  /* [M, gemm_x_pair_stride(k)] pairs (proj_buffer_floats) */
         gemm_x_pairs((uint32_t *)buf, x, M, k);
         return buf;
-#endif
     case 2:
         q41_prepare_x(buf, x, M, k);
         return buf;
