@@ -22,11 +22,24 @@ import torch
 from torch import Tensor
 
 from aioengine.kernels.cpu_layout import LORA_TABLE_WIDTH
-from aioengine.kernels.cpu_build import (BASELINE_VARIANT, ISA_VARIANTS, load, load_error,
-                                         reset, supported_variants, use_variant, variant)
+from aioengine.kernels.cpu_build import (BASELINE_VARIANT, ISA_VARIANTS, amx_mode, load,
+                                         load_error, reset, set_amx_mode, supported_variants,
+                                         use_variant, variant)
 
-__all__ = ["BASELINE_VARIANT", "ISA_VARIANTS", "LORA_TABLE_WIDTH", "load", "load_error",
-           "reset", "supported_variants", "use_variant", "variant"]
+__all__ = ["BASELINE_VARIANT", "ISA_VARIANTS", "LORA_TABLE_WIDTH", "amx_mode", "describe",
+           "load", "load_error", "reset", "set_amx_mode", "supported_variants", "use_variant",
+           "variant"]
+
+
+def describe() -> str | None:
+    """The loaded build and where its bf16 GEMM runs, for logs and /version: "amx (bf16
+    GEMM on AMX tiles)", "avx2"; None when no build is loaded."""
+    name = variant()
+    where = {"tiles": "AMX tiles", "emulated": "emulated AMX tiles"}.get(amx_mode() or "")
+    if name is None or where is None:
+        return name
+    return f"{name} (bf16 GEMM on {where})"
+
 
 # The K/V cache element types the C attention reads (bf16 widened to float32 as read).
 KV_CACHE_DTYPES = (torch.float32, torch.bfloat16)

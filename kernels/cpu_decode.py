@@ -29,7 +29,7 @@ _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 # 0-4 are retired, projection.h) and a GGUF's block formats.
 _BLOCK_CODES = frozenset(f.code for f in cpu_blocks.BLOCK_TYPES.values())
 _WEIGHT_FORMAT_CODES = frozenset((*cpu_gemm.PACKED_FORMATS.values(), cpu_gemm.GEMM_W8A8P,
-                                  *_BLOCK_CODES))
+                                  cpu_gemm.GEMM_BF16T, *_BLOCK_CODES))
 # The ones a model may lack (null pointers for the kernel).
 _OPTIONAL_DECODE_FIELDS = frozenset({"qkv_bias", "q_norm", "k_norm"})
 

@@ -1,8 +1,10 @@
 """The any-M GEMM alone over SmolLM2-135M's projection shapes (30 layers' qkv, o, gate_up,
 down and the LM head, random weights packed in the storage), per CPU-kernel build, the
-builds interleaved in one process: best of 5 per round, min over rounds.
+builds interleaved in one process: best of 5 per round, min over rounds. `onednn` is the
+local ceiling beside them: torch's bf16 `linear` on the same shapes (oneDNN, which uses AMX
+where the CPU has it), x already bf16.
 
-    .venv/bin/python scripts/gemm_bench.py --dtype bfloat16 --builds avx2,avx512,avx512_bf16
+    .venv/bin/python scripts/gemm_bench.py --dtype bfloat16 --builds amx,avx512_bf16,onednn
 """
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ def packed_weights(dtype: torch.dtype) -> list[tuple[torch.Tensor, int, torch.Te
     return out
 
 
+ONEDNN = "onednn"
+
+
 def best_ms(weights: list, m: int, repeats: int = 5) -> float:
     xs = {k: torch.randn(m, k) for k in {p.shape[1] for p, _, _ in weights}}
     best = float("inf")
@@ -42,18 +47,35 @@ def best_ms(weights: list, m: int, repeats: int = 5) -> float:
     return best * 1e3
 
 
+def onednn_best_ms(plain: list[torch.Tensor], m: int, repeats: int = 5) -> float:
+    xs = {k: torch.randn(m, k).bfloat16() for k in {w.shape[1] for w in plain}}
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for w in plain:
+            torch.nn.functional.linear(xs[w.shape[1]], w)
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "int8"])
-    ap.add_argument("--builds", default=",".join(cpu_kernels.supported_variants()[:-1]))
+    ap.add_argument("--builds", default=",".join(cpu_kernels.supported_variants()[:-1]),
+                    help=f"kernel builds, and {ONEDNN!r} (torch's bf16 linear)")
     ap.add_argument("--rows", default="1,2,4,5,8,16,32,64")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     builds, rows = args.builds.split(","), [int(r) for r in args.rows.split(",")]
     weights = packed_weights(getattr(torch, args.dtype))
+    plain = [torch.randn(n, k).bfloat16() for n, k in SHAPES] if ONEDNN in builds else []
     times = {b: {m: [] for m in rows} for b in builds}
     for _ in range(args.rounds):
         for b in builds:
+            if b == ONEDNN:
+                for m in rows:
+                    times[b][m].append(onednn_best_ms(plain, m))
+                continue
             cpu_kernels.use_variant(b)
             best_ms(weights, 1, 1)  # load the build
             for m in rows:

@@ -157,7 +157,7 @@ class EngineCore:
             "dtype_reason": self.dtype_reason, "activations": name(model.dtype),
             "kv_cache_dtype": name(self.kv_cache_dtype), "weight_bytes": model.weight_bytes(),
             "cpu": {"model": cpu_info.cpu_model(), "flags": cpu_info.relevant_flags(),
-                    "kernels": cpu_kernels.variant() if self.device.type == "cpu" else None},
+                    "kernels": cpu_kernels.describe() if self.device.type == "cpu" else None},
         }
 
     def _resolve_max_model_len(self, args: EngineArgs) -> int:

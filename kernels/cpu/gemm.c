@@ -379,7 +379,7 @@ void gemm_range(float *restrict y, int64_t ldy, const float *restrict x,
                               const float *restrict bias, int64_t M, int64_t n, int64_t k,
                               int64_t p_lo, int64_t p_hi) {
     const int64_t panel_bytes = gemm_panel_bytes(fmt, k);
-    if (fmt == GEMM_BF16P && gemm_amx_mode != 0) {
+    if (fmt == GEMM_BF16T) {
         gemm_amx_range(y, ldy, (const uint32_t *)x, w, panel_bytes, k, n, bias, M, p_lo, p_hi);
         return;
     }

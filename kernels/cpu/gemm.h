@@ -38,15 +38,19 @@
 
 enum { GEMM_F32P = 5, GEMM_BF16P = 6, GEMM_I8P = 7, GEMM_Q41P = 8, GEMM_W8A8P = 9,
        /* a GGUF's other block formats (gemm_blocks.h; kernels/cpu_blocks.py packs them) */
-       GEMM_Q80P = 10, GEMM_Q40P = 11, GEMM_Q4KP = 12, GEMM_Q5KP = 13, GEMM_Q6KP = 14 };
+       GEMM_Q80P = 10, GEMM_Q40P = 11, GEMM_Q4KP = 12, GEMM_Q5KP = 13, GEMM_Q6KP = 14,
+       /* bf16 in AMX's tile layout (gemm_amx.c) */
+       GEMM_BF16T = 15 };
 #define GEMM_NR 16
 /* Rows per pass over the panels: x's rows of a pass (48 x k floats) stay in L2. */
 #define GEMM_ROWS_PER_PASS 48
 
-static inline int gemm_is_packed(int fmt) { return fmt >= GEMM_F32P && fmt <= GEMM_Q6KP; }
+static inline int gemm_is_packed(int fmt) { return fmt >= GEMM_F32P && fmt <= GEMM_BF16T; }
 
 /* Whether fmt is a GGUF block format: x quantized per 32-block (q41_prepare_x). */
-static inline int gemm_is_block(int fmt) { return fmt == GEMM_Q41P || fmt >= GEMM_Q80P; }
+static inline int gemm_is_block(int fmt) {
+    return fmt == GEMM_Q41P || (fmt >= GEMM_Q80P && fmt <= GEMM_Q6KP);
+}
 
 /* A block format's weights per panel group and bytes per group (16 columns' block). */
 static inline int64_t gemm_block_weights(int fmt) { return fmt >= GEMM_Q4KP ? 256 : 32; }
@@ -63,13 +67,20 @@ static inline int64_t gemm_group_bytes(int fmt) {
 }
 
 static inline int64_t gemm_elem_bytes(int fmt) {
-    return fmt == GEMM_F32P ? 4 : fmt == GEMM_BF16P ? 2 : 1;
+    return fmt == GEMM_F32P ? 4 : fmt == GEMM_BF16P || fmt == GEMM_BF16T ? 2 : 1;
 }
 
+/* Pairs of k per row of AMX's layouts, of x (gemm_x_pairs) and of a GEMM_BF16T panel:
+ * ceil(k / 2) rounded up to the tiles' 16-pair chunk (zeros past k), so a tile never reads
+ * past a row or a panel. */
+static inline int64_t gemm_x_pair_stride(int64_t k) { return (k + 31) / 32 * 16; }
+
 /* Bytes of one panel of k rows (block formats: k / block weights groups; W8A8: the 16
- * columns' int32 weight sums, then 16 columns x 4 bytes per 4 rows, gemm_w8a8.h). */
+ * columns' int32 weight sums, then 16 columns x 4 bytes per 4 rows, gemm_w8a8.h; bf16 tile
+ * layout: 16 columns x 4 bytes per pair of rows, whole 16-pair chunks). */
 static inline int64_t gemm_panel_bytes(int fmt, int64_t k) {
     if (fmt == GEMM_W8A8P) return 64 * (1 + (k + 3) / 4);
+    if (fmt == GEMM_BF16T) return 64 * gemm_x_pair_stride(k);
     if (gemm_is_block(fmt)) return k / gemm_block_weights(fmt) * gemm_group_bytes(fmt);
     return gemm_elem_bytes(fmt) * GEMM_NR * k;
 }
@@ -85,35 +96,33 @@ static inline int gemm_tile_panels(int64_t mr) { return mr == 1 ? 8 : mr == 2 ? 
 static inline int gemm_tile_panels(int64_t mr) { return mr == 1 ? 4 : mr == 2 ? 3 : mr == 3 ? 2 : 1; }
 #endif
 
-/* The bf16 GEMM's path (gemm_amx.c): 0 the register tiles of this build, 1 AMX tiles
- * (the AMX build, with the kernel's permission), 2 AMX's arithmetic emulated (any build;
- * for tests). Set once by gemm_set_amx_mode, before any product. */
+/* How GEMM_BF16T weights are multiplied (gemm_amx.c): 1 on AMX tiles (the amx build, with
+ * the kernel's permission), else (2) by an exact emulation of the tiles' arithmetic. Set
+ * once by gemm_set_amx_mode, before any product. */
 extern int gemm_amx_mode;
 
-/* Asks for mode (0, 1 or 2); returns the mode set: 0 for 1 where this build has no AMX or
- * the kernel refuses the tile state (fail closed). */
+/* Asks for mode 0 (none: Python packs bf16 as GEMM_BF16P), 1 (tiles) or 2 (emulated);
+ * returns the mode set: 0 for 1 where this build has no AMX or the kernel refuses the tile
+ * state (fail closed). */
 int gemm_set_amx_mode(int mode);
 
-/* Whether gemm_range reads x of format fmt as gemm_x_pairs leaves it: bf16 pairs for
- * vdpbf16ps (the AVX512-BF16 build's bf16 case) or for AMX tiles; else float32 [M, k]. */
+/* Whether gemm_range reads x of format fmt as gemm_x_pairs leaves it: bf16 pairs for AMX
+ * tiles (GEMM_BF16T) and for vdpbf16ps (the AVX512-BF16 build's GEMM_BF16P); else float32
+ * [M, k]. */
 static inline int gemm_x_is_pairs(int fmt) {
 #if defined(__AVX512BF16__)
-    return fmt == GEMM_BF16P;
+    return fmt == GEMM_BF16P || fmt == GEMM_BF16T;
 #else
-    return fmt == GEMM_BF16P && gemm_amx_mode != 0;
+    return fmt == GEMM_BF16T;
 #endif
 }
-
-/* Pairs per row of gemm_x_pairs' output: ceil(k / 2) rounded up to AMX's 16-pair k chunk
- * (zeros past k), so a tile's row of x never reads past its row. */
-static inline int64_t gemm_x_pair_stride(int64_t k) { return (k + 31) / 32 * 16; }
 
 /* x [rows, k] float32 -> xp [rows, gemm_x_pair_stride(k)] bf16 pairs (zeros past k),
  * rounded to nearest even (gemm.c). */
 void gemm_x_pairs(uint32_t *restrict xp, const float *restrict x, int64_t rows, int64_t k);
 
-/* gemm_range's bf16 case on AMX tiles, real or emulated (gemm_amx_mode 1 or 2): xp as
- * gemm_x_pairs leaves it. */
+/* gemm_range for GEMM_BF16T, on AMX tiles or emulated (gemm_amx_mode): xp as gemm_x_pairs
+ * leaves it. */
 void gemm_amx_range(float *restrict y, int64_t ldy, const uint32_t *restrict xp, const void *w,
                     int64_t panel_bytes, int64_t k, int64_t n, const float *restrict bias,
                     int64_t M, int64_t p_lo, int64_t p_hi);

@@ -156,84 +156,44 @@ __attribute__((optimize("no-associative-math", "fp-contract=off"))) static void 
 
 /* ---- the kernel ---- */
 
-/* A thread's copy of two panels in the tile layout (grown, never freed: the threads live as
- * long as the process). */
-static __thread uint8_t *amx_b_buf;
-static __thread int64_t amx_b_cap;
-
-static uint8_t *amx_b_scratch(int64_t bytes) {
-    if (bytes > amx_b_cap) {
-        free(amx_b_buf);
-        amx_b_buf = aligned_alloc(64, (size_t)bytes);
-        amx_b_cap = amx_b_buf ? bytes : 0;
-    }
-    return amx_b_buf;
+/* y [rows, cols] (row stride ldy) += bias [cols], or nothing without a bias: the epilogue
+ * of tiles stored straight into y. */
+static inline void amx_add_bias(float *restrict y, int64_t ldy, int64_t rows, int64_t cols,
+                                const float *restrict bias) {
+    if (bias == NULL) return;
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < cols; j++) y[i * ldy + j] += bias[j];
 }
 
-/* Panel `panel` (gemm.h's bf16 layout: k rows of 16 bf16, columns in the order 0, 8, 1, 9,
- * ..., 7, 15) -> dst [pairs][16 columns][2]: row r holds every column's (k = 2 r, 2 r + 1)
- * pair in column order (the tile layout of B), zeros past k. */
-static void amx_pairs_of_panel(uint8_t *restrict dst, const uint8_t *restrict panel, int64_t k,
-                               int64_t pairs) {
-    const int64_t whole = k / 2;
-#if defined(__AVX512BW__)
-    static const int16_t order[32] __attribute__((aligned(64))) = {
-        0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30,
-        1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
-    const __m512i idx = _mm512_load_si512(order);
-    for (int64_t r = 0; r < whole; r++)
-        _mm512_store_si512(dst + 64 * r, _mm512_permutexvar_epi16(
-                                             idx, _mm512_loadu_si512(panel + 64 * r)));
-#else
-    for (int64_t r = 0; r < whole; r++)
-        for (int j = 0; j < 16; j++) {
-            const int slot = j < 8 ? 2 * j : 2 * (j - 8) + 1;
-            memcpy(dst + 64 * r + 4 * j, panel + 64 * r + 2 * slot, 2);
-            memcpy(dst + 64 * r + 4 * j + 2, panel + 64 * r + 32 + 2 * slot, 2);
-        }
-#endif
-    memset(dst + 64 * whole, 0, (size_t)(64 * (pairs - whole)));
-    if (k % 2)
-        for (int j = 0; j < 16; j++) {
-            const int slot = j < 8 ? 2 * j : 2 * (j - 8) + 1;
-            memcpy(dst + 64 * whole + 4 * j, panel + 64 * whole + 2 * slot, 2);
-        }
-}
-
-/* The C tiles of one (row tile pair, panel pair) into y, through the epilogue. */
-static inline void amx_write(float *restrict y, int64_t ldy, const float tile[4][16][16],
-                             int64_t m_rows, int64_t c0, int np, int64_t n,
-                             const float *restrict bias) {
-    for (int64_t i = 0; i < m_rows; i++)
-        for (int q = 0; q < np; q++) {
-            const float *acc = tile[(i >= 16 ? 2 : 0) + q][i % 16];
+/* Row tile `half` (0 or 1) of the C tiles in `tile` into y: columns past n dropped (the
+ * last panel's), the bias added. */
+static inline void amx_write_tail(float *restrict y, int64_t ldy, const float tile[4][16][16],
+                                  int half, int64_t rows, int64_t c0, int np, int64_t n,
+                                  const float *restrict bias) {
+    for (int64_t i = 0; i < rows; i++)
+        for (int q = 0; q < np; q++)
             for (int j = 0; j < 16; j++) {
                 const int64_t c = c0 + 16 * q + j;
-                if (c < n) {
-                    const float v = bias ? acc[j] + bias[c] : acc[j];
-                    y[i * ldy + c] = v;
-                }
+                if (c < n) y[i * ldy + c] = tile[2 * half + q][i][j] + (bias ? bias[c] : 0.0f);
             }
-        }
 }
 
 /* Panels [p_lo, p_hi) of y = x w^T (+ bias) for every row: x as bf16 pairs, xs =
- * gemm_x_pair_stride(k) pairs per row (zeros past k). Per panel pair, its tile-layout copy
- * is made once and serves every row; per 32 rows, 4 C tiles walk k's chunks. */
+ * gemm_x_pair_stride(k) pairs per row (zeros past k); w in the tile layout (gemm.h's
+ * GEMM_BF16T: panel p is [xs][16 columns][2], row r holding every column's (k = 2 r,
+ * 2 r + 1) pair, zeros past k), so a k chunk of a panel is one B tile as it lies. Per panel
+ * pair and 32 rows, 4 C tiles walk k's chunks. */
 static inline __attribute__((always_inline)) void amx_range(
     float *restrict y, int64_t ldy, const uint32_t *restrict xp, const char *restrict w,
     int64_t panel_bytes, int64_t k, int64_t n, const float *restrict bias, int64_t M,
     int64_t p_lo, int64_t p_hi, const int hw) {
     const int64_t xs = gemm_x_pair_stride(k), chunks = xs / 16;
-    uint8_t *bs = amx_b_scratch(2 * xs * 64);
-    if (bs == NULL) abort();  /* a few hundred KB; no error path in gemm_range */
     amx_config cfg;
     int r0_cfg = -1, r1_cfg = -1;
     float tile[4][16][16] __attribute__((aligned(64)));
     for (int64_t p = p_lo; p < p_hi; p += 2) {
         const int np = p + 1 < p_hi ? 2 : 1;
-        for (int q = 0; q < np; q++)
-            amx_pairs_of_panel(bs + q * xs * 64, (const uint8_t *)w + (p + q) * panel_bytes, k, xs);
+        const char *b0 = w + p * panel_bytes, *b1 = b0 + panel_bytes;
         for (int64_t m0 = 0; m0 < M; m0 += 32) {
             const int r0 = M - m0 < 16 ? (int)(M - m0) : 16;
             const int r1 = M - m0 - 16 <= 0 ? 0 : M - m0 - 16 < 16 ? (int)(M - m0 - 16) : 16;
@@ -246,25 +206,43 @@ static inline __attribute__((always_inline)) void amx_range(
             const uint32_t *a = xp + m0 * xs;
             AMX_ZERO(hw, 0); AMX_ZERO(hw, 1);
             if (r1) { AMX_ZERO(hw, 2); AMX_ZERO(hw, 3); }
+            /* A chunk's four loads, then its four products: a load interleaved between
+             * products waits for them (tiles are not renamed), ~4.5x slower here. */
             for (int64_t c = 0; c < chunks; c++) {
                 AMX_LOAD(hw, 4, a + 16 * c, xs * 4);
-                AMX_LOAD(hw, 6, bs + 1024 * c, 64);
+                if (r1) AMX_LOAD(hw, 5, a + 16 * xs + 16 * c, xs * 4);
+                AMX_LOAD(hw, 6, b0 + 1024 * c, 64);
+                if (np == 2) AMX_LOAD(hw, 7, b1 + 1024 * c, 64);
                 AMX_DP(hw, 0, 4, 6);
-                if (np == 2) {
-                    AMX_LOAD(hw, 7, bs + xs * 64 + 1024 * c, 64);
-                    AMX_DP(hw, 1, 4, 7);
-                }
+                if (np == 2) AMX_DP(hw, 1, 4, 7);
                 if (r1) {
-                    AMX_LOAD(hw, 5, a + 16 * xs + 16 * c, xs * 4);
                     AMX_DP(hw, 2, 5, 6);
                     if (np == 2) AMX_DP(hw, 3, 5, 7);
                 }
             }
-            AMX_STORE(hw, 0, tile[0], 64);
-            AMX_STORE(hw, 1, tile[1], 64);
-            if (r1) { AMX_STORE(hw, 2, tile[2], 64); AMX_STORE(hw, 3, tile[3], 64); }
-            amx_write(y + m0 * ldy, ldy, (const float(*)[16][16])tile, r0 + r1, p * GEMM_NR, np,
-                      n, bias);
+            /* whole columns: the tiles straight into y, then the bias (adding +0.0f
+             * instead would turn a -0 into +0: no bias, no add) */
+            const int64_t c0 = p * GEMM_NR;
+            float *yo = y + m0 * ldy;
+            if (c0 + 16 * np <= n) {
+                AMX_STORE(hw, 0, yo + c0, ldy * 4);
+                if (np == 2) AMX_STORE(hw, 1, yo + c0 + 16, ldy * 4);
+                if (r1) {
+                    AMX_STORE(hw, 2, yo + 16 * ldy + c0, ldy * 4);
+                    if (np == 2) AMX_STORE(hw, 3, yo + 16 * ldy + c0 + 16, ldy * 4);
+                }
+                amx_add_bias(yo + c0, ldy, r0 + r1, 16 * np, bias ? bias + c0 : NULL);
+            } else {
+                AMX_STORE(hw, 0, tile[0], 64);
+                AMX_STORE(hw, 1, tile[1], 64);
+                amx_write_tail(yo, ldy, (const float(*)[16][16])tile, 0, r0, c0, np, n, bias);
+                if (r1) {
+                    AMX_STORE(hw, 2, tile[2], 64);
+                    AMX_STORE(hw, 3, tile[3], 64);
+                    amx_write_tail(yo + 16 * ldy, ldy, (const float(*)[16][16])tile, 1, r1, c0,
+                                   np, n, bias);
+                }
+            }
         }
     }
 }
@@ -274,7 +252,7 @@ void gemm_amx_range(float *restrict y, int64_t ldy, const uint32_t *restrict xp,
                     int64_t M, int64_t p_lo, int64_t p_hi) {
     if (gemm_amx_mode == 1)
         amx_range(y, ldy, xp, (const char *)w, panel_bytes, k, n, bias, M, p_lo, p_hi, 1);
-    else
+    else  /* a GEMM_BF16T weight with the tiles off or missing: the same bits, slowly */
         amx_range(y, ldy, xp, (const char *)w, panel_bytes, k, n, bias, M, p_lo, p_hi, 0);
 }
 

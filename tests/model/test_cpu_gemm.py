@@ -41,7 +41,7 @@ def test_gemm_matches_float64_for_every_m(variant: str, fmt: str, n: int, k: int
     x = torch.randn(64, k)
     # The AVX512-BF16 build multiplies bf16 pairs: x rounded to bf16 first (documented).
     xr = x.bfloat16().double() if fmt == "bfloat16" and cpu_gemm.rounds_x_to_bf16() else x.double()
-    assert cpu_gemm.rounds_x_to_bf16() == (fmt == "bfloat16" and variant == "avx512_bf16") \
+    assert cpu_gemm.rounds_x_to_bf16() == (fmt == "bfloat16" and variant in ("avx512_bf16", "amx")) \
         or fmt != "bfloat16"
     ref = xr @ exact.t() + bias.double()
     # float32 sums of k exact products: error within a few ulps of the sum of magnitudes
@@ -74,11 +74,13 @@ def test_a_row_has_the_same_bits_alone_and_in_any_step(variant: str, fmt: str,
 def test_pack_round_trips_and_rows_gather(dtype: torch.dtype) -> None:
     w = (torch.randn(45, 7) * 50).to(dtype)
     packed = cpu_gemm.pack_weight(w)
-    assert packed.shape == (3, 7, 16) and packed.dtype == dtype
+    # bf16 while AMX is on: the tile layout, k padded to 32 in pairs (test_cpu_gemm_amx.py)
+    tiles = dtype == torch.bfloat16 and cpu_gemm.amx_layout()
+    assert packed.shape == ((3, 16, 32) if tiles else (3, 7, 16)) and packed.dtype == dtype
     assert (packed[2, :, :] != 0).sum() <= 13 * 7  # the edge panel's padding is zeros
-    assert torch.equal(cpu_gemm.unpack_weight(packed, 45), w)
+    assert torch.equal(cpu_gemm.unpack_weight(packed, 45, 7), w)
     rows = torch.tensor([0, 44, 8, 15, 16, 3, 8])
-    assert torch.equal(cpu_gemm.packed_rows(packed, rows), w[rows])
+    assert torch.equal(cpu_gemm.packed_rows(packed, rows, 7), w[rows])
 
 
 def test_gemm_declines_what_it_does_not_take() -> None:
