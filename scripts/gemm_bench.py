@@ -20,7 +20,8 @@ from aioengine.kernels import cpu_gemm
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
 
-def packed_weights(dtype: torch.dtype) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
+def packed_weights(dtype: torch.dtype) -> list[tuple[torch.Tensor, int, int,
+                                                    torch.Tensor | None]]:
     out = []
     for n, k in SHAPES:
         w, scales = torch.randn(n, k) * 0.05, None
@@ -29,7 +30,7 @@ def packed_weights(dtype: torch.dtype) -> list[tuple[torch.Tensor, int, torch.Te
             w = (w / scales[:, None]).round().to(torch.int8)
         else:
             w = w.to(dtype)
-        out.append((cpu_gemm.pack_weight(w), n, scales))
+        out.append((cpu_gemm.pack_weight(w), n, k, scales))
     return out
 
 
@@ -37,12 +38,13 @@ ONEDNN = "onednn"
 
 
 def best_ms(weights: list, m: int, repeats: int = 5) -> float:
-    xs = {k: torch.randn(m, k) for k in {p.shape[1] for p, _, _ in weights}}
+    xs = {k: torch.randn(m, k) for k in {k for _, _, k, _ in weights}}
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        for packed, n, scales in weights:
-            cpu_gemm.gemm(xs[packed.shape[1]], packed, n, None, scales)
+        for packed, n, k, scales in weights:
+            if cpu_gemm.gemm(xs[k], packed, n, None, scales) is None:
+                raise RuntimeError(f"the kernel declined a [{n}, {k}] weight")
         best = min(best, time.perf_counter() - start)
     return best * 1e3
 
@@ -67,7 +69,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     builds, rows = args.builds.split(","), [int(r) for r in args.rows.split(",")]
-    weights = packed_weights(getattr(torch, args.dtype))
+    dtype = getattr(torch, args.dtype)
+    weights: dict[str, list] = {}  # per build: its packing (bf16: AMX's tile layout or not)
     plain = [torch.randn(n, k).bfloat16() for n, k in SHAPES] if ONEDNN in builds else []
     times = {b: {m: [] for m in rows} for b in builds}
     for _ in range(args.rounds):
@@ -77,12 +80,13 @@ def main() -> None:
                     times[b][m].append(onednn_best_ms(plain, m))
                 continue
             cpu_kernels.use_variant(b)
-            best_ms(weights, 1, 1)  # load the build
+            cpu_kernels.load()
+            weights.setdefault(b, packed_weights(dtype))
             for m in rows:
-                times[b][m].append(best_ms(weights, m))
+                times[b][m].append(best_ms(weights[b], m))
     flops = 2 * sum(n * k for n, k in SHAPES)
     print(f"{cpu_info.cpu_model()} ({' '.join(cpu_info.relevant_flags())}); {args.dtype}, "
-          f"{sum(p.numel() * p.element_size() for p, _, _ in weights) / 1e6:.0f} MB")
+          f"{2 * sum(n * k for n, k in SHAPES) / 1e6:.0f} MB in bf16")
     for m in rows:
         cells = [f"{b} {min(times[b][m]):7.2f} ms (x{min(times[b][m]) / min(times[b][1]):.2f}, "
                  f"{m * flops / min(times[b][m]) / 1e6:4.0f} GFLOP/s)" for b in builds]

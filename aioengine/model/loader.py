@@ -380,12 +380,13 @@ def _model_cache_name(parts: Any, dtype: torch.dtype, storage: str,
     """(entry name, kind) of the model state a load of this file gives: keyed by the file's
     bytes and everything that changes the bytes it holds (storage, dtype, whether the
     blocks are kept, cpu_blocks' panel layout, whether the CPU kernels' panels are used at
-    all, this state's own layout)."""
-    from aioengine.kernels import cpu_blocks, cpu_build
+    all and whether bf16 ones are in AMX's tile layout, this state's own layout)."""
+    from aioengine.kernels import cpu_blocks, cpu_build, cpu_gemm
     from aioengine.model import weight_cache
 
     kind = (f"gguf-model:v{_MODEL_STATE_VERSION}:{storage}:{dtype}:native-{native}:"
-            f"blocks-{cpu_blocks.LAYOUT_VERSION}:panels-{cpu_build.load() is not None}")
+            f"blocks-{cpu_blocks.LAYOUT_VERSION}:panels-{cpu_build.load() is not None}:"
+            f"bf16-tiles-{cpu_gemm.amx_layout()}")
     return weight_cache.entry_name(weight_cache.file_digest(parts.path), kind), kind
 
 

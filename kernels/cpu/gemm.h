@@ -21,7 +21,9 @@
  * preempted thread delays a step by one claim), and a thread runs all the step's rows over a
  * panel group while it is in L1/L2: a weight crosses memory once per step whatever M is.
  * The AVX512-BF16 build multiplies bf16 weights by x rounded to bf16, two k at a time
- * (vdpbf16ps; gemm.c's gemm_tile_dpbf16).
+ * (vdpbf16ps; gemm.c's gemm_tile_dpbf16). Where AMX is on (gemm_amx.c), bf16 weights are
+ * packed in the tiles' own layout instead (GEMM_BF16T: [num_panels, pairs, 16 columns, 2],
+ * k zero-padded to 32) and every row count runs on AMX tiles, or on their exact emulation.
  *
  * Deterministic by construction: y[m, c] is ONE accumulator lane, c's column of its panel,
  * summed by fused multiply-adds in the order k = 0, 1, ..., k - 1 and then scaled and biased
