@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from eagle_heads import make_random_eagle_head_dir
+from float_error import assert_as_exact_as
 from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_config
 
@@ -118,8 +119,8 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
 def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """x [T, heads, D], transformers' rotate_half convention."""
     d = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-    angles = positions[:, None].float() * inv_freq
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=x.dtype) / d)
+    angles = positions[:, None].to(x.dtype) * inv_freq
     angles = torch.cat((angles, angles), dim=-1)[:, None]  # [T, 1, D]
     cos, sin = angles.cos(), angles.sin()
     rotated = torch.cat((-x[..., d // 2:], x[..., :d // 2]), dim=-1)
@@ -212,8 +213,11 @@ def test_paged_forward_matches_dense_reference(tmp_path, target_dir, target_arch
     logits_hidden = torch.cat([o[0] for o in outs])
     next_hidden = torch.cat([o[1] for o in outs])
     ref_logits_hidden, ref_next = _reference(method, w, cfg, embed.weight[tokens], hiddens)
-    torch.testing.assert_close(next_hidden, ref_next, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(logits_hidden, ref_logits_hidden, atol=1e-5, rtol=1e-5)
+    exact_logits_hidden, exact_next = _reference(
+        method, {k: v.double() for k, v in w.items()}, cfg, embed.weight[tokens].double(),
+        [h.double() for h in hiddens])
+    assert_as_exact_as(next_hidden, ref_next, exact_next)
+    assert_as_exact_as(logits_hidden, ref_logits_hidden, exact_logits_hidden)
 
 
 # ---- logits --------------------------------------------------------------------------------
