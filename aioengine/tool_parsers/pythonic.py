@@ -18,9 +18,12 @@ const's values); arrays, objects and untyped parameters take any literal.
 from __future__ import annotations
 
 import ast
+import io
 import json
+import keyword
 import math
 import re
+import tokenize
 import warnings
 from typing import Any, ClassVar
 
@@ -61,12 +64,43 @@ def _literal(node: ast.expr) -> Any:
     raise ValueError(f"not a literal: {type(node).__name__}")
 
 
+def _escape_keywords(text: str) -> tuple[str, dict[str, str]] | None:
+    """`text` with each Python keyword outside strings renamed, and the names back, so that
+    a tool or parameter named `from`, `class` or `in` (valid JSON Schema names, and what a
+    model writes) parses. True / False / None stay: they are literals. None if it does not
+    tokenize."""
+    lines = text.splitlines(keepends=True)
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line))
+    spans = []
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if (tok.type == tokenize.NAME and keyword.iskeyword(tok.string)
+                    and tok.string not in ("True", "False", "None")):
+                spans.append((starts[tok.start[0] - 1] + tok.start[1], tok.string))
+    except (tokenize.TokenError, SyntaxError):
+        return None
+    back: dict[str, str] = {}
+    for offset, word in reversed(spans):
+        alias = f"{word}_kw_"
+        while alias in text:  # never a name the text already uses
+            alias += "_"
+        back[alias] = word
+        text = text[:offset] + alias + text[offset + len(word):]
+    return text, back
+
+
 def parse_calls(text: str) -> list[ParsedToolCall] | None:
     """The calls of a block, or None if it is not a list of calls (module docstring)."""
+    escaped = _escape_keywords(text.strip())
+    if escaped is None:
+        return None
+    source, back = escaped
     try:
         with warnings.catch_warnings():  # e.g. an invalid escape in a string: not ours to warn
             warnings.simplefilter("ignore")
-            tree = ast.parse(text.strip(), mode="eval")
+            tree = ast.parse(source, mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
     if not isinstance(tree.body, ast.List) or not tree.body.elts:
@@ -76,12 +110,14 @@ def parse_calls(text: str) -> list[ParsedToolCall] | None:
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
             return None
         try:
-            args = {kw.arg: _literal(kw.value) for kw in node.keywords if kw.arg is not None}
+            args = {back.get(kw.arg, kw.arg): _literal(kw.value)
+                    for kw in node.keywords if kw.arg is not None}
         except (ValueError, RecursionError):
             return None
         if len(args) != len(node.keywords):  # a **mapping
             return None
-        calls.append(ParsedToolCall(node.func.id, json.dumps(args, ensure_ascii=False)))
+        name = back.get(node.func.id, node.func.id)
+        calls.append(ParsedToolCall(name, json.dumps(args, ensure_ascii=False)))
     return calls
 
 

@@ -133,6 +133,10 @@ PY_CASES = [
                         '"d": null, "e": "x])\\"y\'"}')])),
     ('<|python_start|>[f(q="東京")]<|python_end|>', E(None, [call("f", '{"q": "東京"}')])),
     ("Sure: [f()]", E("Sure:", [call("f", "{}")])),
+    # Python keywords are valid tool and parameter names (found by the property test below)
+    ('[as()]', E(None, [call("as", "{}")])),
+    ('[route(from="A", to="B", in_=1, lambda={"if": "in"})]',
+     E(None, [call("route", '{"from": "A", "to": "B", "in_": 1, "lambda": {"if": "in"}}')])),
     # not calls: content as written
     ("A list [1, 2] and [x for x in y]", E("A list [1, 2] and [x for x in y]", [])),
     ("[f(1)]", E("[f(1)]", [])),
