@@ -181,8 +181,10 @@ static inline void amx_write_tail(float *restrict y, int64_t ldy, const float ti
 /* Panels [p_lo, p_hi) of y = x w^T (+ bias) for every row: x as bf16 pairs, xs =
  * gemm_x_pair_stride(k) pairs per row (zeros past k); w in the tile layout (gemm.h's
  * GEMM_BF16T: panel p is [xs][16 columns][2], row r holding every column's (k = 2 r,
- * 2 r + 1) pair, zeros past k), so a k chunk of a panel is one B tile as it lies. Per panel
- * pair and 32 rows, 4 C tiles walk k's chunks. */
+ * 2 r + 1) pair, zeros past k), so a k chunk of a panel is one B tile as it lies. Per 32
+ * rows and panel pair, 4 C tiles walk k's chunks. Rows outside, panels inside: the 32 rows'
+ * A tiles (36 KB at k = 576) stay in L1 while the panels stream from L2 in address order
+ * (~5% over panels outside at M = 512). */
 static inline __attribute__((always_inline)) void amx_range(
     float *restrict y, int64_t ldy, const uint32_t *restrict xp, const char *restrict w,
     int64_t panel_bytes, int64_t k, int64_t n, const float *restrict bias, int64_t M,
@@ -191,18 +193,18 @@ static inline __attribute__((always_inline)) void amx_range(
     amx_config cfg;
     int r0_cfg = -1, r1_cfg = -1;
     float tile[4][16][16] __attribute__((aligned(64)));
-    for (int64_t p = p_lo; p < p_hi; p += 2) {
-        const int np = p + 1 < p_hi ? 2 : 1;
-        const char *b0 = w + p * panel_bytes, *b1 = b0 + panel_bytes;
-        for (int64_t m0 = 0; m0 < M; m0 += 32) {
-            const int r0 = M - m0 < 16 ? (int)(M - m0) : 16;
-            const int r1 = M - m0 - 16 <= 0 ? 0 : M - m0 - 16 < 16 ? (int)(M - m0 - 16) : 16;
-            if (r0 != r0_cfg || r1 != r1_cfg) {  /* (and on entry: another library's
-                                                  * tiles may have run on this thread) */
-                amx_config_rows(&cfg, r0, r1);
-                AMX_CONFIG(hw, &cfg);
-                r0_cfg = r0, r1_cfg = r1;
-            }
+    for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        const int r0 = M - m0 < 16 ? (int)(M - m0) : 16;
+        const int r1 = M - m0 - 16 <= 0 ? 0 : M - m0 - 16 < 16 ? (int)(M - m0 - 16) : 16;
+        if (r0 != r0_cfg || r1 != r1_cfg) {  /* (and on entry: another library's
+                                              * tiles may have run on this thread) */
+            amx_config_rows(&cfg, r0, r1);
+            AMX_CONFIG(hw, &cfg);
+            r0_cfg = r0, r1_cfg = r1;
+        }
+        for (int64_t p = p_lo; p < p_hi; p += 2) {
+            const int np = p + 1 < p_hi ? 2 : 1;
+            const char *b0 = w + p * panel_bytes, *b1 = b0 + panel_bytes;
             const uint32_t *a = xp + m0 * xs;
             AMX_ZERO(hw, 0); AMX_ZERO(hw, 1);
             if (r1) { AMX_ZERO(hw, 2); AMX_ZERO(hw, 3); }
