@@ -41,94 +41,150 @@ static inline void kv_store_row(void *restrict cache, int64_t at, const float *r
     }
 }
 
-/* One request's query against its positions [begin, end) (the whole context, one thread's
- * part of it, or with a sliding window the part from the window's oldest position, which
- * may start inside a block). Leaves, per query head h, the
- * unnormalised o[h] = sum_p e^(s_hp - m_h) v_p with m_h = max_p s_hp in max[h] and
- * sum[h] = sum_p e^(s_hp - m_h): a full softmax divides by the sum (attend_normalize), split
- * parts combine first (attend_combine). An empty range leaves o = 0, max = -inf, sum = 0.
+/* The largest of s[0 .. n - 1] (-inf for none). In 16 lanes, then across them: a max is
+ * exact in any order, and one running max waits on each compare (vmaxss, one element per
+ * 4 cycles: a sixth of a prefill's attention went there). */
+static inline float max_f32(const float *restrict s, int64_t n) {
+    float lane[16];
+    for (int l = 0; l < 16; l++) lane[l] = -INFINITY;
+    int64_t p = 0;
+    for (; p + 16 <= n; p += 16)
+        for (int l = 0; l < 16; l++) lane[l] = s[p + l] > lane[l] ? s[p + l] : lane[l];
+    for (int l = 0; p < n; p++, l++) lane[l] = s[p] > lane[l] ? s[p] : lane[l];
+    float mx = -INFINITY;
+    for (int l = 0; l < 16; l++) mx = lane[l] > mx ? lane[l] : mx;
+    return mx;
+}
+
+/* Rows of queries of one request against their positions: row i (query q + i * q_stride)
+ * against [begins[i], ends[i]) (the whole context, one part of it, or with a sliding window
+ * the part from the window's oldest position, which may start inside a block); a row with
+ * outs[i] == NULL is skipped. Leaves in outs[i], per query head h, the unnormalised
+ * o[h] = sum_p e^(s_hp - m_h) v_p with m_h = max_p s_hp after it (max, num_heads floats)
+ * and sum[h] = sum_p e^(s_hp - m_h) after that (attn_part_floats' layout): a full softmax
+ * divides by the sum (attend_normalize), split parts combine first (attend_combine). An
+ * empty range leaves o = 0, max = -inf, sum = 0.
  *
- * `scores` holds [num_heads, end - begin] floats. Always inlined with head_dim a constant
- * (64, 128) so the dot products and value sums compile to straight vector code instead of
- * short runtime-length loops. Query head h uses KV head h / group. */
-static inline __attribute__((always_inline)) void attend_range(
-    float *restrict o, float *restrict max, float *restrict sum, const float *restrict q,
+ * Each position's K and V (all KV heads, widened once) serve every row that sees it: a
+ * prefill chunk's rows share their request's K/V, so a block of rows reads it once instead of
+ * once per row (per row it was the attention's cost: its loads stalled). A row's arithmetic
+ * is the same instructions whatever R is and wherever the row sits (this one function for
+ * every row count), so its bits depend only on its query, its K/V and its range.
+ *
+ * `scores` holds R * num_heads * P floats (P >= every row's range). Always inlined with
+ * head_dim a constant (64, 128) so the dot products and value sums compile to straight
+ * vector code. Query head h uses KV head h / group. */
+static inline __attribute__((always_inline)) void attend_rows(
+    float *const *restrict outs, const float *restrict q, int64_t q_stride,
     const void *restrict k_cache, const void *restrict v_cache, const int kv_bf16,
-    const int32_t *restrict table, int64_t begin, int64_t end, int64_t num_heads,
-    int64_t group, const int64_t head_dim, int64_t block_size, int64_t block_stride,
-    float scale, float *restrict scores) {
-    const int64_t slot_stride = (num_heads / group) * head_dim, len = end - begin;
-    for (int64_t start = begin, stop; start < end; start = stop) {
-        const int64_t block_start = start - start % block_size;
-        const int64_t kb = (int64_t)table[start / block_size] * block_stride;
-        stop = block_start + block_size < end ? block_start + block_size : end;
-        for (int64_t p = start; p < stop; p++) {
-            const int64_t slot = kb + (p - block_start) * slot_stride;
-            for (int64_t h = 0; h < num_heads; h++) {
-                const int64_t k = slot + (h / group) * head_dim;
-                const float *qh = q + h * head_dim;
-                float dot = 0.0f;
-                for (int64_t d = 0; d < head_dim; d++)
-                    dot += qh[d] * kv_at(k_cache, k + d, kv_bf16);
-                scores[h * len + p - begin] = dot * scale;
+    const int32_t *restrict table, const int64_t *restrict begins,
+    const int64_t *restrict ends, int64_t R, int64_t num_heads, int64_t group,
+    const int64_t head_dim, int64_t block_size, int64_t block_stride, float scale,
+    float *restrict scores, int64_t P) {
+    const int64_t num_kv = num_heads / group, slot_stride = num_kv * head_dim;
+    int64_t lo = INT64_MAX, hi = 0;
+    for (int64_t i = 0; i < R; i++)
+        if (outs[i] != NULL && begins[i] < ends[i]) {
+            lo = begins[i] < lo ? begins[i] : lo;
+            hi = ends[i] > hi ? ends[i] : hi;
+        }
+    float row[head_dim];  /* a K or V head widened to float32 */
+    for (int64_t p = lo; p < hi; p++) {
+        const int64_t slot = (int64_t)table[p / block_size] * block_stride
+                             + (p % block_size) * slot_stride;
+        for (int64_t g = 0; g < num_kv; g++) {
+            for (int64_t d = 0; d < head_dim; d++)
+                row[d] = kv_at(k_cache, slot + g * head_dim + d, kv_bf16);
+            for (int64_t i = 0; i < R; i++) {
+                if (outs[i] == NULL || p < begins[i] || p >= ends[i]) continue;
+                for (int64_t h = g * group; h < (g + 1) * group; h++) {
+                    const float *qh = q + i * q_stride + h * head_dim;
+                    float dot = 0.0f;
+                    for (int64_t d = 0; d < head_dim; d++) dot += qh[d] * row[d];
+                    scores[(i * num_heads + h) * P + p - begins[i]] = dot * scale;
+                }
             }
         }
     }
-    for (int64_t h = 0; h < num_heads; h++) {
-        float *s = scores + h * len;
-        float mx = -INFINITY;
-        for (int64_t p = 0; p < len; p++) mx = s[p] > mx ? s[p] : mx;
-        float total = 0.0f;
-        /* exp_f32 vectorises, libm's expf does not: 30 layers at 32 requests x 180 tokens
-         * went from 24 to 20 ms. */
-        for (int64_t p = 0; p < len; p++) {
-            s[p] = exp_f32(s[p] - mx);
-            total += s[p];
+    for (int64_t i = 0; i < R; i++) {
+        if (outs[i] == NULL) continue;
+        const int64_t len = ends[i] > begins[i] ? ends[i] - begins[i] : 0;
+        float *o = outs[i], *max = o + num_heads * head_dim, *sum = max + num_heads;
+        for (int64_t h = 0; h < num_heads; h++) {
+            float *s = scores + (i * num_heads + h) * P;
+            const float mx = max_f32(s, len);
+            float total = 0.0f;
+            /* exp_f32 vectorises, libm's expf does not: 30 layers at 32 requests x 180
+             * tokens went from 24 to 20 ms. */
+            for (int64_t p = 0; p < len; p++) {
+                s[p] = exp_f32(s[p] - mx);
+                total += s[p];
+            }
+            max[h] = mx;
+            sum[h] = total;
+            for (int64_t d = 0; d < head_dim; d++) o[h * head_dim + d] = 0.0f;
         }
-        max[h] = mx;
-        sum[h] = total;
-        for (int64_t d = 0; d < head_dim; d++) o[h * head_dim + d] = 0.0f;
     }
-    for (int64_t start = begin, stop; start < end; start = stop) {
-        const int64_t block_start = start - start % block_size;
-        const int64_t vb = (int64_t)table[start / block_size] * block_stride;
-        stop = block_start + block_size < end ? block_start + block_size : end;
-        for (int64_t p = start; p < stop; p++) {
-            const int64_t slot = vb + (p - block_start) * slot_stride;
-            for (int64_t h = 0; h < num_heads; h++) {
-                const int64_t v = slot + (h / group) * head_dim;
-                const float w = scores[h * len + p - begin];
-                float *oh = o + h * head_dim;
+    /* Values in groups of 16 absolute positions: each head's o stays in registers over a
+     * group (one load and store of o per group, not per position). The compiler may split
+     * a group's sum (-fassociative-math), so the groups are fixed positions: a row's sums
+     * depend on its own range alone, not on the other rows of its task. */
+    float vrows[16 * head_dim];
+    for (int64_t p0 = lo - lo % 16; p0 < hi; p0 += 16) {
+        const int64_t pn = hi - p0 < 16 ? hi - p0 : 16;
+        for (int64_t g = 0; g < num_kv; g++) {
+            for (int64_t t = p0 < lo ? lo - p0 : 0; t < pn; t++) {
+                const int64_t p = p0 + t, slot = (int64_t)table[p / block_size] * block_stride
+                                                 + (p % block_size) * slot_stride;
                 for (int64_t d = 0; d < head_dim; d++)
-                    oh[d] += w * kv_at(v_cache, v + d, kv_bf16);
+                    vrows[t * head_dim + d] = kv_at(v_cache, slot + g * head_dim + d, kv_bf16);
+            }
+            for (int64_t i = 0; i < R; i++) {
+                const int64_t a = p0 > begins[i] ? p0 : begins[i];
+                const int64_t b = p0 + pn < ends[i] ? p0 + pn : ends[i];
+                if (outs[i] == NULL || a >= b) continue;
+                for (int64_t h = g * group; h < (g + 1) * group; h++) {
+                    const float *w = scores + (i * num_heads + h) * P - begins[i];
+                    float *oh = outs[i] + h * head_dim, acc[head_dim];
+                    for (int64_t d = 0; d < head_dim; d++) acc[d] = oh[d];
+                    for (int64_t p = a; p < b; p++) {
+                        const float *v = vrows + (p - p0) * head_dim;
+                        for (int64_t d = 0; d < head_dim; d++) acc[d] += w[p] * v[d];
+                    }
+                    for (int64_t d = 0; d < head_dim; d++) oh[d] = acc[d];
+                }
             }
         }
     }
 }
 
-/* attend_range() for one cache element type, the common head sizes compiled as constants. */
+/* attend_rows() for one cache element type, the common head sizes compiled as constants. */
 #define ATTEND_HEAD_SIZES(KV_BF16)                                                          \
     do {                                                                                   \
         if (head_dim == 64)                                                                \
-            attend_range(o, max, sum, q, k_cache, v_cache, KV_BF16, table, begin, end,     \
-                         num_heads, group, 64, block_size, block_stride, scale, scores);   \
+            attend_rows(outs, q, q_stride, k_cache, v_cache, KV_BF16, table, begins, ends, \
+                        R, num_heads, group, 64, block_size, block_stride, scale, scores,  \
+                        P);                                                                \
         else if (head_dim == 128)                                                          \
-            attend_range(o, max, sum, q, k_cache, v_cache, KV_BF16, table, begin, end,     \
-                         num_heads, group, 128, block_size, block_stride, scale, scores);  \
+            attend_rows(outs, q, q_stride, k_cache, v_cache, KV_BF16, table, begins, ends, \
+                        R, num_heads, group, 128, block_size, block_stride, scale, scores, \
+                        P);                                                                \
         else                                                                               \
-            attend_range(o, max, sum, q, k_cache, v_cache, KV_BF16, table, begin, end,     \
-                         num_heads, group, head_dim, block_size, block_stride, scale,      \
-                         scores);                                                          \
+            attend_rows(outs, q, q_stride, k_cache, v_cache, KV_BF16, table, begins, ends, \
+                        R, num_heads, group, head_dim, block_size, block_stride, scale,    \
+                        scores, P);                                                        \
     } while (0)
 
-/* attend_range() with the cache's element type and the common head sizes as constants. */
-static inline void attend_request(float *restrict o, float *restrict max, float *restrict sum,
-                                  const float *restrict q, const void *restrict k_cache,
-                                  const void *restrict v_cache, int kv_bf16,
-                                  const int32_t *restrict table, int64_t begin, int64_t end,
-                                  int64_t num_heads, int64_t group, int64_t head_dim,
-                                  int64_t block_size, int64_t block_stride, float scale,
-                                  float *restrict scores) {
+/* attend_rows() with the cache's element type and the common head sizes as constants. */
+static inline void attend_request_rows(float *const *restrict outs, const float *restrict q,
+                                       int64_t q_stride, const void *restrict k_cache,
+                                       const void *restrict v_cache, int kv_bf16,
+                                       const int32_t *restrict table,
+                                       const int64_t *restrict begins,
+                                       const int64_t *restrict ends, int64_t R,
+                                       int64_t num_heads, int64_t group, int64_t head_dim,
+                                       int64_t block_size, int64_t block_stride, float scale,
+                                       float *restrict scores, int64_t P) {
     if (kv_bf16)
         ATTEND_HEAD_SIZES(1);
     else
@@ -144,7 +200,7 @@ static inline void attend_normalize(float *restrict o, const float *restrict sum
     }
 }
 
-/* The attention of a context split in num_parts ranges from their attend_range results,
+/* The attention of a context split in num_parts ranges from their attend_rows results,
  * part i at parts + i * part_stride laid out as [o: num_heads * head_dim | max: num_heads |
  * sum: num_heads]: o[h] = sum_i e^(m_i - m) o_i[h] / sum_i e^(m_i - m) sum_i[h], m the
  * largest m_i (empty parts, with max -inf, weigh 0). */
@@ -204,8 +260,24 @@ static inline int64_t attn_part_floats(int64_t num_heads, int64_t head_dim) {
     return num_heads * (head_dim + 2);
 }
 
+/* Rows attended together: a prefill chunk's (or a verification's) consecutive tokens of one
+ * request, up to this many, read each position's K/V once (attend_rows). */
+#define ATTN_ROW_BLOCK 16
+
+/* Part j of R <= ATTN_ROW_BLOCK rows of one request (queries q + i * q_stride, seq_lens[i],
+ * under a sliding window of `window` positions, 0: none) into parts_of[i], NULL for a row
+ * without a part j. `scores` holds R * num_heads * attn_part_len(block_size) floats. Every
+ * row's bits are those of attn_compute_part on it alone. */
+void attn_compute_rows_part(float *const *restrict parts_of, const float *restrict q,
+                            int64_t q_stride, const void *restrict k_cache,
+                            const void *restrict v_cache, int kv_bf16,
+                            const int32_t *restrict table, const int32_t *restrict seq_lens,
+                            int64_t R, int64_t window, int64_t j, int64_t num_heads,
+                            int64_t group, int64_t head_dim, int64_t block_size,
+                            int64_t block_stride, float scale, float *restrict scores);
+
 /* Part j of one token (query q, its request's block table, its seq_len) into `part`
- * (attn_part_floats): attend_range over the part's positions, K/V of the cache's element type
+ * (attn_part_floats): attend_rows over the part's positions, K/V of the cache's element type
  * (kv_bf16: bf16, else float32; k_cache/v_cache and block_stride in elements). `scores` holds
  * num_heads * attn_part_len(block_size) floats. Defined once, in paged_attention.c,
  * not inline: every caller runs the same machine code, so the same bits. */

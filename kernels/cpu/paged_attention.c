@@ -16,12 +16,13 @@
  * context_len + j + 1 (causal), the step's K/V already written to the cache. Position p of
  * a request lives in block block_tables[req][p / block_size], slot p % block_size.
  *
- * Every row is split at fixed absolute positions (attention.h): the (row, part) tasks are
- * shared over the threads, then each row combines its parts in order. A row's bits thus
- * depend only on its query, the cache and its seq_len: a token computed in a fresh prefill,
- * after a cached prefix, in a chunk, as a decode or in llama_decode.c's fused decode gets
- * the same result. Within a part, each block's K (all KV heads, contiguous) is read once,
- * then its V: decode attention is memory-bound, and reading each block once, contiguously,
+ * Every row is split at fixed absolute positions (attention.h): the tasks, a part of up to
+ * ATTN_ROW_BLOCK consecutive tokens of one request (a prefill chunk's rows share each
+ * position's K/V read), are shared over the threads, then each row combines its parts in
+ * order. A row's bits thus depend only on its query, the cache and its seq_len: a token
+ * computed in a fresh prefill, after a cached prefix, in a chunk, alone or beside others in
+ * its task, as a decode or in llama_decode.c's fused decode gets the same result. Within a
+ * part, each position's K (all KV heads, contiguous) is read once, then its V: decode attention is memory-bound, and reading each block once, contiguously,
  * straight from the cache is what makes it fast (a task per KV head read strided thirds of
  * each block and measured 3x slower).
  *
@@ -43,18 +44,35 @@
  * (3000 rows of a 3000-token prompt: 19k parts, 46 MB for SmolLM2's heads). */
 #define PARTS_PER_GROUP 2048
 
+void attn_compute_rows_part(float *const *restrict parts_of, const float *restrict q,
+                            int64_t q_stride, const void *restrict k_cache,
+                            const void *restrict v_cache, int kv_bf16,
+                            const int32_t *restrict table, const int32_t *restrict seq_lens,
+                            int64_t R, int64_t window, int64_t j, int64_t num_heads,
+                            int64_t group, int64_t head_dim, int64_t block_size,
+                            int64_t block_stride, float scale, float *restrict scores) {
+    const int64_t P = attn_part_len(block_size);
+    int64_t begins[ATTN_ROW_BLOCK], ends[ATTN_ROW_BLOCK];
+    for (int64_t i = 0; i < R; i++) {
+        const int64_t lo = attn_window_start(seq_lens[i], window);
+        begins[i] = j * P > lo ? j * P : lo;
+        ends[i] = j * P + P < seq_lens[i] ? j * P + P : seq_lens[i];
+    }
+    attend_request_rows(parts_of, q, q_stride, k_cache, v_cache, kv_bf16, table, begins, ends,
+                        R, num_heads, group, head_dim, block_size, block_stride, scale, scores,
+                        P);
+}
+
 void attn_compute_window_part(float *restrict part, const float *restrict q,
                               const void *restrict k_cache, const void *restrict v_cache,
                               int kv_bf16, const int32_t *restrict table, int64_t seq_len,
                               int64_t window, int64_t j, int64_t num_heads, int64_t group,
                               int64_t head_dim, int64_t block_size, int64_t block_stride,
                               float scale, float *restrict scores) {
-    const int64_t P = attn_part_len(block_size), lo = attn_window_start(seq_len, window);
-    const int64_t begin = j * P > lo ? j * P : lo;
-    const int64_t end = j * P + P < seq_len ? j * P + P : seq_len;
-    float *max = part + num_heads * head_dim, *sum = max + num_heads;
-    attend_request(part, max, sum, q, k_cache, v_cache, kv_bf16, table, begin, end, num_heads,
-                   group, head_dim, block_size, block_stride, scale, scores);
+    const int32_t len = (int32_t)seq_len;
+    attn_compute_rows_part(&part, q, num_heads * head_dim, k_cache, v_cache, kv_bf16, table,
+                           &len, 1, window, j, num_heads, group, head_dim, block_size,
+                           block_stride, scale, scores);
 }
 
 void attn_compute_part(float *restrict part, const float *restrict q,
@@ -73,14 +91,28 @@ void attn_combine_parts(float *restrict o, const float *restrict parts, int64_t 
                    head_dim);
 }
 
-/* The first row whose parts end after task k: starts[r] <= k < starts[r + 1]. */
-static int64_t row_of_task(const int64_t *starts, int64_t lo, int64_t hi, int64_t k) {
-    while (hi - lo > 1) {
-        const int64_t mid = (lo + hi) / 2;
-        if (starts[mid] <= k) lo = mid;
-        else hi = mid;
+/* A task: part `part` of `rows` consecutive rows from `row` on, one request's consecutive
+ * tokens (seq_lens rising by one), attended together (attn_compute_rows_part). */
+typedef struct {
+    int64_t row, rows, part;
+} attn_task;
+
+/* Rows r0 .. r1 - 1 as tasks into `tasks` (at most their parts' count: every task holds a
+ * part of at least one row); returns how many. */
+static int64_t group_tasks(attn_task *tasks, const int32_t *row_to_req,
+                           const int32_t *seq_lens, int64_t r0, int64_t r1,
+                           int64_t block_size, int64_t window) {
+    int64_t n = 0;
+    for (int64_t r = r0, end; r < r1; r = end) {
+        end = r + 1;
+        while (end < r1 && end - r < ATTN_ROW_BLOCK && row_to_req[end] == row_to_req[r] &&
+               seq_lens[end] == seq_lens[end - 1] + 1)
+            end++;
+        const int64_t first = attn_first_part(seq_lens[r], window, block_size);
+        const int64_t last = attn_num_parts(seq_lens[end - 1], block_size);
+        for (int64_t j = first; j < last; j++) tasks[n++] = (attn_task){r, end - r, j};
     }
-    return lo;
+    return n;
 }
 
 /* Rows r0 .. returned - 1: at most PARTS_PER_GROUP parts, at least one row. */
@@ -138,7 +170,26 @@ int paged_attention_f32(float *restrict out, const float *restrict q,
         free(starts);
         return -1;
     }
-    const size_t score_bytes = (sizeof(float) * (size_t)(num_heads * attn_part_len(block_size))
+    /* Group g is rows bounds[g] .. bounds[g + 1] - 1, its tasks tasks[task_at[g]] ..
+     * tasks[task_at[g + 1] - 1]. */
+    attn_task *tasks = malloc(sizeof(attn_task) * (size_t)(starts[num_rows] + 1));
+    int64_t *bounds = malloc(sizeof(int64_t) * (size_t)(2 * num_rows + 2));
+    if (tasks == NULL || bounds == NULL) {
+        free(tasks), free(bounds), free(parts), free(starts);
+        return -1;
+    }
+    int64_t *task_at = bounds + num_rows + 1, num_groups = 0;
+    task_at[0] = 0;
+    for (int64_t r0 = 0, r1; r0 < num_rows; r0 = r1, num_groups++) {
+        r1 = group_end(starts, r0, num_rows);
+        bounds[num_groups] = r0;
+        task_at[num_groups + 1] = task_at[num_groups]
+            + group_tasks(tasks + task_at[num_groups], row_to_req, seq_lens, r0, r1,
+                          block_size, window);
+    }
+    bounds[num_groups] = num_rows;
+    const size_t score_bytes = (sizeof(float) * (size_t)(ATTN_ROW_BLOCK * num_heads
+                                                         * attn_part_len(block_size))
                                 + 63) / 64 * 64;
     int failed = 0;
 
@@ -148,20 +199,27 @@ int paged_attention_f32(float *restrict out, const float *restrict q,
         if (scores == NULL) failed = 1;
         /* Every thread walks the same groups; a thread without memory still meets every
          * barrier (and the step reports failure). */
-        for (int64_t r0 = 0, r1; r0 < num_rows; r0 = r1) {
-            r1 = group_end(starts, r0, num_rows);
-            const int64_t first = starts[r0], n = starts[r1] - first;
-#pragma omp for schedule(dynamic, 2)
-            for (int64_t k = 0; k < n; k++) {
+        for (int64_t g = 0; g < num_groups; g++) {
+            const int64_t r0 = bounds[g], r1 = bounds[g + 1], first = starts[r0];
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t t = task_at[g]; t < task_at[g + 1]; t++) {
                 if (scores == NULL) continue;
-                const int64_t r = row_of_task(starts, r0, r1, first + k);
-                const int64_t j = attn_first_part(seq_lens[r], window, block_size)
-                                  + first + k - starts[r];
-                attn_compute_window_part(parts + k * stride, q + r * q_size, k_cache, v_cache,
-                                         kv_bf16,
-                                         block_tables + (int64_t)row_to_req[r] * table_stride,
-                                         seq_lens[r], window, j, num_heads, group, head_dim,
-                                         block_size, block_stride, scale, scores);
+                const attn_task task = tasks[t];
+                float *parts_of[ATTN_ROW_BLOCK];
+                for (int64_t i = 0; i < task.rows; i++) {
+                    const int64_t r = task.row + i;
+                    const int64_t j0 = attn_first_part(seq_lens[r], window, block_size);
+                    parts_of[i] = task.part >= j0 && task.part < starts[r + 1] - starts[r] + j0
+                                      ? parts + (starts[r] - first + task.part - j0) * stride
+                                      : NULL;
+                }
+                attn_compute_rows_part(parts_of, q + task.row * q_size, q_size, k_cache,
+                                       v_cache, kv_bf16,
+                                       block_tables
+                                           + (int64_t)row_to_req[task.row] * table_stride,
+                                       seq_lens + task.row, task.rows, window, task.part,
+                                       num_heads, group, head_dim, block_size, block_stride,
+                                       scale, scores);
             } /* implicit barrier: the group's parts complete */
 #pragma omp for schedule(static)
             for (int64_t r = r0; r < r1; r++)
@@ -171,6 +229,8 @@ int paged_attention_f32(float *restrict out, const float *restrict q,
         }
         free(scores);
     }
+    free(tasks);
+    free(bounds);
     free(parts);
     free(starts);
     return failed ? -1 : 0;

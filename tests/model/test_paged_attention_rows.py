@@ -127,6 +127,30 @@ def test_a_token_has_the_same_bits_in_every_step_shape(kv_dtype: torch.dtype,
         assert torch.equal(out[0], alone), threads
 
 
+@pytest.mark.parametrize("window", [None, 5, 301])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_every_row_of_a_chunk_has_its_bits_alone(kv_dtype: torch.dtype,
+                                                 window: int | None) -> None:
+    """A chunk's rows are attended in blocks of consecutive tokens sharing each position's
+    K/V read: every row of a fresh 600-token prefill, of a 77-token chunk after 240 cached
+    positions (blocks cross the 256-position part boundary at other offsets) and of a step
+    mixing them with a decode equals that token decoded alone, bit for bit."""
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    kv, tables = _cache([600, 317], kv_heads, head_dim, block_size, seed=11, dtype=kv_dtype)
+    gen = torch.Generator().manual_seed(12)
+    q_all = [torch.randn(600, heads, head_dim, generator=gen),
+             torch.randn(317, heads, head_dim, generator=gen)]
+    fresh = _rows(q_all[:1], kv, tables[:1], [600], [600], block_size, window)
+    mixed = _rows(q_all, kv, tables, [1, 77], [600, 317], block_size, window)
+    for pos in [0, 1, 15, 16, 17, 250, 255, 256, 257, 270, 511, 512, 599]:
+        alone = _rows(q_all[:1], kv, tables[:1], [1], [pos + 1], block_size, window)[0]
+        assert torch.equal(fresh[pos], alone), pos
+    for pos in range(240, 317, 7):
+        alone = _rows(q_all[1:], kv, tables[1:], [1], [pos + 1], block_size, window)[0]
+        assert torch.equal(mixed[1 + pos - 240], alone), pos
+    assert torch.equal(mixed[0], fresh[599])
+
+
 def test_out_of_range_rows_are_refused_not_read() -> None:
     kv, tables = _cache([20], 2, 16, 4)
     meta, _ = build_attention_metadata([1], [20], tables, 4, CPU)
