@@ -45,8 +45,11 @@ def _ask(client: openai.OpenAI, model: str, question: str) -> str:
 
 
 def test_the_adapter_talks_like_a_pirate(client: openai.OpenAI) -> None:
-    pirate = [_ask(client, "pirate", q) for q in QUESTIONS]
-    base = [_ask(client, MODEL, q) for q in QUESTIONS]
+    # all eight at once (one batch: the next test shows batching leaves greedy answers be)
+    jobs = [(model, q) for model in ("pirate", MODEL) for q in QUESTIONS]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(lambda job: _ask(client, *job), jobs))
+    pirate, base = answers[:len(QUESTIONS)], answers[len(QUESTIONS):]
     assert sum(bool(PIRATE_WORDS.search(a)) for a in pirate) >= 3, pirate
     assert sum(bool(PIRATE_WORDS.search(a)) for a in base) <= 1, base
 
