@@ -3,7 +3,9 @@
 Engines: `aioengine` (`LLM.generate`), `aioengine-no-prefix-caching` (the same with
 `enable_prefix_caching=False`, the A/B of prefix caching), `hf` (transformers `generate` in
 static batches with left padding) and `hf-cb` (transformers' own continuous batching,
-`generate_batch`), all on the same float32 weights and the same torch thread count.
+`generate_batch`), all on the same float32 weights and the same torch thread count;
+`onednn`, the workload's GEMMs alone on torch's bf16 linear, the matmul-bound ceiling beside
+them (gemm_ceiling.py).
 Warm-up is excluded. Our engines also report, for the timed run only, the prefix-cache hit
 rate, the preemptions and the KV waste at the peak, and with `--speculative-config` the
 drafts, accepted tokens and mean acceptance length (see `engine_stats`). `vllm` (vLLM's
@@ -228,7 +230,14 @@ RUNNERS: dict[str, Runner] = {
     "hf-cb": lambda w, model, args: run_hf_cb(w, model, args.max_num_batched_tokens,
                                               args.max_num_seqs),
     "vllm": lambda w, model, args: _run_vllm(w, model, args),
+    "onednn": lambda w, model, args: _run_onednn(w, model, args),
 }
+
+
+def _run_onednn(workload: Workload, model: str, args: argparse.Namespace) -> EngineResult:
+    from aioengine.bench.gemm_ceiling import run_onednn_ceiling
+
+    return run_onednn_ceiling(workload, model, args.max_num_batched_tokens, args.max_num_seqs)
 
 
 def _run_vllm(workload: Workload, model: str, args: argparse.Namespace) -> EngineResult:
@@ -268,6 +277,8 @@ def run_offline(args: argparse.Namespace, workload: Workload, model: str,
             continue
         report["ratios"][name] = {"output": ours.output_tps / peer.output_tps,
                                   "total": ours.total_tps / peer.total_tps}
+        if not peer.outputs:  # a ceiling (gemm_ceiling), not an engine: nothing to compare
+            continue
         agreement = compare_outputs(ours.outputs, peer.outputs)
         report["agreement"][name] = {**asdict(agreement),
                                      "mean_first_diff": agreement.mean_first_diff}

@@ -7,12 +7,14 @@ import os
 import statistics
 import struct
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors import safe_open
 
 from aioengine.bench import main as bench_main
+from aioengine.bench.gemm_ceiling import step_rows
 from aioengine.bench.floor import weight_bytes_per_token
 from aioengine.model.loader import load_model
 
@@ -113,6 +115,35 @@ def test_offline_prefix_caching_a_b_with_kv_stats(
     assert "aioengine / aioengine-no-prefix-caching: output x" in text
     assert "aioengine-no-prefix-caching        4" in text  # the engine column fits the name
     assert "   40.0%       0    25.0%" in text  # hit rate, preemptions, KV waste
+
+
+def test_onednn_ceiling_steps_follow_the_scheduler_budget() -> None:
+    """1,100 prompt tokens in 512-token chunks, the LM head once per request at the end of
+    its prompt, then 7 decode steps of every request's row (at most max_num_seqs)."""
+    requests = [SimpleNamespace(prompt_len=n, output_len=8) for n in (300, 500, 300)]
+    workload = SimpleNamespace(requests=requests, num_prompt_tokens=1100)
+    layers, head = step_rows(workload, max_num_batched_tokens=512, max_num_seqs=64)
+    assert layers == {512: 2, 76: 1, 3: 7} and head == {3: 8}
+    layers, head = step_rows(workload, max_num_batched_tokens=1100, max_num_seqs=2)
+    assert layers == {1100: 1, 2: 7} and head == {3: 1, 2: 7}
+
+
+def test_offline_onednn_ceiling_beside_our_engine(
+        tiny_llama_dir: Path, tmp_path: Path, bench_threads, capsys) -> None:
+    path = tmp_path / "offline.json"
+    rc = bench_main(["offline", "--model", str(tiny_llama_dir), "--num-prompts", "4",
+                     "--input-len-min", "8", "--input-len-max", "24", "--output-len", "4",
+                     "--threads", "2", "--engines", "aioengine,onednn", "--no-progress",
+                     "--save-json", str(path)])
+    assert rc == 0
+    report = json.loads(path.read_text())
+    ceiling = report["results"]["onednn"]
+    assert ceiling["elapsed_s"] > 0 and ceiling["num_output_tokens"] == 16
+    assert ceiling["engine_stats"] is None and "onednn" not in report["agreement"]
+    assert report["ratios"]["onednn"]["total"] > 0
+    text = capsys.readouterr().out
+    assert "aioengine / onednn: output x" in text
+    assert "greedy outputs equal to onednn" not in text
 
 
 def test_profile_mode_records_every_step_of_the_workload(
