@@ -129,6 +129,34 @@ void gemm_amx_range(float *restrict y, int64_t ldy, const uint32_t *restrict xp,
                     int64_t panel_bytes, int64_t k, int64_t n, const float *restrict bias,
                     int64_t M, int64_t p_lo, int64_t p_hi);
 
+/* A tile of mr rows (1..6) over np panels of one storage, y's columns from c0 on (those
+ * past n dropped): float32, bf16 and int8 weight-only (gemm_f32.c, gemm_bf16.c,
+ * gemm_int8.c over gemm_float.h), Q4_1 (gemm_q4_1.c), the other GGUF block formats
+ * (gemm_blocks.c) and W8A8 (gemm_w8a8.c), each storage's tiles a translation unit of its
+ * own so that the build compiles them in parallel; gemm_range calls them. */
+void gemm_f32_tile(float *restrict y, int64_t ldy, const float *restrict x,
+                   const char *restrict w, int64_t panel_bytes, int64_t k, int64_t c0,
+                   int64_t n, const float *restrict scales, const float *restrict bias,
+                   int64_t mr, int64_t np);
+void gemm_bf16_tile(float *restrict y, int64_t ldy, const float *restrict x,
+                    const char *restrict w, int64_t panel_bytes, int64_t k, int64_t c0,
+                    int64_t n, const float *restrict scales, const float *restrict bias,
+                    int64_t mr, int64_t np);
+void gemm_int8_tile(float *restrict y, int64_t ldy, const float *restrict x,
+                    const char *restrict w, int64_t panel_bytes, int64_t k, int64_t c0,
+                    int64_t n, const float *restrict scales, const float *restrict bias,
+                    int64_t mr, int64_t np);
+void gemm_q41_tile(float *restrict y, int64_t ldy, const uint8_t *restrict xq,
+                   const uint8_t *restrict w, int64_t panel_bytes, int64_t k, int64_t c0,
+                   int64_t n, const float *restrict bias, int64_t mr, int64_t np);
+void gemm_blocks_tile(int fmt, float *restrict y, int64_t ldy, const uint8_t *restrict xq,
+                      const uint8_t *restrict w, int64_t panel_bytes, int64_t k, int64_t c0,
+                      int64_t n, const float *restrict bias, int64_t mr, int64_t np);
+void gemm_w8a8_tile(float *restrict y, int64_t ldy, const uint8_t *restrict xq,
+                    const uint8_t *restrict w, int64_t panel_bytes, int64_t k, int64_t c0,
+                    int64_t n, const float *restrict scales, const float *restrict bias,
+                    int64_t mr, int64_t np);
+
 /* Panels [p_lo, p_hi) of y [M, n] (row stride ldy) = x [M, k] w^T (* scales) (+ bias), w
  * packed in format fmt: every row of x over those panels (gemm.c). Defined once, not
  * inline: every caller runs the same machine code. */

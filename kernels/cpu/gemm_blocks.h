@@ -1,7 +1,7 @@
 /*
  * The any-M GEMM on a GGUF's block formats other than Q4_1 (gemm_q4_1.h): Q8_0, Q4_0,
  * Q4_K, Q5_K, Q6_K, repacked losslessly at load by kernels/cpu_blocks.py, whose docstring
- * is the panel layout (gemm.c includes this once). A panel is k / G groups of
+ * is the panel layout (gemm_blocks.c includes this once). A panel is k / G groups of
  * gemm_group_bytes(fmt), one per file block of G = 32 (256 for the K-quants) weights of its
  * 16 columns: per-column fields (fp16 d, dmin; the K-quants' sub-block scales as bytes),
  * then per 32 weights the unsigned codes q: nibble chunks (four consecutive k of a column

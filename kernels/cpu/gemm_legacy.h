@@ -141,7 +141,7 @@ static inline __attribute__((always_inline)) void gemm_leg_tile_zmm(
     gemm_leg_tile_zmm(y, ldy, xq, w, panel_bytes, k, c0, n, bias, F, MR, P)
 /* The shapes instantiated: Q4_1's full tiles (gemm_q41_tile_panels: 2 MR P accumulators
  * within 24 registers), 2 x 2 (M = 2 meets 6 + 2 panels in every 8-panel claim) and 1 x 1;
- * each further instantiation adds ~0.4 s to the build of gemm.c. */
+ * each further instantiation adds ~0.4 s to the build of gemm_blocks.c. */
 #define LEG_ZMM_CASES(F)                                                                    \
     switch (mr * 16 + p) {                                                                 \
     case 17: LEG_ZMM(F, 1, 1); break;                                                       \

@@ -1,5 +1,5 @@
 /*
- * GEMM_Q41P, the any-M GEMM's tiles on a GGUF's Q4_1 blocks (gemm.c includes this once).
+ * GEMM_Q41P, the any-M GEMM's tiles on a GGUF's Q4_1 blocks (gemm_q4_1.c includes this once).
  * The blocks are repacked at load (kernels/cpu_gemm.py `pack_weight`), byte for byte, into
  * panels of GEMM_NR = 16 output columns; a panel is k / 32 groups of 320 bytes, group b
  * holding 32-block b of its 16 columns:

@@ -1,5 +1,5 @@
 /*
- * GEMM_W8A8P, the any-M GEMM's tiles for W8A8 (gemm.c includes this once): int8 weights
+ * GEMM_W8A8P, the any-M GEMM's tiles for W8A8 (gemm_w8a8.c includes this once): int8 weights
  * with per-column float32 scales, x quantized per row to int8 (w8a8.h), exact int32 sums.
  * The weight [n, k] is repacked at load (kernels/cpu_gemm_w8a8.py `pack_w8a8`) into panels
  * of GEMM_NR = 16 output columns, each 64 * (1 + ceil(k / 4)) bytes:
@@ -25,6 +25,10 @@
 
 #include <stdint.h>
 #include <string.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "gemm.h"
 #include "w8a8.h"

@@ -70,7 +70,8 @@ void attn_compute_window_part(float *restrict part, const float *restrict q,
                               int64_t head_dim, int64_t block_size, int64_t block_stride,
                               float scale, float *restrict scores) {
     const int32_t len = (int32_t)seq_len;
-    attn_compute_rows_part(&part, q, num_heads * head_dim, k_cache, v_cache, kv_bf16, table,
+    float *const parts_of[1] = {part};
+    attn_compute_rows_part(parts_of, q, num_heads * head_dim, k_cache, v_cache, kv_bf16, table,
                            &len, 1, window, j, num_heads, group, head_dim, block_size,
                            block_stride, scale, scores);
 }
