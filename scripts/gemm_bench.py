@@ -14,6 +14,7 @@ import time
 import torch
 
 from aioengine import cpu_info
+from aioengine.bench.gemm_ceiling import best_pass_s
 from aioengine.kernels import cpu as cpu_kernels
 from aioengine.kernels import cpu_gemm
 
@@ -50,14 +51,7 @@ def best_ms(weights: list, m: int, repeats: int = 5) -> float:
 
 
 def onednn_best_ms(plain: list[torch.Tensor], m: int, repeats: int = 5) -> float:
-    xs = {k: torch.randn(m, k).bfloat16() for k in {w.shape[1] for w in plain}}
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for w in plain:
-            torch.nn.functional.linear(xs[w.shape[1]], w)
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+    return best_pass_s(plain, m, repeats) * 1e3
 
 
 def main() -> None:

@@ -63,7 +63,9 @@ def projection_shapes(arch: ModelArchConfig) -> list[tuple[int, int]]:
             (h, arch.intermediate_size)]
 
 
-def _best_pass_s(weights: list[torch.Tensor], rows: int, repeats: int) -> float:
+def best_pass_s(weights: list[torch.Tensor], rows: int, repeats: int) -> float:
+    """Seconds of one pass of torch's linear over `weights` at `rows` rows of bf16 x, warm,
+    best of `repeats`."""
     xs = {k: torch.randn(rows, k).bfloat16() for k in {w.shape[1] for w in weights}}
     for w in weights[:4]:  # warm: oneDNN picks and caches a kernel per shape
         torch.nn.functional.linear(xs[w.shape[1]], w)
@@ -85,10 +87,10 @@ def run_onednn_ceiling(workload: Workload, model: str, max_num_batched_tokens: i
     layer_weights = [torch.full(shape, 0.01, dtype=torch.bfloat16)
                      for _ in range(arch.num_hidden_layers)
                      for shape in projection_shapes(arch)]
-    elapsed = sum(n * _best_pass_s(layer_weights, rows, repeats) for rows, n in layers.items())
+    elapsed = sum(n * best_pass_s(layer_weights, rows, repeats) for rows, n in layers.items())
     del layer_weights
     lm_head = [torch.full((arch.vocab_size, arch.hidden_size), 0.01, dtype=torch.bfloat16)]
-    elapsed += sum(n * _best_pass_s(lm_head, rows, repeats) for rows, n in head.items())
+    elapsed += sum(n * best_pass_s(lm_head, rows, repeats) for rows, n in head.items())
     return EngineResult(engine=ONEDNN, num_requests=len(workload.requests),
                         num_prompt_tokens=workload.num_prompt_tokens,
                         num_output_tokens=sum(r.output_len for r in workload.requests),
