@@ -56,39 +56,16 @@ static inline float max_f32(const float *restrict s, int64_t n) {
     return mx;
 }
 
-/* Rows of queries of one request against their positions: row i (query q + i * q_stride)
- * against [begins[i], ends[i]) (the whole context, one part of it, or with a sliding window
- * the part from the window's oldest position, which may start inside a block); a row with
- * outs[i] == NULL is skipped. Leaves in outs[i], per query head h, the unnormalised
- * o[h] = sum_p e^(s_hp - m_h) v_p with m_h = max_p s_hp after it (max, num_heads floats)
- * and sum[h] = sum_p e^(s_hp - m_h) after that (attn_part_floats' layout): a full softmax
- * divides by the sum (attend_normalize), split parts combine first (attend_combine). An
- * empty range leaves o = 0, max = -inf, sum = 0.
- *
- * Each position's K and V (all KV heads, widened once) serve every row that sees it: a
- * prefill chunk's rows share their request's K/V, so a block of rows reads it once instead of
- * once per row (per row it was the attention's cost: its loads stalled). A row's arithmetic
- * is the same instructions whatever R is and wherever the row sits (this one function for
- * every row count), so its bits depend only on its query, its K/V and its range.
- *
- * `scores` holds R * num_heads * P floats (P >= every row's range). Always inlined with
- * head_dim a constant (64, 128) so the dot products and value sums compile to straight
- * vector code. Query head h uses KV head h / group. */
-static inline __attribute__((always_inline)) void attend_rows(
+/* attend_rows' scores: s_hp = (q_h . k_p) * scale for each row's positions, into its
+ * [num_heads, P] block of `scores`; each position's K head widened once for every row. */
+static inline __attribute__((always_inline)) void attend_scores(
     float *const *restrict outs, const float *restrict q, int64_t q_stride,
-    const void *restrict k_cache, const void *restrict v_cache, const int kv_bf16,
-    const int32_t *restrict table, const int64_t *restrict begins,
-    const int64_t *restrict ends, int64_t R, int64_t num_heads, int64_t group,
-    const int64_t head_dim, int64_t block_size, int64_t block_stride, float scale,
-    float *restrict scores, int64_t P) {
+    const void *restrict k_cache, const int kv_bf16, const int32_t *restrict table,
+    const int64_t *restrict begins, const int64_t *restrict ends, int64_t R, int64_t lo,
+    int64_t hi, int64_t num_heads, int64_t group, const int64_t head_dim, int64_t block_size,
+    int64_t block_stride, float scale, float *restrict scores, int64_t P) {
     const int64_t num_kv = num_heads / group, slot_stride = num_kv * head_dim;
-    int64_t lo = INT64_MAX, hi = 0;
-    for (int64_t i = 0; i < R; i++)
-        if (outs[i] != NULL && begins[i] < ends[i]) {
-            lo = begins[i] < lo ? begins[i] : lo;
-            hi = ends[i] > hi ? ends[i] : hi;
-        }
-    float row[head_dim];  /* a K or V head widened to float32 */
+    float row[head_dim];  /* a K head widened to float32, for every row that sees it */
     for (int64_t p = lo; p < hi; p++) {
         const int64_t slot = (int64_t)table[p / block_size] * block_stride
                              + (p % block_size) * slot_stride;
@@ -106,6 +83,12 @@ static inline __attribute__((always_inline)) void attend_rows(
             }
         }
     }
+}
+
+/* Each row's scores to e^(s - max) in place; max, sum and o = 0 into its out. */
+static inline __attribute__((always_inline)) void attend_softmax(
+    float *const *restrict outs, const int64_t *restrict begins, const int64_t *restrict ends,
+    int64_t R, int64_t num_heads, const int64_t head_dim, float *restrict scores, int64_t P) {
     for (int64_t i = 0; i < R; i++) {
         if (outs[i] == NULL) continue;
         const int64_t len = ends[i] > begins[i] ? ends[i] - begins[i] : 0;
@@ -125,10 +108,20 @@ static inline __attribute__((always_inline)) void attend_rows(
             for (int64_t d = 0; d < head_dim; d++) o[h * head_dim + d] = 0.0f;
         }
     }
-    /* Values in groups of 16 absolute positions: each head's o stays in registers over a
-     * group (one load and store of o per group, not per position). The compiler may split
-     * a group's sum (-fassociative-math), so the groups are fixed positions: a row's sums
-     * depend on its own range alone, not on the other rows of its task. */
+}
+
+/* o += e^(s - max) v over each row's positions. In groups of 16 absolute positions: each
+ * head's o stays in registers over a group (one load and store of o per group, not per
+ * position). The compiler may split a group's sum (-fassociative-math), so the groups are
+ * fixed positions: a row's sums depend on its own range alone, not on the other rows of
+ * its task. */
+static inline __attribute__((always_inline)) void attend_values(
+    float *const *restrict outs, const void *restrict v_cache, const int kv_bf16,
+    const int32_t *restrict table, const int64_t *restrict begins,
+    const int64_t *restrict ends, int64_t R, int64_t lo, int64_t hi, int64_t num_heads,
+    int64_t group, const int64_t head_dim, int64_t block_size, int64_t block_stride,
+    const float *restrict scores, int64_t P) {
+    const int64_t num_kv = num_heads / group, slot_stride = num_kv * head_dim;
     float vrows[16 * head_dim];
     for (int64_t p0 = lo - lo % 16; p0 < hi; p0 += 16) {
         const int64_t pn = hi - p0 < 16 ? hi - p0 : 16;
@@ -156,6 +149,44 @@ static inline __attribute__((always_inline)) void attend_rows(
             }
         }
     }
+}
+
+/* Rows of queries of one request against their positions: row i (query q + i * q_stride)
+ * against [begins[i], ends[i]) (the whole context, one part of it, or with a sliding window
+ * the part from the window's oldest position, which may start inside a block); a row with
+ * outs[i] == NULL is skipped. Leaves in outs[i], per query head h, the unnormalised
+ * o[h] = sum_p e^(s_hp - m_h) v_p with m_h = max_p s_hp after it (max, num_heads floats)
+ * and sum[h] = sum_p e^(s_hp - m_h) after that (attn_part_floats' layout): a full softmax
+ * divides by the sum (attend_normalize), split parts combine first (attend_combine). An
+ * empty range leaves o = 0, max = -inf, sum = 0.
+ *
+ * Each position's K and V (all KV heads, widened once) serve every row that sees it: a
+ * prefill chunk's rows share their request's K/V, so a block of rows reads it once instead of
+ * once per row (per row it was the attention's cost: its loads stalled). A row's arithmetic
+ * is the same instructions whatever R is and wherever the row sits (this one function for
+ * every row count), so its bits depend only on its query, its K/V and its range.
+ *
+ * `scores` holds R * num_heads * P floats (P >= every row's range). Always inlined with
+ * head_dim a constant (64, 128) so the dot products and value sums compile to straight
+ * vector code. Query head h uses KV head h / group. */
+static inline __attribute__((always_inline)) void attend_rows(
+    float *const *restrict outs, const float *restrict q, int64_t q_stride,
+    const void *restrict k_cache, const void *restrict v_cache, const int kv_bf16,
+    const int32_t *restrict table, const int64_t *restrict begins,
+    const int64_t *restrict ends, int64_t R, int64_t num_heads, int64_t group,
+    const int64_t head_dim, int64_t block_size, int64_t block_stride, float scale,
+    float *restrict scores, int64_t P) {
+    int64_t lo = INT64_MAX, hi = 0;  /* the positions any row sees */
+    for (int64_t i = 0; i < R; i++)
+        if (outs[i] != NULL && begins[i] < ends[i]) {
+            lo = begins[i] < lo ? begins[i] : lo;
+            hi = ends[i] > hi ? ends[i] : hi;
+        }
+    attend_scores(outs, q, q_stride, k_cache, kv_bf16, table, begins, ends, R, lo, hi,
+                  num_heads, group, head_dim, block_size, block_stride, scale, scores, P);
+    attend_softmax(outs, begins, ends, R, num_heads, head_dim, scores, P);
+    attend_values(outs, v_cache, kv_bf16, table, begins, ends, R, lo, hi, num_heads, group,
+                  head_dim, block_size, block_stride, scores, P);
 }
 
 /* attend_rows() for one cache element type, the common head sizes compiled as constants. */

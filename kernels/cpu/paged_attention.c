@@ -138,6 +138,41 @@ static int row_parts(int64_t *starts, const int32_t *row_to_req, const int32_t *
     return 0;
 }
 
+/* The groups of rows (group_end) and their tasks: group g is rows bounds[g] ..
+ * bounds[g + 1] - 1 and tasks[task_at[g]] .. tasks[task_at[g + 1] - 1]. Returns the number
+ * of groups; *most: the largest group's parts. */
+static int64_t plan_groups(attn_task *tasks, int64_t *bounds, int64_t *task_at,
+                           int64_t *most, const int64_t *starts, const int32_t *row_to_req,
+                           const int32_t *seq_lens, int64_t num_rows, int64_t block_size,
+                           int64_t window) {
+    int64_t g = 0;
+    task_at[0] = 0, *most = 1;
+    for (int64_t r0 = 0, r1; r0 < num_rows; r0 = r1, g++) {
+        r1 = group_end(starts, r0, num_rows);
+        if (starts[r1] - starts[r0] > *most) *most = starts[r1] - starts[r0];
+        bounds[g] = r0;
+        task_at[g + 1] = task_at[g] + group_tasks(tasks + task_at[g], row_to_req, seq_lens,
+                                                  r0, r1, block_size, window);
+    }
+    bounds[g] = num_rows;
+    return g;
+}
+
+/* Each row of `task`'s part buffer for the task's part (in its group's buffers from
+ * `parts`, whose first row's first part is starts' entry `first`), NULL where the row has
+ * no such part. */
+static void task_parts(float **parts_of, attn_task task, const int64_t *starts, int64_t first,
+                       const int32_t *seq_lens, int64_t window, int64_t block_size,
+                       float *parts, int64_t stride) {
+    for (int64_t i = 0; i < task.rows; i++) {
+        const int64_t r = task.row + i;
+        const int64_t j0 = attn_first_part(seq_lens[r], window, block_size);
+        parts_of[i] = task.part >= j0 && task.part < starts[r + 1] - starts[r] + j0
+                          ? parts + (starts[r] - first + task.part - j0) * stride
+                          : NULL;
+    }
+}
+
 /* window > 0: each row sees only its last `window` positions (a sliding window; the
  * table entries before them are never read). Returns 0, -1 when out of memory, -2 for a
  * row_to_req or seq_len out of range (nothing computed). */
@@ -154,41 +189,23 @@ int paged_attention_f32(float *restrict out, const float *restrict q,
     const void *k_cache = kv_cache;
     const void *v_cache = (const char *)kv_cache
                           + (size_t)(num_blocks * block_stride) * (kv_bf16 ? 2 : 4);
-    int64_t *starts = malloc(sizeof(int64_t) * (size_t)(num_rows + 1));
+    int64_t *starts = malloc(sizeof(int64_t) * (size_t)(3 * num_rows + 3));
     if (starts == NULL) return -1;
     if (row_parts(starts, row_to_req, seq_lens, num_rows, num_reqs, table_stride, block_size,
                   window)) {
         free(starts);
         return -2;
     }
-    int64_t most = 1;  /* the largest group's parts */
-    for (int64_t r0 = 0, r1; r0 < num_rows; r0 = r1) {
-        r1 = group_end(starts, r0, num_rows);
-        if (starts[r1] - starts[r0] > most) most = starts[r1] - starts[r0];
-    }
-    float *parts = malloc(sizeof(float) * (size_t)(most * stride));
-    if (parts == NULL) {
-        free(starts);
-        return -1;
-    }
-    /* Group g is rows bounds[g] .. bounds[g + 1] - 1, its tasks tasks[task_at[g]] ..
-     * tasks[task_at[g + 1] - 1]. */
+    int64_t *bounds = starts + num_rows + 1, *task_at = bounds + num_rows + 1, most;
     attn_task *tasks = malloc(sizeof(attn_task) * (size_t)(starts[num_rows] + 1));
-    int64_t *bounds = malloc(sizeof(int64_t) * (size_t)(2 * num_rows + 2));
-    if (tasks == NULL || bounds == NULL) {
-        free(tasks), free(bounds), free(parts), free(starts);
+    const int64_t num_groups = tasks == NULL ? 0
+        : plan_groups(tasks, bounds, task_at, &most, starts, row_to_req, seq_lens, num_rows,
+                      block_size, window);
+    float *parts = tasks == NULL ? NULL : malloc(sizeof(float) * (size_t)(most * stride));
+    if (parts == NULL) {
+        free(tasks), free(starts);
         return -1;
     }
-    int64_t *task_at = bounds + num_rows + 1, num_groups = 0;
-    task_at[0] = 0;
-    for (int64_t r0 = 0, r1; r0 < num_rows; r0 = r1, num_groups++) {
-        r1 = group_end(starts, r0, num_rows);
-        bounds[num_groups] = r0;
-        task_at[num_groups + 1] = task_at[num_groups]
-            + group_tasks(tasks + task_at[num_groups], row_to_req, seq_lens, r0, r1,
-                          block_size, window);
-    }
-    bounds[num_groups] = num_rows;
     const size_t score_bytes = (sizeof(float) * (size_t)(ATTN_ROW_BLOCK * num_heads
                                                          * attn_part_len(block_size))
                                 + 63) / 64 * 64;
@@ -205,20 +222,13 @@ int paged_attention_f32(float *restrict out, const float *restrict q,
 #pragma omp for schedule(dynamic, 1)
             for (int64_t t = task_at[g]; t < task_at[g + 1]; t++) {
                 if (scores == NULL) continue;
-                const attn_task task = tasks[t];
                 float *parts_of[ATTN_ROW_BLOCK];
-                for (int64_t i = 0; i < task.rows; i++) {
-                    const int64_t r = task.row + i;
-                    const int64_t j0 = attn_first_part(seq_lens[r], window, block_size);
-                    parts_of[i] = task.part >= j0 && task.part < starts[r + 1] - starts[r] + j0
-                                      ? parts + (starts[r] - first + task.part - j0) * stride
-                                      : NULL;
-                }
-                attn_compute_rows_part(parts_of, q + task.row * q_size, q_size, k_cache,
-                                       v_cache, kv_bf16,
-                                       block_tables
-                                           + (int64_t)row_to_req[task.row] * table_stride,
-                                       seq_lens + task.row, task.rows, window, task.part,
+                task_parts(parts_of, tasks[t], starts, first, seq_lens, window, block_size,
+                           parts, stride);
+                const int64_t row = tasks[t].row;
+                attn_compute_rows_part(parts_of, q + row * q_size, q_size, k_cache, v_cache,
+                                       kv_bf16, block_tables + row_to_req[row] * table_stride,
+                                       seq_lens + row, tasks[t].rows, window, tasks[t].part,
                                        num_heads, group, head_dim, block_size, block_stride,
                                        scale, scores);
             } /* implicit barrier: the group's parts complete */
@@ -231,7 +241,6 @@ int paged_attention_f32(float *restrict out, const float *restrict q,
         free(scores);
     }
     free(tasks);
-    free(bounds);
     free(parts);
     free(starts);
     return failed ? -1 : 0;
