@@ -27,6 +27,7 @@ import torch
 
 from aioengine.bench.common import add_workload_args, emit, run_config, set_threads
 from aioengine.bench.datasets import Workload, build_workload
+from aioengine.bench.gemm_ceiling import ONEDNN
 from aioengine.bench.results import OUR_ENGINE, EngineResult, compare_outputs, make_result
 
 NO_PREFIX_CACHING = "aioengine-no-prefix-caching"
@@ -230,7 +231,7 @@ RUNNERS: dict[str, Runner] = {
     "hf-cb": lambda w, model, args: run_hf_cb(w, model, args.max_num_batched_tokens,
                                               args.max_num_seqs),
     "vllm": lambda w, model, args: _run_vllm(w, model, args),
-    "onednn": lambda w, model, args: _run_onednn(w, model, args),
+    ONEDNN: lambda w, model, args: _run_onednn(w, model, args),
 }
 
 

@@ -69,9 +69,8 @@ def _escape_keywords(text: str) -> tuple[str, dict[str, str]] | None:
     a tool or parameter named `from`, `class` or `in` (valid JSON Schema names, and what a
     model writes) parses. True / False / None stay: they are literals. None if it does not
     tokenize."""
-    lines = text.splitlines(keepends=True)
-    starts = [0]
-    for line in lines:
+    starts = [0]  # each line's offset, lines as tokenize reads them (split at \n only)
+    for line in io.StringIO(text).readlines():
         starts.append(starts[-1] + len(line))
     spans = []
     try:

@@ -137,6 +137,8 @@ PY_CASES = [
     ('[as()]', E(None, [call("as", "{}")])),
     ('[route(from="A", to="B", in_=1, lambda={"if": "in"})]',
      E(None, [call("route", '{"from": "A", "to": "B", "in_": 1, "lambda": {"if": "in"}}')])),
+    # a line separator inside a string before a keyword on the next line
+    ('[f(a="x\u2028y",\nfrom=1)]', E(None, [call("f", '{"a": "x\u2028y", "from": 1}')])),
     # not calls: content as written
     ("A list [1, 2] and [x for x in y]", E("A list [1, 2] and [x for x in y]", [])),
     ("[f(1)]", E("[f(1)]", [])),
