@@ -195,6 +195,21 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) 
     return True
 
 
+def argmax_rows(logits: Tensor) -> Tensor | None:
+    """logits [N, V] -> [N] int64: each row's first largest index, a NaN the largest
+    (torch.argmax's rule, in 16 lanes: torch walks a row one element at a time); None when
+    the kernel does not apply (a float32 contiguous CPU tensor) or is not built."""
+    if not (logits.dim() == 2 and logits.shape[1] > 0 and _f32_rows(logits)):
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    lib.argmax_rows_f32(out.data_ptr(), logits.data_ptr(), logits.shape[0], logits.shape[1],
+                        torch.get_num_threads())
+    return out
+
+
 def silu_and_mul(x: Tensor) -> Tensor | None:
     """x [T, 2d] = [gate | up] -> silu(gate) * up [T, d], as a new tensor; None when the
     kernel does not apply (float32 contiguous CPU tensor) or is not built."""

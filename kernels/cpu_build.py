@@ -195,6 +195,9 @@ def _build(name: str) -> ctypes.CDLL:
     fn = lib.silu_and_mul_f32
     fn.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
     fn.restype = None
+    fn = lib.argmax_rows_f32
+    fn.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
+    fn.restype = None
     fn = lib.packed_gemm
     fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int, ptr, i64, i64, i64, ctypes.c_int]
     fn.restype = ctypes.c_int

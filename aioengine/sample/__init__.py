@@ -10,6 +10,7 @@ from aioengine.sample.metadata import (
     make_generator,
     min_tokens_stop_ids,
 )
+from aioengine.sample.ops import greedy_tokens
 from aioengine.sample.sampler import (
     Sampler,
     SamplerOutput,
@@ -28,6 +29,7 @@ __all__ = [
     "compute_probs",
     "compute_prompt_logprobs",
     "gather_logprobs",
+    "greedy_tokens",
     "is_plain_greedy",
     "make_generator",
     "min_tokens_stop_ids",

@@ -13,9 +13,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from aioengine.kernels import cpu as cpu_kernels
 from aioengine.sample.metadata import LOGIT_BOUND, SamplingMetadata
 
 NEG_INF = float("-inf")
+
+
+def greedy_tokens(logits: Tensor) -> Tensor:
+    """logits [N, V] -> [N] int64, each row's argmax (the first largest, a NaN the
+    largest): the C kernel on the CPU, torch's argmax elsewhere, the same tokens."""
+    tokens = cpu_kernels.argmax_rows(logits)
+    return tokens if tokens is not None else logits.argmax(dim=1)
 
 
 def apply_logits_processors(logits: Tensor, metadata: SamplingMetadata) -> Tensor:
@@ -153,7 +161,7 @@ def exponential_race(probs: Tensor, generators: dict[int, torch.Generator],
     for row, generator in generators.items():
         noise[row].uniform_(generator=generator)
     noise.log_().neg_()
-    return probs.div_(noise).argmax(dim=1)
+    return greedy_tokens(probs.div_(noise))
 
 
 def local_generators(generators: dict[int, torch.Generator],

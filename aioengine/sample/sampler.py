@@ -20,7 +20,7 @@ from torch import Tensor
 
 from aioengine.sample.candidates import random_row_probs, sample_random_rows
 from aioengine.sample.metadata import SamplingMetadata
-from aioengine.sample.ops import apply_logits_processors, scratch
+from aioengine.sample.ops import apply_logits_processors, greedy_tokens, scratch
 
 
 @dataclass
@@ -96,7 +96,7 @@ class Sampler:
         if metadata.all_random:
             return sample_random_rows(logits, metadata, self.generator,
                                       self._buffer("workspace", logits))
-        sampled = logits.argmax(dim=1)
+        sampled = greedy_tokens(logits)
         if not metadata.all_greedy:
             random_rows = metadata.random_row_indices
             assert random_rows is not None

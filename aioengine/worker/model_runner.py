@@ -35,7 +35,8 @@ from aioengine.pooling_params import chunk_share
 from aioengine.request import Request
 from aioengine.structured import GrammarBitmask
 from aioengine.sample import (Sampler, SamplingMetadata, SamplingRow,
-                              compute_prompt_logprobs, is_plain_greedy, make_generator)
+                              compute_prompt_logprobs, greedy_tokens, is_plain_greedy,
+                              make_generator)
 from aioengine.spec_decode.proposer import ProposeContext, Proposer
 from aioengine.worker.async_output import AsyncModelRunnerOutput, HostCopier
 from aioengine.worker.runner_outputs import (PlainSample, plain_tensors, read_plain,
@@ -320,7 +321,7 @@ class ModelRunner:
         device: `_execute` reads them (`read_plain`) at once or hands them over unread."""
         lp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if not masked and all(is_plain_greedy(row) for row in rows):
-            sampled = logits.argmax(dim=1)
+            sampled = greedy_tokens(logits)
         else:
             metadata = SamplingMetadata.build(rows, self.vocab_size, self.device)
             result = self.sampler(logits, metadata)

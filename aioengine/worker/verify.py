@@ -12,7 +12,7 @@ import torch
 from aioengine.model.attention import AttentionMetadata
 from aioengine.sched.scheduler_output import ModelRunnerOutput, ScheduledRequest
 from aioengine.sample import (SamplingMetadata, SamplingRow, compute_probs, gather_logprobs,
-                              is_plain_greedy)
+                              greedy_tokens, is_plain_greedy)
 from aioengine.spec_decode.proposer import ProposeContext, Proposer
 from aioengine.spec_decode.rejection_sampler import VerifyRows, accept_greedy, accept_sampled
 from aioengine.spec_decode.tree import node_paths, verify_tree_greedy, verify_tree_sampled
@@ -100,7 +100,7 @@ def verify_drafts(logits: torch.Tensor, rows: list[SamplingRow],
         raw_logprobs = torch.log_softmax(logits, dim=1)  # before any processor (vLLM)
     probs = None
     if all(is_plain_greedy(row) for row in rows):
-        argmax = logits.argmax(dim=1).tolist()
+        argmax = greedy_tokens(logits).tolist()
     else:
         metadata = SamplingMetadata.build(rows, ctx.vocab_size, ctx.device)
         probs = compute_probs(logits, metadata)  # one-hot for greedy rows

@@ -258,3 +258,43 @@ def test_split_linear_chunk_counts() -> None:
     # divisor; a prime count cannot be split (F.linear).
     assert [_num_chunks(n) for n in (576, 960, 3072, 15360, 49152, 151936, 94, 97)] == \
         [4, 4, 4, 5, 16, 16, 2, 1]
+
+
+def _argmax_cases() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    cases = [torch.randn(32, 49152, generator=gen)]
+    for n in (1, 7, 8, 9, 16, 17, 100, 151936):
+        ties = torch.randint(-3, 3, (3, n), generator=gen).float()  # many equal maxima
+        cases.append(ties.clone())
+        ties[:, ::7] = float("-inf")
+        cases.append(ties.clone())
+        ties[0, n // 2], ties[-1, n - 1] = float("nan"), float("nan")  # NaN is the largest
+        cases.append(ties.clone())
+        cases.append(torch.full((2, n), float("-inf")))  # all -inf: the first
+        last = torch.full((2, n), float("-inf"))
+        last[:, -1] = 0.0
+        cases.append(last)
+        cases.append(torch.full((2, n), float("inf")))
+    return cases
+
+
+def test_argmax_rows_is_torch_argmax_in_every_build(restore_cpu_build) -> None:
+    """The greedy token: the first largest, a NaN the largest, exactly torch.argmax's, in
+    every build this CPU runs (AVX-512, AVX2 and the plain loop differ in code)."""
+    cases = _argmax_cases()
+    for name in cpu_kernels.supported_variants():
+        cpu_kernels.use_variant(name)
+        assert cpu_kernels.load() is not None, cpu_kernels.load_error()
+        for logits in cases:
+            got = cpu_kernels.argmax_rows(logits)
+            assert got is not None and torch.equal(got, logits.argmax(dim=1)), (
+                name, logits.shape)
+    assert cpu_kernels.argmax_rows(cases[0].double()) is None
+    assert cpu_kernels.argmax_rows(cases[0].t()) is None  # not contiguous
+    assert cpu_kernels.argmax_rows(torch.zeros(2, 0)) is None
+
+
+@pytest.fixture
+def restore_cpu_build():
+    yield
+    cpu_kernels.use_variant(None)
