@@ -20,26 +20,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "attention_scores.h"
+#include "kv_access.h"
 #include "vec_math.h"
-
-/* Element i of a K/V cache in its element type, as float32. */
-static inline __attribute__((always_inline)) float kv_at(const void *restrict cache, int64_t i,
-                                                         const int kv_bf16) {
-    return kv_bf16 ? bf16_to_f32(((const uint16_t *)cache)[i]) : ((const float *)cache)[i];
-}
-
-/* n floats into a K/V cache from element `at` on, in its element type: copied, or rounded
- * to bf16 (f32_to_bf16: torch's rounding). The one writer of K/V rows, for cache.c's
- * reshape_and_cache and llama_decode.c's fused step alike. */
-static inline void kv_store_row(void *restrict cache, int64_t at, const float *restrict src,
-                                int64_t n, int kv_bf16) {
-    if (kv_bf16) {
-        uint16_t *dst = (uint16_t *)cache + at;
-        for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
-    } else {
-        memcpy((float *)cache + at, src, sizeof(float) * (size_t)n);
-    }
-}
 
 /* The largest of s[0 .. n - 1] (-inf for none). In 16 lanes, then across them: a max is
  * exact in any order, and one running max waits on each compare (vmaxss, one element per
@@ -54,35 +37,6 @@ static inline float max_f32(const float *restrict s, int64_t n) {
     float mx = -INFINITY;
     for (int l = 0; l < 16; l++) mx = lane[l] > mx ? lane[l] : mx;
     return mx;
-}
-
-/* attend_rows' scores: s_hp = (q_h . k_p) * scale for each row's positions, into its
- * [num_heads, P] block of `scores`; each position's K head widened once for every row. */
-static inline __attribute__((always_inline)) void attend_scores(
-    float *const *restrict outs, const float *restrict q, int64_t q_stride,
-    const void *restrict k_cache, const int kv_bf16, const int32_t *restrict table,
-    const int64_t *restrict begins, const int64_t *restrict ends, int64_t R, int64_t lo,
-    int64_t hi, int64_t num_heads, int64_t group, const int64_t head_dim, int64_t block_size,
-    int64_t block_stride, float scale, float *restrict scores, int64_t P) {
-    const int64_t num_kv = num_heads / group, slot_stride = num_kv * head_dim;
-    float row[head_dim];  /* a K head widened to float32, for every row that sees it */
-    for (int64_t p = lo; p < hi; p++) {
-        const int64_t slot = (int64_t)table[p / block_size] * block_stride
-                             + (p % block_size) * slot_stride;
-        for (int64_t g = 0; g < num_kv; g++) {
-            for (int64_t d = 0; d < head_dim; d++)
-                row[d] = kv_at(k_cache, slot + g * head_dim + d, kv_bf16);
-            for (int64_t i = 0; i < R; i++) {
-                if (outs[i] == NULL || p < begins[i] || p >= ends[i]) continue;
-                for (int64_t h = g * group; h < (g + 1) * group; h++) {
-                    const float *qh = q + i * q_stride + h * head_dim;
-                    float dot = 0.0f;
-                    for (int64_t d = 0; d < head_dim; d++) dot += qh[d] * row[d];
-                    scores[(i * num_heads + h) * P + p - begins[i]] = dot * scale;
-                }
-            }
-        }
-    }
 }
 
 /* Each row's scores to e^(s - max) in place; max, sum and o = 0 into its out. */
@@ -182,8 +136,16 @@ static inline __attribute__((always_inline)) void attend_rows(
             lo = begins[i] < lo ? begins[i] : lo;
             hi = ends[i] > hi ? ends[i] : hi;
         }
-    attend_scores(outs, q, q_stride, k_cache, kv_bf16, table, begins, ends, R, lo, hi,
-                  num_heads, group, head_dim, block_size, block_stride, scale, scores, P);
+#if defined(__AVX512F__)
+    if (head_dim % 16 == 0 && head_dim <= 256)
+        attend_scores_x16(outs, q, q_stride, k_cache, v_cache, kv_bf16, table, begins, ends,
+                          R, lo, hi, num_heads, group, head_dim, block_size, block_stride,
+                          scale, scores, P);
+    else
+#endif
+        attend_scores(outs, q, q_stride, k_cache, v_cache, kv_bf16, table, begins, ends, R,
+                      lo, hi, num_heads, group, head_dim, block_size, block_stride, scale,
+                      scores, P);
     attend_softmax(outs, begins, ends, R, num_heads, head_dim, scores, P);
     attend_values(outs, v_cache, kv_bf16, table, begins, ends, R, lo, hi, num_heads, group,
                   head_dim, block_size, block_stride, scores, P);
