@@ -38,11 +38,11 @@ def test_short_soak(tmp_path: Path) -> None:
     # 8 workers: their first turns cover the 14 kinds (the slow clients run in the
     # background); 64 blocks of 16 tokens, so the burst of three long prompts (40% of the
     # cache each) must preempt; a context of half the cache, so that a prompt near it
-    # leaves room for the others (a 25 s soak); timeouts of a few seconds, so that the
+    # leaves room for the others (a 15 s soak); timeouts of a few seconds, so that the
     # stalled connections end within the soak.
     server_args = (f"--num-kv-blocks 64 --max-model-len {MAX_MODEL_LEN} --keepalive-timeout "
                    f"{KEEPALIVE_S} --body-read-timeout {BODY_READ_S}")
-    cmd = [sys.executable, "-m", "aioengine", "bench", "soak", "--duration", "25",
+    cmd = [sys.executable, "-m", "aioengine", "bench", "soak", "--duration", "15",
            "--concurrency", "8", "--sample-interval", "2", "--timeout", "240",
            f"--server-args={server_args}", "--save-json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
