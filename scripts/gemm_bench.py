@@ -82,7 +82,8 @@ def main() -> None:
     print(f"{cpu_info.cpu_model()} ({' '.join(cpu_info.relevant_flags())}); {args.dtype}, "
           f"{2 * sum(n * k for n, k in SHAPES) / 1e6:.0f} MB in bf16")
     for m in rows:
-        cells = [f"{b} {min(times[b][m]):7.2f} ms (x{min(times[b][m]) / min(times[b][1]):.2f}, "
+        cells = [f"{b} {min(times[b][m]):7.2f} ms "
+                 f"(x{min(times[b][m]) / min(times[b][rows[0]]):.2f} of M={rows[0]}, "
                  f"{m * flops / min(times[b][m]) / 1e6:4.0f} GFLOP/s)" for b in builds]
         print(f"M={m:3d}  " + "  ".join(cells))
 

@@ -283,15 +283,19 @@ static decode_thread decode_thread_init(const decode_ctx *c) {
     decode_thread ts = {.tid = omp_get_thread_num(), .nt = omp_get_num_threads()};
     const int64_t M = c->M, q_size = c->q_size;
     const int64_t score_floats = c->att.num_heads * attn_part_len(c->att.block_size);
-    ts.residual = malloc(sizeof(float) * (size_t)(M * (c->hidden + c->wide + q_size) + q_size +
-                                                  score_floats + c->xbuf_floats));
+    /* xbuf on a cache line (64 bytes, 16 floats): AMX reads it as tiles of 64-byte rows,
+     * which cost a third more split over two lines (projection.c). */
+    const int64_t xbuf_at = (M * (c->hidden + c->wide + q_size) + q_size + score_floats + 15)
+                            / 16 * 16;
+    ts.residual = aligned_alloc(64, sizeof(float) * (size_t)((xbuf_at + c->xbuf_floats + 15)
+                                                             / 16 * 16));
     ts.ok = ts.residual != NULL;
     if (!ts.ok) return ts;
     ts.h = ts.residual + M * c->hidden;
     ts.own_attn = ts.h + M * c->wide;
     ts.q = ts.own_attn + M * q_size;
     ts.scores = ts.q + q_size;
-    ts.xbuf = ts.scores + score_floats;
+    ts.xbuf = ts.residual + xbuf_at;
     return ts;
 }
 

@@ -5,11 +5,37 @@
  * cpu_blocks.gemm's entry points, for any number of rows.
  */
 #include <omp.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "projection.h"
+
+static pthread_key_t x_buffer_key;
+static pthread_once_t x_buffer_once = PTHREAD_ONCE_INIT;
+
+static void x_buffer_key_init(void) { pthread_key_create(&x_buffer_key, free); }
+
+/* The calling thread's buffer for x as the weight reads it, at least `bytes`, kept from
+ * call to call (freed with the thread): a fresh one each call was a fresh mapping for a
+ * prefill chunk's x, whose pages faulted in every time. On a cache line: AMX reads x's
+ * rows as tiles of 64-byte rows, and one split over two lines cost a third of the speed
+ * (malloc's large blocks sit 16 bytes into a page). NULL when out of memory. */
+static float *x_buffer(size_t bytes) {
+    typedef struct { size_t bytes; float *data; } x_buf;
+    pthread_once(&x_buffer_once, x_buffer_key_init);
+    x_buf *b = pthread_getspecific(x_buffer_key);
+    if (b != NULL && b->bytes >= bytes) return b->data;
+    const size_t want = (bytes + 63) / 64 * 64;
+    x_buf *grown = aligned_alloc(64, 64 + want);  /* the header, then the data */
+    if (grown == NULL) return NULL;
+    grown->bytes = want;
+    grown->data = (float *)((char *)grown + 64);
+    free(b);
+    pthread_setspecific(x_buffer_key, grown);
+    return grown->data;
+}
 
 /* x [m, k] float32, W [n, k] a weight of parts (decode_layer.h's proj_weight), y [m, n],
  * bias [n] or NULL; all contiguous. x is prepared once for every part, each part written
@@ -23,23 +49,32 @@ int packed_gemm_parts(float *restrict y, const float *restrict x, const proj_wei
     /* bf16 pairs (AVX512-BF16), or x quantized for the block and W8A8 panels. */
     const int needs_buffer = proj_x_form(W->parts[0].fmt) != 0;
     float *buf = needs_buffer
-                     ? malloc(sizeof(float) * (size_t)proj_buffer_floats(W->parts[0].fmt, m, k))
-                     : NULL;
+        ? x_buffer(sizeof(float) * (size_t)proj_buffer_floats(W->parts[0].fmt, m, k))
+        : NULL;
     if (needs_buffer && buf == NULL) return -1;
-    const float *xp = proj_prepare_x(buf, x, m, k, W);
     /* Below ~64K weights one thread is done before a second would start (and see
      * parallel.h on entering OpenMP for nothing). */
     if (n * k < 65536 || num_threads < 2) {
-        proj_range(y, xp, W, bias, m, n, k, 0, gemm_num_panels(n));
-    } else {
-        proj_claim claims[num_threads];
-        memset(claims, 0, sizeof(claims));
-        /* x prepared once, shared by the threads. */
+        proj_range(y, proj_prepare_x(buf, x, m, k, W), W, bias, m, n, k, 0,
+                   gemm_num_panels(n));
+        return 0;
+    }
+    proj_claim claims[num_threads];
+    memset(claims, 0, sizeof(claims));
+    const float *xp = needs_buffer ? buf : x;
+    const int64_t row_bytes = proj_x_row_bytes(W, k);
 #pragma omp parallel num_threads(num_threads)
+    {
+        /* x prepared once, 16 rows a task, then shared by the threads. */
+        if (needs_buffer) {
+#pragma omp for schedule(static)
+            for (int64_t r0 = 0; r0 < m; r0 += 16)
+                proj_prepare_x((float *)((char *)buf + r0 * row_bytes), x + r0 * k,
+                               m - r0 < 16 ? m - r0 : 16, k, W);
+        }  /* (the loop's barrier: all of x before any product) */
         proj_shared(y, xp, W, bias, m, n, k, omp_get_thread_num(), omp_get_num_threads(),
                     claims);
     }
-    free(buf);
     return 0;
 }
 

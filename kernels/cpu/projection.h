@@ -87,6 +87,17 @@ static inline const float *proj_prepare_x(float *restrict buf, const float *rest
     }
 }
 
+/* Bytes of one row of x as proj_prepare_x leaves it for W (rows of any count from any row
+ * on are prepared alike: every form is per row). */
+static inline int64_t proj_x_row_bytes(const proj_weight *W, int64_t k) {
+    switch (proj_x_form(W->parts[0].fmt)) {
+    case 1: return 4 * gemm_x_pair_stride(k);
+    case 2: return q41_x_row_bytes(k);
+    case 3: return w8_x_row_bytes(k);
+    default: return 4 * k;
+    }
+}
+
 /* Panels [lo, hi) of y = x w^T (* scales) (+ bias) over W's parts (proj_weight_ok); x [M,
  * k] as proj_prepare_x leaves it, y [M, n], both contiguous. A panel of part j is written
  * into part j's columns of y (row stride n); its bias is bias's slice for them. */
