@@ -77,15 +77,16 @@ static inline __attribute__((always_inline)) void attend_values(
     const float *restrict scores, int64_t P) {
     const int64_t num_kv = num_heads / group, slot_stride = num_kv * head_dim;
     float vrows[16 * head_dim];
+    int64_t slots[16];
     for (int64_t p0 = lo - lo % 16; p0 < hi; p0 += 16) {
-        const int64_t pn = hi - p0 < 16 ? hi - p0 : 16;
+        const int64_t pn = hi - p0 < 16 ? hi - p0 : 16, first = p0 < lo ? lo - p0 : 0;
+        kv_slots(slots + first, table, p0 + first, pn - first, block_size, block_stride,
+                 slot_stride);
         for (int64_t g = 0; g < num_kv; g++) {
-            for (int64_t t = p0 < lo ? lo - p0 : 0; t < pn; t++) {
-                const int64_t p = p0 + t, slot = (int64_t)table[p / block_size] * block_stride
-                                                 + (p % block_size) * slot_stride;
+            for (int64_t t = first; t < pn; t++)
                 for (int64_t d = 0; d < head_dim; d++)
-                    vrows[t * head_dim + d] = kv_at(v_cache, slot + g * head_dim + d, kv_bf16);
-            }
+                    vrows[t * head_dim + d] = kv_at(v_cache, slots[t] + g * head_dim + d,
+                                                    kv_bf16);
             for (int64_t i = 0; i < R; i++) {
                 const int64_t a = p0 > begins[i] ? p0 : begins[i];
                 const int64_t b = p0 + pn < ends[i] ? p0 + pn : ends[i];

@@ -23,12 +23,15 @@ static inline __attribute__((always_inline)) void attend_scores(
     float scale, float *restrict scores, int64_t P) {
     const int64_t num_kv = num_heads / group, slot_stride = num_kv * head_dim;
     float row[head_dim];  /* a K head widened to float32, for every row that sees it */
+    int64_t slots[32];    /* positions p0 .. p0 + 31: this group's and the next's */
     for (int64_t p = lo; p < hi; p++) {
-        const int64_t slot = (int64_t)table[p / block_size] * block_stride
-                             + (p % block_size) * slot_stride;
+        const int64_t t = (p - lo) % 16;
+        if (t == 0)
+            kv_slots(slots, table, p, hi - p < 32 ? hi - p : 32, block_size, block_stride,
+                     slot_stride);
+        const int64_t slot = slots[t];
         if (p + 16 < hi)  /* K 16 positions ahead, this V for attend_values */
-            kv_prefetch(k_cache, (int64_t)table[(p + 16) / block_size] * block_stride
-                        + ((p + 16) % block_size) * slot_stride, slot_stride, kv_bf16, 3);
+            kv_prefetch(k_cache, slots[t + 16], slot_stride, kv_bf16, 3);
         kv_prefetch(v_cache, slot, slot_stride, kv_bf16, 2);
         for (int64_t g = 0; g < num_kv; g++) {
             for (int64_t d = 0; d < head_dim; d++)
@@ -87,18 +90,17 @@ static inline __attribute__((always_inline)) void attend_scores_x16(
     const int64_t chunks = head_dim / 16;
     float krows[16 * head_dim];
     const __m512 vscale = _mm512_set1_ps(scale);
+    int64_t slots[32];  /* positions p0 .. p0 + 31: this group's and the next's */
     for (int64_t p0 = lo; p0 < hi; p0 += 16) {
         const int64_t pn = hi - p0 < 16 ? hi - p0 : 16;
+        kv_slots(slots, table, p0, hi - p0 < 32 ? hi - p0 : 32, block_size, block_stride,
+                 slot_stride);
         for (int64_t g = 0; g < num_kv; g++) {
             for (int64_t t = 0; t < pn; t++) {  /* the K heads widened */
-                const int64_t p = p0 + t;
-                const int64_t slot = (int64_t)table[p / block_size] * block_stride
-                                     + (p % block_size) * slot_stride + g * head_dim;
+                const int64_t slot = slots[t] + g * head_dim;
                 /* K 16 positions ahead into L1, this V into L2 for attend_values */
-                if (p + 16 < hi)
-                    kv_prefetch(k_cache, (int64_t)table[(p + 16) / block_size] * block_stride
-                                + ((p + 16) % block_size) * slot_stride + g * head_dim,
-                                head_dim, kv_bf16, 3);
+                if (p0 + t + 16 < hi)
+                    kv_prefetch(k_cache, slots[t + 16] + g * head_dim, head_dim, kv_bf16, 3);
                 kv_prefetch(v_cache, slot, head_dim, kv_bf16, 2);
                 for (int64_t d = 0; d < head_dim; d++)
                     krows[t * head_dim + d] = kv_at(k_cache, slot + d, kv_bf16);
