@@ -28,6 +28,10 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
 _ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
                 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
 _STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_STEP_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
+                      0.25, 0.5, 1.0, 2.5, 5.0)
+_LOOP_LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                     2.5, 5.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # EngineCore.stats() keys of speculative decoding: spec_decode_<counter>, and the drafts
 # accepted at position i (0-based) under SPEC_PER_POS_PREFIX + str(i).
@@ -182,6 +186,16 @@ class EngineMetrics:
                                             "Arrival to first scheduled.", _LATENCY_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens per engine step.",
                                           _STEP_TOKEN_BUCKETS)
+        self.event_loop_lag = histogram(
+            "event_loop_lag_seconds", "How late a timer on the engine's event loop fired "
+            "(sampled every 0.1 s): what anything holding the loop cost every request.",
+            _LOOP_LAG_BUCKETS)
+        step_time = family("histogram", "step_time_seconds",
+                           "Worker time of an engine step (prepare, forward, sample and "
+                           "drafting), by the executor that ran its layers.", ["model_name", "executor"],
+                           _STEP_TIME_BUCKETS)
+        self._step_time = {}
+        self._step_time_family = step_time
         # Counters that follow cumulative stats() values: (stats key, counter).
         self._cumulative: list[tuple[str, Any]] = [
             ("prefix_cache_queries", self.prefix_cache_queries),
@@ -225,8 +239,19 @@ class EngineMetrics:
         self._lora_info.labels(str(self._lora_max), ",".join(waiting),
                                ",".join(running)).set(time.time())
 
-    def observe_step(self, num_scheduled_tokens: int) -> None:
+    def observe_step(self, num_scheduled_tokens: int, seconds: float | None = None,
+                     executor: str | None = None) -> None:
+        """A step of `num_scheduled_tokens`; with `seconds`, its worker time, labelled by
+        the `executor` that ran its layers ("fused", "layerwise", ...; "" if none said)."""
         self.iteration_tokens.observe(num_scheduled_tokens)
+        if seconds is None:
+            return
+        label = executor or ""
+        metric = self._step_time.get(label)
+        if metric is None:
+            metric = self._step_time[label] = self._step_time_family.labels(self.model_name,
+                                                                            label)
+        metric.observe(seconds)
 
     def refresh(self, stats: dict[str, float]) -> None:
         """Gauges from the scheduler's current state; counters from its cumulative stats.

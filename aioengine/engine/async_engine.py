@@ -32,6 +32,7 @@ from aioengine.engine.faults import FaultInjector
 from aioengine.engine.output_processor import OutputProcessor
 from aioengine.engine.step_worker import StepWorker
 from aioengine.worker.async_output import AsyncModelRunnerOutput
+from aioengine.engine.loop_lag import watch_loop_lag
 from aioengine.engine.timeline import StepRecord, StepTimeline, step_kind
 from aioengine.errors import EngineDeadError, InvalidRequestError
 from aioengine.lora.request import LoRARequest
@@ -79,6 +80,8 @@ class AsyncEngine(EngineClient):
         self._dead: BaseException | None = None
         self._closing = False
         self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+        self._lag_task = asyncio.get_running_loop().create_task(
+            watch_loop_lag(self.metrics.event_loop_lag.observe))
         # The periodic stats log: only speculative decoding has a line so far.
         interval = envs.AIOENGINE_LOG_STATS_INTERVAL
         self._stat_logger = SpecDecodingLogging(core.stats) if spec and interval > 0 else None
@@ -298,6 +301,8 @@ class AsyncEngine(EngineClient):
             self._abort(request_id)
         self._wakeup.set()
         await asyncio.gather(self._loop_task, return_exceptions=True)
+        self._lag_task.cancel()
+        await asyncio.gather(self._lag_task, return_exceptions=True)
         if self._log_task is not None:
             self._log_task.cancel()
             await asyncio.gather(self._log_task, return_exceptions=True)
@@ -401,7 +406,10 @@ class AsyncEngine(EngineClient):
             self._process([], self.core.fail_step(scheduler_output, e))
             return []
         updating = time.perf_counter()
-        self.metrics.observe_step(scheduler_output.total_num_scheduled_tokens)
+        timings = runner_output.timings
+        self.metrics.observe_step(scheduler_output.total_num_scheduled_tokens,
+                                  sum(timings.values()) if timings else None,
+                                  runner_output.executor)
         outputs = self.core.update(scheduler_output, runner_output)
         record.wait, record.update = updating - waiting, time.perf_counter() - updating
         for phase, seconds in runner_output.timings.items():

@@ -3,6 +3,8 @@ scenario ends with every KV block released."""
 from __future__ import annotations
 
 import asyncio
+import re
+import time
 from contextlib import aclosing
 from pathlib import Path
 
@@ -243,7 +245,31 @@ async def test_metrics_count_requests_tokens_and_latencies(engine: AsyncEngine,
     assert _metric(text, "aioengine:e2e_request_latency_seconds_count") == 5
     assert _metric(text, "aioengine:request_queue_time_seconds_count") == 5
     assert _metric(text, "aioengine:iteration_tokens_total_count") > 0
+    # Every step's worker time, by the executor that ran its layers (the tiny model's).
+    executors = set(re.findall(r'^aioengine:step_time_seconds_count\{executor="([^"]*)"', text,
+                               re.M))
+    assert executors and "" not in executors, text
+    assert sum(_metric(text, "aioengine:step_time_seconds_count", executor=e)
+               for e in executors) == _metric(text, "aioengine:iteration_tokens_total_count")
     assert _metric(text, "aioengine:prefix_cache_queries_total") > 0
     # Everything finished or aborted: nothing running, every block free.
     assert _metric(text, "aioengine:num_requests_running") == 0
     assert _metric(text, "aioengine:kv_cache_usage_perc") == 0
+
+
+async def test_a_stalled_event_loop_shows_in_the_lag_histogram(engine: AsyncEngine) -> None:
+    """aioengine:event_loop_lag_seconds: a coroutine that holds the loop for 0.35 s (a
+    blocking call in an app that embeds the engine) makes the watcher wake >= 0.25 s late
+    (its timer was due at most 0.1 s into the stall)."""
+    def late() -> float:  # wake-ups more than 0.1 s late
+        text = engine.metrics.render().decode()
+        return (_metric(text, "aioengine:event_loop_lag_seconds_count")
+                - _metric(text, "aioengine:event_loop_lag_seconds_bucket", le="0.1"))
+
+    await asyncio.sleep(0.25)
+    before = late()
+    time.sleep(0.35)  # holds the loop
+    await asyncio.sleep(0.25)
+    text = engine.metrics.render().decode()
+    assert _metric(text, "aioengine:event_loop_lag_seconds_count") >= 3
+    assert late() >= before + 1, text
