@@ -182,6 +182,10 @@ class EngineMetrics:
                                              _ITL_BUCKETS)
         self.e2e_request_latency = histogram("e2e_request_latency_seconds",
                                              "Arrival to last output.", _LATENCY_BUCKETS)
+        self.time_per_output_token = histogram(
+            "request_time_per_output_token_seconds",
+            "First to last token of a finished sample, per token after the first (TPOT).",
+            _ITL_BUCKETS)
         self.request_queue_time = histogram("request_queue_time_seconds",
                                             "Arrival to first scheduled.", _LATENCY_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens per engine step.",
@@ -274,10 +278,12 @@ class EngineMetrics:
         if inter_token_latency is not None:
             self.inter_token_latency.observe(inter_token_latency)
 
-    def observe_finished(self, reason: str, e2e_latency: float,
-                         queue_time: float | None) -> None:
+    def observe_finished(self, reason: str, e2e_latency: float, queue_time: float | None,
+                         time_per_output_token: float | None = None) -> None:
         self.request_success[reason].inc()
         self.e2e_request_latency.observe(e2e_latency)
+        if time_per_output_token is not None:
+            self.time_per_output_token.observe(time_per_output_token)
         if queue_time is not None:
             self.request_queue_time.observe(queue_time)
 

@@ -218,7 +218,12 @@ class OutputProcessor:
         request = sample.request
         queue_time = (None if request.first_scheduled_time is None
                       else request.first_scheduled_time - request.arrival_time)
-        self.metrics.observe_finished(reason, time.monotonic() - state.arrival_time, queue_time)
+        now, num_out = time.monotonic(), len(request.output_token_ids)
+        # TPOT as vLLM's request_time_per_output_token_seconds: first to last token, per
+        # token after the first.
+        tpot = (None if state.first_token_time is None or num_out < 2
+                else (now - state.first_token_time) / (num_out - 1))
+        self.metrics.observe_finished(reason, now - state.arrival_time, queue_time, tpot)
 
     def _deliver(self, state: RequestState, completions: list[CompletionOutput]) -> None:
         finished = state.finished

@@ -3,10 +3,12 @@ vLLM's spec_decode_* counters on /metrics and the periodic "SpecDecoding" log li
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
@@ -73,3 +75,40 @@ def test_bad_speculative_config_fails_at_start_up(spec: str, message: str) -> No
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "scripts/grafana/dashboards/aioengine.json"
+
+
+def _dashboard_queries() -> list[str]:
+    board = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in board["panels"] for t in p["targets"]]
+    exprs += [v["definition"] for v in board["templating"]["list"] if v.get("definition")]
+    return exprs
+
+
+def test_every_series_the_dashboard_queries_is_on_metrics(server: ServerProcess,
+                                                          client: openai.OpenAI) -> None:
+    """scripts/grafana's dashboard against this server's /metrics (speculative decoding on,
+    so its series exist too): every metric a panel queries is there, with every label the
+    panel groups by."""
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    server.wait_idle()
+    status, body = server.request("GET", "/metrics")
+    assert status == 200
+    lines = [line for line in body.decode().splitlines() if line and not line.startswith("#")]
+    exprs = _dashboard_queries()
+    assert len(exprs) >= 16
+    for expr in exprs:
+        names = set(re.findall(r"aioengine:[a-zA-Z0-9_:]+", expr))
+        assert names, expr
+        grouped = {label.strip() for group in re.findall(r"by \(([^)]*)\)", expr)
+                   for label in group.split(",")} - {"le"}
+        grouped |= set(re.findall(r"label_values\([^,]+, (\w+)\)", expr))
+        queried = []
+        for name in names:
+            series = [line for line in lines if line.startswith((name + "{", name + " "))]
+            assert series, (name, expr)
+            queried += series
+        for label in grouped:  # on the series of one of the expression's metrics
+            assert any(f'{label}="' in line for line in queried), (label, expr)

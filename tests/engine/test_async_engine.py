@@ -243,6 +243,10 @@ async def test_metrics_count_requests_tokens_and_latencies(engine: AsyncEngine,
     assert _metric(text, "aioengine:time_to_first_token_seconds_count") == 5
     assert _metric(text, "aioengine:inter_token_latency_seconds_count") == 4 * 4
     assert _metric(text, "aioengine:e2e_request_latency_seconds_count") == 5
+    # TPOT of the four that produced 5 tokens, and of the aborted one if a step gave it a
+    # second token before the abort landed (one token has no TPOT).
+    assert 4 <= _metric(text, "aioengine:request_time_per_output_token_seconds_count") <= 5
+    assert _metric(text, "aioengine:request_time_per_output_token_seconds_sum") > 0
     assert _metric(text, "aioengine:request_queue_time_seconds_count") == 5
     assert _metric(text, "aioengine:iteration_tokens_total_count") > 0
     # Every step's worker time, by the executor that ran its layers (the tiny model's).
