@@ -2,12 +2,16 @@
 
 Runs the workload through AsyncEngine (the serving loop, with its overlap) with the step
 timeline on, then prints the mean time of each phase per step kind (prefill-only, mixed,
-decode-only) and how much of the loop's in-step work was hidden behind the worker.
+decode-only) and how much of the loop's in-step work was hidden behind the worker. With
+`--plot PATH.png` it also draws the run (bench/timeline_plot.py): each request's bar
+(queued, prefill, decode), the steps' composition over time, TTFT and ITL; and the same
+beside the table in a self-contained PATH.html.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import time
 from typing import Any
 
@@ -21,20 +25,27 @@ async def run_profile(workload: Workload, model: str | None,
 
     engine = await AsyncEngine.create(model, **engine_kwargs)
     try:
-        async def one(prompt: list[int], output_len: int) -> None:
+        async def one(prompt: list[int], output_len: int) -> dict[str, Any]:
+            """The request's times (time.monotonic(), the steps' clock): arrival, first
+            scheduled, each output's arrival at the caller, finish."""
             params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-            async for _ in engine.generate(prompt, params):
-                pass
+            times: dict[str, Any] = {"arrival": time.monotonic(), "outputs": [],
+                                     "num_prompt_tokens": len(prompt)}
+            async for out in engine.generate(prompt, params):
+                times["outputs"].append(time.monotonic())
+                times["scheduled"] = out.metrics.get("first_scheduled_time")
+            times["finish"] = times["outputs"][-1]
+            return times
 
         await one(workload.prompts[0][:16], 4)  # warm-up, not recorded
         engine.timeline.enabled = True
-        start = time.perf_counter()
-        await asyncio.gather(*(one(r.prompt_token_ids, r.output_len)
-                               for r in workload.requests))
+        start, origin = time.perf_counter(), time.monotonic()
+        requests = await asyncio.gather(*(one(r.prompt_token_ids, r.output_len)
+                                          for r in workload.requests))
         elapsed = time.perf_counter() - start
         timeline = engine.timeline
         return {"elapsed_s": elapsed, "summary": timeline.summary(),
-                "steps": timeline.to_json()}
+                "steps": timeline.to_json(), "origin": origin, "requests": requests}
     finally:
         await engine.shutdown()
 
@@ -77,4 +88,9 @@ def profile_main(args: argparse.Namespace) -> int:
               "config": run_config(args), "workload": workload.summary(),
               **asyncio.run(run_profile(workload, model, engine_kwargs(args)))}
     emit(report, format_profile(report), args.save_json)
+    if args.plot:
+        import aioengine.bench.timeline_plot as tplot
+
+        html = tplot.plot_profile(args.plot, report, format_profile(report))
+        print(f"saved {args.plot} and {html}", file=sys.stderr)
     return 0

@@ -178,7 +178,7 @@ def save_json(path: str, report: dict[str, Any]) -> None:
         f.write(b"\n")
 
 
-def _cdf(ax: Any, values_ms: list[float], title: str) -> None:
+def plot_cdf(ax: Any, values_ms: list[float], title: str) -> None:
     import numpy as np
 
     ax.set_title(title)
@@ -208,7 +208,7 @@ def plot_serve(path: str, results: list[RequestResult], duration_s: float, title
               ([x for r in ok for x in r.itls_s], "ITL"),
               ([r.e2e_s for r in ok], "end-to-end latency")]
     for ax, (values, name) in zip(axes.flat, panels):
-        _cdf(ax, [v * 1000.0 for v in values], f"{name} CDF (dashed: p50, p99)")
+        plot_cdf(ax, [v * 1000.0 for v in values], f"{name} CDF (dashed: p50, p99)")
     centres, tps = throughput_over_time(results, duration_s)
     ax = axes.flat[4]
     ax.plot(centres, tps)

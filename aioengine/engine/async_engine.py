@@ -33,7 +33,7 @@ from aioengine.engine.output_processor import OutputProcessor
 from aioengine.engine.step_worker import StepWorker
 from aioengine.worker.async_output import AsyncModelRunnerOutput
 from aioengine.engine.loop_lag import watch_loop_lag
-from aioengine.engine.timeline import StepRecord, StepTimeline, step_kind
+from aioengine.engine.timeline import StepRecord, StepTimeline, step_kind, step_rows
 from aioengine.errors import EngineDeadError, InvalidRequestError
 from aioengine.lora.request import LoRARequest
 from aioengine.metrics import EngineMetrics, MetricFactory, SpecDecodingLogging
@@ -360,6 +360,9 @@ class AsyncEngine(EngineClient):
                                     schedule=scheduled - started,
                                     process=time.perf_counter() - scheduled,
                                     idle=self.timeline.take_idle())
+                if self.timeline.enabled:
+                    record.start = time.monotonic() - (time.perf_counter() - started)
+                    record.decode_rows, record.draft_tokens = step_rows(scheduler_output)
                 pending = await self._finish_step(future, scheduler_output, record)
             self._process(pending)
             if ahead is not None:  # shutting down: let the queued step end quietly

@@ -231,6 +231,8 @@ class OutputProcessor:
             del self.states[state.request_id]
         first = state.samples[0].request
         metrics = {"arrival_time": state.arrival_time}
+        if first.first_scheduled_time is not None:
+            metrics["first_scheduled_time"] = first.first_scheduled_time
         if state.first_token_time is not None:
             metrics["first_token_time"] = state.first_token_time
         state.sink(RequestOutput(

@@ -20,6 +20,13 @@ PHASES = ("schedule", "prepare", "forward", "sample", "propose", "process", "wai
           "idle")
 
 
+def step_rows(scheduler_output: SchedulerOutput) -> tuple[int, int]:
+    """(decode rows, draft tokens) of a step: requests computing one token or one and its
+    drafts, and those drafts; the rest of its tokens are prompt (prefill) tokens."""
+    rows = [s for s in scheduler_output.scheduled if s.num_new_tokens == 1 or s.spec_token_ids]
+    return len(rows), sum(len(s.spec_token_ids) for s in rows if s.spec_token_ids)
+
+
 def step_kind(scheduler_output: SchedulerOutput) -> str:
     """decode (every request computes one token, or one and its drafts), prefill (none
     does) or mixed. (A small prompt chunk computed as decode rows is still prefill here.)"""
@@ -47,6 +54,9 @@ class StepRecord:
     update: float = 0.0  # loop: scheduler.update_from_output()
     idle: float = 0.0  # loop: nothing to run before this step
     executor: str = ""  # worker: who ran the layers (ModelRunnerOutput.executor)
+    start: float = 0.0  # time.monotonic() as the loop began the step (requests' clock)
+    decode_rows: int = 0  # requests computing one token, or one and its drafts
+    draft_tokens: int = 0  # drafts verified (num_tokens - decode_rows - drafts: prefill)
 
 
 @dataclass

@@ -171,3 +171,26 @@ def test_profile_mode_records_every_step_of_the_workload(
         assert row["forward_ms"] > 0 and 0 <= row["overlap"] <= 1
     text = capsys.readouterr().out
     assert "phase (mean ms/step)" in text and "forward_ms" in text
+    # Each request's times in order, on the steps' clock; each step's rows add up.
+    requests = report["requests"]
+    assert len(requests) == 3
+    for r in requests:
+        assert r["arrival"] <= r["scheduled"] <= r["outputs"][0] <= r["finish"]
+        assert len(r["outputs"]) >= 1 and r["num_prompt_tokens"] >= 12
+    assert all(report["origin"] <= s["start"] for s in steps)
+    assert all(0 <= s["decode_rows"] + s["draft_tokens"] <= s["num_tokens"] for s in steps)
+    assert sum(s["decode_rows"] for s in steps) >= decode_tokens
+
+
+def test_profile_mode_draws_its_run(tiny_llama_dir: Path, tmp_path: Path,
+                                    bench_threads) -> None:
+    """--plot: the PNG and the self-contained HTML beside it (the PNG inside, the table)."""
+    png = tmp_path / "run.png"
+    rc = bench_main(["profile", "--model", str(tiny_llama_dir), "--dtype", "float32",
+                     "--num-prompts", "3", "--input-len-min", "12", "--input-len-max", "20",
+                     "--output-len", "5", "--plot", str(png)])
+    assert rc == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    page = (tmp_path / "run.html").read_text()
+    assert "phase (mean ms/step)" in page and "data:image/png;base64," in page
+    assert "src='http" not in page and "href=" not in page  # nothing fetched from elsewhere
