@@ -18,6 +18,8 @@
 
     aioengine bench structured [--num-prompts 16] [--output-len 96] [--repeats 3] [engine flags]
 
+    aioengine bench compare A.json B.json --plot PATH.png
+
 `offline` and `latency` take `--vllm-python PATH` (and `latency` `--llamacpp-python PATH`):
 the python of a venv holding that peer, which then runs as one more engine in a child
 process (aioengine/bench/peers.py, docs/peers.md). `export-hf` writes a GGUF as the Hugging
@@ -34,7 +36,9 @@ then report the drafts, accepted tokens and mean acceptance length of our engine
 Hugging Face transformers (static batches, and its continuous batching) on the same
 weights, and prints each engine's tok/s and our ratio to each. `serve` streams every
 request and reports TTFT, TPOT, ITL and end-to-end latency percentiles and goodput.
-`profile` runs the workload through AsyncEngine and prints its per-step timeline.
+`profile` runs the workload through AsyncEngine and prints its per-step timeline (with
+`--plot`, draws it and each request's time: a PNG and a self-contained HTML); `compare`
+draws two saved `profile` runs side by side.
 `latency` times one request (TTFT, TPOT, ITL) through AsyncEngine and transformers and
 compares TPOT with the weight-streaming floor (weight bytes / measured memory bandwidth).
 `structured` runs chat prompts under a JSON schema, with and without jump-forward, and
@@ -56,6 +60,7 @@ def _mode_parsers() -> list[AddParser]:
     holds its parser and its `*_main`; the imports are deferred so that importing this
     package (the CLI does, for `aioengine bench ...`) loads no mode."""
     from aioengine.bench.accuracy import add_accuracy_parser
+    from aioengine.bench.compare import add_compare_parser
     from aioengine.bench.gguf_bench import add_gguf_parser
     from aioengine.bench.hf_export import add_export_parser
     from aioengine.bench.latency import add_latency_parser
@@ -69,7 +74,7 @@ def _mode_parsers() -> list[AddParser]:
 
     return [add_offline_parser, add_serve_parser, add_profile_parser, add_latency_parser,
             add_export_parser, add_gguf_parser, add_accuracy_parser, add_spec_parser,
-            add_lora_parser, add_structured_parser, add_soak_parser]
+            add_lora_parser, add_structured_parser, add_soak_parser, add_compare_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,8 @@
 
 `plot_profile` writes the PNG and, beside it, an HTML page that holds the PNG itself and the
 profile's table (no file or network reference: it can be mailed or attached as it is).
+`plot_compare` draws two saved runs side by side on one time scale, their TTFT and ITL
+overlaid (`aioengine bench compare A.json B.json --plot PATH.png`).
 """
 from __future__ import annotations
 
@@ -61,6 +63,27 @@ def _step_composition(ax: Any, steps: list[dict], origin: float) -> None:
     ax.legend(loc="upper right", fontsize=8)
 
 
+def _ttft_ms(report: dict[str, Any]) -> list[float]:
+    return [1e3 * (r["outputs"][0] - r["arrival"]) for r in report["requests"]]
+
+
+def _itl_ms(report: dict[str, Any]) -> list[float]:
+    return [1e3 * (b - a) for r in report["requests"]
+            for a, b in zip(r["outputs"], r["outputs"][1:])]
+
+
+def _write_html(path: str, title: str, tables: list[str]) -> str:
+    page = Path(path).with_suffix(".html")
+    image = base64.b64encode(Path(path).read_bytes()).decode()
+    body = "".join(f"<pre>{html.escape(t)}</pre>" for t in tables)
+    page.write_text(
+        f"<!doctype html><meta charset=utf-8><title>{html.escape(title)}</title>"
+        f"<body style='font-family:sans-serif'><h1>{html.escape(title)}</h1>{body}"
+        f"<img alt='the run' style='max-width:100%' src='data:image/png;base64,{image}'>"
+        "</body>\n")
+    return str(page)
+
+
 def plot_profile(path: str, report: dict[str, Any], table: str) -> str:
     """The run's PNG at `path` and its HTML page beside it (same name, .html); returns the
     HTML's path."""
@@ -73,22 +96,54 @@ def plot_profile(path: str, report: dict[str, Any], table: str) -> str:
     fig, axes = plt.subplots(2, 2, figsize=(15, 9))
     _request_bars(axes[0, 0], requests, origin)
     _step_composition(axes[0, 1], report["steps"], origin)
-    plot_cdf(axes[1, 0], [1e3 * (r["outputs"][0] - r["arrival"]) for r in requests],
-         "TTFT CDF (dashed: p50, p99)")
-    plot_cdf(axes[1, 1], [1e3 * (b - a) for r in requests
-                      for a, b in zip(r["outputs"], r["outputs"][1:])],
-         "ITL CDF, as the caller received tokens (dashed: p50, p99)")
+    plot_cdf(axes[1, 0], _ttft_ms(report), "TTFT CDF (dashed: p50, p99)")
+    plot_cdf(axes[1, 1], _itl_ms(report),
+             "ITL CDF, as the caller received tokens (dashed: p50, p99)")
     fig.suptitle(f"aioengine bench profile: {len(requests)} requests, "
                  f"{report['elapsed_s']:.2f} s, {report['environment'].get('cpu_model', '')}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    page = Path(path).with_suffix(".html")
-    image = base64.b64encode(Path(path).read_bytes()).decode()
-    page.write_text(
-        "<!doctype html><meta charset=utf-8><title>aioengine bench profile</title>"
-        "<body style='font-family:sans-serif'>"
-        f"<h1>aioengine bench profile</h1><pre>{html.escape(table)}</pre>"
-        f"<img alt='the run' style='max-width:100%' src='data:image/png;base64,{image}'>"
-        "</body>\n")
-    return str(page)
+    return _write_html(path, "aioengine bench profile", [table])
+
+
+def _cdf_overlay(ax: Any, series: list[tuple[str, list[float]]], title: str) -> None:
+    ax.set_title(title)
+    ax.set_xlabel("ms")
+    ax.set_ylabel("fraction of samples")
+    ax.grid(alpha=0.3)
+    for name, values in series:
+        xs = sorted(values)
+        if xs:
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post",
+                    label=f"{name}: p50 {xs[len(xs) // 2]:.0f} ms, "
+                          f"p99 {xs[min(len(xs) - 1, int(0.99 * len(xs)))]:.0f} ms")
+    ax.legend(fontsize=8)
+
+
+def plot_compare(path: str, runs: list[tuple[str, dict[str, Any]]],
+                 tables: list[str]) -> str:
+    """Two `bench profile` reports side by side: each run's requests and steps in a column,
+    on one time scale; their TTFT and ITL CDFs overlaid. Returns the HTML's path (beside
+    the PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 2, figsize=(15, 13))
+    longest = max(r["elapsed_s"] for _, r in runs)
+    for col, (name, report) in enumerate(runs):
+        _request_bars(axes[0, col], report["requests"], report["origin"])
+        _step_composition(axes[1, col], report["steps"], report["origin"])
+        for row in (0, 1):
+            axes[row, col].set_xlim(0, longest * 1.02)
+            axes[row, col].set_title(f"{name}: {axes[row, col].get_title()}")
+    _cdf_overlay(axes[2, 0], [(n, _ttft_ms(r)) for n, r in runs], "TTFT CDF")
+    _cdf_overlay(axes[2, 1], [(n, _itl_ms(r)) for n, r in runs],
+                 "ITL CDF, as the caller received tokens")
+    fig.suptitle("aioengine bench compare: " + " vs ".join(n for n, _ in runs))
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return _write_html(path, "aioengine bench compare", tables)

@@ -188,9 +188,21 @@ def test_profile_mode_draws_its_run(tiny_llama_dir: Path, tmp_path: Path,
     png = tmp_path / "run.png"
     rc = bench_main(["profile", "--model", str(tiny_llama_dir), "--dtype", "float32",
                      "--num-prompts", "3", "--input-len-min", "12", "--input-len-max", "20",
-                     "--output-len", "5", "--plot", str(png)])
+                     "--output-len", "5", "--plot", str(png),
+                     "--save-json", str(tmp_path / "a.json")])
     assert rc == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     page = (tmp_path / "run.html").read_text()
     assert "phase (mean ms/step)" in page and "data:image/png;base64," in page
     assert "src='http" not in page and "href=" not in page  # nothing fetched from elsewhere
+    # bench compare: two saved runs side by side (here the same run under two names).
+    (tmp_path / "b.json").write_text((tmp_path / "a.json").read_text())
+    both = tmp_path / "both.png"
+    assert bench_main(["compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                       "--plot", str(both)]) == 0
+    assert both.stat().st_size > 20_000
+    assert "b / a: 1.000x the time" in (tmp_path / "both.html").read_text()
+    (tmp_path / "offline.json").write_text('{"mode": "offline"}')
+    with pytest.raises(SystemExit, match="not a `bench profile --save-json` report"):
+        bench_main(["compare", str(tmp_path / "a.json"), str(tmp_path / "offline.json"),
+                    "--plot", str(both)])
