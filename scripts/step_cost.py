@@ -4,9 +4,11 @@ One engine; for each repeat, for each row count R (interleaved: 1 4 32 1 4 32 ..
 concurrent requests of 16 random prompt tokens and --output-len new tokens (EOS ignored);
 the step timeline's worker time (prepare + forward + sample, the LM head included) of the
 decode steps with exactly R rows, median over repeats. The roofline of an R-row step is
-max(weight bytes / read bandwidth, 2 R params / GEMM peak), with the bandwidth measured by
-the bench's probe (sums over 1 GiB in a child) and the GEMM peak by the any-M GEMM itself on
-an L2-resident packed weight in the model's storage (48 rows).
+max((weight bytes + K/V bytes) / read bandwidth, 2 R params / GEMM peak): the K/V its rows
+read at their mean context (16 prompt tokens and half the output), the bandwidth measured
+by the bench's probe (sums over 1 GiB in a child), the GEMM peak by the any-M GEMM itself
+on an L2-resident packed weight in the model's storage, the best of 48 and 512 rows (48
+rows alone read 500-740 GFLOP/s on the AMX Xeon, a third of what 512 rows reach there).
 
     .venv/bin/python scripts/step_cost.py --dtype bfloat16 --rows 1,4,32 --repeats 3
 """
@@ -28,7 +30,8 @@ from aioengine.bench.floor import measure_read_bandwidth, weight_bytes_per_token
 def gemm_peak_flops(storage: str) -> float | None:
     """FLOP/s of the any-M GEMM on a [512, 576] weight in the projections' `storage`
     (Linear.storage: float32, bfloat16, int8, w8a8 or q4_1; L2-resident, packed as the
-    model packs it) at 48 rows, best of 20; None where it is not built or does not pack."""
+    model packs it), the best of 48 and 512 rows, best of 20 each; None where it is not
+    built or does not pack."""
     try:
         from aioengine.kernels import cpu_gemm
         from aioengine.model.layers import Linear
@@ -48,14 +51,17 @@ def gemm_peak_flops(storage: str) -> float | None:
     lin.pack()
     if not lin.is_packed:
         return None
-    x = torch.randn(48, 576)
-    best = float("inf")
-    for _ in range(20):
-        start = time.perf_counter()
-        for _ in range(50):
-            cpu_gemm.gemm(x, lin.weight, 512, None, lin.scales)
-        best = min(best, (time.perf_counter() - start) / 50)
-    return 2 * 48 * 512 * 576 / best
+    peak = 0.0
+    for rows, calls in ((48, 50), (512, 5)):
+        x = torch.randn(rows, 576)
+        best = float("inf")
+        for _ in range(20):
+            start = time.perf_counter()
+            for _ in range(calls):
+                cpu_gemm.gemm(x, lin.weight, 512, None, lin.scales)
+            best = min(best, (time.perf_counter() - start) / calls)
+        peak = max(peak, 2 * rows * 512 * 576 / best)
+    return peak
 
 
 async def decode_step_ms(engine: AsyncEngine, rows: int, output_len: int, seed: int) -> float:
@@ -88,6 +94,9 @@ async def main_async(args: argparse.Namespace) -> dict:
             for r in args.rows:
                 times[r].append(await decode_step_ms(engine, r, args.output_len, rep))
         weights = weight_bytes_per_token(model)
+        kv_row = sum(c[:, 0, 0].numel() * c.element_size()  # K and V of one slot, all layers
+                     for c in engine.core.runner.kv_caches)
+        mean_context = 16 + args.output_len / 2
         params = sum(lin.in_features * lin.out_features for lin in model.linears()
                      if lin is not model.embed_tokens or lin is model.lm_head)
         storage = model.layers[0].qkv_proj.storage
@@ -98,12 +107,14 @@ async def main_async(args: argparse.Namespace) -> dict:
     out = {"cpu": cpu_info.cpu_model(), "flags": cpu_info.relevant_flags(),
            "dtype": args.dtype, "quantization": args.quantization,
            "kv_cache_dtype": args.kv_cache_dtype,
-           "weight_bytes": weights, "params": params, "read_bandwidth_gbs": bandwidth / 1e9,
+           "weight_bytes": weights, "kv_bytes_per_row": kv_row * mean_context,
+           "params": params, "read_bandwidth_gbs": bandwidth / 1e9,
            "gemm_peak_gflops": None if peak is None else peak / 1e9, "rows": {}}
     one = statistics.median(times[args.rows[0]])
     for r in args.rows:
         ms = statistics.median(times[r])
-        roof = max(weights / bandwidth, 2 * r * params / peak if peak else 0.0) * 1e3
+        step_bytes = weights + r * kv_row * mean_context
+        roof = max(step_bytes / bandwidth, 2 * r * params / peak if peak else 0.0) * 1e3
         out["rows"][r] = {"step_ms": ms, "all_ms": times[r], "vs_first": ms / one,
                           "roofline_ms": roof, "vs_roofline": ms / roof}
     return out
