@@ -94,8 +94,10 @@ async def main_async(args: argparse.Namespace) -> dict:
             for r in args.rows:
                 times[r].append(await decode_step_ms(engine, r, args.output_len, rep))
         weights = weight_bytes_per_token(model)
-        kv_row = sum(c[:, 0, 0].numel() * c.element_size()  # K and V of one slot, all layers
-                     for c in engine.core.runner.kv_caches)
+        arch = engine.model_arch  # K and V of one position, every layer
+        kv_dtype = getattr(torch, engine.dtype_info()["kv_cache_dtype"])
+        kv_row = (2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim
+                  * torch.empty((), dtype=kv_dtype).element_size())
         mean_context = 16 + args.output_len / 2
         params = sum(lin.in_features * lin.out_features for lin in model.linears()
                      if lin is not model.embed_tokens or lin is model.lm_head)
