@@ -194,12 +194,11 @@ class EngineMetrics:
             "event_loop_lag_seconds", "How late a timer on the engine's event loop fired "
             "(sampled every 0.1 s): what anything holding the loop cost every request.",
             _LOOP_LAG_BUCKETS)
-        step_time = family("histogram", "step_time_seconds",
-                           "Worker time of an engine step (prepare, forward, sample and "
-                           "drafting), by the executor that ran its layers.", ["model_name", "executor"],
-                           _STEP_TIME_BUCKETS)
-        self._step_time = {}
-        self._step_time_family = step_time
+        self._step_time_family = family(
+            "histogram", "step_time_seconds", "Worker time of an engine step (prepare, "
+            "forward, sample and drafting), by the executor that ran its layers.",
+            ["model_name", "executor"], _STEP_TIME_BUCKETS)
+        self._step_time: dict[str, Any] = {}  # executor -> its child, made on first use
         # Counters that follow cumulative stats() values: (stats key, counter).
         self._cumulative: list[tuple[str, Any]] = [
             ("prefix_cache_queries", self.prefix_cache_queries),

@@ -30,8 +30,7 @@ def step_rows(scheduler_output: SchedulerOutput) -> tuple[int, int]:
 def step_kind(scheduler_output: SchedulerOutput) -> str:
     """decode (every request computes one token, or one and its drafts), prefill (none
     does) or mixed. (A small prompt chunk computed as decode rows is still prefill here.)"""
-    decodes = sum(1 for s in scheduler_output.scheduled
-                  if s.num_new_tokens == 1 or s.spec_token_ids)
+    decodes, _ = step_rows(scheduler_output)
     if decodes == len(scheduler_output.scheduled):
         return "decode"
     return "prefill" if decodes == 0 else "mixed"
