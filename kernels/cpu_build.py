@@ -157,7 +157,8 @@ def _compile(cc: str, flags: list[str], out: str, timeout: float = 240.0) -> Non
             raise RuntimeError(f"{cc} failed to link: {link.stderr.strip()[:2000]}")
 
 
-def _build(name: str) -> ctypes.CDLL:
+def _built_file(name: str) -> str:
+    """The path of the `name` build in the cache, compiled first when missing."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
@@ -174,7 +175,29 @@ def _build(name: str) -> ctypes.CDLL:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    lib = ctypes.CDLL(path)
+    return path
+
+
+def build_variants(names: list[str]) -> dict[str, str | None]:
+    """Compiles the builds `names` that the cache lacks, two at a time (a build's time is
+    mostly one large source on one core, so a second build fills the other core), without
+    loading any. Returns name -> None, or the error that build raised. For tests and
+    benchmarks that switch builds (use_variant)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def build(name: str) -> str | None:
+        try:
+            _built_file(name)
+            return None
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            return str(e)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(names, pool.map(build, names)))
+
+
+def _build(name: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(_built_file(name))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn = lib.paged_attention_f32
     fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64,

@@ -8,7 +8,7 @@ import torch
 from tiny_models import FAMILY_ARCHS, TINY_ARCHS, make_tiny_model_dir
 
 from aioengine.kernels import cpu as cpu_kernels
-from aioengine.kernels import cpu_decode
+from aioengine.kernels import cpu_build, cpu_decode
 
 
 @pytest.fixture(scope="session")
@@ -49,8 +49,17 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+@pytest.fixture(scope="session")
+def every_build() -> list[str]:
+    """Every kernel build this CPU runs, compiled once up front two at a time (one by one,
+    as each test first loads it, they took ~80 s of a 2-core CI run)."""
+    names = cpu_kernels.supported_variants()
+    cpu_build.build_variants(names)  # a build that fails says why when a test loads it
+    return names
+
+
 @pytest.fixture(params=cpu_kernels.supported_variants())
-def variant(request):
+def variant(request, every_build):
     """Each kernel build this CPU can run (avx2, avx512, avx512_bf16, ...), forced in turn."""
     cpu_kernels.use_variant(request.param)
     assert cpu_kernels.load() is not None, cpu_kernels.load_error()

@@ -136,7 +136,7 @@ def test_row_has_the_same_bits_in_any_step(block_type: str, one_thread) -> None:
 
 
 @pytest.mark.parametrize("block_type", TYPES)
-def test_every_build_gives_the_same_bits(block_type: str) -> None:
+def test_every_build_gives_the_same_bits(block_type: str, every_build) -> None:
     """The SIMD tiles of each build (VNNI, AVX512BW, AVX2) and the plain C tile (the
     baseline build) round the same way per element; Q4_1's baseline build alone rounds each
     product (gemm_q4_1.h's q41_block_step without FMA), so it is left out there."""

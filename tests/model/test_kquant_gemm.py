@@ -66,7 +66,8 @@ def restore_variant():
 
 @pytest.mark.skipif(not SIMD_VARIANTS, reason="no SIMD build on this CPU")
 @pytest.mark.parametrize("block_type", KQUANTS)
-def test_simd_tiles_give_the_plain_c_tiles_bits(block_type: str, restore_variant) -> None:
+def test_simd_tiles_give_the_plain_c_tiles_bits(block_type: str, restore_variant,
+                                               every_build) -> None:
     """Bit for bit, every SIMD build against the baseline build (the plain C tile), for
     every row count's tile shapes, n not a multiple of 16, k of one and of eight
     superblocks."""
