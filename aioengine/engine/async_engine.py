@@ -19,6 +19,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable, Sequence
 
@@ -41,6 +42,7 @@ from aioengine.outputs import PoolingRequestOutput, RequestOutput, RequestOutput
 from aioengine.pooling_params import PoolingParams
 from aioengine.request import Request, RequestStatus
 from aioengine.sampling_params import SamplingParams
+from aioengine.tracing import RequestTracer
 
 logger = logging.getLogger("aioengine")
 
@@ -65,7 +67,10 @@ class AsyncEngine(EngineClient):
         if core.lora is not None:  # vLLM's lora_requests_info gauge
             self.metrics.track_lora_requests(core.lora.config.max_loras,
                                              core.lora_requests_info)
-        self.processor = OutputProcessor(core.tokenizer, self.metrics)
+        # --otlp-traces-endpoint: spans of every request (tracing.py); None costs nothing.
+        endpoint = core.args.otlp_traces_endpoint
+        self._tracer = None if endpoint is None else RequestTracer(endpoint)
+        self.processor = OutputProcessor(core.tokenizer, self.metrics, self._tracer)
         # Per-step timings for `aioengine bench profile`; set .enabled to record.
         self.timeline = StepTimeline()
         self._samples: dict[str, list[Request]] = {}
@@ -134,23 +139,29 @@ class AsyncEngine(EngineClient):
     # ---- requests -----------------------------------------------------------------------
 
     async def prepare(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                      lora_request: LoRARequest | None = None,
-                      fit_kv_cache: bool = False) -> PreparedRequest:
+                      lora_request: LoRARequest | None = None, fit_kv_cache: bool = False,
+                      trace_headers: Mapping[str, str] | None = None) -> PreparedRequest:
         """Admits a request once, queueing nothing (see prepare_batch); `generate` runs it."""
         return (await self.prepare_batch([prompt], sampling_params, lora_request,
-                                         fit_kv_cache=fit_kv_cache))[0]
+                                         fit_kv_cache=fit_kv_cache,
+                                         trace_headers=trace_headers))[0]
 
     async def prepare_batch(self, prompts: Sequence[PromptType],
                             sampling_params: SamplingParams | None = None,
                             lora_request: LoRARequest | None = None, fit_kv_cache: bool = False,
-                            admit: Callable[[], None] | None = None) -> list[PreparedRequest]:
+                            admit: Callable[[], None] | None = None,
+                            trace_headers: Mapping[str, str] | None = None,
+                            ) -> list[PreparedRequest]:
         """Prepares each prompt with the same params and adapter: the adapter loaded first
         if its name is not (off the loop), every prompt rendered and validated, with its
         own copy of the params (EngineCore.prepare), then `admit()` (a server's admission
         control: what it raises refuses the call), then the grammar compiled on a thread
         pool (once: compiles are cached by constraint). Raises InvalidRequestError (a bad
         prompt, params, schema, regex or grammar), LoRANotFoundError, LoRAError; nothing is
-        queued. `fit_kv_cache`: an unset max_tokens is capped to what fits the KV cache."""
+        queued. `fit_kv_cache`: an unset max_tokens is capped to what fits the KV cache.
+        `trace_headers`: the caller's W3C trace context (traceparent, tracestate), which
+        each request's span continues when tracing is on (vLLM's argument)."""
+        received = time.monotonic()
         params = sampling_params if sampling_params is not None else SamplingParams()
         await self._load_lora_if_missing(lora_request)
         prepared = [self.core.admission.prepare(token_ids, params, lora_request, text,
@@ -158,7 +169,14 @@ class AsyncEngine(EngineClient):
                     for text, token_ids in (render_prompt(self.tokenizer, p) for p in prompts)]
         if admit is not None:
             admit()
+        compile_start = time.monotonic()
         await self.core.admission.prepare_features_async(params)
+        compiled = ((compile_start, time.monotonic())
+                    if params.structured_outputs is not None else None)
+        for prompt, request in zip(prompts, prepared):
+            request.received_time, request.grammar_compile = received, compiled
+            request.trace_headers = trace_headers
+            request.operation = "chat" if _is_chat(prompt) else "text_completion"
         return prepared
 
     def _given_prepared(self, prompt: PromptType | PreparedRequest,
@@ -197,12 +215,20 @@ class AsyncEngine(EngineClient):
         queue = RequestOutputCollector()
         self._queues[request_id] = queue
         self.processor.add_request(request_id, prepared.prompt_text, samples, queue.put)
+        if self._tracer is not None:
+            self._tracer.begin(request_id, prepared, self._served_name(prepared))
         return request_id, queue
+
+    def _served_name(self, prepared: PreparedRequest) -> str:
+        """The model a request runs on, as callers name it: its adapter, else the model."""
+        lora = prepared.lora_request
+        return self.model_name if lora is None else lora.lora_name
 
     async def generate(self, prompt: PromptType | PreparedRequest,
                        sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0,
                        lora_request: LoRARequest | None = None,
+                       trace_headers: Mapping[str, str] | None = None,
                        ) -> AsyncIterator[RequestOutput]:
         """Streams RequestOutputs until the request finishes. Cancelling the task aborts
         the request and frees its KV blocks at once; so does closing the generator early
@@ -213,10 +239,15 @@ class AsyncEngine(EngineClient):
         or grammar too), or a PreparedRequest, queued as it is (it carries its own params
         and adapter). `lora_request` runs it with an adapter: one loaded under that name,
         or else loaded from its lora_path first (off the loop). Raises LoRANotFoundError
-        (an unknown name, a missing path) or LoRAError (bad adapter files)."""
+        (an unknown name, a missing path) or LoRAError (bad adapter files).
+        `trace_headers` (a prompt, not a prepared request: that carries its own): the
+        caller's W3C trace context, continued by the request's span when tracing is on."""
         prepared = self._given_prepared(prompt, sampling_params, lora_request)
         if prepared is None:
-            prepared = await self.prepare(prompt, sampling_params, lora_request)
+            prepared = await self.prepare(prompt, sampling_params, lora_request,
+                                          trace_headers=trace_headers)
+        elif trace_headers is not None:
+            raise ValueError("a prepared request carries its own trace headers")
         request_id, queue = self._add_request(prepared, request_id, priority)
         finished = False
         try:
@@ -313,6 +344,8 @@ class AsyncEngine(EngineClient):
             self._event_pool.shutdown(wait=True)
         self._worker.close()
         self.core.shutdown()
+        if self._tracer is not None:  # the spans of what just ended, exported off the loop
+            await asyncio.to_thread(self._tracer.shutdown)
 
     # ---- the engine loop ---------------------------------------------------------------
 
@@ -360,8 +393,9 @@ class AsyncEngine(EngineClient):
                                     schedule=scheduled - started,
                                     process=time.perf_counter() - scheduled,
                                     idle=self.timeline.take_idle())
-                if self.timeline.enabled:
+                if self.timeline.enabled or self._tracer is not None:
                     record.start = time.monotonic() - (time.perf_counter() - started)
+                if self.timeline.enabled:
                     record.decode_rows, record.draft_tokens = step_rows(scheduler_output)
                 pending = await self._finish_step(future, scheduler_output, record)
             self._process(pending)
@@ -413,6 +447,9 @@ class AsyncEngine(EngineClient):
         self.metrics.observe_step(scheduler_output.total_num_scheduled_tokens,
                                   sum(timings.values()) if timings else None,
                                   runner_output.executor)
+        if self._tracer is not None:  # before the update: it ends requests
+            self._tracer.observe_step(scheduler_output, runner_output, record.start,
+                                      time.monotonic())
         outputs = self.core.update(scheduler_output, runner_output)
         record.wait, record.update = updating - waiting, time.perf_counter() - updating
         for phase, seconds in runner_output.timings.items():
@@ -425,3 +462,8 @@ class AsyncEngine(EngineClient):
         if not outputs and not failed:
             return
         self.core.apply_finish_orders(self.processor.process_outputs(outputs, failed))
+
+
+def _is_chat(prompt: PromptType) -> bool:
+    """Chat messages (rendered through the template), not text or token ids."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)

@@ -7,7 +7,7 @@ from typing import Callable, Sequence
 from tqdm.auto import tqdm
 
 from aioengine.chat_prompt import normalize_tool, render_chat_prompt
-from aioengine.config import EngineArgs
+from aioengine.config import ConfigError, EngineArgs
 from aioengine.engine.client import EngineClient, PreparedRequest, PromptType, render_prompt
 from aioengine.engine.core import EngineCore
 from aioengine.engine.output_processor import OutputProcessor
@@ -27,7 +27,11 @@ class LLM(EngineClient):
     """`LLM(model=None, **engine_args).generate(prompts, params)` -> final outputs, in order."""
 
     def __init__(self, model: str | None = None, **engine_args: object) -> None:
-        self.core = EngineCore(EngineArgs.from_kwargs(model=model, **engine_args))
+        args = EngineArgs.from_kwargs(model=model, **engine_args)
+        if args.otlp_traces_endpoint is not None:  # refused rather than silently ignored
+            raise ConfigError("otlp_traces_endpoint: request traces are exported by "
+                              "AsyncEngine (and so the server), not by LLM")
+        self.core = EngineCore(args)
         self.processor = OutputProcessor(self.core.tokenizer)
         self._num_requests = 0
 

@@ -21,6 +21,7 @@ from aioengine.metrics import EngineMetrics
 from aioengine.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput,
                                PositionLogprobs, RequestOutput)
 from aioengine.request import Request, RequestStatus
+from aioengine.tracing import RequestOutcome, RequestTracer
 
 Sink = Callable[[RequestOutput], None]
 PoolingSink = Callable[[PoolingRequestOutput], None]
@@ -36,6 +37,8 @@ class SampleState:
     num_sent_tokens: int = 0
     finished: bool = False
     last_token_time: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -56,9 +59,12 @@ class RequestState:
 
 class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase,
-                 metrics: EngineMetrics | None = None) -> None:
+                 metrics: EngineMetrics | None = None,
+                 tracer: RequestTracer | None = None) -> None:
         self.tokenizer = tokenizer
         self.metrics = metrics
+        # --otlp-traces-endpoint: a request's spans are made where its last output goes out.
+        self.tracer = tracer
         self.states: dict[str, RequestState] = {}
         # Pooling requests in flight: request_id -> (prompt ids, sink).
         self.pooling: dict[str, tuple[list[int], PoolingSink]] = {}
@@ -188,7 +194,7 @@ class OutputProcessor:
 
     def _finish_sample(self, state: RequestState, sample: SampleState, reason: str,
                        error: str | None = None) -> CompletionOutput:
-        sample.finished = True
+        sample.finished, sample.error = True, error
         self._observe_finished(state, sample, reason)
         delta = sample.detokenizer.get_next_output_text(True, delta=True)
         sample.text += delta
@@ -213,6 +219,7 @@ class OutputProcessor:
         sample.last_token_time = now
 
     def _observe_finished(self, state: RequestState, sample: SampleState, reason: str) -> None:
+        sample.finish_reason = reason
         if self.metrics is None:
             return
         request = sample.request
@@ -229,6 +236,8 @@ class OutputProcessor:
         finished = state.finished
         if finished:
             del self.states[state.request_id]
+            if self.tracer is not None:
+                self.tracer.finish(state.request_id, _outcome(state))
         first = state.samples[0].request
         metrics = {"arrival_time": state.arrival_time}
         if first.first_scheduled_time is not None:
@@ -247,3 +256,20 @@ class OutputProcessor:
             return None
         return [{tok: Logprob(lp.logprob, lp.rank, self._decode_one(tok))
                  for tok, lp in entry.items()} for entry in logprobs]
+
+
+def _outcome(state: RequestState) -> RequestOutcome:
+    """How a finished request went, for its trace: what was delivered, over all samples."""
+    samples = state.samples
+    first = samples[0].request
+    last_token_times = [s.last_token_time for s in samples if s.last_token_time is not None]
+    return RequestOutcome(
+        finish_time=time.monotonic(), arrival_time=state.arrival_time,
+        first_scheduled_time=first.first_scheduled_time,
+        first_token_time=state.first_token_time,
+        last_token_time=max(last_token_times, default=None),
+        num_output_tokens=sum(s.num_sent_tokens for s in samples),
+        num_cached_tokens=max(first.num_cached_tokens, 0),
+        num_preemptions=sum(s.request.num_preemptions for s in samples),
+        finish_reasons=[s.finish_reason or "abort" for s in samples],
+        error=next((s.error for s in samples if s.error is not None), None))

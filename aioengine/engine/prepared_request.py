@@ -5,6 +5,7 @@ Admission (engine/admission.py) makes one from a prompt and its params; the fron
 it as it is. It names nothing of the engine, so each of them can import it."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from aioengine.lora.request import LoRARequest
@@ -26,3 +27,11 @@ class PreparedRequest:
     # A pooling request (prefill only, AsyncEngine.encode / LLM.embed): how its hidden
     # states are pooled; `sampling_params` is then a placeholder nothing samples with.
     pooling_params: PoolingParams | None = None
+    # For its trace (aioengine/tracing.py; read only when tracing is on): the caller's W3C
+    # trace-context headers (traceparent, tracestate), the GenAI operation it is ("chat",
+    # "text_completion"), when preparing began and its grammar compile ran
+    # (time.monotonic(): the request span starts at `received_time`).
+    trace_headers: Mapping[str, str] | None = None
+    operation: str = "text_completion"
+    received_time: float | None = None
+    grammar_compile: tuple[float, float] | None = None

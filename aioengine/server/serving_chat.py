@@ -15,6 +15,7 @@ reasoning gate). `chat_template_kwargs` and `enable_thinking` reach the template
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -30,7 +31,7 @@ from aioengine.server.protocol import (ApiError, StreamSpec, chat_sampling_param
                                        get_priority, get_stream, structured_outputs_field)
 from aioengine.server.serving_engine import (ApiCall, Outputs, PreparedCall, SSEStream,
                                              ServingContext, check_failed, merged_outputs,
-                                             random_id)
+                                             random_id, trace_headers)
 from aioengine.tool_parsers import (ContentDelta, ToolCallArgsDelta, ToolCallStart,
                                            ToolCallStream, ToolEvent)
 from aioengine.server.tools import ToolPlan, chat_tool_plan, new_tool_call_id
@@ -186,19 +187,22 @@ class ChatHandler:
         self.ctx = ctx
 
     async def __call__(self, request: web.Request, body: dict) -> web.StreamResponse:
-        return await (await self.create(body, body_bytes(request))).respond(request)
+        return await (await self.create(body, body_bytes(request), trace_headers(request))
+                      ).respond(request)
 
-    async def create(self, body: dict, body_size: int = 0) -> PreparedCall:
+    async def create(self, body: dict, body_size: int = 0,
+                     trace: Mapping[str, str] | None = None) -> PreparedCall:
         """The call of a parsed body of `body_size` bytes, validated and prepared (the
-        HTTP route and run-batch both come here)."""
-        chat = await self.prepare(body, body_size)
+        HTTP route and run-batch both come here); `trace`: the client's trace context."""
+        chat = await self.prepare(body, body_size, trace)
         params = chat.params
         call = _ChatCall(random_id("chatcmpl"), chat.model, params.n, params.logprobs,
                          len(chat.prompt_ids), chat.plan, self.ctx.reasoning_parser,
                          chat.in_reasoning)
         return PreparedCall(call, chat.outputs(self.ctx, call.id), chat.stream)
 
-    async def prepare(self, body: dict, body_size: int = 0) -> ChatRequest:
+    async def prepare(self, body: dict, body_size: int = 0,
+                      trace: Mapping[str, str] | None = None) -> ChatRequest:
         """A chat body validated, rendered and prepared by the engine; /v1/messages comes
         here too, with its body translated into a chat body (serving_messages.py)."""
         ctx = self.ctx
@@ -211,7 +215,8 @@ class ChatHandler:
         in_reasoning = apply_reasoning(ctx.reasoning_parser, params, prompt_ids)
         prepared = await ctx.prepare([prompt_ids], params, lora_request, body,
                                      prompt_param="messages",
-                                     grammar_param="tools" if plan else None)
+                                     grammar_param="tools" if plan else None,
+                                     trace_headers=trace, operation="chat")
         return ChatRequest(model, params, plan, prompt_ids, prepared, stream, priority,
                            in_reasoning)
 

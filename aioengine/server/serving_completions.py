@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -11,7 +12,8 @@ from aioengine.server.offload import body_bytes
 from aioengine.server.protocol import (completion_sampling_params, get_priority,
                                        get_stream, parse_completion_prompts)
 from aioengine.server.serving_engine import (ApiCall, PreparedCall, ServingContext,
-                                             check_failed, merged_outputs, random_id)
+                                             check_failed, merged_outputs, random_id,
+                                             trace_headers)
 
 
 @dataclass
@@ -73,18 +75,21 @@ class CompletionsHandler:
         self.ctx = ctx
 
     async def __call__(self, request: web.Request, body: dict) -> web.StreamResponse:
-        return await (await self.create(body, body_bytes(request))).respond(request)
+        return await (await self.create(body, body_bytes(request), trace_headers(request))
+                      ).respond(request)
 
-    async def create(self, body: dict, body_size: int = 0) -> PreparedCall:
+    async def create(self, body: dict, body_size: int = 0,
+                     trace: Mapping[str, str] | None = None) -> PreparedCall:
         """The call of a parsed body of `body_size` bytes, validated and prepared (the
-        HTTP route and run-batch both come here)."""
+        HTTP route and run-batch both come here); `trace`: the client's trace context."""
         ctx = self.ctx
         model, lora_request = ctx.resolve_model(body)
         stream = get_stream(body)
         params, echo = completion_sampling_params(body, ctx.engine.default_sampling)
         priority = get_priority(body)
         prompts, prompt_ids = await ctx.work.run_sized(body_size, completion_prompts, ctx, body)
-        prepared = await ctx.prepare(prompt_ids, params, lora_request, body)
+        prepared = await ctx.prepare(prompt_ids, params, lora_request, body,
+                                     trace_headers=trace)
         call = _Call(ctx, random_id("cmpl"), model, params.n, echo, params.logprobs,
                      [ctx.prompt_text(p, need_text=echo) for p in prompts], prompt_ids)
         return PreparedCall(call, merged_outputs(ctx.engine, prepared, call.id, priority),

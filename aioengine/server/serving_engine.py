@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Iterator, Mapping
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +29,7 @@ from aioengine.server.server_config import DEFAULT_STREAM_WRITE_TIMEOUT
 from aioengine.server.serving_models import ServingModels
 from aioengine.server.tools import ToolServingConfig
 from aioengine.structured import GrammarCompileError
+from aioengine.tracing import TRACE_HEADERS
 
 logger = logging.getLogger("aioengine.server")
 
@@ -37,6 +38,15 @@ Outputs = AsyncGenerator[tuple[int, RequestOutput], None]
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
+
+
+def trace_headers(request: web.Request) -> dict[str, str] | None:
+    """The W3C trace context a client sent (traceparent, tracestate), which the request's
+    span continues when tracing is on; None without one. Not parsed here: a malformed
+    traceparent is ignored by the tracer (a new root span), never a 400."""
+    headers = {name: value for name in TRACE_HEADERS
+               if (value := request.headers.get(name)) is not None}
+    return headers or None
 
 
 def random_id(prefix: str) -> str:
@@ -135,22 +145,30 @@ class ServingContext:
     async def prepare(self, prompts: list[list[int]], params: SamplingParams,
                       lora_request: LoRARequest | None, body: dict,
                       prompt_param: str = "prompt",
-                      grammar_param: str | None = None) -> list[PreparedRequest]:
+                      grammar_param: str | None = None,
+                      trace_headers: Mapping[str, str] | None = None,
+                      operation: str = "text_completion") -> list[PreparedRequest]:
         """One engine request per prompt, prepared once by the engine: each validated
         against its prompt with its own params (max_tokens unset: what fits the KV cache,
         `default_max_tokens`), the adapter resolved, then `check_running` (503s only for
         valid requests), then the grammar compiled (thread pool, cached) before any
         response starts, so an invalid schema, regex or grammar is a 400, never a failed
         stream. `grammar_param` names the field the constraint came from (default: the
-        structured-output field)."""
+        structured-output field). `trace_headers` (the client's trace context) and
+        `operation` (GenAI's name of the call: "chat" or "text_completion") go to the
+        requests' traces."""
         try:
-            return await self.engine.prepare_batch(prompts, params, lora_request,
-                                                   fit_kv_cache=True, admit=self.check_running)
+            prepared = await self.engine.prepare_batch(
+                prompts, params, lora_request, fit_kv_cache=True, admit=self.check_running,
+                trace_headers=trace_headers)
         except GrammarCompileError as e:
             raise ApiError(400, str(e), grammar_param or structured_outputs_field(body)
                            or e.param) from None
         except InvalidRequestError as e:
             raise ApiError.invalid(e, prompt_param if e.param == "prompt" else None) from None
+        for request in prepared:  # the engine sees token ids: the route knows what it is
+            request.operation = operation
+        return prepared
 
 
 async def merged_outputs(engine: AsyncEngine, prepared: list[PreparedRequest],

@@ -32,7 +32,7 @@ from aioengine.server.protocol import ApiError
 from aioengine.server.serving_chat import ChatHandler, chat_prompt
 from aioengine.server.serving_engine import (ApiCall, Outputs, PreparedCall, SSEStream,
                                              ServingContext, check_failed, failure_body,
-                                             json_response)
+                                             json_response, trace_headers)
 from aioengine.server.tools import ToolPlan
 from aioengine.tool_parsers import ContentDelta, ToolCallArgsDelta, ToolCallStart, ToolEvent
 
@@ -247,7 +247,7 @@ class MessagesHandler:
     async def create(self, request: web.Request, body: dict) -> web.StreamResponse:
         size = body_bytes(request)
         chat_body = await self.ctx.work.run_sized(size, messages_to_chat, body)
-        chat = await self.chat.prepare(chat_body, size)
+        chat = await self.chat.prepare(chat_body, size, trace_headers(request))
         parser = self.ctx.reasoning_parser
         reasoning = parser.stream(chat.in_reasoning) if parser is not None else None
         call = _MessagesCall(chat.model, len(chat.prompt_ids),

@@ -43,7 +43,8 @@ from aioengine.server.responses_store import (ENTRY_OVERHEAD_BYTES, ResponsesSto
 from aioengine.server.serving_chat import (apply_reasoning, apply_tool_plan,
                                            chat_template_kwargs, render_messages)
 from aioengine.server.serving_engine import (Outputs, SSEStream, ServingContext, UsageTracker,
-                                             failure_body, json_response, merged_outputs)
+                                             failure_body, json_response, merged_outputs,
+                                             trace_headers)
 from aioengine.server.tools import ToolPlan, parse_tool_choice, parse_tools, plan_tools
 
 # The Responses API's sampling fields, and vLLM's extras that make sense here.
@@ -211,7 +212,8 @@ class ResponsesHandler:
         in_reasoning = apply_reasoning(ctx.reasoning_parser, params, prompt_ids)
         prepared = await ctx.prepare([prompt_ids], params, lora_request, body,
                                      prompt_param="input",
-                                     grammar_param="tools" if plan else "text")
+                                     grammar_param="tools" if plan else "text",
+                                     trace_headers=trace_headers(request), operation="chat")
         echo, echo_bytes = _echo(body, instructions, metadata, params, plan)
         state = ResponseState(new_response_id(self.id_tag), model, echo)
         stored = StoredResponse(state, messages, background, echo_bytes)

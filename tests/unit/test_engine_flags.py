@@ -21,7 +21,7 @@ from tests.tiny_models import bundled_tokenizer, make_tiny_model_dir
 
 LORA_FIELDS = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
 # Every engine flag and its aliases (those of aioengine/cli.py before they moved, and
-# --tokenizer, --prefix-caching-hash-algo since).
+# --tokenizer, --prefix-caching-hash-algo, --otlp-traces-endpoint since).
 FLAG_NAMES = {
     "--model", "--tokenizer", "--dtype", "--quantization", "-q", "--kv-cache-dtype",
     "--device", "--seed", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
@@ -33,7 +33,7 @@ FLAG_NAMES = {
     "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
     "--no-structured-jump-forward", "--no-async-scheduling", "--long-prefill-token-threshold",
     "--structured-outputs-compile-timeout", "--long-prefill-attention-budget",
-    "--generation-config"}
+    "--generation-config", "--otlp-traces-endpoint"}
 # The other flags of `serve`: its own, LoRA, tool calling and --ray-* (those of
 # aioengine/cli.py before they were generated from their dataclasses).
 SERVE_FLAG_NAMES = {
