@@ -213,9 +213,9 @@ def child_spans(trace: RequestTrace) -> list[ChildSpan]:
 def observe_scheduled(trace: RequestTrace, item: ScheduledRequest,
                       scheduler_output: SchedulerOutput,
                       sampled: list[int] | None, start: float, end: float) -> None:
-    """One step's share of a request (`item`): a prefill chunk when it
-    computed prompt positions, else a decode step (with its drafts, and of those the
-    accepted: all sampled tokens but the last)."""
+    """One step's share of a request (`item`): a prefill chunk when it computed prompt
+    positions, else a decode step (with its drafts, and of those the accepted: all sampled
+    tokens but the last). A step counts once however many samples of the request it ran."""
     request, computed = item.request, item.num_computed_tokens
     num_prompt = request.num_prompt_tokens
     if computed < num_prompt:
@@ -227,7 +227,8 @@ def observe_scheduled(trace: RequestTrace, item: ScheduledRequest,
     if decode.last_step_id != scheduler_output.step_id:
         decode.last_step_id = scheduler_output.step_id
         decode.num_steps += 1
-        decode.start = start if decode.start is None else decode.start
+        if decode.start is None:
+            decode.start = start
         decode.end = end
     if item.spec_token_ids:
         decode.num_draft_tokens += len(item.spec_token_ids)
