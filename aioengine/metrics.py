@@ -37,6 +37,13 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 # accepted at position i (0-based) under SPEC_PER_POS_PREFIX + str(i).
 SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 SPEC_PER_POS_PREFIX = "spec_decode_num_accepted_tokens_per_pos_"
+# The same per drafting method (suffix, ngram, eagle3, ...): SPEC_PER_POS_PREFIX + str(i) +
+# SPEC_METHOD_INFIX + method; the Prometheus counter's `method` label.
+SPEC_METHOD_INFIX = "_by_"
+
+
+def spec_method_key(pos: int, method: str) -> str:
+    return f"{SPEC_PER_POS_PREFIX}{pos}{SPEC_METHOD_INFIX}{method}"
 
 logger = logging.getLogger("aioengine")
 
@@ -204,17 +211,17 @@ class EngineMetrics:
             ("prefix_cache_queries", self.prefix_cache_queries),
             ("prefix_cache_hits", self.prefix_cache_hits),
             ("num_preemptions", self.num_preemptions)]
+        self._per_pos: Any = None
         if num_speculative_tokens > 0:
             docs = {"num_drafts": "Number of spec decoding drafts.",
                     "num_draft_tokens": "Number of draft tokens.",
                     "num_accepted_tokens": "Number of accepted tokens."}
             self._cumulative += [(f"spec_decode_{name}", counter(f"spec_decode_{name}", doc))
                                  for name, doc in docs.items()]
-            per_pos = family("counter", "spec_decode_num_accepted_tokens_per_pos",
-                             "Accepted tokens per draft position.", ["model_name", "position"])
-            self._cumulative += [(f"{SPEC_PER_POS_PREFIX}{pos}",
-                                  per_pos.labels(model_name, str(pos)))
-                                 for pos in range(num_speculative_tokens)]
+            # Children per (position, method) as the stats name them (spec_method_key).
+            self._per_pos = family("counter", "spec_decode_num_accepted_tokens_per_pos",
+                                   "Accepted tokens per draft position, by the method that "
+                                   "drafted them.", ["model_name", "position", "method"])
         self._last: dict[str, float] = {}
         self._lora_info: Gauge | None = None
         self._lora_max = 0
@@ -256,12 +263,25 @@ class EngineMetrics:
                                                                             label)
         metric.observe(seconds)
 
+    def _add_per_pos_children(self, stats: dict[str, float]) -> None:
+        """A counter child for each per-method per-position stats key not seen before (the
+        stats list every method the config may draft with from the start)."""
+        known = {key for key, _ in self._cumulative}
+        for key in stats:
+            if key.startswith(SPEC_PER_POS_PREFIX) and key not in known:
+                pos, infix, method = key[len(SPEC_PER_POS_PREFIX):].partition(SPEC_METHOD_INFIX)
+                if infix and pos.isdigit():
+                    self._cumulative.append((key, self._per_pos.labels(self.model_name, pos,
+                                                                       method)))
+
     def refresh(self, stats: dict[str, float]) -> None:
         """Gauges from the scheduler's current state; counters from its cumulative stats.
         Called at scrape time, so an idle engine still reports its latest state."""
         self.num_requests_running.set(stats["num_running"])
         self.num_requests_waiting.set(stats["num_waiting"])
         self.kv_cache_usage_perc.set(stats["kv_cache_usage"])
+        if self._per_pos is not None:
+            self._add_per_pos_children(stats)
         for key, counter in self._cumulative:
             delta = stats[key] - self._last.get(key, 0)
             if delta > 0:

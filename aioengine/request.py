@@ -92,6 +92,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     # With tree drafts (spec_decode/tree.py), each draft's parent (-1: the root); None: a chain.
     spec_tree_parents: list[int] | None = None
+    # The proposer method that drafted spec_token_ids ("": the config's one method).
+    spec_method: str = ""
     # Whether every feature lets it be drafted as a tree (EngineFeature.allows_tree_drafts,
     # decided at admission); else its drafts are a chain.
     allows_tree_drafts: bool = True

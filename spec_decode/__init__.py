@@ -29,26 +29,58 @@ def make_proposer(config: SpeculativeConfig | None, loaded: LoadedModel, num_blo
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
                              config.num_speculative_tokens)
     if config.method == "suffix":
-        from aioengine.spec_decode.suffix import SuffixParams, SuffixProposer
-        assert config.num_speculative_tokens is not None  # parse fills it in
-        return SuffixProposer(SuffixParams(
-            num_speculative_tokens=config.num_speculative_tokens,
-            max_tree_depth=config.suffix_decoding_max_tree_depth,
-            max_cached_requests=config.suffix_decoding_max_cached_requests,
-            max_spec_factor=config.suffix_decoding_max_spec_factor,
-            min_token_prob=config.suffix_decoding_min_token_prob,
-            max_cached_bytes=config.suffix_decoding_max_cached_bytes))
-    from aioengine.spec_decode.eagle import load_eagle_head
+        return _suffix_proposer(config, config.num_speculative_tokens)
+    if config.method == "auto":
+        return _auto_proposer(config, loaded, num_blocks, block_size, dtype, device)
     from aioengine.spec_decode.eagle_proposer import EagleProposer
     assert config.model is not None  # SpeculativeConfig.parse checked
-    head = load_eagle_head(config.model, config.method, loaded.arch, dtype, device,
-                           storage=head_weight_storage(config.quantization, dtype, device))
-    if head.aux_layer_ids:
-        loaded.model.aux_hidden_state_layers = head.aux_layer_ids
+    head = _load_head(config, config.method, loaded, dtype, device)
     if config.tree is not None:
         _check_tree_support(loaded)
     return EagleProposer(head, loaded.model, config.num_speculative_tokens, num_blocks,
                          block_size, tree=config.tree)
+
+
+def _suffix_proposer(config: SpeculativeConfig, k: int | None) -> Proposer:
+    from aioengine.spec_decode.suffix import SuffixParams, SuffixProposer
+    assert k is not None  # parse fills it in
+    return SuffixProposer(SuffixParams(
+        num_speculative_tokens=k,
+        max_tree_depth=config.suffix_decoding_max_tree_depth,
+        max_cached_requests=config.suffix_decoding_max_cached_requests,
+        max_spec_factor=config.suffix_decoding_max_spec_factor,
+        min_token_prob=config.suffix_decoding_min_token_prob,
+        max_cached_bytes=config.suffix_decoding_max_cached_bytes))
+
+
+def _load_head(config: SpeculativeConfig, method: str, loaded: LoadedModel,
+               dtype: torch.dtype, device: torch.device):
+    from aioengine.spec_decode.eagle import load_eagle_head
+    assert config.model is not None
+    head = load_eagle_head(config.model, method, loaded.arch, dtype, device,
+                           storage=head_weight_storage(config.quantization, dtype, device))
+    if head.aux_layer_ids:
+        loaded.model.aux_hidden_state_layers = head.aux_layer_ids
+    return head
+
+
+def _auto_proposer(config: SpeculativeConfig, loaded: LoadedModel, num_blocks: int,
+                   block_size: int, dtype: torch.dtype, device: torch.device) -> Proposer:
+    """auto: suffix decoding and n-gram lookup with k drafts at most (the config's own k,
+    before the head's chain raised it), and the head (eagle3) where one was resolved."""
+    from aioengine.spec_decode.auto import AutoProposer
+    from aioengine.spec_decode.eagle_proposer import EagleProposer
+    from aioengine.spec_decode.ngram import NgramLookup
+    k = config.num_speculative_tokens
+    assert k is not None
+    head = None
+    if config.model is not None:
+        k_head = config.head_tokens
+        head = EagleProposer(_load_head(config, "eagle3", loaded, dtype, device), loaded.model,
+                             k_head, num_blocks, block_size)
+    return AutoProposer(_suffix_proposer(config, k),
+                        NgramLookup(config.prompt_lookup_min, config.prompt_lookup_max, k),
+                        head)
 
 
 def head_weight_storage(quantization: str | None, dtype: torch.dtype,
@@ -89,4 +121,4 @@ def num_lookahead_tokens(config: SpeculativeConfig | None) -> int:
         return 0
     if config.tree is not None:
         return config.tree.depth + config.tree.num_head_rows
-    return config.num_speculative_tokens or 0
+    return config.head_tokens

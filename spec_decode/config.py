@@ -13,6 +13,12 @@
      "suffix_decoding_max_cached_requests": 10000, "suffix_decoding_max_spec_factor": 1.0,
      "suffix_decoding_min_token_prob": 0.1}   (suffix decoding, spec_decode/suffix.py:
                            vLLM's names and defaults; k is the cap on a draft's length)
+    {"method": "auto"}     (ours: per request and step the draft with the best expected
+                           gain of suffix decoding, n-gram lookup and the draft head (the
+                           `model` given, else the one shipped for the target, else none):
+                           spec_decode/auto.py; takes the suffix, n-gram and head fields,
+                           and head_num_speculative_tokens, the head's chain (left out:
+                           its n_predict))
 
 Every error is a ConfigError naming the offending field, raised at engine start-up.
 """
@@ -26,9 +32,12 @@ from typing import Any
 from aioengine.errors import ConfigError
 from aioengine.spec_decode.tree import TreeConfig
 
-METHODS = ("ngram", "eagle", "eagle3", "suffix")
+METHODS = ("ngram", "eagle", "eagle3", "suffix", "auto")
 DRAFT_HEAD_METHODS = ("eagle", "eagle3")
 MAX_SPECULATIVE_TOKENS = 16
+# Methods whose k left out is DEFAULT_SUFFIX_SPECULATIVE_TOKENS and may be up to
+# MAX_SUFFIX_SPECULATIVE_TOKENS (auto's k caps its suffix and n-gram drafts).
+SUFFIX_K_METHODS = ("suffix", "auto")
 # Suffix drafts are cheap to make and their length adapts per step (0..k), so k may be
 # larger: a cap on the longest draft, not a length every step verifies.
 MAX_SUFFIX_SPECULATIVE_TOKENS = 32
@@ -81,13 +90,33 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     # Ours, not vLLM's: the global tree's bound in bytes (oldest requests evicted first).
     suffix_decoding_max_cached_bytes: int = 256 * 2**20
+    # auto only: the draft head's chain length; left out, the head's n_predict (filled in
+    # by shipped.resolve_speculative_config with `model`).
+    head_num_speculative_tokens: int | None = None
 
     @property
     def uses_draft_head(self) -> bool:
-        """Drafts from a head over the target's hidden states (eagle, eagle3), which
-        needs lookahead KV slots and the target's aux layers; n-gram and suffix drafts are
-        read off token ids."""
+        """Drafts from a head over the target's hidden states (eagle, eagle3, auto with a
+        head), which needs lookahead KV slots and the target's aux layers; n-gram and
+        suffix drafts are read off token ids."""
+        if self.method == "auto":
+            return self.model is not None
         return self.method in DRAFT_HEAD_METHODS
+
+    @property
+    def draft_methods(self) -> tuple[str, ...]:
+        """The names a draft's method may have (the per-position counters' `method` label):
+        the config's method, or auto's suffix, ngram and its head's eagle3."""
+        if self.method != "auto":
+            return (self.method,)
+        return ("suffix", "ngram") + (("eagle3",) if self.model is not None else ())
+
+    @property
+    def head_tokens(self) -> int:
+        """The draft head's chain length (0 without a head)."""
+        if self.method == "auto":
+            return self.head_num_speculative_tokens or 0
+        return (self.num_speculative_tokens or 0) if self.uses_draft_head else 0
 
     @classmethod
     def parse(cls, value: dict[str, Any] | str | SpeculativeConfig | None,
@@ -112,9 +141,10 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_config.method must be one of {list(METHODS)}, "
                               f"got {method!r}")
         k = value.get("num_speculative_tokens")
-        if method == "suffix" and k is None:
+        if method in SUFFIX_K_METHODS and k is None:
             k = DEFAULT_SUFFIX_SPECULATIVE_TOKENS
-        k_max = MAX_SUFFIX_SPECULATIVE_TOKENS if method == "suffix" else MAX_SPECULATIVE_TOKENS
+        k_max = (MAX_SUFFIX_SPECULATIVE_TOKENS if method in SUFFIX_K_METHODS
+                 else MAX_SPECULATIVE_TOKENS)
         if (k is not None or method == "ngram") and (not _is_int(k) or not 1 <= k <= k_max):
             raise ConfigError("speculative_config.num_speculative_tokens must be an integer in "
                               f"[1, {k_max}], got {k!r}")
@@ -129,7 +159,16 @@ class SpeculativeConfig:
                               f"prompt_lookup_max ({hi})")
         model = value.get("model")
         suffix = _parse_suffix(value, method)
-        if method not in DRAFT_HEAD_METHODS:
+        head_k = value.get("head_num_speculative_tokens")
+        if head_k is not None and method != "auto":
+            raise ConfigError(f"speculative_config.head_num_speculative_tokens is only used "
+                              f"by method 'auto', not {method!r}")
+        if head_k is not None and (not _is_int(head_k)
+                                   or not 1 <= head_k <= MAX_SPECULATIVE_TOKENS):
+            raise ConfigError("speculative_config.head_num_speculative_tokens must be an "
+                              f"integer in [1, {MAX_SPECULATIVE_TOKENS}], got {head_k!r}")
+        head_methods = DRAFT_HEAD_METHODS + ("auto",)
+        if method not in head_methods:
             if model is not None:
                 raise ConfigError(f"speculative_config.model is not used by method {method!r}")
         elif model is not None and (not isinstance(model, str) or not model):
@@ -143,6 +182,9 @@ class SpeculativeConfig:
         if limit is not None and (not _is_int(limit) or limit < 1):
             raise ConfigError("speculative_config.disable_by_batch_size must be an integer "
                               f">= 1, got {limit!r}")
+        if method == "auto" and value.get("tree") is not None:
+            raise ConfigError("speculative_config.tree is not used by method 'auto' (its "
+                              "head drafts chains)")
         tree = _parse_tree(value.get("tree"), method)
         quantization = _parse_quantization(value.get("quantization"), method)
         if tree is not None:  # a tree's depth is the longest run of drafts it verifies
@@ -152,13 +194,14 @@ class SpeculativeConfig:
             k = tree.depth
         return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo,
                    prompt_lookup_max=hi, model=model, disable_by_batch_size=limit,
-                   tree=tree, quantization=quantization, **suffix)
+                   tree=tree, quantization=quantization, head_num_speculative_tokens=head_k,
+                   **suffix)
 
 
 def _parse_suffix(value: dict[str, Any], method: str) -> dict[str, Any]:
     """The suffix_decoding_* fields given, checked (suffix decoding only)."""
     given = {name: v for name, v in value.items() if name.startswith("suffix_decoding_")}
-    if given and method != "suffix":
+    if given and method not in SUFFIX_K_METHODS:
         raise ConfigError(f"speculative_config.{sorted(given)[0]} is only used by method "
                           f"'suffix', not {method!r}")
     for name, v in given.items():
@@ -177,7 +220,7 @@ def _parse_suffix(value: dict[str, Any], method: str) -> dict[str, Any]:
 
 
 def _parse_quantization(value: object, method: str) -> str | None:
-    if method not in DRAFT_HEAD_METHODS:
+    if method not in DRAFT_HEAD_METHODS + ("auto",):
         if value is not None:
             raise ConfigError(f"speculative_config.quantization is not used by method "
                               f"{method!r}")

@@ -23,6 +23,8 @@ accepted nodes' (ProposeContext.kept_rows), at consecutive positions like a chai
 """
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 from torch import Tensor
 
@@ -56,13 +58,21 @@ class EagleProposer(Proposer):
         return self._tree_parents
 
     @torch.inference_mode()
-    def propose(self, ctx: ProposeContext) -> dict[str, list[int]]:
+    def propose(self, ctx: ProposeContext, drafting_ids: Collection[str] | None = None,
+                skip_ids: Collection[str] = ()) -> dict[str, list[int]]:
+        """Catches the head up over the step's items and drafts for the requests in
+        `drafting_ids` (None: all). A caller that takes other drafts (spec_decode/auto.py)
+        skips a request's chain, and with `skip_ids` its catch-up too: the head's KV then
+        misses those positions, which costs its later drafts acceptance, never
+        correctness."""
         rows: list[int] = []  # step rows the head catches up over
         next_ids: list[int] = []  # the token after each of them
         query_lens, seq_lens, tables = [], [], []
         drafting: list[tuple[Request, int, list[int]]] = []  # (request, its last row, table)
         for i, item in enumerate(ctx.scheduled):
             request = item.request
+            if request.request_id in skip_ids:
+                continue
             start, end = ctx.item_starts[i], ctx.item_starts[i + 1]
             sampled = ctx.sampled_token_ids.get(request.request_id)
             step_ids = ctx.input_ids[start:end].tolist()
@@ -82,11 +92,14 @@ class EagleProposer(Proposer):
             query_lens.append(n)
             seq_lens.append(item.num_computed_tokens + n)
             tables.append(item.block_ids)
-            if sampled and not request.is_finished:
+            if sampled and not request.is_finished and (
+                    drafting_ids is None or request.request_id in drafting_ids):
                 drafting.append((request, len(rows) - 1, item.block_ids))
+        self._tree_parents = {}
+        if not rows:  # every item skipped
+            return {}
         logits_hidden, next_hidden, positions = self._catch_up(
             ctx, rows, next_ids, query_lens, seq_lens, tables)
-        self._tree_parents = {}
         if not drafting:
             return {}
         trees, chains = self._split(drafting, positions)

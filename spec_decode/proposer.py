@@ -72,6 +72,12 @@ class Proposer(abc.ABC):
         each draft's parent (spec_decode/tree.py); the others are chains."""
         return {}
 
+    def draft_methods(self) -> dict[str, str]:
+        """Of the drafts `propose` just returned, which method made each (request_id ->
+        a SpeculativeConfig.draft_methods name) where the proposer chooses among several;
+        {}: all are the config's method."""
+        return {}
+
 
 class NgramProposer(Proposer):
     """Prompt lookup over each sample's own tokens (spec_decode/ngram.py)."""

@@ -48,6 +48,8 @@ def resolve_speculative_config(config: SpeculativeConfig | None, model_path: str
                                arch: ModelArchConfig) -> SpeculativeConfig | None:
     """`config` with the draft head (`model`) and `num_speculative_tokens` filled in where
     they were left out: the shipped head for the target, and its config's n_predict."""
+    if config is not None and config.method == "auto":
+        return _resolve_auto(config, model_path, arch)
     if config is None or not config.uses_draft_head:
         return config
     model = config.model
@@ -67,6 +69,24 @@ def resolve_speculative_config(config: SpeculativeConfig | None, model_path: str
                 "speculative_config.num_speculative_tokens is required: the draft head's "
                 f"config.json in {model} has no n_predict")
     return dataclasses.replace(config, model=model, num_speculative_tokens=k)
+
+
+def _resolve_auto(config: SpeculativeConfig, model_path: str,
+                  arch: ModelArchConfig) -> SpeculativeConfig:
+    """auto's head: the `model` given (its n_predict required), else the eagle3 head shipped
+    for the target, else none (auto then drafts by suffix and n-gram only). A request's
+    drafts are at most the longer of k and the head's chain."""
+    model = config.model or shipped_head("eagle3", model_path, arch)
+    if model is None:
+        return config
+    k_head = config.head_num_speculative_tokens or _n_predict(model)
+    if k_head is None:
+        raise SpeculativeConfigError(
+            "speculative_config.head_num_speculative_tokens is required: the draft head's "
+            f"config.json in {model} has no n_predict")
+    k = max(config.num_speculative_tokens or 0, k_head)
+    return dataclasses.replace(config, model=model, head_num_speculative_tokens=k_head,
+                               num_speculative_tokens=k)
 
 
 def _n_predict(model: str) -> int | None:

@@ -19,7 +19,7 @@ counters the scheduler's part keeps, reported as vLLM's spec_decode_* numbers.
 from __future__ import annotations
 
 from aioengine.config import SchedulerConfig
-from aioengine.metrics import SPEC_PER_POS_PREFIX
+from aioengine.metrics import SPEC_PER_POS_PREFIX, spec_method_key
 from aioengine.request import Request
 from aioengine.sched.request_tokens import draws_own_noise
 from aioengine.sched.spec_stats import SpecDecodingStats
@@ -31,7 +31,8 @@ class SpeculativeDecoding:
         """`config` None: no drafts (the counters stay at zero)."""
         self.config = config
         # Updated by the scheduler's DraftScheduling as it verifies drafts.
-        self.counters = SpecDecodingStats(config.num_speculative_tokens if config else 0)
+        self.counters = SpecDecodingStats(config.num_speculative_tokens if config else 0,
+                                          config.draft_methods if config else ())
 
     @property
     def enabled(self) -> bool:
@@ -47,7 +48,10 @@ class SpeculativeDecoding:
                 "spec_decode_num_draft_tokens": st.num_draft_tokens,
                 "spec_decode_num_accepted_tokens": st.num_accepted_tokens,
                 **{f"{SPEC_PER_POS_PREFIX}{pos}": n
-                   for pos, n in enumerate(st.num_accepted_tokens_per_pos)}}
+                   for pos, n in enumerate(st.num_accepted_tokens_per_pos)},
+                **{spec_method_key(pos, method): n
+                   for method, counts in st.accepted_per_pos_by_method.items()
+                   for pos, n in enumerate(counts)}}
 
 
 class DraftScheduling:
@@ -92,6 +96,7 @@ class DraftScheduling:
                    request.num_prompt_tokens + (request.sampling_params.max_tokens or 0))
         return max(0, min(self.num_lookahead_tokens, last - end))
 
-    def observe(self, num_drafts: int, num_accepted: int) -> None:
-        """A request's `num_drafts` verified, `num_accepted` of them kept."""
-        self.counters.observe(num_drafts, num_accepted)
+    def observe(self, num_drafts: int, num_accepted: int, method: str = "") -> None:
+        """A request's `num_drafts` verified, `num_accepted` of them kept; `method` drafted
+        them ("": the config's one method)."""
+        self.counters.observe(num_drafts, num_accepted, method)

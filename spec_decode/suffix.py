@@ -120,6 +120,12 @@ class SuffixProposer(Proposer):
 
     def propose_one(self, sample: Request, token_ids: list[int]) -> list[int]:
         """The draft after `token_ids` (the sample's prompt and output so far)."""
+        return self.speculate(sample, token_ids)[0]
+
+    def speculate(self, sample: Request, token_ids: list[int]) -> tuple[list[int], float]:
+        """The draft after `token_ids` and its score: the tokens the trees expect of it
+        to be accepted (the sum over its tokens of their empirical probabilities' running
+        products)."""
         state = self._sync(sample, token_ids)
         p = self.params
         draft, score = state.tree.speculate(state.cursor, p.num_speculative_tokens,
@@ -130,8 +136,8 @@ class SuffixProposer(Proposer):
             other, other_score = tree.speculate(cursor, p.num_speculative_tokens,
                                                 p.max_spec_factor, p.min_token_prob)
             if other_score > score:
-                draft = other
-        return draft
+                draft, score = other, other_score
+        return draft, score
 
     def _sync(self, sample: Request, token_ids: list[int]) -> _SampleState:
         """The sample's state with every token of `token_ids` indexed. Tokens only ever

@@ -50,6 +50,8 @@ def parse_spec(name: str, draft_model: str | None) -> dict[str, Any] | None:
         return spec
     if name == "off":
         return None
+    if name == "auto":  # suffix, n-gram and the head (--draft-model, else the shipped one)
+        return {"method": "auto", **({"model": draft_model} if draft_model else {})}
     if name.startswith("ngram"):
         k = int(name[5:] or NGRAM["num_speculative_tokens"])
         return {**NGRAM, "num_speculative_tokens": k}
@@ -90,7 +92,8 @@ def add_spec_parser(sub: Any) -> None:
     p.add_argument("--specs", default=DEFAULT_SPECS,
                    help=f"comma-separated configurations (default {DEFAULT_SPECS}): off, "
                         "ngram (k=3, lookup 2..5), ngramK, suffix[K] (suffix decoding, "
-                        "k = K or 8), suffix:K:P (min_token_prob P), eagle3[:K] (K draft tokens; "
+                        "k = K or 8), suffix:K:P (min_token_prob P), auto (per request the "
+                        "best of suffix, n-gram and the head), eagle3[:K] (K draft tokens; "
                         "without K the head's n_predict), eagle3tree:D:K:N (EAGLE-2 tree "
                         "drafting: depth D, top_k K, N nodes); an eagle entry ending in @DIR "
                         "uses the head in DIR (two heads compared in one interleaved run)")

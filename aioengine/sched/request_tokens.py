@@ -80,8 +80,8 @@ def pool_chunk(request: Request, share: torch.Tensor | None) -> torch.Tensor | N
 
 def append_run(request: Request, tokens: list[int], features: Sequence[EngineFeature],
                config: SchedulerConfig, logprobs: list | None, prompt_lps: list | None,
-               drafts: list[int] | None, tree_parents: list[int] | None = None
-               ) -> EngineCoreOutput:
+               drafts: list[int] | None, tree_parents: list[int] | None = None,
+               draft_method: str = "") -> EngineCoreOutput:
     """Appends `tokens` (sampled in one step for `request`, each after the one before)
     until one ends the request or brings jump-forward tokens; takes the drafts the
     runner proposed after them only if every token was kept."""
@@ -104,6 +104,7 @@ def append_run(request: Request, tokens: list[int], features: Sequence[EngineFea
         # A tree's drafts are listed parents first: a prefix of them is a tree.
         request.spec_tree_parents = (tree_parents[:len(request.spec_token_ids)]
                                      if tree_parents is not None else None)
+        request.spec_method = draft_method
     return EngineCoreOutput(request, new_token_ids,
                             new_logprobs=logprobs[:kept] if logprobs else None,
                             prompt_logprobs=prompt_lps)

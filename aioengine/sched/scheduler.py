@@ -328,7 +328,7 @@ class Scheduler:
                 continue
             logprobs = runner_output.logprobs.get(rid)
             if num_drafts and self.spec_decode is not None:
-                self.spec_decode.observe(num_drafts, len(tokens) - 1)
+                self.spec_decode.observe(num_drafts, len(tokens) - 1, request.spec_method)
             # One run for the request, or one token for each sample an n > 1 prompt forks.
             samples = [request] + self._fork(request)
             runs = [tokens] if len(samples) == 1 else [[token] for token in tokens]
@@ -339,7 +339,8 @@ class Scheduler:
                     logprobs[start:start + len(run)] if logprobs else None,
                     prompt_lps if i == 0 else None,
                     runner_output.spec_token_ids.get(sample.request_id),
-                    runner_output.spec_tree_parents.get(sample.request_id)))
+                    runner_output.spec_tree_parents.get(sample.request_id),
+                    runner_output.spec_methods.get(sample.request_id, "")))
                 start += len(run)
         for out in outputs:
             if out.finished and out.request.request_id in self.requests:

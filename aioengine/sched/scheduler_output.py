@@ -101,6 +101,9 @@ class ModelRunnerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Tree drafts: request_id -> each draft's parent (-1: the root); absent for a chain.
     spec_tree_parents: dict[str, list[int]] = field(default_factory=dict)
+    # request_id -> the method that drafted its spec_token_ids, where the proposer chooses
+    # among several (spec_decode/auto.py); absent: the config's method.
+    spec_methods: dict[str, str] = field(default_factory=dict)
     # The accepted tree nodes of a verified tree (spec_decode/tree.py), root to leaf.
     accepted_tree_nodes: dict[str, list[int]] = field(default_factory=dict)
     # Pooling requests: request_id -> this chunk's share of the pooled vector (float32,

@@ -87,6 +87,7 @@ class DraftVerifier:
         """The next step's drafts (and, of trees, their parents), into `output`."""
         output.spec_token_ids = self.proposer.propose(ctx)
         output.spec_tree_parents = self.proposer.tree_parents()
+        output.spec_methods = self.proposer.draft_methods()
 
 
 def verify_drafts(logits: torch.Tensor, rows: list[SamplingRow],

@@ -44,7 +44,8 @@ def test_spec_decode_counters_are_consistent(server: ServerProcess,
     drafts = after["aioengine:spec_decode_num_drafts_total"]
     drafted = after["aioengine:spec_decode_num_draft_tokens_total"]
     accepted = after["aioengine:spec_decode_num_accepted_tokens_total"]
-    per_pos = [after[f'{PER_POS}{{model_name="{MODEL}",position="{pos}"}}'] for pos in range(K)]
+    per_pos = [after[f'{PER_POS}{{method="ngram",model_name="{MODEL}",position="{pos}"}}']
+               for pos in range(K)]
     assert 0 < drafts <= drafted <= K * drafts
     assert 0 < accepted <= drafted
     assert sum(per_pos) == accepted == after[PER_POS]  # the helper's sum over positions

@@ -18,6 +18,7 @@ from aioengine.bench.offline import compare_outputs, engine_stats, parse_engines
 from aioengine.bench.report import format_offline, format_serve, save_json
 from aioengine.bench.results import EngineLatency, LatencyRun
 from aioengine.metrics import (SPEC_PER_POS_PREFIX, EngineMetrics, format_spec_decode,
+                               spec_method_key,
                                spec_decode_delta)
 from tests.unit.bench_reports import VOCAB, offline_report
 
@@ -207,10 +208,12 @@ def test_format_offline_engine_stats_columns() -> None:
 # ---- speculative decoding -----------------------------------------------------------
 
 
-def _spec_stats(drafts: int, drafted: int, accepted: int, per_pos: list[int]) -> dict:
+def _spec_stats(drafts: int, drafted: int, accepted: int, per_pos: list[int],
+                method: str = "ngram") -> dict:
     return {"spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": drafted,
             "spec_decode_num_accepted_tokens": accepted,
-            **{f"{SPEC_PER_POS_PREFIX}{i}": n for i, n in enumerate(per_pos)}}
+            **{f"{SPEC_PER_POS_PREFIX}{i}": n for i, n in enumerate(per_pos)},
+            **{spec_method_key(i, method): n for i, n in enumerate(per_pos)}}
 
 
 def test_spec_decode_delta_and_line() -> None:
@@ -246,10 +249,10 @@ def test_spec_decode_prometheus_counters() -> None:
     for line in ('aioengine:spec_decode_num_drafts_total{model_name="m"} 6.0',
                  'aioengine:spec_decode_num_draft_tokens_total{model_name="m"} 12.0',
                  'aioengine:spec_decode_num_accepted_tokens_total{model_name="m"} 7.0',
-                 'aioengine:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",'
-                 'position="0"} 4.0',
-                 'aioengine:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",'
-                 'position="1"} 3.0'):
+                 'aioengine:spec_decode_num_accepted_tokens_per_pos_total{method="ngram",'
+                 'model_name="m",position="0"} 4.0',
+                 'aioengine:spec_decode_num_accepted_tokens_per_pos_total{method="ngram",'
+                 'model_name="m",position="1"} 3.0'):
         assert line in text.splitlines(), line
 
 

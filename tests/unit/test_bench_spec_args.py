@@ -18,7 +18,9 @@ def test_an_entry_may_name_its_own_head() -> None:
     assert parse_spec("eagle3@/v4", None) == {"method": "eagle3", "model": "/v4"}
     tree = parse_spec("eagle3tree:4:3:10@/v4", None)
     assert tree is not None and tree["model"] == "/v4" and tree["tree"]["num_nodes"] == 10
-    for bad in ("off@/v4", "ngram@/v4", "eagle3:2@", "medusa:2"):
+    assert parse_spec("auto", None) == {"method": "auto"}
+    assert parse_spec("auto", "/h") == {"method": "auto", "model": "/h"}
+    for bad in ("off@/v4", "ngram@/v4", "eagle3:2@", "medusa:2", "auto@/v4"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_spec(bad, None)
 

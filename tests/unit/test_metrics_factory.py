@@ -33,7 +33,9 @@ def test_every_metric_but_the_lora_info_reaches_the_factory() -> None:
              "spec_decode_num_drafts": 3, "spec_decode_num_draft_tokens": 6,
              "spec_decode_num_accepted_tokens": 4,
              "spec_decode_num_accepted_tokens_per_pos_0": 3,
-             "spec_decode_num_accepted_tokens_per_pos_1": 1}
+             "spec_decode_num_accepted_tokens_per_pos_1": 1,
+             "spec_decode_num_accepted_tokens_per_pos_0_by_ngram": 3,
+             "spec_decode_num_accepted_tokens_per_pos_1_by_ngram": 1}
     factory = RegistryFactory()
     metrics = EngineMetrics("m", stats_provider=lambda: stats, num_speculative_tokens=2,
                             metrics_factory=factory)
