@@ -1,8 +1,9 @@
 """`spec` mode: speculative-decoding configurations against no speculation, one request at a
 time, on the draft-head trainer's held-out chat prompts (never trained on) or, with `--prompts
 grounded`, the input-grounded ones (where n-gram lookup has something to copy), or with
-`--prompts extraction|sql|code-edit` an agent-shaped set (bench/agentic.py), warmed up on
-`--warmup` other prompts of the same set (suffix decoding's global tree learns from them).
+`--prompts extraction|sql|code-edit|agent-replay` an agent-shaped set (bench/agentic.py;
+agent-replay: multi-turn tool-using conversations), warmed up on `--warmup` other prompts of
+the same set (suffix decoding's global tree learns from them).
 
 Every configuration is its own AsyncEngine, all loaded at once, and each prompt runs
 through all of them back to back (the order rotated per prompt), so machine drift over
@@ -30,7 +31,7 @@ import sys
 import time
 from typing import Any
 
-from aioengine.bench.agentic import AGENTIC_SETS, TIMED_SEED, WARMUP_SEED, prompt_set
+from aioengine.bench.agentic import AGENTIC_SETS, TIMED_SEED, WARMUP_SEED, chat_set
 from aioengine.metrics import spec_decode_delta
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
@@ -104,8 +105,9 @@ def add_spec_parser(sub: Any) -> None:
                    help="the draft-head trainer's held-out chat prompts, the input-grounded "
                         "ones (bench data/grounded.jsonl: answers that copy the prompt, where "
                         "n-gram lookup finds drafts), or an agent-shaped set (bench/agentic.py: "
-                        "one request shape repeated with small changes; --warmup prompts of "
-                        "the same set, other instances, run first)")
+                        "one request shape repeated with small changes; agent-replay: "
+                        "multi-turn tool-using conversations cut before an assistant turn; "
+                        "--warmup prompts of the same set, other instances, run first)")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="the first N prompts (default: all)")
     p.add_argument("--output-len", type=int, default=128, help="greedy tokens at most")
@@ -134,11 +136,18 @@ async def _one(engine, prompt: list[dict], max_tokens: int) -> dict[str, Any]:
             "num_tokens": len(times), "spec_decode": delta}
 
 
-async def run_spec(model: str | None, specs: dict[str, dict | None], prompts: list[str],
-                   output_len: int, warmup: int, engine_kwargs: dict[str, Any],
-                   warm_prompts: list[str] | None = None) -> dict[str, Any]:
-    """`warm_prompts`: the untimed prompts each engine runs first (default: the first
-    `warmup` of the trainer's chat prompts)."""
+def _as_chat(prompt: str | list[dict]) -> list[dict]:
+    """A prompt text as one user message; a chat (agent-replay's turns) as it is."""
+    return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+
+
+async def run_spec(model: str | None, specs: dict[str, dict | None],
+                   prompts: list[str] | list[list[dict]], output_len: int, warmup: int,
+                   engine_kwargs: dict[str, Any],
+                   warm_prompts: list[str] | list[list[dict]] | None = None) -> dict[str, Any]:
+    """`prompts`, `warm_prompts`: user messages, or chats (message lists); `warm_prompts`:
+    the untimed prompts each engine runs first (default: the first `warmup` of the
+    trainer's chat prompts)."""
     from aioengine import AsyncEngine
     from aioengine.spec_decode.train.prompts import split_prompts
 
@@ -146,11 +155,11 @@ async def run_spec(model: str | None, specs: dict[str, dict | None], prompts: li
     for name, spec in specs.items():
         engines[name] = await AsyncEngine.create(model, **{**engine_kwargs,
                                                            "speculative_config": spec})
-    chats = [[{"role": "user", "content": p}] for p in prompts]
+    chats = [_as_chat(p) for p in prompts]
     try:
         if warm_prompts is None:
             warm_prompts = split_prompts()[0][:warmup]
-        warm = [[{"role": "user", "content": p}] for p in warm_prompts]
+        warm = [_as_chat(p) for p in warm_prompts]
         for engine in engines.values():
             for chat in warm:
                 await _one(engine, chat, output_len)
@@ -257,10 +266,11 @@ def spec_main(args: argparse.Namespace) -> int:
         print(f"aioengine bench spec: error: {e}", file=sys.stderr)
         return 2
     set_threads(None)
-    warm_prompts = None
+    warm_prompts: list[list[dict]] | None = None
+    prompts: list[str] | list[list[dict]]
     if args.prompts in AGENTIC_SETS:
-        prompts = prompt_set(args.prompts, args.num_prompts or 20, TIMED_SEED)
-        warm_prompts = prompt_set(args.prompts, args.warmup, WARMUP_SEED)
+        prompts = chat_set(args.prompts, args.num_prompts or 20, TIMED_SEED)
+        warm_prompts = chat_set(args.prompts, args.warmup, WARMUP_SEED)
     else:
         prompts = _prompt_texts(args.prompts)[:args.num_prompts]
     result = asyncio.run(run_spec(args.model, specs, prompts, args.output_len, args.warmup,

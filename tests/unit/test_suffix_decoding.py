@@ -312,7 +312,7 @@ def test_config() -> None:
 
 
 def test_bench_spec_entries_and_agentic_sets() -> None:
-    from aioengine.bench.agentic import AGENTIC_SETS, TIMED_SEED, WARMUP_SEED, prompt_set
+    from aioengine.bench.agentic import PROMPT_SETS, TIMED_SEED, WARMUP_SEED, prompt_set
     from aioengine.bench.spec import parse_spec
 
     assert parse_spec("suffix", None) == {"method": "suffix"}
@@ -321,7 +321,7 @@ def test_bench_spec_entries_and_agentic_sets() -> None:
                                                 "suffix_decoding_min_token_prob": 0.3}
     with pytest.raises(argparse.ArgumentTypeError):
         parse_spec("suffix:4", None)
-    for name in AGENTIC_SETS:
+    for name in PROMPT_SETS:  # agent-replay: tests/bench/test_bench_agent_replay.py
         timed = prompt_set(name, 20, TIMED_SEED)
         assert timed == prompt_set(name, 20, TIMED_SEED)  # deterministic
         assert not set(timed) & set(prompt_set(name, 50, WARMUP_SEED))  # held out
