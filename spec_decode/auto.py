@@ -6,20 +6,22 @@ Three proposers offer a draft for each request after a step:
 - n-gram lookup (ngram.py) where suffix decoding has nothing;
 - the draft head (eagle_proposer.py, EAGLE-3), where one was given or ships for the model.
 
-Each request keeps running estimates of how each method's drafts fared for it (`_Track`):
-for the head and n-gram a per-token acceptance a (a geometric model: a draft token is kept
-with probability a once those before it were), for suffix decoding the ratio of tokens
-kept to tokens its scores promised. A draft's expected gain is its expected kept tokens
+Each request keeps running estimates of how each method's drafts fared for it
+(`_Estimates`): for the head and n-gram a per-token acceptance a (a geometric model: a
+draft token is kept with probability a once those before it were), for suffix decoding the
+ratio of tokens kept to tokens its scores promised. A new request starts from the
+estimates over all requests so far (so a method that pays on this traffic is tried
+first), its own observations soon outweighing them. A draft's expected gain is its expected kept tokens
 less ROW_COST per draft token (each verified row costs part of a step); the best gain wins
 if it is positive, else the request verifies no drafts this step. So a request whose
 drafts stop paying stops drafting, one whose output repeats text takes suffix drafts, and
 open chat takes the head's.
 
 The head runs in steps of at most HEAD_MAX_BATCH requests. It catches up over every
-prompt chunk and over the kept rows of the requests that take no token draft; its chain is
-drafted only for the requests that take it. A request drafted by suffix decoding (which
-keeps several tokens a step, each a catch-up row) skips the head for that step: the holes
-this leaves in the head's KV only lower its later acceptance. Verification is exact
+prompt chunk and over the kept rows of every request but those whose token draft no head
+chain could beat (suffix drafts that keep several tokens a step, each a catch-up row):
+those skip the head for that step, and the holes this leaves in the head's KV only lower
+its later acceptance. Its chain is drafted only for the requests that take it. Verification is exact
 whatever the choice, so choosing only changes speed.
 """
 from __future__ import annotations
@@ -34,17 +36,18 @@ from aioengine.spec_decode.proposer import ProposeContext, Proposer
 from aioengine.spec_decode.suffix import SuffixProposer
 
 # What a verified draft row costs, in tokens: on the CPU a step verifying 4-5 drafts a
-# request costs 1.05-1.3x a plain one (issue 52), about 0.05 of a token per row; a little
-# more here, so that a draft must be clearly likely to pay.
-ROW_COST = 0.1
+# request costs 1.05-1.3x a plain one (issue 52), 0.01-0.06 of a token per row.
+ROW_COST = 0.05
 # Per-token acceptance assumed before a request has drafts of its own from a method (the
 # shipped head's first-token acceptance measured 0.56 on held-out chat, docs/eagle-head.md),
 # held as PRIOR_WEIGHT observations' worth.
 HEAD_PRIOR = 0.55
 NGRAM_PRIOR = 0.5
 PRIOR_WEIGHT = 2.0
-# How much of a request's past each new observation keeps (recent steps count more).
+# How much of a request's past each new observation keeps (recent steps count more), and
+# of all requests' past (the estimates a new request starts from).
 DECAY = 0.85
+SHARED_DECAY = 0.98
 # Steps of more requests than this run without the head (the draft-head default).
 HEAD_MAX_BATCH = DEFAULT_HEAD_DISABLE_BY_BATCH_SIZE
 METHODS = ("suffix", "ngram", "eagle3")  # SpeculativeConfig.draft_methods' names
@@ -66,9 +69,56 @@ class _Acceptance:
     def rate(self) -> float:
         return self.kept / (self.kept + self.rejected)
 
-    def observe(self, drafted: int, kept: int) -> None:
-        self.kept = DECAY * self.kept + kept
-        self.rejected = DECAY * self.rejected + (1.0 if kept < drafted else 0.0)
+    def observe(self, drafted: int, kept: int, decay: float) -> None:
+        self.kept = decay * self.kept + kept
+        self.rejected = decay * self.rejected + (1.0 if kept < drafted else 0.0)
+
+
+@dataclass
+class _SuffixRatio:
+    """Decayed tokens kept of suffix drafts against the tokens their scores promised."""
+
+    kept: float
+    promised: float
+
+    @classmethod
+    def prior(cls, ratio: float) -> _SuffixRatio:
+        return cls(ratio * PRIOR_WEIGHT, PRIOR_WEIGHT)
+
+    @property
+    def ratio(self) -> float:
+        return self.kept / self.promised
+
+    def observe(self, kept: int, score: float, decay: float) -> None:
+        self.kept = decay * self.kept + kept
+        self.promised = decay * self.promised + score
+
+
+@dataclass
+class _Estimates:
+    """How each method's drafts fared: for one request, or for all (the shared estimates
+    a new request starts from, at PRIOR_WEIGHT observations' worth)."""
+
+    head: _Acceptance
+    ngram: _Acceptance
+    suffix: _SuffixRatio
+
+    @classmethod
+    def starting_from(cls, shared: _Estimates | None) -> _Estimates:
+        if shared is None:
+            return cls(_Acceptance.prior(HEAD_PRIOR), _Acceptance.prior(NGRAM_PRIOR),
+                       _SuffixRatio.prior(1.0))
+        return cls(_Acceptance.prior(shared.head.rate), _Acceptance.prior(shared.ngram.rate),
+                   _SuffixRatio.prior(shared.suffix.ratio))
+
+    def observe(self, method: str, drafted: int, kept: int, score: float,
+                decay: float) -> None:
+        if method == "eagle3":
+            self.head.observe(drafted, kept, decay)
+        elif method == "ngram":
+            self.ngram.observe(drafted, kept, decay)
+        elif method == "suffix":
+            self.suffix.observe(kept, score, decay)
 
 
 def expected_kept(rate: float, length: int) -> float:
@@ -83,27 +133,12 @@ def expected_kept(rate: float, length: int) -> float:
 
 @dataclass
 class _Track:
-    """One request's running estimates and what it drafted last."""
+    """One request's estimates and what it drafted last."""
 
     request: Request
-    head: _Acceptance = field(default_factory=lambda: _Acceptance.prior(HEAD_PRIOR))
-    ngram: _Acceptance = field(default_factory=lambda: _Acceptance.prior(NGRAM_PRIOR))
-    # Tokens kept / tokens promised by suffix scores (decayed, starting at one promise kept).
-    suffix_kept: float = 1.0
-    suffix_promised: float = 1.0
+    estimates: _Estimates = field(default_factory=lambda: _Estimates.starting_from(None))
     last_method: str | None = None
     last_score: float = 0.0
-
-    def observe(self, drafted: int, kept: int) -> None:
-        """The last step's drafts were verified: `kept` of `drafted` were kept."""
-        if self.last_method == "eagle3":
-            self.head.observe(drafted, kept)
-        elif self.last_method == "ngram":
-            self.ngram.observe(drafted, kept)
-        elif self.last_method == "suffix":
-            self.suffix_kept = DECAY * self.suffix_kept + kept
-            self.suffix_promised = DECAY * self.suffix_promised + self.last_score
-        self.last_method = None
 
 
 @dataclass
@@ -121,6 +156,7 @@ class AutoProposer(Proposer):
         self.ngram = ngram
         self.head = head
         self.tracks: dict[str, _Track] = {}
+        self.shared = _Estimates.starting_from(None)
         # Drafts handed out per method (for tests and the bench's report).
         self.chosen = dict.fromkeys(METHODS, 0)
         self._methods: dict[str, str] = {}  # the last propose's (draft_methods)
@@ -157,7 +193,10 @@ class AutoProposer(Proposer):
             if track is None or track.last_method is None or not item.spec_token_ids:
                 continue
             sampled = ctx.sampled_token_ids.get(item.request.request_id) or []
-            track.observe(len(item.spec_token_ids), max(0, len(sampled) - 1))
+            drafted, kept = len(item.spec_token_ids), max(0, len(sampled) - 1)
+            for estimates, decay in ((track.estimates, DECAY), (self.shared, SHARED_DECAY)):
+                estimates.observe(track.last_method, drafted, kept, track.last_score, decay)
+            track.last_method = None
 
     def retire_finished(self) -> None:
         """Finished requests' tracks dropped, their outputs into suffix decoding's global
@@ -169,7 +208,8 @@ class AutoProposer(Proposer):
     def _track(self, sample: Request) -> _Track:
         track = self.tracks.get(sample.request_id)
         if track is None or track.request is not sample:
-            track = self.tracks[sample.request_id] = _Track(sample)
+            track = self.tracks[sample.request_id] = _Track(
+                sample, _Estimates.starting_from(self.shared))
         return track
 
     def _token_offer(self, sample: Request, token_ids: list[int]) -> _Offer | None:
@@ -177,22 +217,24 @@ class AutoProposer(Proposer):
         track = self._track(sample)
         tokens, score = self.suffix.speculate(sample, token_ids)
         if tokens:
-            kept = score * track.suffix_kept / track.suffix_promised
+            kept = score * track.estimates.suffix.ratio
             return _Offer("suffix", tokens, kept - ROW_COST * len(tokens), score)
         tokens = self.ngram.propose(token_ids)
         if tokens:
-            kept = expected_kept(track.ngram.rate, len(tokens))
+            kept = expected_kept(track.estimates.ngram.rate, len(tokens))
             return _Offer("ngram", tokens, kept - ROW_COST * len(tokens))
         return None
 
     def _head_offers(self, ctx: ProposeContext, offers: dict[str, _Offer]) -> None:
         """The head's chains for the requests whose expected gain from them beats their
-        token offer. The head catches up over every prompt chunk and over the decode rows
-        of requests without a token offer; a request that takes a token draft instead
-        skips the catch-up (the costly part where suffix drafts keep many tokens a step),
-        leaving holes in the head's KV that only lower its later acceptance."""
+        token offer. The head catches up over every prompt chunk and every request but
+        those whose token offer no head chain could beat (its gain above a chain kept
+        whole): those skip the catch-up, the costly part where suffix drafts keep many
+        tokens a step, leaving holes in the head's KV that only lower its later
+        acceptance."""
         assert self.head is not None
         k = self.head.k
+        best_head_gain = k * (1.0 - ROW_COST)  # a chain kept whole
         wanted: dict[str, float] = {}
         skipped: set[str] = set()
         for item in ctx.scheduled:
@@ -200,11 +242,11 @@ class AutoProposer(Proposer):
             if item.num_samples != 1 or request.is_finished:
                 continue
             rid = request.request_id
-            gain = expected_kept(self._track(request).head.rate, k) - ROW_COST * k
+            gain = expected_kept(self._track(request).estimates.head.rate, k) - ROW_COST * k
             other = offers.get(rid)
             if gain > 0 and (other is None or gain > other.gain):
                 wanted[rid] = gain
-            elif (other is not None and other.gain > 0
+            elif (other is not None and other.gain >= best_head_gain
                   and item.num_computed_tokens >= request.num_prompt_tokens):
                 skipped.add(rid)
         chains = self.head.propose(ctx, drafting_ids=wanted, skip_ids=skipped)

@@ -16,8 +16,8 @@ from aioengine import LLM, SamplingParams
 from aioengine.config import ConfigError
 from aioengine.metrics import SPEC_PER_POS_PREFIX, spec_method_key
 from aioengine.sampling_params import StructuredOutputs
-from aioengine.spec_decode.auto import (DECAY, HEAD_PRIOR, ROW_COST, _Acceptance, _Track,
-                                        expected_kept)
+from aioengine.spec_decode.auto import (DECAY, HEAD_PRIOR, ROW_COST, _Acceptance,
+                                        _Estimates, expected_kept)
 
 from tests.chi_square import ALPHA, chi2_sf, two_sample_statistic
 from tests.engine.conftest import assert_blocks_released
@@ -162,30 +162,37 @@ def test_a_request_whose_drafts_are_rejected_stops_drafting() -> None:
     """The running estimate: from the prior a 3-token head chain is worth drafting; after
     a few chains rejected at their first token it is not, and after chains kept whole
     again it is."""
-    track = _Track(request=None)  # type: ignore[arg-type]
+    est = _Estimates.starting_from(None)
     k = 3
 
     def gain() -> float:
-        return expected_kept(track.head.rate, k) - ROW_COST * k
+        return expected_kept(est.head.rate, k) - ROW_COST * k
 
-    assert track.head.rate == pytest.approx(HEAD_PRIOR)
+    assert est.head.rate == pytest.approx(HEAD_PRIOR)
     assert gain() > 0
-    for _ in range(4):
-        track.last_method = "eagle3"
-        track.observe(drafted=k, kept=0)
+    for _ in range(6):
+        est.observe("eagle3", drafted=k, kept=0, score=0.0, decay=DECAY)
     assert gain() <= 0
     for _ in range(3):
-        track.last_method = "eagle3"
-        track.observe(drafted=k, kept=k)
+        est.observe("eagle3", drafted=k, kept=k, score=0.0, decay=DECAY)
     assert gain() > 0
+
+
+def test_a_new_request_starts_from_what_all_requests_showed() -> None:
+    shared = _Estimates.starting_from(None)
+    for _ in range(40):
+        shared.observe("suffix", drafted=6, kept=4, score=2.0, decay=0.98)
+    fresh = _Estimates.starting_from(shared)
+    assert fresh.suffix.ratio == pytest.approx(shared.suffix.ratio) and fresh.suffix.ratio > 1.5
+    assert fresh.head.rate == pytest.approx(HEAD_PRIOR)
 
 
 def test_acceptance_counts_decay() -> None:
     a = _Acceptance.prior(0.5)
-    a.observe(drafted=4, kept=2)
+    a.observe(drafted=4, kept=2, decay=DECAY)
     assert a.kept == pytest.approx(DECAY * 1.0 + 2)
     assert a.rejected == pytest.approx(DECAY * 1.0 + 1)
-    a.observe(drafted=2, kept=2)  # kept whole: no rejection seen
+    a.observe(drafted=2, kept=2, decay=DECAY)  # kept whole: no rejection seen
     assert a.rejected == pytest.approx(DECAY * (DECAY + 1))
     assert expected_kept(0.5, 3) == pytest.approx(0.875)
     assert expected_kept(1.0, 5) == 5
