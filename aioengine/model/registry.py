@@ -15,9 +15,10 @@ README.md holds the generated table).
                    gate/up/down) and that tests/lora/test_lora_vs_peft.py checks; Phi-3's
                    fused qkv_proj / gate_up_proj adapters are not read; nor are the MoE
                    models' (their experts are not wrapped, and no test checks them)
-    speculative    n-gram and suffix drafts for every architecture (verification is the
-                   target's own forward); EAGLE heads only for the Llama family (a head is built as the
-                   target's layer: the other families' options would leak into it)
+    speculative    n-gram, suffix and auto drafts for every architecture (verification is
+                   the target's own forward); EAGLE heads only for the Llama family (a head is built as the
+                   target's layer: the other families' options would leak into it), so auto
+                   takes a head only there
 """
 from __future__ import annotations
 
@@ -88,8 +89,8 @@ def architecture_support() -> list[ArchitectureSupport]:
             gguf_file=gguf_files.get(arch),
             fused_cpu_decode=fused_decode_supported(model_type),
             lora=arch in LORA_ARCHITECTURES,
-            speculative=("ngram", "suffix", "eagle", "eagle3")
-            if arch in EAGLE_TARGET_ARCHITECTURES else ("ngram", "suffix")))
+            speculative=("ngram", "suffix", "auto", "eagle", "eagle3")
+            if arch in EAGLE_TARGET_ARCHITECTURES else ("ngram", "suffix", "auto")))
     return rows
 
 
