@@ -1,5 +1,5 @@
 """Served W1 at 32 streams with request tracing on against off (issue 54), interleaved:
-A B A B ... (A = `aioengine serve`, B = the same with `--otlp-traces-endpoint`).
+A B, B A, ... (A = `aioengine serve`, B = the same with `--otlp-traces-endpoint`).
 
     .venv/bin/python scripts/tracing_overhead.py --rounds 2
 
@@ -158,7 +158,9 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(args.rounds):
                 tok_s = {}
-                for name, (port, _) in servers.items():
+                # A B, then B A: the second run of a pair is not always the same server.
+                order = list(servers.items())
+                for name, (port, _) in order if r % 2 == 0 else order[::-1]:
                     s = bench(port, args.seed + r, Path(tmp) / f"{name}-{r}.json")
                     tok_s[name] = s["total_token_throughput"]
                     print(f"round {r + 1} tracing {name:3s}  total {tok_s[name]:8.1f} tok/s   "
