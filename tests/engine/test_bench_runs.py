@@ -202,6 +202,12 @@ def test_profile_mode_draws_its_run(tiny_llama_dir: Path, tmp_path: Path,
                        "--plot", str(both)]) == 0
     assert both.stat().st_size > 20_000
     assert "b / a: 1.000x the time" in (tmp_path / "both.html").read_text()
+    # The spelling, `bench --compare A B`, is the same mode.
+    flag = tmp_path / "flag.png"
+    assert bench_main(["--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                       "--plot", str(flag)]) == 0
+    assert flag.stat().st_size > 20_000
+    assert "b / a: 1.000x the time" in (tmp_path / "flag.html").read_text()
     (tmp_path / "offline.json").write_text('{"mode": "offline"}')
     with pytest.raises(SystemExit, match="not a `bench profile --save-json` report"):
         bench_main(["compare", str(tmp_path / "a.json"), str(tmp_path / "offline.json"),
