@@ -160,7 +160,7 @@ class AutoProposer(Proposer):
         self.head = head
         self.tracks: dict[str, _Track] = {}
         self.shared = _Estimates.starting_from(None)
-        # Drafts handed out per method (for tests and the bench's report).
+        # Drafts handed out per method (what the tests check the choice by).
         self.chosen = dict.fromkeys(METHODS, 0)
         self._methods: dict[str, str] = {}  # the last propose's (draft_methods)
 
@@ -247,14 +247,14 @@ class AutoProposer(Proposer):
             request = item.request
             if item.num_samples != 1 or request.is_finished:
                 continue
-            rid = request.request_id
-            gain = expected_kept(self._track(request).estimates.head.rate, k) - ROW_COST * k
+            rid, track = request.request_id, self._track(request)
+            gain = expected_kept(track.estimates.head.rate, k) - ROW_COST * k
             other = offers.get(rid)
             if gain > 0 and (other is None or gain > other.gain):
                 wanted[rid] = gain
             elif (other is not None and other.gain > 0
                   and item.num_computed_tokens >= request.num_prompt_tokens
-                  and (other.gain >= best_head_gain or self._track(request).token_streak >= 2)):
+                  and (other.gain >= best_head_gain or track.token_streak >= 2)):
                 skipped.add(rid)
         chains = self.head.propose(ctx, drafting_ids=wanted, skip_ids=skipped)
         for rid, tokens in chains.items():

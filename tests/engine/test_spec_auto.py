@@ -1,13 +1,13 @@
 """`speculative_config {"method": "auto"}` (spec_decode/auto.py): per request and step the
 draft of suffix decoding, n-gram lookup or the draft head with the best expected gain.
-Greedy output equals no speculation (step shapes, preemption, prefix caching, a grammar),
+Greedy output equals no speculation (step shapes, preemption; prefix caching and grammars
+in test_spec_decode.py and test_spec_suffix.py),
 each method is chosen where it pays, a request whose drafts stop paying stops drafting,
 sampled tokens keep their distribution, blocks are released and no request's state is
 kept past it."""
 from __future__ import annotations
 
 import collections
-import re
 from pathlib import Path
 
 import pytest
@@ -15,7 +15,6 @@ import pytest
 from aioengine import LLM, SamplingParams
 from aioengine.config import ConfigError
 from aioengine.metrics import SPEC_PER_POS_PREFIX, spec_method_key
-from aioengine.sampling_params import StructuredOutputs
 from aioengine.spec_decode.auto import (DECAY, HEAD_PRIOR, ROW_COST, _Acceptance,
                                         _Estimates, expected_kept)
 
@@ -102,38 +101,6 @@ def test_preemption(tiny_llama_dir: Path, auto_with_head: dict,
     assert llm.core.scheduler.num_preemptions > 0
     assert tokens == reference
     assert_speculated(llm)
-
-
-def test_prefix_cache_holds_only_verified_kv(tiny_llama_dir: Path, auto_with_head: dict,
-                                             spec_prompts: list[list[int]]) -> None:
-    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=512,
-              speculative_config=auto_with_head)
-    first = llm.generate(spec_prompts, params_for(spec_prompts))
-    follow = [p + o.outputs[0].token_ids for p, o in zip(spec_prompts, first)]
-    hot = llm.generate(follow, params_for(follow))
-    assert sum(o.num_cached_tokens for o in hot) > 0
-    cold, _ = generate(tiny_llama_dir, follow, params_for(follow), None,
-                       enable_prefix_caching=False)
-    assert [o.outputs[0].token_ids for o in hot] == cold
-    assert_blocks_released(llm.core)
-
-
-def test_structured_output(tiny_llama_dir: Path, auto_with_head: dict) -> None:
-    regex = "[a-f]{30}"
-    outs = []
-    for spec in (None, auto_with_head):
-        llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=512,
-                  speculative_config=spec)
-        bias = {t: 5.0 for t in llm.tokenizer.encode("ab cd ef abcd cdab")}
-        params = SamplingParams(temperature=0.0, max_tokens=40, logit_bias=bias,
-                                structured_outputs=StructuredOutputs(regex=regex))
-        prompt = llm.tokenizer.encode("abcdabcdab cd ab 1234 abab")
-        outs.append([o.outputs[0] for o in llm.generate([prompt, prompt], params)])
-        assert_blocks_released(llm.core)
-    assert_speculated(llm)
-    for a, b in zip(*outs):
-        assert re.fullmatch(regex, b.text)
-        assert (a.text, a.token_ids) == (b.text, b.token_ids)
 
 
 def test_sampled_tokens_keep_their_joint_distribution(tiny_llama_dir: Path,

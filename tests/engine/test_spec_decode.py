@@ -187,8 +187,8 @@ def test_n_greater_than_one_and_logprobs(tiny_llama_dir: Path,
 
 
 # Suffix decoding's follow-up turns also draft from the first turns' outputs (its global tree).
-@pytest.mark.parametrize("spec", [NGRAM, {"method": "suffix", "num_speculative_tokens": 8}],
-                         ids=["ngram", "suffix"])
+@pytest.mark.parametrize("spec", [NGRAM, {"method": "suffix", "num_speculative_tokens": 8},
+                                  {"method": "auto"}], ids=["ngram", "suffix", "auto"])
 def test_prefix_cache_holds_only_verified_kv(tiny_llama_dir: Path,
                                              spec_prompts: list[list[int]],
                                              reference: list[list[int]], spec: dict) -> None:

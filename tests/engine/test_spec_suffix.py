@@ -88,14 +88,15 @@ def test_drafts_up_to_32_tokens(tiny_llama_dir: Path, spec_prompts: list[list[in
     assert_no_request_state(llm)
 
 
-def test_structured_output(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("spec", [SUFFIX, {"method": "auto"}], ids=["suffix", "auto"])
+def test_structured_output(tiny_llama_dir: Path, spec: dict) -> None:
     """Drafts are cut to what the grammar accepts; the output equals the one-token-a-time
-    output and matches."""
+    output and matches (suffix decoding, and auto choosing among its proposers)."""
     regex = "[a-f]{30}"
     outs = []
-    for spec in (None, SUFFIX):
+    for config in (None, spec):
         llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=512,
-                  speculative_config=spec)
+                  speculative_config=config)
         bias = {t: 5.0 for t in llm.tokenizer.encode("ab cd ef abcd cdab")}
         params = SamplingParams(temperature=0.0, max_tokens=40, logit_bias=bias,
                                 structured_outputs=StructuredOutputs(regex=regex))
