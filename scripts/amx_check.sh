@@ -11,7 +11,8 @@
 #    step, and the emulation bit-equal to the hardware on random inputs (the proof that
 #    the tests every other machine runs on the emulation hold for the hardware);
 # 3. the bf16 GEMM per row count: AMX tiles, the AVX512-BF16 kernel and oneDNN's bf16
-#    matmul (torch's linear, the local ceiling);
+#    matmul (torch's linear, the local ceiling); the GGUF block formats' GEMM on int8 tiles
+#    against their vector tiles;
 # 4. with --e2e: W1 offline with vLLM's CPU build in the same run (docs/peers.md;
 #    VLLM_PYTHON, default /work/peers/vllm/bin/python) and the decode step's cost against
 #    its roofline at 1, 4 and 32 rows.
@@ -31,10 +32,15 @@ $PY -c "from aioengine.kernels import cpu; cpu.load(); print('kernels:', cpu.des
 echo "== native AMX tests"
 $PY -m pytest -q -p no:cacheprovider tests/model/test_cpu_gemm_amx.py \
   tests/model/test_cpu_gemm.py -k "amx or tiles or bits or float64" || exit 1
+$PY -m pytest -q -p no:cacheprovider tests/model/test_block_gemm_amx.py \
+  tests/model/test_block_gemm.py || exit 1
 
 echo "== bf16 GEMM over SmolLM2-135M's projections (ms per pass, GFLOP/s)"
 $PY scripts/gemm_bench.py --dtype bfloat16 --builds amx,avx512_bf16,onednn \
   --rows 1,4,16,32,64,128,512 --rounds 2
+
+echo "== GGUF block GEMM, 4096 x 4096: int8 tiles vs the vector tiles (ms per pass)"
+$PY scripts/block_gemm_bench.py --types q4_k,q6_k,q4_0,q8_0 --rows 8,32,128,512
 
 if [[ "${1:-}" == "--e2e" ]]; then
   VLLM_PYTHON=${VLLM_PYTHON:-/work/peers/vllm/bin/python}

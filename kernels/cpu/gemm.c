@@ -103,6 +103,11 @@ void gemm_range(float *restrict y, int64_t ldy, const float *restrict x,
         gemm_amx_range(y, ldy, (const uint32_t *)x, w, panel_bytes, k, n, bias, M, p_lo, p_hi);
         return;
     }
+    if (gemm_amx_blocks_takes(fmt, M)) {
+        gemm_amx_blocks_range(y, ldy, (const uint8_t *)x, (const uint8_t *)w, panel_bytes, fmt,
+                              k, n, bias, M, p_lo, p_hi);
+        return;
+    }
     /* x's row stride in floats (bf16 pairs, one float's size each, where gemm_x_pairs
      * prepared x; block formats: q41_prepare_x's rows, 44 bytes per 32-block) */
     const int64_t x_stride = gemm_is_block(fmt)      ? q41_x_row_bytes(k) / 4

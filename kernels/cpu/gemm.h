@@ -129,6 +129,17 @@ void gemm_amx_range(float *restrict y, int64_t ldy, const uint32_t *restrict xp,
                     int64_t panel_bytes, int64_t k, int64_t n, const float *restrict bias,
                     int64_t M, int64_t p_lo, int64_t p_hi);
 
+/* gemm_range for the GGUF block formats but Q4_1 on AMX int8 tiles, or their emulation
+ * (gemm_amx_mode), with the vector tiles' bits (gemm_amx_blocks.c); gemm_range takes it
+ * where gemm_amx_blocks_takes: a mode set, one of those formats, at least
+ * AMX_BLOCK_MIN_ROWS rows. xq as q41_prepare_x leaves it. */
+#define AMX_BLOCK_MIN_ROWS 32
+int gemm_amx_blocks_takes(int fmt, int64_t M);
+void gemm_amx_blocks_range(float *restrict y, int64_t ldy, const uint8_t *restrict xq,
+                           const uint8_t *restrict w, int64_t panel_bytes, int fmt, int64_t k,
+                           int64_t n, const float *restrict bias, int64_t M, int64_t p_lo,
+                           int64_t p_hi);
+
 /* A tile of mr rows (1..6) over np panels of one storage, y's columns from c0 on (those
  * past n dropped): float32, bf16 and int8 weight-only (gemm_f32.c, gemm_bf16.c,
  * gemm_int8.c over gemm_float.h), Q4_1 (gemm_q4_1.c), the other GGUF block formats
