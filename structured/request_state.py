@@ -95,7 +95,15 @@ class StructuredRequestState:
         for token_id in drafts:
             if not matcher.accept_token(token_id):
                 raise RuntimeError(f"draft token {token_id} was validated but is rejected")
-        matcher.fill_next_token_bitmask(bitmask, row)
+        if drafts and matcher.is_terminated():
+            # The drafts end with the stop token that completes the output (a valid draft
+            # may: num_valid_drafts), so this row's token is never used; xgrammar refuses
+            # to fill a mask after a stop token, so the row gets its convention by hand.
+            bitmask[row].fill_(0)
+            for token_id in matcher.stop_token_ids:
+                _allow_token(bitmask, row, token_id)
+        else:
+            matcher.fill_next_token_bitmask(bitmask, row)
         if drafts:
             matcher.rollback(len(drafts))
 

@@ -133,3 +133,29 @@ def test_sampled_tokens_keep_their_joint_distribution(tiny_llama_dir: Path,
     stat, df = two_sample_statistic(*counts)
     assert df >= 3, counts
     assert chi2_sf(stat, df) > ALPHA, (f"chi2 = {stat:.1f}, df = {df}", counts)
+
+
+@pytest.mark.parametrize("spec", [SUFFIX, {"method": "auto"}, {"method": "ngram",
+                                   "num_speculative_tokens": 4, "prompt_lookup_min": 2}],
+                         ids=["suffix", "auto", "ngram"])
+def test_drafts_through_the_stop_token_that_completes_the_grammar(tiny_llama_dir: Path,
+                                                                  spec: dict) -> None:
+    """The prompt holds every answer the grammar allows, each followed by the stop token, so
+    the drafts copy one through that token: the verified row after it needs a mask too
+    (xgrammar refuses one past a stop token, which failed the whole step). Without
+    jump-forward, which would append the forced tokens undrafted."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=512, speculative_config=spec,
+              structured_jump_forward=False)
+    eos = llm.tokenizer.eos_token_id
+    prompt = []
+    for digit in range(10):
+        prompt += llm.tokenizer.encode(f'{{"a": {digit}}}') + [eos]
+    regex = r'\{"a": [0-9]\}'
+    params = SamplingParams(temperature=0.0, max_tokens=40,
+                            structured_outputs=StructuredOutputs(regex=regex))
+    outs = [o.outputs[0] for o in llm.generate([prompt] * 3, params)]
+    outs += [o.outputs[0] for o in llm.generate([prompt], params)]
+    for out in outs:
+        assert out.finish_reason == "stop" and re.fullmatch(regex, out.text), out
+    assert_speculated(llm)
+    assert_blocks_released(llm.core)

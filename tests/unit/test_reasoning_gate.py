@@ -119,3 +119,19 @@ def test_drafts_across_the_end_of_reasoning(tok, manager, think) -> None:
     assert torch.equal(row, mask_of(taken))
     assert not state.in_answer and state.stats.num_tokens_accepted == 0
     assert bool((mask_of(state) == -1).all())
+
+
+def test_drafts_that_complete_the_answer_with_its_stop_token(tok, manager) -> None:
+    """A draft chain may end with the stop token that completes the grammar (suffix and
+    n-gram drafts copy it from earlier text): the row after it allows only the stop tokens
+    (xgrammar refuses to fill a mask past a stop token, which failed the step), and the
+    matcher is left where it was."""
+    state = state_for(manager)
+    drafts = tuple(ids(tok, '{"a": 7}')) + (EOS,)
+    assert state.num_valid_drafts(drafts) == len(drafts)
+    before = mask_of(state)
+    after = mask_of(state, drafts)
+    assert allowed(after, EOS) and int(after.count_nonzero()) == 1
+    assert not allowed(mask_of(state, drafts[:-1]), drafts[0])  # inside: the grammar's mask
+    assert allowed(mask_of(state, drafts[:-1]), EOS)
+    assert torch.equal(mask_of(state), before)
