@@ -12,9 +12,13 @@ SamplingRow with d_1..d_j as output tokens, and the grammar bitmask row for that
               d_j removed); if all are kept emit a draw from p_k (the bonus token)
 
 Either way the emitted tokens are distributed exactly as one-at-a-time sampling would give
-(Leviathan et al. 2023; Chen et al. 2023). A request's uniforms and its final draw come from
-its own generator when it is seeded, in an order fixed by its own drafts only, so a seeded
-request gives the same tokens in any batch.
+(Leviathan et al. 2023; Chen et al. 2023). This is the path of unseeded requests (the
+shared generator) and of trees. A seeded request's chain is drawn row by row instead
+(worker/verify.py's seeded_chain_tokens: a draft is kept while the row's own draw equals
+it), so its generator advances as without speculation and its tokens are the ones it gets
+without drafts, whatever they were (suffix drafts come from other requests) and in any
+batch. A seeded tree's uniforms and final draw come from its own generator in an order
+fixed by its own drafts, so it too gives the same tokens in any batch.
 """
 from __future__ import annotations
 

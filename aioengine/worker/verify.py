@@ -11,8 +11,9 @@ import torch
 
 from aioengine.model.attention import AttentionMetadata
 from aioengine.sched.scheduler_output import ModelRunnerOutput, ScheduledRequest
-from aioengine.sample import (SamplingMetadata, SamplingRow, compute_probs, gather_logprobs,
-                              greedy_tokens, is_plain_greedy)
+from aioengine.sample import (Sampler, SamplingMetadata, SamplingRow, compute_probs,
+                              gather_logprobs, greedy_tokens, is_plain_greedy)
+from aioengine.sample.ops import apply_logits_processors
 from aioengine.spec_decode.proposer import ProposeContext, Proposer
 from aioengine.spec_decode.rejection_sampler import VerifyRows, accept_greedy, accept_sampled
 from aioengine.spec_decode.tree import node_paths, verify_tree_greedy, verify_tree_sampled
@@ -99,6 +100,10 @@ def verify_drafts(logits: torch.Tensor, rows: list[SamplingRow],
     raw_logprobs = None
     if any(row.params.logprobs is not None for row in rows):
         raw_logprobs = torch.log_softmax(logits, dim=1)  # before any processor (vLLM)
+    # Seeded sampled chains are drawn row by row from their unprocessed logits (kept before
+    # compute_probs consumes them): seeded_chain_tokens.
+    seeded = {id(item): logits[r:r + item.num_logits_rows].clone()
+              for item, r in _item_rows(owners) if _is_seeded_chain(item)}
     probs = None
     if all(is_plain_greedy(row) for row in rows):
         argmax = greedy_tokens(logits).tolist()
@@ -109,7 +114,12 @@ def verify_drafts(logits: torch.Tensor, rows: list[SamplingRow],
     r = 0
     for item in owners:
         request, params = item.request, item.request.sampling_params
-        tokens, emitted_rows = _accept(item, argmax, probs, r, ctx)
+        if id(item) in seeded:
+            tokens = seeded_chain_tokens(seeded[id(item)], rows[r:r + item.num_logits_rows],
+                                         item.spec_token_ids, ctx)
+            emitted_rows = list(range(len(tokens)))
+        else:
+            tokens, emitted_rows = _accept(item, argmax, probs, r, ctx)
         output.sampled_token_ids[request.request_id] = tokens
         if item.is_tree:
             output.accepted_tree_nodes[request.request_id] = [n - 1 for n in emitted_rows[1:]]
@@ -119,6 +129,41 @@ def verify_drafts(logits: torch.Tensor, rows: list[SamplingRow],
                 torch.tensor(tokens, dtype=torch.long, device=ctx.device), params.logprobs)
             output.logprobs[request.request_id] = to_position_logprobs(ids, lps, ranks) or []
         r += len(item.spec_token_ids) + 1
+
+
+def _item_rows(owners: list[ScheduledRequest]) -> list[tuple[ScheduledRequest, int]]:
+    """Each item with its first verified row."""
+    out, r = [], 0
+    for item in owners:
+        out.append((item, r))
+        r += len(item.spec_token_ids) + 1
+    return out
+
+
+def _is_seeded_chain(item: ScheduledRequest) -> bool:
+    return (not item.is_tree and item.request.generator is not None
+            and not item.request.sampling_params.greedy)
+
+
+def seeded_chain_tokens(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[int],
+                        ctx: DraftVerifyContext) -> list[int]:
+    """A seeded sampled request's tokens from its verified rows, drawn as one-at-a-time
+    sampling draws them: row j through the plain sampler (the request's own generator,
+    one draw per emitted token), d_j kept while the draw equals it, the first draw that
+    differs (or the bonus row's) emitted. Exact: each emitted token is a draw from its
+    row's distribution, and a draft is kept with probability p(d_j), the point-mass
+    rejection sampler's rate. Unlike accept_sampled's uniforms, the generator advances by
+    the emitted tokens only, so the tokens are those of the same request without
+    speculation, whatever the drafts (suffix decoding's come from other requests' outputs)
+    and in any batch."""
+    sampler = Sampler(ctx.shared_generator)  # (the row's own generator draws: no shared draw)
+    for j in range(len(drafts) + 1):
+        metadata = SamplingMetadata.build([rows[j]], ctx.vocab_size, ctx.device)
+        processed = apply_logits_processors(logits[j:j + 1].float(), metadata)
+        token = int(sampler.sample(processed, metadata)[0])
+        if j == len(drafts) or token != drafts[j]:
+            return drafts[:j] + [token]
+    raise AssertionError("unreachable: the bonus row always emits")
 
 
 def _accept(item: ScheduledRequest, argmax: list[int], probs: torch.Tensor | None,

@@ -5,6 +5,7 @@ proposer drops each request's tree once it finished (nothing is kept past a requ
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
 from pathlib import Path
 
@@ -116,7 +117,8 @@ def test_sampled_tokens_keep_their_joint_distribution(tiny_llama_dir: Path,
                                                       trio_prompt: list[int]) -> None:
     """As the n-gram test (test_spec_decode_sampled.py): the joint distribution of 3
     sampled tokens with suffix drafts (from the prompt and, soon, from earlier requests'
-    outputs) is the one without, by a two-sample chi-square test."""
+    outputs) is the one without, by a two-sample chi-square test (unseeded requests: the
+    rejection sampler's)."""
     counts = []
     for spec in (None, {"method": "suffix", "num_speculative_tokens": 2}):
         llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=512,
@@ -125,8 +127,7 @@ def test_sampled_tokens_keep_their_joint_distribution(tiny_llama_dir: Path,
         # In waves, so later requests draft from the outputs of finished ones.
         outs = []
         for wave in range(0, N_SEEDS, 60):
-            outs += llm.generate([trio_prompt] * 60, [SamplingParams(seed=i, **SAMPLED)
-                                                      for i in range(wave, wave + 60)])
+            outs += llm.generate([trio_prompt] * 60, [SamplingParams(**SAMPLED)] * 60)
         assert_blocks_released(llm.core)
         counts.append(collections.Counter(tuple(o.outputs[0].token_ids) for o in outs))
     assert_drafts_kept_and_rejected(before, spec_counters(llm))
@@ -157,5 +158,35 @@ def test_drafts_through_the_stop_token_that_completes_the_grammar(tiny_llama_dir
     outs += [o.outputs[0] for o in llm.generate([prompt], params)]
     for out in outs:
         assert out.finish_reason == "stop" and re.fullmatch(regex, out.text), out
+    assert_speculated(llm)
+    assert_blocks_released(llm.core)
+
+
+SEEDED = [SamplingParams(temperature=0.8, seed=1, max_tokens=40, ignore_eos=True),
+          SamplingParams(temperature=1.0, top_k=20, seed=2, max_tokens=40, ignore_eos=True),
+          SamplingParams(temperature=0.7, top_p=0.9, seed=3, max_tokens=40, ignore_eos=True),
+          SamplingParams(temperature=1.0, repetition_penalty=1.2, min_p=0.01, seed=4,
+                         max_tokens=40, ignore_eos=True)]
+
+
+@pytest.mark.parametrize("spec", [SUFFIX, {"method": "auto"}, {"method": "ngram",
+                                   "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                                   "prompt_lookup_max": 3}],
+                         ids=["suffix", "auto", "ngram"])
+def test_seeded_sampling_gives_the_tokens_of_no_speculation(tiny_llama_dir: Path,
+                                                             spec_prompts: list[list[int]],
+                                                             spec: dict) -> None:
+    """A seeded request's tokens are those it gets without speculation, whatever the drafts:
+    the second round is drafted from the first round's outputs (suffix decoding's global
+    tree) and keeps long runs of them, the third runs each request alone. The second half
+    is narrowed to a repeating pattern, which n-gram lookups match."""
+    prompts = spec_prompts[:len(SEEDED)] + spec_prompts[4:4 + len(SEEDED)]
+    params = SEEDED + [dataclasses.replace(p, logit_bias=NARROW) for p in SEEDED]
+    want, _ = generate(tiny_llama_dir, prompts, params, None)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=512, speculative_config=spec)
+    for _ in range(2):
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    alone = [llm.generate([p], q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
+    assert alone == want
     assert_speculated(llm)
     assert_blocks_released(llm.core)
