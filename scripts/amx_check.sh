@@ -33,7 +33,8 @@ echo "== native AMX tests"
 $PY -m pytest -q -p no:cacheprovider tests/model/test_cpu_gemm_amx.py \
   tests/model/test_cpu_gemm.py -k "amx or tiles or bits or float64" || exit 1
 $PY -m pytest -q -p no:cacheprovider tests/model/test_block_gemm_amx.py \
-  tests/model/test_block_gemm.py || exit 1
+  tests/model/test_block_gemm.py tests/model/test_cpu_gemm_w8a8_amx.py \
+  tests/model/test_cpu_gemm_w8a8.py || exit 1
 
 echo "== bf16 GEMM over SmolLM2-135M's projections (ms per pass, GFLOP/s)"
 $PY scripts/gemm_bench.py --dtype bfloat16 --builds amx,avx512_bf16,onednn \

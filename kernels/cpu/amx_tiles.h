@@ -1,8 +1,9 @@
 /*
  * The AMX tile operations the tile kernels are written over (configure, zero, load, store
- * and the two dot products: tdpbf16ps for gemm_amx.c's bf16 GEMM, tdpbsud for
- * gemm_amx_blocks.c's GGUF block formats), each either the instruction (hw = 1: AMX builds
- * only, with the kernel's permission) or an exact software emulation every build runs.
+ * and the dot products: tdpbf16ps for gemm_amx.c's bf16 GEMM, tdpbsud for
+ * gemm_amx_blocks.c's GGUF block formats, tdpbusd for gemm_amx_w8a8.c's W8A8), each
+ * either the instruction (hw = 1: AMX builds only, with the kernel's permission) or an
+ * exact software emulation every build runs.
  * gemm_amx.c's header comment is tdpbf16ps's measured arithmetic; tdpbsud's is exact
  * integer arithmetic (int32 sums of s8 x u8 products, wrapping), which the emulation
  * reproduces trivially. Each translation unit that includes this has its own emulated tile
@@ -116,6 +117,21 @@ static inline void emu_dpbsud(int c, int a, int b) {
     }
 }
 
+/* tdpbusd: as tdpbsud with A's bytes unsigned and B's signed. */
+static inline void emu_dpbusd(int c, int a, int b) {
+    const int kb = emu_cfg.colsb[a], cols = emu_cfg.colsb[c] / 4;
+    for (int m = 0; m < emu_cfg.rows[c]; m++) {
+        int32_t *acc = (int32_t *)emu_tile[c][m];
+        for (int n = 0; n < cols; n++) {
+            int32_t sum = 0;
+            for (int kk = 0; kk < kb; kk++)
+                sum += (int32_t)emu_tile[a][m][kk] *
+                       (int32_t)(int8_t)emu_tile[b][kk / 4][4 * n + kk % 4];
+            acc[n] = (int32_t)((uint32_t)acc[n] + (uint32_t)sum);
+        }
+    }
+}
+
 /* ---- the four operations: hardware (hw = 1, AMX builds only) or the emulation ---- */
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
@@ -125,6 +141,7 @@ static inline void emu_dpbsud(int c, int a, int b) {
 #define AMX_HW_STORE(t, p, s) _tile_stored(t, p, s)
 #define AMX_HW_DP(c, a, b) _tile_dpbf16ps(c, a, b)
 #define AMX_HW_DPBSUD(c, a, b) _tile_dpbsud(c, a, b)
+#define AMX_HW_DPBUSD(c, a, b) _tile_dpbusd(c, a, b)
 #else
 #define AMX_HW_CONFIG(c) abort()
 #define AMX_HW_ZERO(t) abort()
@@ -132,6 +149,7 @@ static inline void emu_dpbsud(int c, int a, int b) {
 #define AMX_HW_STORE(t, p, s) abort()
 #define AMX_HW_DP(c, a, b) abort()
 #define AMX_HW_DPBSUD(c, a, b) abort()
+#define AMX_HW_DPBUSD(c, a, b) abort()
 #endif
 /* t, c, a, b: literal tile numbers (the instructions encode them). */
 #define AMX_CONFIG(hw, c) do { if (hw) AMX_HW_CONFIG(c); else emu_configure(c); } while (0)
@@ -141,5 +159,7 @@ static inline void emu_dpbsud(int c, int a, int b) {
 #define AMX_DP(hw, c, a, b) do { if (hw) AMX_HW_DP(c, a, b); else emu_dpbf16(c, a, b); } while (0)
 #define AMX_DPBSUD(hw, c, a, b) \
     do { if (hw) AMX_HW_DPBSUD(c, a, b); else emu_dpbsud(c, a, b); } while (0)
+#define AMX_DPBUSD(hw, c, a, b) \
+    do { if (hw) AMX_HW_DPBUSD(c, a, b); else emu_dpbusd(c, a, b); } while (0)
 
 #endif /* AIOENGINE_AMX_TILES_H */

@@ -103,6 +103,11 @@ void gemm_range(float *restrict y, int64_t ldy, const float *restrict x,
         gemm_amx_range(y, ldy, (const uint32_t *)x, w, panel_bytes, k, n, bias, M, p_lo, p_hi);
         return;
     }
+    if (fmt == GEMM_W8A8P && gemm_amx_w8a8_takes(M)) {
+        gemm_amx_w8a8_range(y, ldy, (const uint8_t *)x, (const uint8_t *)w, panel_bytes, k, n,
+                            scales, bias, M, p_lo, p_hi);
+        return;
+    }
     if (gemm_amx_blocks_takes(fmt, M)) {
         gemm_amx_blocks_range(y, ldy, (const uint8_t *)x, (const uint8_t *)w, panel_bytes, fmt,
                               k, n, bias, M, p_lo, p_hi);

@@ -140,6 +140,16 @@ void gemm_amx_blocks_range(float *restrict y, int64_t ldy, const uint8_t *restri
                            int64_t n, const float *restrict bias, int64_t M, int64_t p_lo,
                            int64_t p_hi);
 
+/* gemm_range for GEMM_W8A8P on AMX int8 tiles, or their emulation (gemm_amx_mode), with
+ * the vector tiles' bits (gemm_amx_w8a8.c); gemm_range takes it where gemm_amx_w8a8_takes:
+ * a mode set, a build whose W8A8 x is bytes, at least AMX_W8A8_MIN_ROWS rows. */
+#define AMX_W8A8_MIN_ROWS 8
+int gemm_amx_w8a8_takes(int64_t M);
+void gemm_amx_w8a8_range(float *restrict y, int64_t ldy, const uint8_t *restrict xq,
+                         const uint8_t *restrict w, int64_t panel_bytes, int64_t k, int64_t n,
+                         const float *restrict scales, const float *restrict bias, int64_t M,
+                         int64_t p_lo, int64_t p_hi);
+
 /* A tile of mr rows (1..6) over np panels of one storage, y's columns from c0 on (those
  * past n dropped): float32, bf16 and int8 weight-only (gemm_f32.c, gemm_bf16.c,
  * gemm_int8.c over gemm_float.h), Q4_1 (gemm_q4_1.c), the other GGUF block formats
