@@ -102,8 +102,9 @@ def verify_drafts(logits: torch.Tensor, rows: list[SamplingRow],
         raw_logprobs = torch.log_softmax(logits, dim=1)  # before any processor (vLLM)
     # Seeded sampled chains are drawn row by row from their unprocessed logits (kept before
     # compute_probs consumes them): seeded_chain_tokens.
-    seeded = {id(item): logits[r:r + item.num_logits_rows].clone()
-              for item, r in _item_rows(owners) if _is_seeded_chain(item)}
+    items = _item_rows(owners)
+    seeded = {i: logits[r:r + item.num_logits_rows].clone()
+              for i, (item, r) in enumerate(items) if _is_seeded_chain(item)}
     probs = None
     if all(is_plain_greedy(row) for row in rows):
         argmax = greedy_tokens(logits).tolist()
@@ -111,11 +112,10 @@ def verify_drafts(logits: torch.Tensor, rows: list[SamplingRow],
         metadata = SamplingMetadata.build(rows, ctx.vocab_size, ctx.device)
         probs = compute_probs(logits, metadata)  # one-hot for greedy rows
         argmax = probs.argmax(dim=1).tolist()
-    r = 0
-    for item in owners:
+    for i, (item, r) in enumerate(items):
         request, params = item.request, item.request.sampling_params
-        if id(item) in seeded:
-            tokens = seeded_chain_tokens(seeded[id(item)], rows[r:r + item.num_logits_rows],
+        if i in seeded:
+            tokens = seeded_chain_tokens(seeded[i], rows[r:r + item.num_logits_rows],
                                          item.spec_token_ids, ctx)
             emitted_rows = list(range(len(tokens)))
         else:
@@ -128,7 +128,6 @@ def verify_drafts(logits: torch.Tensor, rows: list[SamplingRow],
                 raw_logprobs[[r + row for row in emitted_rows]],
                 torch.tensor(tokens, dtype=torch.long, device=ctx.device), params.logprobs)
             output.logprobs[request.request_id] = to_position_logprobs(ids, lps, ranks) or []
-        r += len(item.spec_token_ids) + 1
 
 
 def _item_rows(owners: list[ScheduledRequest]) -> list[tuple[ScheduledRequest, int]]:

@@ -3,10 +3,9 @@
  * and the dot products: tdpbf16ps for gemm_amx.c's bf16 GEMM, tdpbsud for
  * gemm_amx_blocks.c's GGUF block formats, tdpbusd for gemm_amx_w8a8.c's W8A8), each
  * either the instruction (hw = 1: AMX builds only, with the kernel's permission) or an
- * exact software emulation every build runs.
- * gemm_amx.c's header comment is tdpbf16ps's measured arithmetic; tdpbsud's is exact
- * integer arithmetic (int32 sums of s8 x u8 products, wrapping), which the emulation
- * reproduces trivially. Each translation unit that includes this has its own emulated tile
+ * exact software emulation every build runs. gemm_amx.c's header comment is tdpbf16ps's
+ * measured arithmetic; tdpbsud's and tdpbusd's are exact integer arithmetic (int32 sums of
+ * s8 x u8 products, wrapping), which the emulation reproduces trivially. Each translation unit that includes this has its own emulated tile
  * state, per thread: a kernel configures the tiles on entry.
  */
 #ifndef AIOENGINE_AMX_TILES_H
@@ -100,35 +99,31 @@ __attribute__((optimize("no-associative-math", "fp-contract=off"))) static void 
     }
 }
 
-/* tdpbsud: C[m][n] += sum over the k bytes of A's row m of (s8) A[m][kk] times (u8)
- * B[kk / 4][4 n + kk % 4] (B in the VNNI layout: four consecutive k of a column per dword),
- * in int32, wrapping (the kernels' sums stay far inside int32). */
-static inline void emu_dpbsud(int c, int a, int b) {
+/* tdpbsud (a_signed) and tdpbusd: C[m][n] += sum over the k bytes of A's row m of A[m][kk]
+ * times B[kk / 4][4 n + kk % 4] (B in the VNNI layout: four consecutive k of a column per
+ * dword), one operand's bytes signed and the other's unsigned, in int32, wrapping (the
+ * kernels' sums stay far inside int32). */
+static inline void emu_dp_int8(int c, int a, int b, int a_signed) {
     const int kb = emu_cfg.colsb[a], cols = emu_cfg.colsb[c] / 4;
     for (int m = 0; m < emu_cfg.rows[c]; m++) {
         int32_t *acc = (int32_t *)emu_tile[c][m];
         for (int n = 0; n < cols; n++) {
             int32_t sum = 0;
-            for (int kk = 0; kk < kb; kk++)
-                sum += (int32_t)(int8_t)emu_tile[a][m][kk] *
-                       (int32_t)emu_tile[b][kk / 4][4 * n + kk % 4];
+            for (int kk = 0; kk < kb; kk++) {
+                const uint8_t x = emu_tile[a][m][kk], w = emu_tile[b][kk / 4][4 * n + kk % 4];
+                sum += a_signed ? (int32_t)(int8_t)x * (int32_t)w
+                                : (int32_t)x * (int32_t)(int8_t)w;
+            }
             acc[n] = (int32_t)((uint32_t)acc[n] + (uint32_t)sum);
         }
     }
 }
 
-/* tdpbusd: as tdpbsud with A's bytes unsigned and B's signed. */
-static inline void emu_dpbusd(int c, int a, int b) {
-    const int kb = emu_cfg.colsb[a], cols = emu_cfg.colsb[c] / 4;
-    for (int m = 0; m < emu_cfg.rows[c]; m++) {
-        int32_t *acc = (int32_t *)emu_tile[c][m];
-        for (int n = 0; n < cols; n++) {
-            int32_t sum = 0;
-            for (int kk = 0; kk < kb; kk++)
-                sum += (int32_t)emu_tile[a][m][kk] *
-                       (int32_t)(int8_t)emu_tile[b][kk / 4][4 * n + kk % 4];
-            acc[n] = (int32_t)((uint32_t)acc[n] + (uint32_t)sum);
-        }
+/* One tile's shape in a configuration; a zero size leaves the tile unconfigured. */
+static inline void amx_config_tile(amx_config *c, int t, int rows, int colsb) {
+    if (rows > 0 && colsb > 0) {
+        c->rows[t] = (uint8_t)rows;
+        c->colsb[t] = (uint16_t)colsb;
     }
 }
 
@@ -158,8 +153,8 @@ static inline void emu_dpbusd(int c, int a, int b) {
 #define AMX_STORE(hw, t, p, s) do { if (hw) AMX_HW_STORE(t, p, s); else emu_store(t, p, s); } while (0)
 #define AMX_DP(hw, c, a, b) do { if (hw) AMX_HW_DP(c, a, b); else emu_dpbf16(c, a, b); } while (0)
 #define AMX_DPBSUD(hw, c, a, b) \
-    do { if (hw) AMX_HW_DPBSUD(c, a, b); else emu_dpbsud(c, a, b); } while (0)
+    do { if (hw) AMX_HW_DPBSUD(c, a, b); else emu_dp_int8(c, a, b, 1); } while (0)
 #define AMX_DPBUSD(hw, c, a, b) \
-    do { if (hw) AMX_HW_DPBUSD(c, a, b); else emu_dpbusd(c, a, b); } while (0)
+    do { if (hw) AMX_HW_DPBUSD(c, a, b); else emu_dp_int8(c, a, b, 0); } while (0)
 
 #endif /* AIOENGINE_AMX_TILES_H */

@@ -40,12 +40,12 @@
 static void amxb_config(amx_config *c, int rows, int q6) {
     memset(c, 0, sizeof(*c));
     c->palette = 1;
-    const int a[2] = {AMXB_A0, AMXB_A1}, bt[3] = {AMXB_B0, AMXB_B1, AMXB_B2};
-    const int ct[3] = {AMXB_C0, AMXB_C1, AMXB_C2};
-    for (int i = 0; i < 2; i++) c->rows[a[i]] = (uint8_t)rows, c->colsb[a[i]] = q6 ? 16 : 32;
+    const int bt[3] = {AMXB_B0, AMXB_B1, AMXB_B2}, ct[3] = {AMXB_C0, AMXB_C1, AMXB_C2};
+    amx_config_tile(c, AMXB_A0, rows, q6 ? 16 : 32);
+    amx_config_tile(c, AMXB_A1, rows, q6 ? 16 : 32);
     for (int i = 0; i < 3; i++) {
-        c->rows[bt[i]] = q6 ? 4 : 8, c->colsb[bt[i]] = 64;
-        c->rows[ct[i]] = (uint8_t)rows, c->colsb[ct[i]] = 64;
+        amx_config_tile(c, bt[i], q6 ? 4 : 8, 64);
+        amx_config_tile(c, ct[i], rows, 64);
     }
 }
 
@@ -100,7 +100,7 @@ typedef struct { float v[16]; } amxb_acc;
 typedef struct {
     float *xs;
     int32_t *t1i, *t2;
-    float *t1f;
+    float *t1f;  /* t1i's memory: a format uses one of the two */
 } amxb_rows_t;
 
 static inline void amxb_tables(const int F, amxb_rows_t *t, const uint8_t *const rows[16],

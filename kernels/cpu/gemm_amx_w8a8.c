@@ -36,13 +36,14 @@
 static void amxw_config(amx_config *c, int rows, int tail) {
     memset(c, 0, sizeof(*c));
     c->palette = 1;
-    const int shapes[8][2] = {{rows, 64}, {16, 64}, {16, 64}, {rows, 64}, {rows, 64},
-                              {rows, 4 * tail}, {tail, 64}, {tail, 64}};
-    for (int t = 0; t < 8; t++)
-        if (shapes[t][0] > 0 && shapes[t][1] > 0) {
-            c->rows[t] = (uint8_t)shapes[t][0];
-            c->colsb[t] = (uint16_t)shapes[t][1];
-        }
+    amx_config_tile(c, AMXW_A, rows, 64);
+    amx_config_tile(c, AMXW_B0, 16, 64);
+    amx_config_tile(c, AMXW_B1, 16, 64);
+    amx_config_tile(c, AMXW_C0, rows, 64);
+    amx_config_tile(c, AMXW_C1, rows, 64);
+    amx_config_tile(c, AMXW_AT, rows, 4 * tail);
+    amx_config_tile(c, AMXW_BT0, tail, 64);
+    amx_config_tile(c, AMXW_BT1, tail, 64);
 }
 
 /* The dots of row tile rows [0, r) (x at a: its first row's quants, stride xrow) against

@@ -9,13 +9,13 @@ import ctypes
 
 import pytest
 import torch
+from amx_modes import EMULATED, OFF, TILES, has_tiles, keep_amx_mode  # noqa: F401 (autouse)
 from test_block_gemm import _blocks, _k, _packed, _random_bytes, _with_sane_halves
 
 from aioengine.kernels import cpu_blocks, cpu_build
 
 pytestmark = pytest.mark.skipif(cpu_build.load() is None, reason="CPU kernels not built")
 
-OFF, TILES, EMULATED = 0, 1, 2
 AMX_TYPES = ("q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
 MIN_ROWS = 32  # gemm.h's AMX_BLOCK_MIN_ROWS
 # Below the path's minimum, one whole 16-row tile pair, partial tiles (33, 47), four tiles.
@@ -23,27 +23,6 @@ ROWS = (31, 32, 33, 47, 64)
 # (n, blocks per row): a lone edge panel, one block per row, several panels (3 in flight:
 # 70 columns are 5 panels, a group of 3 and one of 2).
 SHAPES = ((37, 3), (100, 1), (70, 8))
-
-
-def _mode_name(mode: int) -> str | None:
-    return {OFF: None, TILES: "tiles", EMULATED: "emulated"}[mode]
-
-
-def _has_tiles() -> bool:
-    if cpu_build.variant() != "amx":
-        return False
-    before = cpu_build.amx_mode()
-    try:
-        return cpu_build.set_amx_mode(TILES) == "tiles"
-    finally:
-        cpu_build.set_amx_mode({"tiles": TILES, "emulated": EMULATED}.get(before or "", OFF))
-
-
-@pytest.fixture(autouse=True)
-def _restore_mode():
-    before = cpu_build.amx_mode()
-    yield
-    cpu_build.set_amx_mode({"tiles": TILES, "emulated": EMULATED}.get(before or "", OFF))
 
 
 def _takes(block_type: str, rows: int) -> bool:
@@ -55,7 +34,7 @@ def _takes(block_type: str, rows: int) -> bool:
 
 def _products(mode: int, block_type: str, seed: int) -> list[torch.Tensor]:
     """For each shape and row count, y = x w^T + bias with the AMX mode set to `mode`."""
-    assert cpu_build.set_amx_mode(mode) == _mode_name(mode)
+    assert cpu_build.set_amx_mode(mode) == {OFF: None, TILES: "tiles", EMULATED: "emulated"}[mode]
     out = []
     for n, blocks_per_row in SHAPES:
         k = _k(block_type, blocks_per_row)
@@ -90,7 +69,7 @@ def test_emulated_tiles_give_the_vector_bits(variant: str, block_type: str) -> N
         assert torch.equal(a, b), (variant, block_type, SHAPES[i // len(ROWS)], ROWS[i % len(ROWS)])
 
 
-@pytest.mark.skipif(not _has_tiles(), reason="no AMX tiles here (CPU flags or kernel)")
+@pytest.mark.skipif(not has_tiles(), reason="no AMX tiles here (CPU flags or kernel)")
 @pytest.mark.parametrize("block_type", AMX_TYPES)
 def test_the_tiles_give_the_emulation_and_vector_bits(block_type: str) -> None:
     """On AMX hardware: tdpbsud's sums equal the emulation's, so all three paths agree."""

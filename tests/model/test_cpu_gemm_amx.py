@@ -5,32 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from amx_modes import EMULATED, TILES, has_tiles, keep_amx_mode  # noqa: F401 (autouse)
 
 from aioengine.kernels import cpu_build, cpu_gemm
 
 pytestmark = pytest.mark.skipif(cpu_build.load() is None, reason="no C kernels built")
 
-EMULATED, TILES = 2, 1
-
-
-def _has_tiles() -> bool:
-    if cpu_build.variant() != "amx":
-        return False
-    try:
-        return cpu_build.set_amx_mode(TILES) == "tiles"
-    finally:
-        cpu_build.set_amx_mode({"tiles": TILES, "emulated": EMULATED}.get(
-            cpu_build.amx_mode() or "", 0))
-
-
-@pytest.fixture(autouse=True)
-def _restore_mode():
-    before = cpu_build.amx_mode()
-    yield
-    cpu_build.set_amx_mode({"tiles": TILES, "emulated": EMULATED}.get(before or "", 0))
-
-
-MODES = [EMULATED] + ([TILES] if _has_tiles() else [])
+MODES = [EMULATED] + ([TILES] if has_tiles() else [])
 
 
 def _use(mode: int) -> None:

@@ -9,6 +9,7 @@ import ctypes
 
 import pytest
 import torch
+from amx_modes import EMULATED, OFF, TILES, has_tiles, keep_amx_mode  # noqa: F401 (autouse)
 
 from aioengine.kernels import cpu_build, cpu_gemm
 from aioengine.kernels.cpu_gemm_w8a8 import pack_w8a8
@@ -16,34 +17,12 @@ from aioengine.model.layers import _w8a8_linear, quantize_int8_rows
 
 pytestmark = pytest.mark.skipif(cpu_build.load() is None, reason="CPU kernels not built")
 
-OFF, TILES, EMULATED = 0, 1, 2
 MIN_ROWS = 8  # gemm.h's AMX_W8A8_MIN_ROWS
 BYTE_X_BUILDS = ("amx", "avx512_bf16")  # -mavx512vnni: x as q + 128 bytes (w8a8.h)
 # (n, k): k below one 64-k chunk and not a multiple of 4, k of whole chunks, k with a tail
 # of 11 groups, n with an edge panel and an odd panel count.
 SHAPES = ((5, 7), (37, 128), (70, 300), (1000, 576))
 ROWS = (7, 8, 15, 16, 17, 33, 64)
-
-
-def _restore(mode_name: str | None) -> None:
-    cpu_build.set_amx_mode({"tiles": TILES, "emulated": EMULATED}.get(mode_name or "", OFF))
-
-
-@pytest.fixture(autouse=True)
-def _restore_mode():
-    before = cpu_build.amx_mode()
-    yield
-    _restore(before)
-
-
-def _has_tiles() -> bool:
-    if cpu_build.variant() != "amx":
-        return False
-    before = cpu_build.amx_mode()
-    try:
-        return cpu_build.set_amx_mode(TILES) == "tiles"
-    finally:
-        _restore(before)
 
 
 def _takes(rows: int) -> bool:
@@ -80,6 +59,6 @@ def test_emulated_tiles_give_int_mm_bits(variant: str) -> None:
     _check_int_mm_bits(EMULATED)
 
 
-@pytest.mark.skipif(not _has_tiles(), reason="no AMX tiles here (CPU flags or kernel)")
+@pytest.mark.skipif(not has_tiles(), reason="no AMX tiles here (CPU flags or kernel)")
 def test_the_tiles_give_int_mm_bits() -> None:
     _check_int_mm_bits(TILES)
