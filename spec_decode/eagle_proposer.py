@@ -71,7 +71,8 @@ class EagleProposer(Proposer):
         drafting: list[tuple[Request, int, list[int]]] = []  # (request, its last row, table)
         for i, item in enumerate(ctx.scheduled):
             request = item.request
-            if request.request_id in skip_ids:
+            # A pooling request never drafts, and its last chunk has no next token.
+            if request.request_id in skip_ids or request.is_pooling:
                 continue
             start, end = ctx.item_starts[i], ctx.item_starts[i + 1]
             sampled = ctx.sampled_token_ids.get(request.request_id)

@@ -135,12 +135,13 @@ class StructuredOutputManager(EngineFeature):
             return []
         return state.advance(request, token, room)
 
-    def usable_drafts(self, request: Request, drafts: list[int]) -> list[int]:
-        """The prefix of `drafts` the matcher accepts."""
+    def usable_drafts(self, request: Request, drafts: list[int], room: int) -> list[int]:
+        """The prefix of `drafts` the matcher accepts, up to the first that jump-forward
+        tokens would follow (StructuredRequestState.num_valid_drafts)."""
         state = structured_state(request)
         if state is None:
             return drafts
-        return drafts[:state.num_valid_drafts(drafts)]
+        return drafts[:state.num_valid_drafts(drafts, room)]
 
     # ---- the step ---------------------------------------------------------------------
 

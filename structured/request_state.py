@@ -107,27 +107,52 @@ class StructuredRequestState:
         if drafts:
             matcher.rollback(len(drafts))
 
-    def num_valid_drafts(self, drafts: Sequence[int]) -> int:
-        """How many leading draft tokens the grammar accepts from here (matcher unchanged);
-        reasoning tokens are all valid."""
+    def num_valid_drafts(self, drafts: Sequence[int], room: int | None = None) -> int:
+        """How many leading draft tokens are worth verifying from here (matcher unchanged):
+        those the grammar accepts, up to (not with) the first that jump-forward tokens
+        would follow, given `room` tokens the request may still produce (None: no bound);
+        reasoning tokens are all valid.
+
+        The step after such a draft's row ends the request's run there (append_run), so
+        its later rows would be dropped; worse, a seeded request would draw for them from
+        its generator where sampling without drafts appends the forced tokens undrawn, and
+        its text would then depend on the drafts (worker/verify.py seeded_chain_tokens).
+        Left out, the draft's own row samples that token and the forced ones follow it as
+        without speculation."""
+        def after(i: int) -> int | None:  # the room once drafts[:i] are output
+            return None if room is None else room - i
+
         if self.gate is not None and not self.gate.in_answer:
             phase = self.gate.phase
             for i, token_id in enumerate(drafts):
                 phase, to_matcher = self.gate.next_phase(phase, token_id)
                 if to_matcher:  # the answer starts here: the grammar takes the rest
-                    return i + self._num_valid_matched(drafts[i:])
+                    return i + self._num_valid_matched(drafts[i:], after(i))
+                if phase is Phase.ANSWER and self._forces_tokens(after(i + 1)):
+                    return i  # the end of reasoning, which the answer's forced start follows
             return len(drafts)
-        return self._num_valid_matched(drafts)
+        return self._num_valid_matched(drafts, room)
 
-    def _num_valid_matched(self, drafts: Sequence[int]) -> int:
+    def _num_valid_matched(self, drafts: Sequence[int], room: int | None) -> int:
         matcher, num_valid = self.matcher, 0
         for token_id in drafts:
             if matcher.is_terminated() or not matcher.accept_token(token_id):
+                break
+            after = None if room is None else room - num_valid - 1
+            if self._forces_tokens(after):
+                matcher.rollback(1)
                 break
             num_valid += 1
         if num_valid:
             matcher.rollback(num_valid)
         return num_valid
+
+    def _forces_tokens(self, room: int | None) -> bool:
+        """Whether jump_forward_tokens(room) would append tokens here (matcher unchanged)."""
+        forced = self._accept_forced(JUMP_FORWARD_MAX_BYTES if room is None else room)
+        if forced:
+            self.matcher.rollback(len(forced))
+        return bool(forced)
 
     def accept(self, token_id: int) -> bool:
         """Advances with a sampled token; False if the grammar rejects it (which the mask
@@ -167,8 +192,18 @@ class StructuredRequestState:
         own and accepted token by token, stopping at the first token the matcher rejects
         (a token boundary the grammar does not allow).
         """
-        if (not self.jump_forward or max_tokens <= 0 or not self.in_answer
-                or self.matcher.is_terminated()):
+        if not self.in_answer:
+            return []
+        accepted = self._accept_forced(max_tokens)
+        if accepted:
+            self.stats.num_jump_forwards += 1
+            self.stats.num_jump_forward_tokens += len(accepted)
+        return accepted
+
+    def _accept_forced(self, max_tokens: int) -> list[int]:
+        """jump_forward_tokens' tokens, accepted by the matcher, without its counters (or
+        its check that the answer has begun: drafts may begin it)."""
+        if not self.jump_forward or max_tokens <= 0 or self.matcher.is_terminated():
             return []
         forced = self.forced_text(min(max_tokens * JUMP_FORWARD_BYTES_PER_TOKEN,
                                       JUMP_FORWARD_MAX_BYTES))
@@ -179,9 +214,6 @@ class StructuredRequestState:
             if not self.matcher.accept_token(token_id):
                 break
             accepted.append(token_id)
-        if accepted:
-            self.stats.num_jump_forwards += 1
-            self.stats.num_jump_forward_tokens += len(accepted)
         return accepted
 
     def forced_text(self, max_bytes: int) -> str:

@@ -24,7 +24,8 @@ request path names a feature.
                                  this step's update first (a grammar advances on it)
     forced_tokens(req, tok, n)   scheduler, after each token it appends: up to n tokens the
                                  feature forces next (jump-forward), appended as output
-    usable_drafts(req, drafts)   scheduler: the prefix of a request's next drafts it keeps
+    usable_drafts(req, d, n)     scheduler: the prefix of a request's next drafts d it keeps
+                                 (n: the tokens it may still produce)
     prepare_step(output)         event loop, right after schedule(): step inputs the
                                  feature adds to the SchedulerOutput (grammar bitmask)
     begin_execute(output)        worker, right before the step's forward
@@ -103,8 +104,9 @@ class EngineFeature(ABC):
         must follow it (computed as one chunk next step)."""
         return []
 
-    def usable_drafts(self, request: Request, drafts: list[int]) -> list[int]:
-        """Scheduler: the prefix of the drafts proposed for `request` worth verifying."""
+    def usable_drafts(self, request: Request, drafts: list[int], room: int) -> list[int]:
+        """Scheduler: the prefix of the drafts proposed for `request` worth verifying;
+        `room`: the tokens it may still produce (the first draft's among them)."""
         return drafts
 
     def prepare_step(self, scheduler_output: SchedulerOutput) -> None:

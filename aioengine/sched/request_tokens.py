@@ -20,15 +20,15 @@ def usable_drafts(request: Request, drafts: list[int], features: Sequence[Engine
     still produce after the one the step samples anyway, and, under a grammar, the
     prefix the matcher accepts."""
     params = request.sampling_params
-    room = min((params.max_tokens or 0) - request.num_output_tokens,
-               config.max_model_len - request.num_tokens) - 1
+    left = min((params.max_tokens or 0) - request.num_output_tokens,
+               config.max_model_len - request.num_tokens)
     # Never more than a step can hold, so a seeded request always gets all its drafts
     # in some step (schedule() trims none of them for it).
-    room = min(room, config.max_num_batched_tokens - 1)
+    room = min(left - 1, config.max_num_batched_tokens - 1)
     drafts = drafts[:max(room, 0)]
     for feature in features:
         if drafts:
-            drafts = feature.usable_drafts(request, drafts)
+            drafts = feature.usable_drafts(request, drafts, left)
     return drafts
 
 

@@ -190,3 +190,32 @@ def test_seeded_sampling_gives_the_tokens_of_no_speculation(tiny_llama_dir: Path
     assert alone == want
     assert_speculated(llm)
     assert_blocks_released(llm.core)
+
+
+@pytest.mark.parametrize("spec", [SUFFIX, {"method": "ngram", "num_speculative_tokens": 4,
+                                           "prompt_lookup_min": 1, "prompt_lookup_max": 3}],
+                         ids=["suffix", "ngram"])
+def test_seeded_sampling_under_a_grammar_that_jumps_forward(tiny_llama_dir: Path,
+                                                            spec: dict) -> None:
+    """Drafts copied from the prompt run through the grammar's forced stretches ("=" and
+    " " below). The step after a draft that forced tokens follow ends the request's run
+    there, and a seeded request drew for the rows after it where sampling without drafts
+    appends the forced tokens undrawn, so its text changed with the drafts (a served
+    n = 2 JSON-schema request streamed other text than the same request unstreamed).
+    Drafts now stop before such a token; the tokens are those of no speculation."""
+    regex = r"([0-9][0-9][0-9]=[0-9] ){6}"
+
+    def run(config: dict | None) -> tuple[LLM, list[list[int]]]:
+        llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=512,
+                  speculative_config=config)
+        prompt = llm.tokenizer.encode("123=4 567=8 912=3 123=4 567=8 912=3 123=4 567=8 ")
+        params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=60,
+                                 structured_outputs=StructuredOutputs(regex=regex))
+                  for seed in range(6)]
+        return llm, [o.outputs[0].token_ids for o in llm.generate([prompt] * 6, params)]
+
+    want = run(None)[1]
+    llm, got = run(spec)
+    assert got == want
+    assert_speculated(llm)
+    assert_blocks_released(llm.core)

@@ -36,8 +36,9 @@ def think(tok) -> tuple[int, int]:
 
 
 def state_for(manager: StructuredOutputManager, end: int | None = None,
-              start: int | None = None, jump_forward: bool = True) -> StructuredRequestState:
-    constraint = StructuredOutputs(regex=REGEX, reasoning_end_token_id=end,
+              start: int | None = None, jump_forward: bool = True,
+              regex: str = REGEX) -> StructuredRequestState:
+    constraint = StructuredOutputs(regex=regex, reasoning_end_token_id=end,
                                    reasoning_start_token_id=start)
     state = manager.new_request_state(SamplingParams(structured_outputs=constraint))
     assert state is not None
@@ -104,11 +105,14 @@ def test_either_the_output_opens_reasoning_or_the_grammar_starts(tok, manager, t
 
 def test_drafts_across_the_end_of_reasoning(tok, manager, think) -> None:
     _, end = think
-    state = state_for(manager, end=end)
+    state = state_for(manager, end=end, jump_forward=False)
     reasoning, answer = ids(tok, "so"), ids(tok, '{"a"')
     drafts = [*reasoning, end, *answer, *ids(tok, "x")]
     assert state.num_valid_drafts(drafts) == len(reasoning) + 1 + len(answer)
     assert state.num_valid_drafts(reasoning) == len(reasoning)
+    # With jump-forward the answer's forced start (`{"a": `) follows `</think>`: the
+    # drafts stop before it.
+    assert state_for(manager, end=end).num_valid_drafts(drafts) == len(reasoning)
     # The mask after drafts equals the mask of a state that took them, and the state
     # itself is unchanged (still in the reasoning, matcher untouched).
     row = mask_of(state, tuple(drafts[:-1]))
@@ -126,7 +130,7 @@ def test_drafts_that_complete_the_answer_with_its_stop_token(tok, manager) -> No
     n-gram drafts copy it from earlier text): the row after it allows only the stop tokens
     (xgrammar refuses to fill a mask past a stop token, which failed the step), and the
     matcher is left where it was."""
-    state = state_for(manager)
+    state = state_for(manager, jump_forward=False)
     drafts = tuple(ids(tok, '{"a": 7}')) + (EOS,)
     assert state.num_valid_drafts(drafts) == len(drafts)
     before = mask_of(state)
@@ -135,3 +139,23 @@ def test_drafts_that_complete_the_answer_with_its_stop_token(tok, manager) -> No
     assert not allowed(mask_of(state, drafts[:-1]), drafts[0])  # inside: the grammar's mask
     assert allowed(mask_of(state, drafts[:-1]), EOS)
     assert torch.equal(mask_of(state), before)
+
+
+def test_drafts_stop_before_a_token_that_forced_tokens_follow(tok, manager) -> None:
+    """The step after a draft that jump-forward tokens follow ends the request's run
+    there, and a seeded request would draw for the rows after it where sampling without
+    drafts appends the forced tokens undrawn: the drafts stop before that token. The
+    room left decides, as it decides the jump itself."""
+    regex = r"[a-z][a-z]=ok"
+    drafts = ids(tok, "q") + ids(tok, "r") + ids(tok, "=ok")
+    free = state_for(manager, regex=regex, jump_forward=False)
+    assert free.num_valid_drafts(drafts) == len(drafts)
+    state = state_for(manager, regex=regex)
+    assert state.num_valid_drafts(drafts) == 1  # "r" is followed by the forced "=ok"
+    assert state.num_valid_drafts(drafts, room=3) == 1  # a token fits after "r": it jumps
+    # None does (the request ends at "r"): nothing is forced, every draft is valid (the
+    # scheduler keeps no more drafts than the room anyway).
+    assert state.num_valid_drafts(drafts, room=2) == len(drafts)
+    request = Request("r", [1], SamplingParams())
+    assert state.advance(request, drafts[0], 8) == []
+    assert state.advance(request, drafts[1], 8) == drafts[2:]  # what the draft was cut for
