@@ -15,7 +15,8 @@ from aioengine.kv.block_pool import PREFIX_CACHING_HASH_ALGOS
 # need not import this module (no import circle); callers import it from here.
 from aioengine.errors import ConfigError
 from aioengine.generation_config import check_generation_config_setting
-from aioengine.spec_decode.config import SpeculativeConfig
+from aioengine.spec_decode.config import (DEFAULT_SPECULATIVE_CONFIG, SpeculativeConfig,
+                                          config_from_text)
 from aioengine.tracing import INSTALL_HINT, check_traces_endpoint
 
 QUANTIZATIONS = ("int8", "w8a8", "gguf")
@@ -77,9 +78,10 @@ class EngineArgs:
     # AsyncEngine: schedule a decode step while the one before it runs, so the worker goes
     # straight on to it (Scheduler.schedule_ahead). The synchronous LLM never does.
     async_scheduling: bool = True
-    # vLLM's speculative_config (a dict or its JSON text), validated by
-    # aioengine.spec_decode.SpeculativeConfig.parse; None = no speculative decoding.
-    speculative_config: dict | str | None = None
+    # vLLM's speculative_config (a dict, its JSON text or a method's name), validated by
+    # aioengine.spec_decode.SpeculativeConfig.parse; None = no speculative decoding. On by
+    # default: "auto" drafts only where a request's drafts pay (spec_decode/auto.py).
+    speculative_config: dict | str | None = DEFAULT_SPECULATIVE_CONFIG
     # Multi-LoRA (vLLM's names): adapters per step, their largest rank, adapters kept
     # loaded in CPU memory (None: max_loras).
     enable_lora: bool = False
@@ -187,6 +189,9 @@ class SchedulerConfig:
     # which a step verifies none (None = no limit).
     num_speculative_tokens: int = 0
     spec_disable_by_batch_size: int | None = None
+    # Speculation chosen per request (method "auto"): a step whose proposals found no draft
+    # worth verifying lets the next ones rest from proposing (spec_decode/step.py).
+    spec_rest_when_idle: bool = False
     # Slots allocated past each step's tokens for a draft head's chain (EAGLE: k).
     num_lookahead_tokens: int = 0
 
@@ -223,6 +228,7 @@ class SchedulerConfig:
                    policy=args.scheduling_policy,
                    num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                    spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
+                   spec_rest_when_idle=spec is not None and spec.method == "auto",
                    num_lookahead_tokens=num_lookahead_tokens)
 
 
@@ -280,16 +286,17 @@ def flag_values(args: argparse.Namespace, table: dict[str, FlagSpec]) -> dict[st
 # `aioengine serve|generate` and every `aioengine bench` mode that runs our engine take the
 # same flags, under vLLM's names, each generated from its EngineArgs field.
 
-def speculative_config_arg(text: str) -> dict[str, Any]:
-    """`--speculative-config`: vLLM's JSON object, validated here so a bad one stops the
-    command before anything loads (with SpeculativeConfig's ConfigError message)."""
-    import json
-
+def speculative_config_arg(text: str) -> dict[str, Any] | str | None:
+    """`--speculative-config`: vLLM's JSON object, a method's name, or none / null (off),
+    validated here so a bad one stops the command before anything loads (with
+    SpeculativeConfig's ConfigError message)."""
     try:
         SpeculativeConfig.parse(text)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    return json.loads(text)
+    value = config_from_text(text)
+    # A bare method name stays the name, as EngineArgs' default is ("auto").
+    return text.strip() if value is not None and value == {"method": text.strip()} else value
 
 
 _BOOL = argparse.BooleanOptionalAction
@@ -350,7 +357,8 @@ ENGINE_FLAGS: dict[str, FlagSpec] = {
         "--speculative-config", type=speculative_config_arg, metavar="JSON",
         help='speculative decoding, vLLM\'s JSON object, e.g. \'{"method": "ngram", '
              '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' '
-             "(default: off)"),
+             "; auto (the default): per request the best of suffix decoding, n-gram lookup "
+             "and the model's shipped draft head, where drafts pay; none: off"),
     "attention_backend": flag("--attention-backend", choices=ATTENTION_BACKENDS,
                               help="auto: triton on CUDA, torch elsewhere"),
     "enforce_eager": flag("--enforce-eager", action=_BOOL,

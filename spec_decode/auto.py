@@ -12,7 +12,8 @@ draft token is kept with probability a once those before it were), for suffix de
 ratio of tokens kept to tokens its scores promised. A new request starts from the
 estimates over all requests so far (so a method that pays on this traffic is tried
 first), its own observations soon outweighing them. A draft's expected gain is its expected kept tokens
-less ROW_COST per draft token (each verified row costs part of a step); the best gain wins
+less row_cost(n) per draft token (each verified row costs part of a step of n requests);
+the best gain wins
 if it is positive, else the request verifies no drafts this step. So a request whose
 drafts stop paying stops drafting, one whose output repeats text takes suffix drafts, and
 open chat takes the head's.
@@ -35,9 +36,21 @@ from aioengine.spec_decode.ngram import NgramLookup
 from aioengine.spec_decode.proposer import ProposeContext, Proposer
 from aioengine.spec_decode.suffix import SuffixProposer
 
-# What a verified draft row costs, in tokens: on the CPU a step verifying 4-5 drafts a
-# request costs 1.05-1.3x a plain one (issue 52), 0.01-0.06 of a token per row.
-ROW_COST = 0.05
+# What a verified draft row costs, in tokens, in a step of n requests. A decode step of n
+# rows takes about t1 + c (n - 1): the weights read once, then c per row. One more row costs
+# c, a token of such a step (t1 + c (n - 1)) / n: so c n / (t1 + c (n - 1)), which is
+# n / (STEP_FIXED_ROWS + n - 1) with STEP_FIXED_ROWS = t1 / c. Alone a row is 1/20 of a
+# token (a step verifying 4-5 drafts costs 1.05-1.3x a plain one, issue 52); with 32
+# requests, 0.63: there a draft must be kept more often than not to pay for its row.
+STEP_FIXED_ROWS = 20.0
+
+
+def row_cost(num_requests: int) -> float:
+    """A verified draft row's cost, in tokens, in a step of `num_requests` requests."""
+    n = max(1, num_requests)
+    return n / (STEP_FIXED_ROWS + n - 1)
+
+
 # Per-token acceptance assumed before a request has drafts of its own from a method (the
 # shipped head's first-token acceptance measured 0.56 on held-out chat, docs/eagle-head.md),
 # held as PRIOR_WEIGHT observations' worth.
@@ -171,14 +184,15 @@ class AutoProposer(Proposer):
         self._observe(ctx)
         self.retire_finished()
         offers: dict[str, _Offer] = {}
+        cost = row_cost(len(ctx.scheduled))
         for _, sample, tokens in ctx.samples():
             if sample.is_finished:
                 continue
-            offer = self._token_offer(sample, sample.all_token_ids + tokens)
+            offer = self._token_offer(sample, sample.all_token_ids + tokens, cost)
             if offer is not None:
                 offers[sample.request_id] = offer
         if self.head is not None and len(ctx.scheduled) <= HEAD_MAX_BATCH:
-            self._head_offers(ctx, offers)
+            self._head_offers(ctx, offers, cost)
         drafts, self._methods = {}, {}
         for rid, offer in offers.items():
             if offer.gain > 0 and offer.tokens:
@@ -218,20 +232,23 @@ class AutoProposer(Proposer):
                 sample, _Estimates.starting_from(self.shared))
         return track
 
-    def _token_offer(self, sample: Request, token_ids: list[int]) -> _Offer | None:
-        """The better of suffix decoding's draft and (where it has none) n-gram lookup's."""
+    def _token_offer(self, sample: Request, token_ids: list[int],
+                     cost: float) -> _Offer | None:
+        """Suffix decoding's draft, or where it has none n-gram lookup's, its gain at
+        `cost` tokens a row."""
         track = self._track(sample)
         tokens, score = self.suffix.speculate(sample, token_ids)
         if tokens:
             kept = score * track.estimates.suffix.ratio
-            return _Offer("suffix", tokens, kept - ROW_COST * len(tokens), score)
+            return _Offer("suffix", tokens, kept - cost * len(tokens), score)
         tokens = self.ngram.propose(token_ids)
         if tokens:
             kept = expected_kept(track.estimates.ngram.rate, len(tokens))
-            return _Offer("ngram", tokens, kept - ROW_COST * len(tokens))
+            return _Offer("ngram", tokens, kept - cost * len(tokens))
         return None
 
-    def _head_offers(self, ctx: ProposeContext, offers: dict[str, _Offer]) -> None:
+    def _head_offers(self, ctx: ProposeContext, offers: dict[str, _Offer],
+                     cost: float) -> None:
         """The head's chains for the requests whose expected gain from them beats their
         token offer. The head catches up over every prompt chunk and every request but
         those taking a token draft that no head chain could beat (its gain above a chain
@@ -240,7 +257,7 @@ class AutoProposer(Proposer):
         holes in the head's KV that only lower its later acceptance."""
         assert self.head is not None
         k = self.head.k
-        best_head_gain = k * (1.0 - ROW_COST)  # a chain kept whole
+        best_head_gain = k * (1.0 - cost)  # a chain kept whole
         wanted: dict[str, float] = {}
         skipped: set[str] = set()
         for item in ctx.scheduled:
@@ -248,7 +265,7 @@ class AutoProposer(Proposer):
             if item.num_samples != 1 or request.is_finished:
                 continue
             rid, track = request.request_id, self._track(request)
-            gain = expected_kept(track.estimates.head.rate, k) - ROW_COST * k
+            gain = expected_kept(track.estimates.head.rate, k) - cost * k
             other = offers.get(rid)
             if gain > 0 and (other is None or gain > other.gain):
                 wanted[rid] = gain

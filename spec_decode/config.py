@@ -33,6 +33,8 @@ from aioengine.errors import ConfigError
 from aioengine.spec_decode.tree import TreeConfig
 
 METHODS = ("ngram", "eagle", "eagle3", "suffix", "auto")
+# EngineArgs.speculative_config left out: per request, drafts only where they pay.
+DEFAULT_SPECULATIVE_CONFIG = "auto"
 DRAFT_HEAD_METHODS = ("eagle", "eagle3")
 MAX_SPECULATIVE_TOKENS = 16
 # Methods whose k left out is DEFAULT_SUFFIX_SPECULATIVE_TOKENS and may be up to
@@ -60,6 +62,19 @@ DEFAULT_HEAD_DISABLE_BY_BATCH_SIZE = 8
 # target's dtype: on the bundled model a k=2 propose took 1.96 ms instead of 2.38 in bf16,
 # acceptance the same (1.635 vs 1.631, docs/eagle-head.md); none: the target's dtype.
 HEAD_QUANTIZATIONS = ("auto", "int8", "none")
+
+
+def config_from_text(text: str) -> dict[str, Any] | None:
+    """`--speculative-config`'s text: vLLM's JSON object, JSON null or "none" (off), or
+    a method's bare name ("auto", "ngram", "suffix"), its other fields left out."""
+    if text.strip().lower() == "none":
+        return None
+    if text.strip() in METHODS:
+        return {"method": text.strip()}
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"speculative_config is not valid JSON: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -125,10 +140,9 @@ class SpeculativeConfig:
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ConfigError(f"speculative_config is not valid JSON: {e}") from None
+            value = config_from_text(value)
+            if value is None:
+                return None
         if not isinstance(value, dict):
             raise ConfigError("speculative_config must be a JSON object / dict")
         known = {f.name for f in fields(cls)}

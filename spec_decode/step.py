@@ -25,6 +25,10 @@ from aioengine.sched.request_tokens import draws_own_noise
 from aioengine.sched.spec_stats import SpecDecodingStats
 from aioengine.spec_decode.config import SpeculativeConfig
 
+# The most steps a resting proposer sits out (DraftScheduling.note_proposals): the
+# longest a request whose text starts to repeat waits for its first draft.
+MAX_REST_STEPS = 16
+
 
 class SpeculativeDecoding:
     def __init__(self, config: SpeculativeConfig | None) -> None:
@@ -64,6 +68,11 @@ class DraftScheduling:
         self.num_lookahead_tokens = config.num_lookahead_tokens
         self.max_model_len = config.max_model_len
         self.counters = counters
+        # Resting (method auto): steps left before one proposes again, and proposal rounds
+        # in a row that found nothing worth verifying.
+        self.rest_when_idle = config.spec_rest_when_idle
+        self.rest_steps = 0
+        self.idle_rounds = 0
 
     @classmethod
     def from_config(cls, config: SchedulerConfig,
@@ -77,6 +86,30 @@ class DraftScheduling:
         """Whether a step of `num_running` requests verifies (and proposes) drafts."""
         limit = self.disable_by_batch_size
         return limit is None or num_running <= limit
+
+    def proposes(self, admitting: bool) -> bool:
+        """Whether a step that verifies drafts also proposes them for the next one: unless
+        the proposer is resting and no request is joining (a new request's drafts are
+        looked for at once)."""
+        return admitting or self.rest_steps == 0
+
+    def count_step(self) -> None:
+        """A step was scheduled: one fewer to rest."""
+        self.rest_steps = max(0, self.rest_steps - 1)
+
+    def note_proposals(self, drafted: bool) -> None:
+        """A step proposed; `drafted`: some request got drafts. While a proposer that
+        chooses per request (auto) finds nothing worth verifying, steps propose ever more
+        rarely (1, 2, 4 ... MAX_REST_STEPS steps apart): those that do not propose can be
+        scheduled ahead and hand their output over unread, which is what such traffic
+        loses to speculation otherwise. The first drafts end the rest."""
+        if not self.rest_when_idle:
+            return
+        if drafted:
+            self.idle_rounds = self.rest_steps = 0
+            return
+        self.rest_steps = min(MAX_REST_STEPS, 1 << self.idle_rounds)
+        self.idle_rounds = min(self.idle_rounds + 1, MAX_REST_STEPS.bit_length())
 
     def num_drafts(self, request: Request, budget: int) -> int | None:
         """How many of a decoding request's drafts ride along with its decode row, with

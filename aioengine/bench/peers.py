@@ -34,6 +34,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from aioengine.spec_decode.config import config_from_text
 from aioengine.bench.results import EngineLatency, checked_run, make_result
 
 VLLM = "vllm"
@@ -97,8 +98,13 @@ def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.max_model_len:
         opts["max_model_len"] = args.max_model_len
-    if getattr(args, "speculative_config", None):  # vLLM reads the same dict
-        opts["speculative_config"] = args.speculative_config
+    # vLLM reads the same dict; our "auto" (the default) is no method of vLLM's, which then
+    # runs as it does by default, without speculation.
+    spec = getattr(args, "speculative_config", None)
+    if isinstance(spec, str):
+        spec = config_from_text(spec)
+    if spec and spec.get("method") != "auto":
+        opts["speculative_config"] = spec
     return opts
 
 

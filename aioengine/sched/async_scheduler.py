@@ -31,9 +31,11 @@ class AsyncScheduler(Scheduler):
         """
         live = [item for item in in_flight.scheduled if not item.request.is_finished]
         # With drafts verified in `in_flight` (its tokens unknown in number) or proposed
-        # after it, the next step needs its update first.
+        # after it, the next step needs its update first; so does a step due to propose.
+        spec = self._step_spec()
         if ((self.spec_decode is not None
              and (in_flight.propose_drafts or any(item.spec_token_ids for item in live)))
+                or (spec is not None and spec.proposes(admitting=False))
                 or self.waiting or len(live) != len(self.running)
                 or len(live) > self.config.max_num_batched_tokens
                 or not all(self._can_run_ahead(item) for item in live)):
@@ -49,6 +51,8 @@ class AsyncScheduler(Scheduler):
             group_block_ids=self.kv_cache_manager.get_group_block_ids(item.request.request_id),
             num_samples=1) for item in ahead]
         self.kv_cache_manager.observe_peak_usage()
+        if self.spec_decode is not None:
+            self.spec_decode.count_step()
         self.num_steps += 1
         self.num_steps_ahead += 1
         return SchedulerOutput(scheduled=items, total_num_scheduled_tokens=len(items),

@@ -138,12 +138,16 @@ class Scheduler:
             budget -= num_new + num_spec
             i += 1
 
+        num_running = len(scheduled)
         if not preempted:  # admit waiting requests only when nobody had to be preempted
             blocked = self._admit_waiting(scheduled, budget)
             if blocked is not None and not scheduled and not self.running:
                 self._fail_unfittable(blocked)
         self.kv_cache_manager.observe_peak_usage()
-        return self._make_output(scheduled, preempted, spec is not None)
+        propose = spec is not None and spec.proposes(admitting=len(scheduled) > num_running)
+        if self.spec_decode is not None:
+            self.spec_decode.count_step()
+        return self._make_output(scheduled, preempted, propose)
 
     def _admit_waiting(self, scheduled: list[tuple[Request, int, int]],
                        budget: int) -> Request | None:
@@ -273,8 +277,8 @@ class Scheduler:
             blocks_to_copy=self.kv_cache_manager.take_copy_ops(),
             preempted=preempted,
             step_id=self.num_steps,
-            # Decided once per step, from the batch before admissions: the step verifies
-            # drafts exactly when the one before proposed them.
+            # Decided once per step: where drafts are verified (by the batch before
+            # admissions), unless the proposer rests (DraftScheduling.proposes).
             propose_drafts=speculate,
         )
 
@@ -307,6 +311,8 @@ class Scheduler:
         rest stays in its slots, to be rewritten.
         """
         outputs: list[EngineCoreOutput] = []
+        if scheduler_output.propose_drafts and self.spec_decode is not None:
+            self.spec_decode.note_proposals(any(runner_output.spec_token_ids.values()))
         for item in scheduler_output.scheduled:
             request = item.request
             if request.is_finished:

@@ -41,7 +41,9 @@ def test_the_gpu_kv_budget() -> None:
 
 async def _run(model_dir: Path, prompts: list[list[int]], async_output: bool,
                ) -> tuple[list, int]:
-    engine = await AsyncEngine.create(str(model_dir), max_model_len=256, dtype="float32")
+    # No speculation: a step that proposes drafts reads its output at once.
+    engine = await AsyncEngine.create(str(model_dir), max_model_len=256, dtype="float32",
+                                      speculative_config=None)
     runner = engine.core.runner
     runner.async_output = async_output
     handed = []

@@ -88,7 +88,8 @@ async def test_a_stop_string_and_an_abort_while_steps_run_ahead(
 
 
 def test_the_runner_refuses_a_step_ahead_of_one_that_did_not_run(tiny_llama_dir: Path) -> None:
-    llm = LLM(str(tiny_llama_dir), max_model_len=256, dtype="float32")
+    # No speculation: a step after one that proposed drafts is never scheduled ahead.
+    llm = LLM(str(tiny_llama_dir), max_model_len=256, dtype="float32", speculative_config=None)
     request = llm.core.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4))[0]
     orphan = SchedulerOutput(
         scheduled=[ScheduledRequest(request, 3, [PLACEHOLDER_TOKEN_ID], [0], 1)],

@@ -38,8 +38,10 @@ def _embedding_bytes(model_dir: Path) -> tuple[int, int]:
 def test_latency_mode_measures_the_floor_and_both_engines(
         tiny_llama_dir: Path, tmp_path: Path, bench_threads, capsys) -> None:
     path = tmp_path / "latency.json"
+    # No speculation: accepted drafts arrive together, and the test checks the ITL's stats.
     rc = bench_main(["latency", "--model", str(tiny_llama_dir), "--dtype", "float32", "--input-len", "20",
                      "--output-len", "6", "--repeats", "2", "--warmup", "1", "--threads", "2",
+                     "--speculative-config", "none",
                      "--bandwidth-mib", "64", "--save-json", str(path)])
     assert rc == 0
     report = json.loads(path.read_text())

@@ -15,7 +15,7 @@ import pytest
 from aioengine import LLM, SamplingParams
 from aioengine.config import ConfigError
 from aioengine.metrics import SPEC_PER_POS_PREFIX, spec_method_key
-from aioengine.spec_decode.auto import (DECAY, HEAD_PRIOR, ROW_COST, _Acceptance,
+from aioengine.spec_decode.auto import (DECAY, HEAD_PRIOR, _Acceptance, row_cost,
                                         _Estimates, expected_kept)
 
 from tests.chi_square import ALPHA, chi2_sf, two_sample_statistic
@@ -133,7 +133,7 @@ def test_a_request_whose_drafts_are_rejected_stops_drafting() -> None:
     k = 3
 
     def gain() -> float:
-        return expected_kept(est.head.rate, k) - ROW_COST * k
+        return expected_kept(est.head.rate, k) - row_cost(1) * k
 
     assert est.head.rate == pytest.approx(HEAD_PRIOR)
     assert gain() > 0
@@ -178,3 +178,13 @@ def test_bad_auto_configs_fail_at_start_up(tiny_llama_dir: Path, spec: dict,
     with pytest.raises(ConfigError, match=match):
         LLM(str(tiny_llama_dir), dtype="float32", speculative_config=spec)
 
+
+
+def test_a_verified_rows_price_grows_with_the_step() -> None:
+    """Alone a row costs a twentieth of a token; in a step of 32 requests, where the
+    forward is compute-bound, most of one: a draft of 8 tokens expected to keep 2 pays
+    alone and not there."""
+    assert row_cost(1) == pytest.approx(0.05)
+    costs = [row_cost(n) for n in (1, 2, 8, 32, 256)]
+    assert costs == sorted(costs) and costs[-1] < 1.0
+    assert 2.0 - 8 * row_cost(1) > 0 > 2.0 - 8 * row_cost(32)

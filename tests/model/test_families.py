@@ -97,8 +97,10 @@ NEW_TOKENS = 10
 ENGINE_CONFIGS = {
     # Chunks of 5 tokens; three prompts share 24 tokens.
     "chunked_prefix_cached": dict(block_size=4, max_num_batched_tokens=5),
-    # 14 blocks of 4 tokens for five requests of up to 45 tokens: preemption.
-    "preemption": dict(block_size=4, max_num_batched_tokens=8, num_kv_blocks=14),
+    # 14 blocks of 4 tokens for five requests of up to 45 tokens: preemption. No drafts:
+    # their slots would evict more of the cached prefix the test then looks up.
+    "preemption": dict(block_size=4, max_num_batched_tokens=8, num_kv_blocks=14,
+                       speculative_config=None),
     # n-gram drafts verified as rows of the target's forward.
     "ngram": dict(block_size=4, speculative_config={"method": "ngram",
                                                     "num_speculative_tokens": 3,

@@ -264,7 +264,13 @@ def test_speculative_config_flag(capsys) -> None:
     from aioengine.config import engine_kwargs
 
     assert engine_kwargs(args)["speculative_config"] == json.loads(spec)
-    assert build_parser().parse_args(["latency"]).speculative_config is None
+    # On by default (auto); "none" or JSON null turn it off, a method's name is its dict.
+    assert build_parser().parse_args(["latency"]).speculative_config == "auto"
+    for off in ("none", "null"):
+        assert build_parser().parse_args(
+            ["latency", "--speculative-config", off]).speculative_config is None
+    assert build_parser().parse_args(
+        ["latency", "--speculative-config", " suffix"]).speculative_config == "suffix"
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(["latency", "--speculative-config", '{"method": "ngram"}'])
     assert exit_info.value.code == 2

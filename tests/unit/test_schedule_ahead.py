@@ -140,3 +140,70 @@ def test_blocks_shared_within_the_step_in_flight_are_kept() -> None:
     s.update_from_output(in_flight, fake_forward(in_flight))
     s.update_from_output(ahead, fake_forward(ahead))
     s.kv_cache_manager.check_integrity()
+
+
+def auto_scheduler(rest_when_idle: bool = True):
+    """A scheduler with drafts configured as method auto configures them."""
+    from aioengine.config import SchedulerConfig
+    from aioengine.kv.kv_cache_manager import KVCacheManager
+    from aioengine.sched.async_scheduler import AsyncScheduler
+
+    config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=1024,
+                             long_prefill_token_threshold=0, long_prefill_attention_budget=0,
+                             num_speculative_tokens=4, spec_rest_when_idle=rest_when_idle)
+    return AsyncScheduler(config, KVCacheManager(64, 4, enable_caching=True))
+
+
+def run_ahead_or_step(s, in_flight: SchedulerOutput, drafts: dict[str, list[int]],
+                      token: int = 7) -> SchedulerOutput:
+    """Finishes `in_flight` (its proposals, if it made any, are `drafts`) and returns the
+    next step: the one scheduled ahead of it if there is one, else schedule()'s."""
+    ahead = s.schedule_ahead(in_flight)
+    out = fake_forward(in_flight, token)
+    if in_flight.propose_drafts:
+        out.spec_token_ids = drafts
+    s.update_from_output(in_flight, out)
+    return ahead if ahead is not None else s.schedule()
+
+
+def test_a_resting_proposer_lets_steps_run_ahead_and_wakes_for_drafts() -> None:
+    """Method auto: each step that proposed nothing doubles the steps that propose nothing
+    after it (1, 2, 4, ...), and those are scheduled ahead; a step that finds a draft ends
+    the rest, and a new request makes its step propose at once."""
+    from aioengine.spec_decode.step import MAX_REST_STEPS
+
+    s = auto_scheduler()
+    s.add_request(make_request("a", 4, max_tokens=200))
+    out = s.schedule()
+    assert out.propose_drafts
+    proposing = []
+    for _ in range(40):
+        out = run_ahead_or_step(s, out, {})
+        proposing.append(out.propose_drafts)
+    gaps = [i for i, p in enumerate(proposing) if p]
+    assert [b - a for a, b in zip(gaps, gaps[1:])] == [3, 5, 9, 17]
+    assert MAX_REST_STEPS == 16
+    # The first step of each rest is scheduled after the proposing one's update, the
+    # others ahead of the step before them.
+    assert s.num_steps_ahead == proposing.count(False) - proposing.count(True) - 1
+    # A proposal that found drafts: the next steps verify them and propose again.
+    while not out.propose_drafts:
+        out = run_ahead_or_step(s, out, {})
+    out = run_ahead_or_step(s, out, {"a": [1, 2]})
+    assert out.propose_drafts and out.scheduled[0].spec_token_ids == [1, 2]
+    out = run_ahead_or_step(s, out, {})
+    assert not out.propose_drafts and s.spec_decode.idle_rounds == 1  # the rest starts over
+    # A request joining makes its step propose, resting or not.
+    s.add_request(make_request("b", 4, max_tokens=200, arrival=1.0))
+    out = run_ahead_or_step(s, out, {})
+    assert out.propose_drafts and "b" in scheduled_tokens(out)
+
+
+def test_other_methods_propose_every_step() -> None:
+    s = auto_scheduler(rest_when_idle=False)
+    s.add_request(make_request("a", 4, max_tokens=50))
+    out = s.schedule()
+    for _ in range(10):
+        out = run_ahead_or_step(s, out, {})
+        assert out.propose_drafts
+    assert s.num_steps_ahead == 0
