@@ -83,9 +83,10 @@ async def decode_step_ms(engine: AsyncEngine, rows: int, output_len: int, seed: 
 
 
 async def main_async(args: argparse.Namespace) -> dict:
+    # Plain decode steps of exactly R rows: no drafts (speculation is on by default).
     engine = await AsyncEngine.create(args.model, dtype=args.dtype,
                                       quantization=args.quantization,
-                                      kv_cache_dtype=args.kv_cache_dtype)
+                                      kv_cache_dtype=args.kv_cache_dtype, speculative_config=None)
     try:
         model = engine.model
         await decode_step_ms(engine, 1, 8, 0)  # warm-up
