@@ -356,7 +356,7 @@ ENGINE_FLAGS: dict[str, FlagSpec] = {
     "speculative_config": flag(
         "--speculative-config", type=speculative_config_arg, metavar="JSON",
         help='speculative decoding, vLLM\'s JSON object, e.g. \'{"method": "ngram", '
-             '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' '
+             '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\''
              "; auto (the default): per request the best of suffix decoding, n-gram lookup "
              "and the model's shipped draft head, where drafts pay; none: off"),
     "attention_backend": flag("--attention-backend", choices=ATTENTION_BACKENDS,
