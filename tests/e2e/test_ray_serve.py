@@ -344,8 +344,10 @@ def test_sigterm_lets_short_streams_finish_cuts_long_ones_and_leaves_no_process(
         short_end, long_end = pool.map(rest_or_error, (short_rest, long_rest))
     assert not isinstance(short_end, Exception), short_end
     short += short_end
+    # "length": all 48 tokens came; streamed in several chunks (drafts kept in one step,
+    # speculation being on by default, arrive together, so not one chunk a token).
     assert short[-1].choices[0].finish_reason == "length"
-    assert sum(1 for c in short if c.choices and c.choices[0].text) >= 40
+    assert sum(1 for c in short if c.choices and c.choices[0].text) >= 4
     assert isinstance(long_end, openai.APIError) and "replica failed" in str(long_end)
     assert time.monotonic() - started < GRACE_S + 30
     stop_without_leaks(server)
