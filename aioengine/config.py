@@ -15,8 +15,8 @@ from aioengine.kv.block_pool import PREFIX_CACHING_HASH_ALGOS
 # need not import this module (no import circle); callers import it from here.
 from aioengine.errors import ConfigError
 from aioengine.generation_config import check_generation_config_setting
-from aioengine.spec_decode.config import (DEFAULT_SPECULATIVE_CONFIG, SpeculativeConfig,
-                                          config_from_text)
+from aioengine.spec_decode.config import (DEFAULT_SPECULATIVE_CONFIG, METHODS,
+                                          SpeculativeConfig, speculative_config_dict)
 from aioengine.tracing import INSTALL_HINT, check_traces_endpoint
 
 QUANTIZATIONS = ("int8", "w8a8", "gguf")
@@ -294,9 +294,8 @@ def speculative_config_arg(text: str) -> dict[str, Any] | str | None:
         SpeculativeConfig.parse(text)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    value = config_from_text(text)
     # A bare method name stays the name, as EngineArgs' default is ("auto").
-    return text.strip() if value is not None and value == {"method": text.strip()} else value
+    return text.strip() if text.strip() in METHODS else speculative_config_dict(text)
 
 
 _BOOL = argparse.BooleanOptionalAction

@@ -64,13 +64,17 @@ DEFAULT_HEAD_DISABLE_BY_BATCH_SIZE = 8
 HEAD_QUANTIZATIONS = ("auto", "int8", "none")
 
 
-def config_from_text(text: str) -> dict[str, Any] | None:
-    """`--speculative-config`'s text: vLLM's JSON object, JSON null or "none" (off), or
-    a method's bare name ("auto", "ngram", "suffix"), its other fields left out."""
-    if text.strip().lower() == "none":
+def speculative_config_dict(value: dict[str, Any] | str | None) -> dict[str, Any] | None:
+    """`speculative_config` as vLLM's dict (None: off). Text is vLLM's JSON object, JSON
+    null or "none" (off), or a method's bare name ("auto", "ngram", "suffix"), its other
+    fields left out; a dict or None is itself (checked by SpeculativeConfig.parse)."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.lower() == "none":
         return None
-    if text.strip() in METHODS:
-        return {"method": text.strip()}
+    if text in METHODS:
+        return {"method": text}
     try:
         return json.loads(text)
     except ValueError as e:
@@ -140,7 +144,7 @@ class SpeculativeConfig:
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
-            value = config_from_text(value)
+            value = speculative_config_dict(value)
             if value is None:
                 return None
         if not isinstance(value, dict):

@@ -61,7 +61,7 @@ from aioengine.bench.floor import BANDWIDTH_REPEATS, BandwidthProbe, weight_byte
 from aioengine.bench.report import cpu_line, environment_info
 from aioengine.bench.results import OUR_ENGINE, EngineLatency, checked_run
 from aioengine.metrics import format_spec_decode, spec_decode_delta
-from aioengine.spec_decode.config import config_from_text
+from aioengine.spec_decode.config import speculative_config_dict
 
 LATENCY_ENGINES = (OUR_ENGINE, "hf")
 # `--dataset`: random tokens (`--input-len`), or one prompt of a shipped text dataset.
@@ -257,9 +257,7 @@ def run_latency(config: LatencyConfig) -> dict[str, Any]:
 
 def spec_config_label(cfg: dict[str, Any]) -> str:
     """`--speculative-config` in brief: "ngram, 4 tokens" (the whole dict is in the JSON)."""
-    spec = cfg.get("speculative_config") or {}
-    if isinstance(spec, str):  # a method's name
-        spec = config_from_text(spec) or {}
+    spec = speculative_config_dict(cfg.get("speculative_config")) or {}
     return f"{spec.get('method')}, {spec.get('num_speculative_tokens')} tokens"
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from aioengine.spec_decode.config import config_from_text
+from aioengine.spec_decode.config import speculative_config_dict
 from aioengine.bench.results import EngineLatency, checked_run, make_result
 
 VLLM = "vllm"
@@ -100,9 +100,7 @@ def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
         opts["max_model_len"] = args.max_model_len
     # vLLM reads the same dict; our "auto" (the default) is no method of vLLM's, which then
     # runs as it does by default, without speculation.
-    spec = getattr(args, "speculative_config", None)
-    if isinstance(spec, str):
-        spec = config_from_text(spec)
+    spec = speculative_config_dict(getattr(args, "speculative_config", None))
     if spec and spec.get("method") != "auto":
         opts["speculative_config"] = spec
     return opts

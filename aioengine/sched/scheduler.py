@@ -138,13 +138,13 @@ class Scheduler:
             budget -= num_new + num_spec
             i += 1
 
-        num_running = len(scheduled)
+        num_before_admissions = len(scheduled)
         if not preempted:  # admit waiting requests only when nobody had to be preempted
             blocked = self._admit_waiting(scheduled, budget)
             if blocked is not None and not scheduled and not self.running:
                 self._fail_unfittable(blocked)
         self.kv_cache_manager.observe_peak_usage()
-        propose = spec is not None and spec.proposes(admitting=len(scheduled) > num_running)
+        propose = spec is not None and spec.proposes(admitting=len(scheduled) > num_before_admissions)
         if self.spec_decode is not None:
             self.spec_decode.count_step()
         return self._make_output(scheduled, preempted, propose)
