@@ -16,7 +16,9 @@
  * projection.h); the per-token work (residual add, RMSNorm, SiLU-and-mul) done by every
  * thread on its own copy of the residual stream, which is cheaper than a barrier.
  * Attention splits every token's context into parts at fixed absolute positions
- * (attention.h), shares the (token, part) tasks over the threads and every thread combines
+ * (attention.h), shares the tasks (a part of a token, or of a run of one request's
+ * consecutive tokens, which reads each position's K/V once) over the threads and every
+ * thread combines
  * each token's parts in order on its own copy, with the very functions of the layerwise kernel
  * (paged_attention.c): a token's arithmetic depends on its seq_len alone, not on
  * how many tokens the step has or which path ran it, so a verification step of k + 1 rows,
@@ -119,35 +121,75 @@ static void copy_kv_slot(const decode_layer *layer, const attention_step *s, int
     memcpy(v + dst * row, v + src * row, row);
 }
 
-/* Part j of token t's attention (attention.h's fixed-position parts) into `part`: the very
- * function paged_attention_f32 runs, so a fused row has the bits of a layerwise one. */
-static void attend_part(float *restrict part, const float *restrict q,
-                        const decode_layer *layer, const attention_step *s, int64_t t,
-                        int64_t j, float *restrict scores) {
+/* A task of the step's attention: part `part` of `rows` consecutive tokens of one request
+ * from `token` on (a verification's rows, or a lone decode token), attended together. */
+typedef struct {
+    int64_t token, rows, part;
+} attn_task;
+
+/* Whether token t continues token t - 1's request: the next position, and the same block
+ * table over the blocks t reads (a tree step's node rows have tables of their own). */
+static int continues_request(const int32_t *seq_lens, const int32_t *tables,
+                             int64_t table_stride, int64_t block_size, int64_t t) {
+    if (seq_lens[t] != seq_lens[t - 1] + 1) return 0;
+    const int64_t blocks = (seq_lens[t] + block_size - 1) / block_size;
+    return memcmp(tables + t * table_stride, tables + (t - 1) * table_stride,
+                  sizeof(int32_t) * (size_t)blocks) == 0;
+}
+
+/* The step's tasks into `tasks` (NULL: only counted) for runs of at most `most` tokens of
+ * one request, runs in token order, each run's parts in order; returns how many. */
+static int64_t plan_tasks(attn_task *tasks, const decode_step *d, int64_t most) {
+    int64_t n = 0;
+    for (int64_t t = 0, end; t < d->num_tokens; t = end) {
+        for (end = t + 1; end < d->num_tokens && end - t < most &&
+                          continues_request(d->seq_lens, d->block_tables, d->table_stride,
+                                            d->block_size, end);
+             end++) {
+        }
+        const int64_t parts = attn_num_parts(d->seq_lens[end - 1], d->block_size);
+        for (int64_t j = 0; j < parts; j++, n++)
+            if (tasks != NULL) tasks[n] = (attn_task){t, end - t, j};
+    }
+    return n;
+}
+
+/* The step's attention tasks: a request's consecutive tokens (a verification's k + 1 rows)
+ * in runs of up to ATTN_ROW_BLOCK that read each position's K/V once (attend_rows; one
+ * row per task read a long context's K/V once per row), halved while there are fewer
+ * tasks than threads. Runs change no token's bits (attn_compute_rows_part). NULL when out
+ * of memory; *num_tasks set. */
+static attn_task *step_tasks(const decode_step *d, int64_t *num_tasks) {
+    int64_t most = ATTN_ROW_BLOCK;
+    while (most > 1 && plan_tasks(NULL, d, most) < d->num_threads) most = (most + 1) / 2;
+    *num_tasks = plan_tasks(NULL, d, most);
+    attn_task *tasks = malloc(sizeof(attn_task) * (size_t)(*num_tasks + 1));
+    if (tasks != NULL) plan_tasks(tasks, d, most);
+    return tasks;
+}
+
+/* Task k's rows attended (their q prepared into q, q_size apart), each row's part into
+ * its token's part buffers from `attn` (part_first[t]: token t's first), NULL for a row
+ * without that part: the very function paged_attention_f32 runs, so a fused row has the
+ * bits of a layerwise one. */
+static void attend_task(float *restrict attn, const int64_t *part_first, int64_t part_stride,
+                        const float *restrict q, const decode_layer *layer,
+                        const attention_step *s, attn_task task, float *restrict scores) {
     const void *k_cache = layer->kv_cache;
     const void *v_cache = (const char *)k_cache
                           + (size_t)(s->num_slots * s->kv_size) * (s->kv_bf16 ? 2 : 4);
-    attn_compute_part(part, q, k_cache, v_cache, s->kv_bf16,
-                      s->block_tables + t * s->table_stride,
-                      s->seq_lens[t], j, s->num_heads, s->num_heads / s->num_kv_heads,
-                      s->head_dim, s->block_size, s->block_size * s->kv_size, s->scale, scores);
-}
-
-/* The step's (token, part) tasks, tokens in order, each its attn_num_parts: tasks[2 k] is
- * task k's token, tasks[2 k + 1] its part. NULL when out of memory; *num_tasks set. */
-static int64_t *part_tasks(const int32_t *seq_lens, int64_t M, int64_t block_size,
-                           int64_t *num_tasks) {
-    int64_t n = 0;
-    for (int64_t t = 0; t < M; t++) n += attn_num_parts(seq_lens[t], block_size);
-    *num_tasks = n;
-    int64_t *tasks = malloc(sizeof(int64_t) * (size_t)(2 * n));
-    if (tasks == NULL) return NULL;
-    for (int64_t t = 0, k = 0; t < M; t++)
-        for (int64_t j = 0; j < attn_num_parts(seq_lens[t], block_size); j++, k++) {
-            tasks[2 * k] = t;
-            tasks[2 * k + 1] = j;
-        }
-    return tasks;
+    float *parts_of[ATTN_ROW_BLOCK];
+    for (int64_t i = 0; i < task.rows; i++) {
+        const int64_t t = task.token + i;
+        parts_of[i] = task.part < part_first[t + 1] - part_first[t]
+                          ? attn + (part_first[t] + task.part) * part_stride
+                          : NULL;
+    }
+    attn_compute_rows_part(parts_of, q, s->q_size, k_cache, v_cache, s->kv_bf16,
+                           s->block_tables + task.token * s->table_stride,
+                           s->seq_lens + task.token, task.rows, 0, task.part, s->num_heads,
+                           s->num_heads / s->num_kv_heads, s->head_dim, s->block_size,
+                           s->block_size * s->kv_size, s->scale, scores);
 }
 
 /* An EAGLE-3 draft layer's input row (decode_layer.h): h [2 hidden] = [rms(emb) *
@@ -192,8 +234,9 @@ typedef struct {
     int64_t wide;        /* the widest input of any projection */
     int64_t xbuf_floats; /* the largest buffer proj_prepare_x needs (layers_ok) */
     /* A part of a token's attention: [o: q_size | max: num_heads | sum: num_heads]. */
-    int64_t part_stride, num_parts;
-    int64_t *tasks; /* part_tasks's (token, part) pairs */
+    int64_t part_stride, num_tasks;
+    attn_task *tasks;    /* step_tasks's */
+    int64_t *part_first; /* [M + 1]: token t's parts are attn's part_first[t] .. [t + 1] - 1 */
     /* Shared: the qkv projection, every token's attention parts, the gate_up projection,
      * the LoRA shrinks (ls); the K/V loop's token blocks (kv_rows, lora_decode.h). */
     float *shared, *qkv, *gate_up, *attn;
@@ -251,6 +294,7 @@ static void decode_free(decode_ctx *c) {
     free(c->kv_rows);
     free(c->shared);
     free(c->tasks);
+    free(c->part_first);
 }
 
 /* c's shared buffers, attention tasks, LoRA token blocks and claim counters. 0, or -1
@@ -258,13 +302,21 @@ static void decode_free(decode_ctx *c) {
 static int decode_alloc(decode_ctx *c) {
     const decode_step *d = c->d;
     const int64_t M = c->M, R = d->lora == NULL ? 0 : d->lora_rank;
-    c->tasks = part_tasks(d->seq_lens, M, d->block_size, &c->num_parts);
-    const int64_t attn_floats = c->num_parts * c->part_stride;
+    c->tasks = step_tasks(d, &c->num_tasks);
+    c->part_first = malloc(sizeof(int64_t) * (size_t)(M + 1));
+    if (c->part_first != NULL) {
+        c->part_first[0] = 0;
+        for (int64_t t = 0; t < M; t++)
+            c->part_first[t + 1] = c->part_first[t] + attn_num_parts(d->seq_lens[t],
+                                                                     d->block_size);
+    }
+    const int64_t attn_floats = (c->part_first == NULL ? 0 : c->part_first[M]) * c->part_stride;
     c->shared = malloc(sizeof(float) * (size_t)(M * (c->qkv_size + 2 * c->intermediate) +
                                                 attn_floats + lora_step_floats(M, R)));
     c->kv_rows = malloc(sizeof(int64_t) * (size_t)(3 * M));
     c->claims = calloc((size_t)(d->num_layers * 4 * d->num_threads), sizeof(proj_claim));
-    if (c->tasks == NULL || c->shared == NULL || c->kv_rows == NULL || c->claims == NULL) {
+    if (c->tasks == NULL || c->part_first == NULL || c->shared == NULL || c->kv_rows == NULL ||
+        c->claims == NULL) {
         decode_free(c);
         return -1;
     }
@@ -282,10 +334,13 @@ static int decode_alloc(decode_ctx *c) {
 static decode_thread decode_thread_init(const decode_ctx *c) {
     decode_thread ts = {.tid = omp_get_thread_num(), .nt = omp_get_num_threads()};
     const int64_t M = c->M, q_size = c->q_size;
-    const int64_t score_floats = c->att.num_heads * attn_part_len(c->att.block_size);
+    /* q and scores for a task's rows (up to ATTN_ROW_BLOCK) */
+    const int64_t q_floats = ATTN_ROW_BLOCK * q_size;
+    const int64_t score_floats = ATTN_ROW_BLOCK * c->att.num_heads
+                                 * attn_part_len(c->att.block_size);
     /* xbuf on a cache line (64 bytes, 16 floats): AMX reads it as tiles of 64-byte rows,
      * which cost a third more split over two lines (projection.c). */
-    const int64_t xbuf_at = (M * (c->hidden + c->wide + q_size) + q_size + score_floats + 15)
+    const int64_t xbuf_at = (M * (c->hidden + c->wide + q_size) + q_floats + score_floats + 15)
                             / 16 * 16;
     ts.residual = aligned_alloc(64, sizeof(float) * (size_t)((xbuf_at + c->xbuf_floats + 15)
                                                              / 16 * 16));
@@ -294,7 +349,7 @@ static decode_thread decode_thread_init(const decode_ctx *c) {
     ts.h = ts.residual + M * c->hidden;
     ts.own_attn = ts.h + M * c->wide;
     ts.q = ts.own_attn + M * q_size;
-    ts.scores = ts.q + q_size;
+    ts.scores = ts.q + q_floats;
     ts.xbuf = ts.residual + xbuf_at;
     return ts;
 }
@@ -394,22 +449,24 @@ static void copy_tree_slots(const decode_ctx *c, int64_t l) {
  * threads (attention.h). */
 static void attention(const decode_ctx *c, const decode_thread *ts, int64_t l) {
     const decode_layer *layer = c->d->layers + l;
-    const int64_t qkv_size = c->qkv_size, part_stride = c->part_stride, *tasks = c->tasks;
-    int64_t prepared = -1; /* the token whose q is in ts->q */
+    const int64_t qkv_size = c->qkv_size, q_size = c->q_size;
+    attn_task prepared = {-1, 0, 0}; /* the run whose q is in ts->q */
 #pragma omp for schedule(static)
-    for (int64_t k = 0; k < c->num_parts; k++) {
+    for (int64_t k = 0; k < c->num_tasks; k++) {
         if (!ts->ok) continue;
-        const int64_t t = tasks[2 * k], j = tasks[2 * k + 1];
-        if (t != prepared) prepare_q(ts->q, c->qkv + t * qkv_size, layer, &c->att, t);
-        prepared = t;
-        attend_part(c->attn + k * part_stride, ts->q, layer, &c->att, t, j, ts->scores);
+        const attn_task task = c->tasks[k];
+        if (task.token != prepared.token || task.rows != prepared.rows)
+            for (int64_t i = 0; i < task.rows; i++)
+                prepare_q(ts->q + i * q_size, c->qkv + (task.token + i) * qkv_size, layer,
+                          &c->att, task.token + i);
+        prepared = task;
+        attend_task(c->attn, c->part_first, c->part_stride, ts->q, layer, &c->att, task,
+                    ts->scores);
     }
-    for (int64_t t = 0, first = 0; t < c->M && ts->ok; t++) {
-        const int64_t n = attn_num_parts(c->att.seq_lens[t], c->att.block_size);
-        attn_combine_parts(ts->own_attn + t * c->q_size, c->attn + first * part_stride, n,
-                           c->att.num_heads, c->att.head_dim);
-        first += n;
-    }
+    for (int64_t t = 0; t < c->M && ts->ok; t++)
+        attn_combine_parts(ts->own_attn + t * q_size, c->attn + c->part_first[t] * c->part_stride,
+                           c->part_first[t + 1] - c->part_first[t], c->att.num_heads,
+                           c->att.head_dim);
 }
 
 /* This thread's share of x = attn o^T, its share of the LoRA shrink first. */

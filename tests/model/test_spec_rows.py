@@ -27,7 +27,9 @@ STORAGES = {"float32": (torch.float32, 1e-5), "bfloat16": (torch.bfloat16, 3e-2)
 THREADS = [1, 2, 8]
 # Requests as (context length, rows): 4 rows of one request, and 2 requests x 3 rows; the
 # rows cross block boundaries (block size 4), so some read a block another row writes.
-CASES = {"1x4": [(6, 4)], "2x3": [(3, 3), (10, 3)]}
+# "part": rows on both sides of the attention's first part boundary (256 positions: the
+# first two rows attend one part, the others two), beside a short request.
+CASES = {"1x4": [(6, 4)], "2x3": [(3, 3), (10, 3)], "part": [(5, 2), (254, 5)]}
 
 
 @pytest.fixture(scope="module", params=[(a, s) for a in TINY_ARCHS for s in STORAGES],
@@ -90,6 +92,24 @@ class SpecStep:
         assert positions.tolist() == [n - 1 for n in seq_lens]
         return self._run(model, fused, positions, meta)
 
+    def run_one_by_one(self, model) -> torch.Tensor:
+        """The new tokens as plain decode steps, row j of every request in step j, on the
+        fused path; the rows' outputs in run_rows' order."""
+        caches = [c.clone() for c in self.caches]
+        outs: dict[tuple[int, int], torch.Tensor] = {}
+        for j in range(max(n for _, n in self.requests)):
+            rows = [r for r, (_, n) in enumerate(self.requests) if j < n]
+            seq_lens = [self.requests[r][0] + j + 1 for r in rows]
+            meta, positions = build_attention_metadata(
+                [1] * len(rows), seq_lens, [self.tables[r] for r in rows], BLOCK_SIZE, CPU)
+            ids = torch.tensor([self.tokens[r][self.requests[r][0] + j] for r in rows])
+            with torch.inference_mode():
+                out = model(ids, positions, caches, meta)
+            for i, r in enumerate(rows):
+                outs[r, j] = out[i]
+        return torch.stack([outs[r, j] for r, (_, n) in enumerate(self.requests)
+                            for j in range(n)])
+
     def run_chunks(self, model):
         """The new tokens as one prefill chunk per request (query_len = rows)."""
         meta, positions = build_attention_metadata(
@@ -136,6 +156,17 @@ def test_rows_of_one_request_match_the_layer_path_and_a_chunk(model, case: str, 
         model.attn_backend = backend
     assert fused_calls == [num_rows] * 3
     torch.testing.assert_close(sdpa, fused, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_rows_of_one_request_have_the_bits_of_plain_decode_steps(model, case: str,
+                                                                 threads: int) -> None:
+    """The fused kernel attends a request's rows together (each position's K/V read once
+    for all of them): each row keeps the bits it has when decoded alone, step by step, so
+    greedy verification keeps plain decoding's tokens."""
+    step = SpecStep(model, CASES[case])
+    fused, _ = step.run_rows(model, fused=True)
+    assert torch.equal(fused, step.run_one_by_one(model))
 
 
 # ---- auxiliary hidden states (EAGLE-3) --------------------------------------------------
