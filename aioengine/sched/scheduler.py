@@ -312,7 +312,8 @@ class Scheduler:
         """
         outputs: list[EngineCoreOutput] = []
         if scheduler_output.propose_drafts and self.spec_decode is not None:
-            self.spec_decode.note_proposals(any(runner_output.spec_token_ids.values()))
+            self.spec_decode.note_proposals(any(runner_output.spec_token_ids.values()),
+                                            len(scheduler_output.scheduled))
         for item in scheduler_output.scheduled:
             request = item.request
             if request.is_finished:

@@ -148,10 +148,10 @@ def auto_scheduler(rest_when_idle: bool = True):
     from aioengine.kv.kv_cache_manager import KVCacheManager
     from aioengine.sched.async_scheduler import AsyncScheduler
 
-    config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=1024,
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=16, max_model_len=1024,
                              long_prefill_token_threshold=0, long_prefill_attention_budget=0,
                              num_speculative_tokens=4, spec_rest_when_idle=rest_when_idle)
-    return AsyncScheduler(config, KVCacheManager(64, 4, enable_caching=True))
+    return AsyncScheduler(config, KVCacheManager(256, 4, enable_caching=True))
 
 
 def run_ahead_or_step(s, in_flight: SchedulerOutput, drafts: dict[str, list[int]],
@@ -167,15 +167,17 @@ def run_ahead_or_step(s, in_flight: SchedulerOutput, drafts: dict[str, list[int]
 
 
 def test_a_resting_proposer_lets_steps_run_ahead_and_wakes_for_drafts() -> None:
-    """Method auto: each step that proposed nothing doubles the steps that propose nothing
-    after it (1, 2, 4, ...), and those are scheduled ahead; a step that finds a draft ends
-    the rest, and a new request makes its step propose at once."""
+    """Method auto, steps of 8 requests (a verified row costs 0.30 of a token): each step
+    that proposed nothing doubles the steps that propose nothing after it (1, 2, 4, ...),
+    and those are scheduled ahead; a step that finds a draft ends the rest, and a new
+    request makes its step propose at once."""
     from aioengine.spec_decode.step import MAX_REST_STEPS
 
     s = auto_scheduler()
-    s.add_request(make_request("a", 4, max_tokens=200))
+    for i in range(8):
+        s.add_request(make_request("a" if i == 0 else f"r{i}", 4, max_tokens=200))
     out = s.schedule()
-    assert out.propose_drafts
+    assert out.propose_drafts and len(out.scheduled) == 8
     proposing = []
     for _ in range(40):
         out = run_ahead_or_step(s, out, {})
@@ -197,6 +199,18 @@ def test_a_resting_proposer_lets_steps_run_ahead_and_wakes_for_drafts() -> None:
     s.add_request(make_request("b", 4, max_tokens=200, arrival=1.0))
     out = run_ahead_or_step(s, out, {})
     assert out.propose_drafts and "b" in scheduled_tokens(out)
+
+
+def test_a_small_step_proposes_every_step() -> None:
+    """Method auto with one request (a verified row costs 0.05 of a token): no rest,
+    since any draft found pays and a rest would skip a repeat's first drafts."""
+    s = auto_scheduler()
+    s.add_request(make_request("a", 4, max_tokens=50))
+    out = s.schedule()
+    for _ in range(10):
+        out = run_ahead_or_step(s, out, {})
+        assert out.propose_drafts
+    assert s.num_steps_ahead == 0
 
 
 def test_other_methods_propose_every_step() -> None:
