@@ -61,8 +61,12 @@ def free_port() -> int:
 
 
 def our_command(cfg: BenchConfig, port: int) -> list[str]:
+    """Our server without speculation unless --our-args names it: llama-server drafts
+    nothing, and a random-weight model's greedy text repeats, which suffix decoding (on
+    by default) would turn into TPOT that no kernel earned."""
+    spec = [] if "--speculative-config" in cfg.our_args else ["--speculative-config", "none"]
     return [sys.executable, "-m", "aioengine", "serve", cfg.model, "--port", str(port),
-            "--max-model-len", str(cfg.ctx // CONCURRENCY), *cfg.our_args]
+            "--max-model-len", str(cfg.ctx // CONCURRENCY), *spec, *cfg.our_args]
 
 
 def llama_command(cfg: BenchConfig, port: int) -> list[str]:
@@ -262,7 +266,8 @@ def add_gguf_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                    help="llama-server's -t and -tb (ours uses every core)")
     p.add_argument("--seed", type=int, default=0, help="prompt token ids")
     p.add_argument("--our-args", default="", help="more flags for `aioengine serve`, "
-                   "one string (e.g. '--quantization gguf')")
+                   "one string (e.g. '--quantization gguf'); speculation is off unless "
+                   "they give --speculative-config")
     p.add_argument("--log-dir", default=None, help="servers' output (default: a temp dir)")
     p.add_argument("--save-json", default=None, metavar="PATH")
     p.set_defaults(func=gguf_main)
