@@ -201,20 +201,12 @@ def test_a_resting_proposer_lets_steps_run_ahead_and_wakes_for_drafts() -> None:
     assert out.propose_drafts and "b" in scheduled_tokens(out)
 
 
-def test_a_small_step_proposes_every_step() -> None:
-    """Method auto with one request (a verified row costs 0.05 of a token): no rest,
-    since any draft found pays and a rest would skip a repeat's first drafts."""
-    s = auto_scheduler()
-    s.add_request(make_request("a", 4, max_tokens=50))
-    out = s.schedule()
-    for _ in range(10):
-        out = run_ahead_or_step(s, out, {})
-        assert out.propose_drafts
-    assert s.num_steps_ahead == 0
-
-
-def test_other_methods_propose_every_step() -> None:
-    s = auto_scheduler(rest_when_idle=False)
+@pytest.mark.parametrize("rest_when_idle", [True, False], ids=["auto-one-request", "other"])
+def test_a_lone_request_or_another_method_proposes_every_step(rest_when_idle: bool) -> None:
+    """Method auto with one request (a verified row costs 0.05 of a token) does not rest:
+    any draft found pays there, and a rest would skip a repeat's first drafts. Other
+    methods never rest."""
+    s = auto_scheduler(rest_when_idle=rest_when_idle)
     s.add_request(make_request("a", 4, max_tokens=50))
     out = s.schedule()
     for _ in range(10):
