@@ -128,11 +128,13 @@ typedef struct {
 } attn_task;
 
 /* Whether token t continues token t - 1's request: the next position, and the same block
- * table over the blocks t reads (a tree step's node rows have tables of their own). */
+ * table over the blocks t reads (a tree step's node rows have tables of their own), so
+ * either table reads the same K/V. */
 static int continues_request(const int32_t *seq_lens, const int32_t *tables,
                              int64_t table_stride, int64_t block_size, int64_t t) {
     if (seq_lens[t] != seq_lens[t - 1] + 1) return 0;
-    const int64_t blocks = (seq_lens[t] + block_size - 1) / block_size;
+    int64_t blocks = (seq_lens[t] + block_size - 1) / block_size;
+    blocks = blocks < table_stride ? blocks : table_stride; /* never past the row */
     return memcmp(tables + t * table_stride, tables + (t - 1) * table_stride,
                   sizeof(int32_t) * (size_t)blocks) == 0;
 }

@@ -13,12 +13,17 @@ from aioengine.sched.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequ
 
 from tests.engine.conftest import assert_blocks_released
 
+# Speculation off: with the default (auto), a step of fewer than 7 requests proposes drafts
+# every step (spec_decode/step.py, REST_MIN_ROW_COST), and a proposing step is never
+# scheduled ahead; tests/unit/test_schedule_ahead.py covers drafts and steps ahead.
+PLAIN = {"speculative_config": None}
+
 
 async def run_all(model_dir: Path, prompts: list[list[int]], params: list[SamplingParams],
                   async_scheduling: bool) -> tuple[list[tuple], int]:
     # Every prompt in the first step: the steps ahead start with the second.
     engine = await AsyncEngine.create(str(model_dir), max_model_len=256, dtype="float32",
-                                      async_scheduling=async_scheduling)
+                                      async_scheduling=async_scheduling, **PLAIN)
     try:
         async def one(prompt: list[int], p: SamplingParams) -> tuple:
             outs = [out async for out in engine.generate(prompt, p)]
@@ -62,7 +67,8 @@ async def test_same_tokens_as_one_step_at_a_time(tiny_llama_dir: Path,
 async def test_a_stop_string_and_an_abort_while_steps_run_ahead(
         tiny_llama_dir: Path, tiny_prompts: list[list[int]],
         tiny_reference: list[list[int]]) -> None:
-    engine = await AsyncEngine.create(str(tiny_llama_dir), max_model_len=256, dtype="float32")
+    engine = await AsyncEngine.create(str(tiny_llama_dir), max_model_len=256, dtype="float32",
+                                      **PLAIN)
     try:
         full = engine.tokenizer.decode(tiny_reference[1], skip_special_tokens=True)
         stop = full[len(full) // 2: len(full) // 2 + 3]
@@ -115,7 +121,7 @@ async def test_staggered_arrivals_and_aborts_keep_greedy_tokens_and_blocks(
               for _ in tiny_prompts]
     solo, _ = await run_all(tiny_llama_dir, tiny_prompts, params, False)
     engine = await AsyncEngine.create(str(tiny_llama_dir), max_model_len=256, dtype="float32",
-                                      max_num_batched_tokens=48)
+                                      max_num_batched_tokens=48, **PLAIN)
     try:
         async def one(i: int) -> list[int] | None:
             await asyncio.sleep(rng.random() * 0.05)
