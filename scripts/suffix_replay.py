@@ -20,7 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from aioengine.spec_decode.suffix import SuffixParams, SuffixProposer
-from aioengine.spec_decode.suffix_tree import _NONE, SuffixTree
+from aioengine.spec_decode.suffix_tree import SuffixTree
 
 # vLLM's suffix defaults, as spec_decode/config.py's.
 PARAMS = SuffixParams(num_speculative_tokens=8, max_tree_depth=24, max_cached_requests=10000,
@@ -52,13 +52,6 @@ async def dump(prompts: str, warmup: int, num_prompts: int, output_len: int) -> 
     return records
 
 
-def children(tree: SuffixTree, node: int):
-    c = tree.first_child[node]
-    while c != _NONE:
-        yield c
-        c = tree.next_sibling[c]
-
-
 def tree_from(tree: SuffixTree, start: int, depth: int, budget: int, min_prob: float,
               ) -> list[Node]:
     """Up to `budget` nodes below `start`, most probable path first, `depth` deep at most;
@@ -70,7 +63,7 @@ def tree_from(tree: SuffixTree, start: int, depth: int, budget: int, min_prob: f
         nonlocal order
         if d >= depth:
             return
-        for c in children(tree, node):
+        for c in tree.children(node):
             p = prob * tree.count[c] / tree.count[node]
             if p >= min_prob:
                 order += 1
@@ -122,12 +115,8 @@ def step_draft(proposer: SuffixProposer, sample, ids: list[int], truth: list[int
         while kept < len(draft) and kept < len(truth) and draft[kept] == truth[kept]:
             kept += 1
         return kept, len(draft)
-    state = proposer._sync(sample, ids)
-    options = [tree_draft(state.tree, state.cursor, tree_nodes, min_prob)]
-    global_tree = proposer.global_cache.trees.get(None)
-    if global_tree is not None:
-        cursor = proposer._global_cursor(state, global_tree, ids)
-        options.append(tree_draft(global_tree, cursor, tree_nodes, min_prob))
+    options = [tree_draft(tree, cursor, tree_nodes, min_prob)
+               for tree, cursor in proposer.matches(sample, ids)]
     nodes = max(options, key=lambda n: sum(p for _, _, p in n))
     return kept_by_tree(nodes, truth), len(nodes)
 

@@ -24,8 +24,8 @@ prompt chunk and over the kept rows of every request but those taking a token dr
 skip the head for that step, and the holes this leaves in the head's KV only lower its
 later acceptance (on held-out chat, where the head's chains win most steps, acceptance
 length 1.77 skipping against 1.75 not, 2026-12-07). Its chain is drafted only for the
-requests that take it. Verification is exact
-whatever the choice, so choosing only changes speed.
+requests that take it. Verification is exact whatever the choice, so choosing only
+changes speed.
 """
 from __future__ import annotations
 
@@ -36,22 +36,8 @@ from aioengine.spec_decode.config import DEFAULT_HEAD_DISABLE_BY_BATCH_SIZE
 from aioengine.spec_decode.eagle_proposer import EagleProposer
 from aioengine.spec_decode.ngram import NgramLookup
 from aioengine.spec_decode.proposer import ProposeContext, Proposer
+from aioengine.spec_decode.row_cost import row_cost
 from aioengine.spec_decode.suffix import SuffixProposer
-
-# What a verified draft row costs, in tokens, in a step of n requests. A decode step of n
-# rows takes about t1 + c (n - 1): the weights read once, then c per row. One more row costs
-# c, a token of such a step (t1 + c (n - 1)) / n: so c n / (t1 + c (n - 1)), which is
-# n / (STEP_FIXED_ROWS + n - 1) with STEP_FIXED_ROWS = t1 / c. Alone a row is 1/20 of a
-# token (a step verifying 4-5 drafts costs 1.05-1.3x a plain one, issue 52); with 32
-# requests, 0.63: there a draft must be kept more often than not to pay for its row.
-STEP_FIXED_ROWS = 20.0
-
-
-def row_cost(num_requests: int) -> float:
-    """A verified draft row's cost, in tokens, in a step of `num_requests` requests."""
-    n = max(1, num_requests)
-    return n / (STEP_FIXED_ROWS + n - 1)
-
 
 # Per-token acceptance assumed before a request has drafts of its own from a method (the
 # shipped head's first-token acceptance measured 0.56 on held-out chat, docs/eagle-head.md),

@@ -23,13 +23,13 @@ from aioengine.metrics import SPEC_PER_POS_PREFIX, spec_method_key
 from aioengine.request import Request
 from aioengine.sched.request_tokens import draws_own_noise
 from aioengine.sched.spec_stats import SpecDecodingStats
-from aioengine.spec_decode.auto import row_cost
 from aioengine.spec_decode.config import SpeculativeConfig
+from aioengine.spec_decode.row_cost import row_cost
 
 # The most steps a resting proposer sits out (DraftScheduling.note_proposals): the
 # longest a request whose text starts to repeat waits for its first draft.
 MAX_REST_STEPS = 16
-# Steps whose verified draft rows cost less than this share of a token (auto.row_cost:
+# Steps whose verified draft rows cost less than this share of a token (row_cost.py:
 # steps of fewer than 7 requests) never rest: there any draft found pays, and a rest
 # skips the first drafts of a repeat (single-stream agent-replay: 2.12x off with resting,
 # 2.50x without, 2026-12-07), for a saving that is a fraction of one step's.

@@ -125,19 +125,27 @@ class SuffixProposer(Proposer):
     def speculate(self, sample: Request, token_ids: list[int]) -> tuple[list[int], float]:
         """The draft after `token_ids` and its score: the tokens the trees expect of it
         to be accepted (the sum over its tokens of their empirical probabilities' running
-        products)."""
-        state = self._sync(sample, token_ids)
+        products), the best of the sample's own tree and its pool's global one."""
         p = self.params
-        draft, score = state.tree.speculate(state.cursor, p.num_speculative_tokens,
-                                            p.max_spec_factor, p.min_token_prob)
-        tree = self.global_cache.trees.get(sample.draft_pool)
-        if tree is not None:
-            cursor = self._global_cursor(state, tree, token_ids)
+        draft: list[int] = []
+        score = 0.0
+        for tree, cursor in self.matches(sample, token_ids):
             other, other_score = tree.speculate(cursor, p.num_speculative_tokens,
                                                 p.max_spec_factor, p.min_token_prob)
             if other_score > score:
                 draft, score = other, other_score
         return draft, score
+
+    def matches(self, sample: Request, token_ids: list[int],
+                ) -> list[tuple[SuffixTree, list[int]]]:
+        """The trees a draft after `token_ids` may come from, each with its cursor there:
+        the sample's own, then its draft pool's global tree if there is one."""
+        state = self._sync(sample, token_ids)
+        out = [(state.tree, state.cursor)]
+        tree = self.global_cache.trees.get(sample.draft_pool)
+        if tree is not None:
+            out.append((tree, self._global_cursor(state, tree, token_ids)))
+        return out
 
     def _sync(self, sample: Request, token_ids: list[int]) -> _SampleState:
         """The sample's state with every token of `token_ids` indexed. Tokens only ever

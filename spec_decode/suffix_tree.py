@@ -20,7 +20,7 @@ root). Inserting a token extends each of them by one edge: O(max_depth) per toke
 from __future__ import annotations
 
 from array import array
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -68,6 +68,13 @@ class SuffixTree:
     def child(self, node: int, token: int) -> int:
         """`node`'s child by `token`, or -1."""
         return self.edges.get(_edge(node, token), _NONE)
+
+    def children(self, node: int) -> Iterator[int]:
+        """`node`'s children's ids."""
+        c = self.first_child[node]
+        while c != _NONE:
+            yield c
+            c = self.next_sibling[c]
 
     @classmethod
     def from_sequence(cls, tokens: Sequence[int], max_depth: int) -> SuffixTree:

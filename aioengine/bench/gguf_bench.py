@@ -64,7 +64,8 @@ def our_command(cfg: BenchConfig, port: int) -> list[str]:
     """Our server without speculation unless --our-args names it: llama-server drafts
     nothing, and a random-weight model's greedy text repeats, which suffix decoding (on
     by default) would turn into TPOT that no kernel earned."""
-    spec = [] if "--speculative-config" in cfg.our_args else ["--speculative-config", "none"]
+    given = any(a.split("=")[0] == "--speculative-config" for a in cfg.our_args)
+    spec = [] if given else ["--speculative-config", "none"]
     return [sys.executable, "-m", "aioengine", "serve", cfg.model, "--port", str(port),
             "--max-model-len", str(cfg.ctx // CONCURRENCY), *spec, *cfg.our_args]
 

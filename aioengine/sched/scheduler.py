@@ -144,7 +144,8 @@ class Scheduler:
             if blocked is not None and not scheduled and not self.running:
                 self._fail_unfittable(blocked)
         self.kv_cache_manager.observe_peak_usage()
-        propose = spec is not None and spec.proposes(admitting=len(scheduled) > num_before_admissions)
+        admitting = len(scheduled) > num_before_admissions
+        propose = spec is not None and spec.proposes(admitting=admitting)
         if self.spec_decode is not None:
             self.spec_decode.count_step()
         return self._make_output(scheduled, preempted, propose)

@@ -22,3 +22,6 @@ def test_our_args_may_turn_speculation_on() -> None:
     cfg = BenchConfig(model="m.gguf", llama_server=None,
                       our_args=["--speculative-config", "suffix"])
     assert _spec_flag(our_command(cfg, 8000)) == ["--speculative-config", "suffix"]
+    cfg.our_args = ["--speculative-config=auto"]
+    command = our_command(cfg, 8000)
+    assert "--speculative-config" not in command and command[-1] == "--speculative-config=auto"

@@ -15,8 +15,9 @@ import pytest
 from aioengine import LLM, SamplingParams
 from aioengine.config import ConfigError
 from aioengine.metrics import SPEC_PER_POS_PREFIX, spec_method_key
-from aioengine.spec_decode.auto import (DECAY, HEAD_PRIOR, _Acceptance, row_cost,
-                                        _Estimates, expected_kept)
+from aioengine.spec_decode.auto import (DECAY, HEAD_PRIOR, _Acceptance, _Estimates,
+                                        expected_kept)
+from aioengine.spec_decode.row_cost import row_cost
 
 from tests.chi_square import ALPHA, chi2_sf, two_sample_statistic
 from tests.engine.conftest import assert_blocks_released
