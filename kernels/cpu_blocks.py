@@ -13,9 +13,11 @@ multiplies 16 columns by 4 bytes of x (x quantized per 32-block to int8, q4_1.h)
     high half (q indexed within the 32-block);
   byte chunks (Q8_0, 512 bytes per 32): for j = 0..3 a low chunk (column c's 4 bytes:
     q[4 j + t]) then a high chunk (q[16 + 4 j + t]); Q8_0's signed q stored as q + 128;
-  bit planes (64 bytes per 32 weights, one per bit above the nibble: Q5_K's bit 4, Q6_K's
-    bits 4 and 5): column c's byte t holds, at bit 2 j, that bit of q[4 j + t] and at bit
-    2 j + 1 that bit of q[16 + 4 j + t].
+  bit planes (64 bytes per 32 weights): Q5_K's one plane of bit 4, column c's byte t
+    holding that bit of q[4 j + t] at bit 2 j and of q[16 + 4 j + t] at bit 2 j + 1; Q6_K's
+    two planes of bit pairs, the low plane's byte t holding bits 4-5 of q[4 j + t] at bits
+    2 j, 2 j + 1 and the high plane's those of q[16 + 4 j + t] (so chunk j's two upper bits
+    of a half come to bits 4-5 with one shift, whatever j).
 
 Per group, before its codes, every column's fields (16 values each, column order):
   q4_0 (288):  d fp16 [0, 32); nibbles [32, 288)                         w = d (q - 8)
@@ -26,7 +28,7 @@ Per group, before its codes, every column's fields (16 values each, column order
                                                            w = d sc_s q - dmin mn_s
   q5_k (2880): as q4_k; sub-block s at 320 + 320 s: nibbles, then its bit-4 plane
   q6_k (3360): d fp16 [0, 32); sc int8 [32, 288) as [16 sub-blocks of 16][16 columns];
-               32-block s at 288 + 384 s: nibbles, bit-4 plane, bit-5 plane
+               32-block s at 288 + 384 s: nibbles, low and high bit-pair planes
                                                            w = d sc_(s16) (q - 32)
 The fp16 fields are the file's bytes; the 6-bit scales of Q4_K/Q5_K are unpacked to bytes
 (144 -> 148 bytes per 256 weights, 176 -> 180); the others keep the file's size.
@@ -52,7 +54,7 @@ from aioengine.kernels.int8_rows import quantize_dequantize_blocks
 
 PANEL = 16
 # Bumped whenever a group's byte layout changes (start-up caches of packed bytes key on it).
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -202,6 +204,12 @@ def _code_bytes(q32: Tensor, bits: int) -> Tensor:
         return chunks.reshape(p, g, 512)
     nib = ((lo & 0x0F) | ((hi & 0x0F) << 4)).transpose(2, 3).reshape(p, g, 256)  # [j][column][t]
     planes = [nib]
+    if bits == 6:  # a plane of bit pairs per half
+        for half in (lo, hi):
+            pairs = ((half >> 4) & 3).to(torch.int32)
+            plane = sum(pairs[:, :, :, j] << (2 * j) for j in range(4))  # [P, G32, column, t]
+            planes.append(plane.to(torch.uint8).reshape(p, g, 64))
+        return torch.cat(planes, dim=-1)
     for bit in range(4, bits):
         lo_b, hi_b = ((lo >> bit) & 1).to(torch.int32), ((hi >> bit) & 1).to(torch.int32)
         plane = sum((lo_b[:, :, :, j] << (2 * j)) | (hi_b[:, :, :, j] << (2 * j + 1))
@@ -219,9 +227,13 @@ def _codes_from_bytes(raw: Tensor, bits: int) -> Tensor:
     else:
         nib = raw[..., :256].reshape(p, g, 4, PANEL, 4).transpose(2, 3)  # [column, j, t]
         lo, hi = nib & 0x0F, nib >> 4
-        for i, bit in enumerate(range(4, bits)):
+        shifts = torch.arange(4, dtype=torch.uint8).view(1, 1, 1, 4, 1) * 2
+        if bits == 6:
+            pairs = [raw[..., at:at + 64].reshape(p, g, PANEL, 1, 4) for at in (256, 320)]
+            lo = lo | (((pairs[0] >> shifts) & 3) << 4)
+            hi = hi | (((pairs[1] >> shifts) & 3) << 4)
+        for i, bit in enumerate(range(4, bits if bits == 5 else 4)):
             plane = raw[..., 256 + 64 * i: 320 + 64 * i].reshape(p, g, PANEL, 1, 4)
-            shifts = torch.arange(4, dtype=torch.uint8).view(1, 1, 1, 4, 1) * 2
             lo = lo | (((plane >> shifts) & 1) << bit)
             hi = hi | (((plane >> (shifts + 1)) & 1) << bit)
     return torch.cat((lo.reshape(p, g, PANEL, 16), hi.reshape(p, g, PANEL, 16)), dim=-1)

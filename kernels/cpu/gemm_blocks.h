@@ -56,6 +56,7 @@ static inline int32_t blk_code(int fmt, const uint8_t *codes, int i, int w) {
     if (fmt == GEMM_Q80P) return codes[128 * j + 64 * hi + 4 * i + t];
     const uint8_t byte = codes[64 * j + 4 * i + t];
     int32_t q = hi ? byte >> 4 : byte & 0x0F;
+    if (fmt == GEMM_Q6KP) return q | ((codes[256 + 64 * hi + 4 * i + t] >> (2 * j)) & 3) << 4;
     for (int bit = 4; bit < blk_bits(fmt); bit++) {
         const uint8_t plane = codes[256 + 64 * (bit - 4) + 4 * i + t];
         q |= ((plane >> (2 * j + hi)) & 1) << bit;

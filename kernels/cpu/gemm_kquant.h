@@ -8,9 +8,10 @@
  * 32-weight sub-block it sums each column's integer dot products over the four nibble chunks
  * (four consecutive k of a column in one lane: `vpdpbusd` with 4 bytes of x broadcast, or
  * u8 x s8 pairs into int16 and pairs of int16 into int32 without VNNI), with the bits above
- * the nibble merged in from the bit planes first: for chunk j, bit 2 j of a plane byte
- * belongs to the low nibble's weight and bit 2 j + 1 to the high one's, moved into place by
- * one 16-bit shift and a byte mask (the mask drops every bit that crossed a byte). Then, per
+ * the nibble merged in from the bit planes first (Q5_K: for chunk j, bit 2 j of a plane
+ * byte belongs to the low nibble's weight and bit 2 j + 1 to the high one's; Q6_K: bits
+ * 2 j, 2 j + 1 of the low or the high half's plane), moved into place by one 16-bit shift
+ * and a byte mask (the mask drops every bit that crossed a byte). Then, per
  * column, the sub-block's float steps: Q4_K/Q5_K fma((float)dot, (d sc) s, acc) and
  * fma(-(dmin mn), s sx, .); Q6_K the integer sc_a (dot16 - 32 sx16) + sc_b (...) then one
  * fma with d s. Every product is formed in the order the plain C tile forms it, so each
@@ -87,15 +88,9 @@ static inline __attribute__((always_inline)) void kq_codes_zmm(const uint8_t *c,
     const __m512i raw = _mm512_loadu_si512(c + 64 * j);
     __m512i l = _mm512_and_si512(raw, low), h = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
     if (F == GEMM_Q6KP) {
-        /* Both planes' bits of one half side by side: e's bits 2 j, 2 j + 1 are bits 4, 5
-         * of the low half's code in chunk j, o's of the high half's (so one shift per half
-         * per chunk moves both; the same for every j, computed once after unrolling). */
-        const __m512i even = _mm512_set1_epi8(0x55), odd = _mm512_set1_epi8((char)0xAA);
-        const __m512i p4 = _mm512_loadu_si512(c + 256), p5 = _mm512_loadu_si512(c + 320);
-        const __m512i e = _mm512_or_si512(_mm512_and_si512(p4, even),
-                                          _mm512_and_si512(_mm512_slli_epi16(p5, 1), odd));
-        const __m512i o = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(p4, 1), even),
-                                          _mm512_and_si512(p5, odd));
+        /* The planes of bit pairs: e's bits 2 j, 2 j + 1 are bits 4, 5 of the low half's
+         * code in chunk j, o's of the high half's: one shift per half per chunk. */
+        const __m512i e = _mm512_loadu_si512(c + 256), o = _mm512_loadu_si512(c + 320);
         const __m512i b45 = _mm512_set1_epi8(0x30);
         l = _mm512_or_si512(l, _mm512_and_si512(kq_shift_zmm(e, 4 - 2 * j), b45));
         h = _mm512_or_si512(h, _mm512_and_si512(kq_shift_zmm(o, 4 - 2 * j), b45));
@@ -265,13 +260,8 @@ static inline __attribute__((always_inline)) void kq_codes_ymm(const uint8_t *c,
     const __m256i raw = _mm256_loadu_si256((const __m256i *)(c + 64 * j));
     __m256i l = _mm256_and_si256(raw, low), h = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
     if (F == GEMM_Q6KP) { /* as kq_codes_zmm */
-        const __m256i even = _mm256_set1_epi8(0x55), odd = _mm256_set1_epi8((char)0xAA);
-        const __m256i p4 = _mm256_loadu_si256((const __m256i *)(c + 256));
-        const __m256i p5 = _mm256_loadu_si256((const __m256i *)(c + 320));
-        const __m256i e = _mm256_or_si256(_mm256_and_si256(p4, even),
-                                          _mm256_and_si256(_mm256_slli_epi16(p5, 1), odd));
-        const __m256i o = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p4, 1), even),
-                                          _mm256_and_si256(p5, odd));
+        const __m256i e = _mm256_loadu_si256((const __m256i *)(c + 256));
+        const __m256i o = _mm256_loadu_si256((const __m256i *)(c + 320));
         const __m256i b45 = _mm256_set1_epi8(0x30);
         l = _mm256_or_si256(l, _mm256_and_si256(kq_shift_ymm(e, 4 - 2 * j), b45));
         h = _mm256_or_si256(h, _mm256_and_si256(kq_shift_ymm(o, 4 - 2 * j), b45));

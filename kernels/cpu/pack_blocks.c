@@ -113,7 +113,8 @@ static void q6k_column(const uint8_t *b, uint8_t *g, int c, uint8_t *q) {
 }
 
 /* One 32-block's codes of the 16 columns (column c's at q + c * PACK_MAX_BLOCK) -> its
- * chunks at dst: byte chunks (bits 8), else nibble chunks then a plane per bit above 4. */
+ * chunks at dst: byte chunks (bits 8), else nibble chunks then Q5_K's bit-4 plane or
+ * Q6_K's two planes of bit pairs. */
 static void code_chunks(uint8_t *dst, const uint8_t *q, int bits) {
     if (bits == 8) {
         for (int j = 0; j < 4; j++)
@@ -130,6 +131,18 @@ static void code_chunks(uint8_t *dst, const uint8_t *q, int bits) {
             for (int t = 0; t < 4; t++)
                 dst[64 * j + 4 * c + t] = (uint8_t)((col[t] & 0x0F) | (col[16 + t] << 4));
         }
+    if (bits == 6) { /* a plane of bit pairs per half (cpu_blocks.py's docstring) */
+        for (int h = 0; h < 2; h++)
+            for (int c = 0; c < PACK_COLS; c++) {
+                const uint8_t *col = q + c * PACK_MAX_BLOCK + 16 * h;
+                for (int t = 0; t < 4; t++) {
+                    unsigned v = 0;
+                    for (int j = 0; j < 4; j++) v |= ((col[4 * j + t] >> 4) & 3u) << (2 * j);
+                    dst[256 + 64 * h + 4 * c + t] = (uint8_t)v;
+                }
+            }
+        return;
+    }
     for (int bit = 4; bit < bits; bit++) {
         uint8_t *plane = dst + 256 + 64 * (bit - 4);
         for (int c = 0; c < PACK_COLS; c++) {
