@@ -6,7 +6,8 @@ repacked once at load, losslessly, into panels of 16 output columns; panel p is 
 groups of `group_bytes`, one group per block of G weights (32; 256 for the K-quants)
 holding that block of the panel's 16 columns. Every format keeps its integer codes q as
 unsigned bits, four consecutive k of one column in one 32-bit lane, so one `vpdpbusd`
-multiplies 16 columns by 4 bytes of x (x quantized per 32-block to int8, q4_1.h):
+multiplies 16 columns by 4 bytes of x (x quantized to int8 per 32, or per 256 for the
+K-quants: `x_group`, q4_1.h):
 
   nibble chunks (256 bytes per 32 weights): chunk j (0..3) is 64 bytes, column c at bytes
     4 c .. 4 c + 3, byte t holding q[4 j + t] in its low half and q[16 + 4 j + t] in its
@@ -23,8 +24,9 @@ Per group, before its codes, every column's fields (16 values each, column order
   q4_0 (288):  d fp16 [0, 32); nibbles [32, 288)                         w = d (q - 8)
   q4_1 (320):  d fp16 [0, 32), m fp16 [32, 64); nibbles [64, 320)          w = d q + m
   q8_0 (544):  d fp16 [0, 32); byte chunks [32, 544)                      w = d (q - 128)
-  q4_k (2368): d [0, 32), dmin [32, 64) fp16; sc u8 [64, 192) and mn u8 [192, 320) as
-               [8 sub-blocks][16 columns]; sub-block s's nibbles at 320 + 256 s
+  q4_k (2368): d [0, 32), dmin [32, 64) fp16; sc u8 [64, 192) as [8 sub-blocks][16
+               columns], mn u8 [192, 320) as [4 pairs of sub-blocks][16 columns][2];
+               sub-block s's nibbles at 320 + 256 s
                                                            w = d sc_s q - dmin mn_s
   q5_k (2880): as q4_k; sub-block s at 320 + 320 s: nibbles, then its bit-4 plane
   q6_k (3360): d fp16 [0, 32); sc int8 [32, 288) as [16 sub-blocks of 16][16 columns];
@@ -54,7 +56,7 @@ from aioengine.kernels.int8_rows import quantize_dequantize_blocks
 
 PANEL = 16
 # Bumped whenever a group's byte layout changes (start-up caches of packed bytes key on it).
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,25 @@ BLOCK_TYPES: dict[str, BlockFormat] = {f.name: f for f in (
     BlockFormat("q6_k", GT.Q6_K, 256, 210, 3360, 14),
 )}
 _BY_GGML = {f.ggml_type: f.name for f in BLOCK_TYPES.values()}
+
+
+def x_group(block_type: str) -> int:
+    """The values per x scale a block type's GEMM reads: 256 for the K-quants (as ggml's
+    Q8_K: their sub-block scales then combine in integers), else 32."""
+    return 256 if BLOCK_TYPES[block_type].block_weights == 256 else 32
+
+
+def x_runs(parts: Sequence[BlockPart]) -> list[tuple[BlockPart, ...]]:
+    """Consecutive parts that read x alike (one `x_group`), at most PROJ_MAX_PARTS a run:
+    one kernel call each."""
+    runs: list[list[BlockPart]] = []
+    for p in parts:
+        if (runs and len(runs[-1]) < cpu_layout.PROJ_MAX_PARTS
+                and x_group(runs[-1][0].block_type) == x_group(p.block_type)):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return [tuple(r) for r in runs]
 
 
 def block_type_of(ggml_type: GT) -> str | None:
@@ -254,8 +275,12 @@ def _to_panels(fields: _Fields, f: BlockFormat) -> Tensor:
     p, groups, sub = n // PANEL, k // f.block_weights, f.block_weights // 32
     heads = []
     for name, width in _HEADS[f.name]:
-        v = fields[name].reshape(p, PANEL, groups, width).permute(0, 2, 3, 1) if width > 2 \
-            else fields[name].reshape(p, PANEL, groups, 2).permute(0, 2, 1, 3)
+        if name == "mn":  # [pair][column][2]
+            v = fields[name].reshape(p, PANEL, groups, 4, 2).permute(0, 2, 3, 1, 4)
+        elif width > 2:  # [width][column]
+            v = fields[name].reshape(p, PANEL, groups, width).permute(0, 2, 3, 1)
+        else:
+            v = fields[name].reshape(p, PANEL, groups, 2).permute(0, 2, 1, 3)
         heads.append(v.reshape(p, groups, PANEL * width))
     q32 = q.reshape(p, PANEL, groups * sub, 32).transpose(1, 2)  # [P, G32, column, 32]
     codes = _code_bytes(q32, _BITS[f.name]).reshape(p, groups, -1)
@@ -269,7 +294,9 @@ def _from_panels(panels: Tensor, f: BlockFormat) -> _Fields:
     for name, width in _HEADS[f.name]:
         raw = panels[..., at:at + PANEL * width]
         at += PANEL * width
-        if width > 2:  # [P, groups, width, column] -> [16 P, groups, width]
+        if name == "mn":  # [P, groups, pair, column, 2] -> [16 P, groups, 8]
+            v = raw.reshape(p, groups, 4, PANEL, 2).permute(0, 3, 1, 2, 4)
+        elif width > 2:  # [P, groups, width, column] -> [16 P, groups, width]
             v = raw.reshape(p, groups, width, PANEL).permute(0, 3, 1, 2)
         else:
             v = raw.reshape(p, groups, PANEL, 2).permute(0, 2, 1, 3)
@@ -408,7 +435,8 @@ def _part_data(data: Tensor, part: BlockPart) -> Tensor:
 
 
 def dequantize_weight(data: Tensor, layout: BlockLayout) -> Tensor:
-    """The whole weight as float32 [n, k] (a transient copy: the reference path)."""
+    """The whole weight (or the parts `layout` names) as float32 [n, k] (a transient copy:
+    the reference path)."""
     return torch.cat([dequantize_blocks(unpack_blocks(_part_data(data, p), p.block_type,
                                                       p.rows, layout.k), p.block_type)
                       for p in layout.parts])
@@ -436,10 +464,13 @@ def gather_rows(data: Tensor, layout: BlockLayout, rows: Tensor) -> Tensor:
 
 def reference_linear(x: Tensor, data: Tensor, layout: BlockLayout,
                      bias: Tensor | None = None) -> Tensor:
-    """The torch path (no kernels built): x quantized per 32-block and back, the weights
-    dequantized for this call: the GEMM's arithmetic up to float32 rounding."""
+    """The torch path (no kernels built): x quantized per group (`x_group`) and back, the
+    weights dequantized for this call: the GEMM's arithmetic up to float32 rounding."""
     rows = x.reshape(-1, layout.k).float()
-    out = torch.nn.functional.linear(quantize_dequantize_blocks(rows), dequantize_weight(data, layout))
+    out = torch.cat([torch.nn.functional.linear(
+        quantize_dequantize_blocks(rows, x_group(run[0].block_type)),
+        dequantize_weight(data, BlockLayout(run, sum(p.rows for p in run), layout.k)))
+        for run in x_runs(layout.parts)], dim=1)
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], layout.n)
@@ -455,9 +486,9 @@ def _gemm_supported(x: Tensor, data: Tensor, layout: BlockLayout, lib: object) -
 def gemm(x: Tensor, data: Tensor, layout: BlockLayout,
          bias: Tensor | None = None) -> Tensor | None:
     """x [M, k] float32 @ W^T (+ bias [n]) -> [M, n] float32 for any M, W block-packed as
-    `layout` says (x quantized per 32-block to int8 by the kernel, once for every part: each
-    part written into its columns); None (nothing computed) where the kernels are not built
-    or do not take it, so the caller takes reference_linear."""
+    `layout` says (x quantized to int8 by the kernel, once per run of parts that read it
+    alike, `x_runs`: each part written into its columns); None (nothing computed) where the
+    kernels are not built or do not take it, so the caller takes reference_linear."""
     lib = cpu_build.load()
     if not _gemm_supported(x, data, layout, lib):
         return None
@@ -468,13 +499,13 @@ def gemm(x: Tensor, data: Tensor, layout: BlockLayout,
     out = x.new_empty((m, layout.n))
     if m == 0:
         return out
-    # At most PROJ_MAX_PARTS parts per call (a weight of more, which no GGUF projection
-    # has, runs in runs of parts, each into a temporary).
-    parts, width, col = layout.parts, cpu_layout.PROJ_MAX_PARTS, 0
-    for i in range(0, len(parts), width):
-        run = parts[i:i + width]
+    # One call per run of parts (a weight of several runs, a fused projection mixing
+    # K-quants and other types or of more than PROJ_MAX_PARTS parts, writes each run into
+    # a temporary).
+    runs, col = x_runs(layout.parts), 0
+    for run in runs:
         rows = sum(p.rows for p in run)
-        y = out if len(run) == len(parts) else x.new_empty((m, rows))
+        y = out if len(runs) == 1 else x.new_empty((m, rows))
         w = cpu_layout.ProjWeight(num_parts=len(run))
         for slot, p in zip(w.parts, run):
             slot.data, slot.rows = data.data_ptr() + p.offset, p.rows

@@ -28,6 +28,8 @@ _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 # The weight format codes the kernel reads: the packed GEMM_*P (gemm.h; the row-major codes
 # 0-4 are retired, projection.h) and a GGUF's block formats.
 _BLOCK_CODES = frozenset(f.code for f in cpu_blocks.BLOCK_TYPES.values())
+# Block formats by the x they read (cpu_blocks.x_group): a projection's parts share one.
+_X_GROUP = {f.code: cpu_blocks.x_group(f.name) for f in cpu_blocks.BLOCK_TYPES.values()}
 _WEIGHT_FORMAT_CODES = frozenset((*cpu_gemm.PACKED_FORMATS.values(), cpu_gemm.GEMM_W8A8P,
                                   cpu_gemm.GEMM_BF16T, *_BLOCK_CODES))
 # The ones a model may lack (null pointers for the kernel).
@@ -163,10 +165,11 @@ def _decode_layer_ok(layer: dict, kv_dtypes: set) -> bool:
 
 def _parts_ok(parts: tuple[DecodePart, ...]) -> bool:
     """1..PROJ_MAX_PARTS parts in formats the kernel reads, several only in block formats
-    (one x form: proj_x_form), every part but the last whole panels."""
+    reading x alike (one x form: proj_x_form), every part but the last whole panels."""
     return (0 < len(parts) <= PROJ_MAX_PARTS
             and all(p.fmt in _WEIGHT_FORMAT_CODES and p.rows > 0 for p in parts)
-            and (len(parts) == 1 or all(p.fmt in _BLOCK_CODES for p in parts))
+            and (len(parts) == 1 or all(p.fmt in _BLOCK_CODES for p in parts)
+                 and len({_X_GROUP[p.fmt] for p in parts}) == 1)
             and all(p.rows % cpu_gemm.PANEL == 0 for p in parts[:-1]))
 
 

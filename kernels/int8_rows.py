@@ -1,7 +1,7 @@
 """Symmetric int8 rounding of rows, as every CPU kernel that quantizes does it.
 
 One home for the arithmetic the C kernels repeat bit for bit: int8 weights at load,
-w8a8's activations per row, and the block GEMMs' activations per 32-block
+w8a8's activations per row, and the block GEMMs' activations per group of 32 or 256
 (kernels/cpu/q4_1.h). The torch reference paths and the tests call these to get the
 kernels' exact values.
 """
@@ -24,8 +24,9 @@ def quantize_int8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     return torch.round(x / scales[:, None]).clamp_(-127, 127).to(torch.int8), scales
 
 
-def quantize_dequantize_blocks(x: Tensor) -> Tensor:
-    """x [M, K] as the block GEMMs see it: each 32-block quantized to int8 with its own
-    scale (`quantize_int8_rows` over blocks), then multiplied back."""
-    q, s = quantize_int8_rows(x.reshape(-1, 32))
+def quantize_dequantize_blocks(x: Tensor, group: int = 32) -> Tensor:
+    """x [M, K] as the block GEMMs see it: each group of `group` values (32; 256 for the
+    K-quants) quantized to int8 with its own scale (`quantize_int8_rows` over groups),
+    then multiplied back."""
+    q, s = quantize_int8_rows(x.reshape(-1, group))
     return (q.float() * s[:, None]).view_as(x)

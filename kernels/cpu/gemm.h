@@ -49,7 +49,10 @@ enum { GEMM_F32P = 5, GEMM_BF16P = 6, GEMM_I8P = 7, GEMM_Q41P = 8, GEMM_W8A8P = 
 
 static inline int gemm_is_packed(int fmt) { return fmt >= GEMM_F32P && fmt <= GEMM_BF16T; }
 
-/* Whether fmt is a GGUF block format: x quantized per 32-block (q41_prepare_x). */
+/* Whether fmt is a GGUF K-quant: x quantized per 256 (q41_prepare_x). */
+static inline int gemm_is_kquant(int fmt) { return fmt >= GEMM_Q4KP && fmt <= GEMM_Q6KP; }
+
+/* Whether fmt is a GGUF block format: x quantized per 32 or 256 (q41_prepare_x). */
 static inline int gemm_is_block(int fmt) {
     return fmt == GEMM_Q41P || (fmt >= GEMM_Q80P && fmt <= GEMM_Q6KP);
 }

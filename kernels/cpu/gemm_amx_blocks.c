@@ -90,17 +90,19 @@ static uint8_t *amxb_scratch(int64_t bytes) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 typedef __m512 amxb_acc;
+typedef __m512i amxb_iacc;
 #else
 typedef struct { float v[16]; } amxb_acc;
+typedef struct { int32_t v[16]; } amxb_iacc;
 #endif
 
 /* What the float steps read of x's rows, per block and row of a 16-row tile (tables of
  * [nb][16], built once per tile and read by every panel): xs the scale; t1 Q8_0/Q4_0 off
- * sx, Q4_K/Q5_K xs sx (float), Q6_K 32 sx16; t2 Q6_K 32 (sx - sx16). */
+ * sx, Q4_K/Q5_K the sums of blocks b and b + 1 as an int16 pair (b even), Q6_K 32 sx16;
+ * t2 Q6_K 32 (sx - sx16). */
 typedef struct {
     float *xs;
     int32_t *t1i, *t2;
-    float *t1f;  /* t1i's memory: a format uses one of the two */
 } amxb_rows_t;
 
 static inline void amxb_tables(const int F, amxb_rows_t *t, const uint8_t *const rows[16],
@@ -114,20 +116,20 @@ static inline void amxb_tables(const int F, amxb_rows_t *t, const uint8_t *const
                 t->t1i[16 * b + m] = (F == GEMM_Q80P ? 128 : 8) * sx;
             else if (F == GEMM_Q6KP)
                 t->t1i[16 * b + m] = 32 * sx16, t->t2[16 * b + m] = 32 * (sx - sx16);
-            else
-                t->t1f[16 * b + m] = xs * (float)sx;
+            else if (b % 2 == 0)
+                t->t1i[16 * b + m] = kq_sum_pair_i(rows[m], nb, b);
         }
 }
 
 /* acc[m] (16 columns of row m) gets block b's terms, the dots in c (Q6_K: c the low halves',
- * chi the high halves'). The float steps are the vector tiles' (gemm_kquant.h,
- * gemm_legacy.h), element by element. */
+ * chi the high halves'; Q4_K/Q5_K: isum[m] the group's sum of sc dot until its last block).
+ * The steps are the vector tiles' (gemm_kquant.h, gemm_legacy.h), element by element. */
 static inline __attribute__((always_inline)) void amxb_block(
-    const int F, amxb_acc *restrict acc, const int32_t c[16][16], const int32_t chi[16][16],
-    const uint8_t *grp, int64_t s, const amxb_rows_t *t, int64_t b) {
+    const int F, amxb_acc *restrict acc, amxb_iacc *restrict isum, const int32_t c[16][16],
+    const int32_t chi[16][16], const uint8_t *grp, int64_t s, const amxb_rows_t *t, int64_t b) {
     const float *xs = t->xs + 16 * b;
     const int32_t *t1i = t->t1i + 16 * b, *t2 = t->t2 + 16 * b;
-    const float *t1f = t->t1f + 16 * b;
+    const int32_t *pairs = t->t1i + 16 * (b - s);  /* K-quants: the group's first block's */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)grp));
     if (F == GEMM_Q80P || F == GEMM_Q40P) {
@@ -148,18 +150,22 @@ static inline __attribute__((always_inline)) void amxb_block(
             acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia, ib)), ds, acc[m]);
         }
     } else {  /* Q4_K, Q5_K */
+        const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(grp + 64 + 16 * s)));
+        for (int m = 0; m < 16; m++)
+            isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(sc, _mm512_load_si512(c[m])));
+        if (s < 7) return;
         const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(grp + 32)));
-        const __m512 sc = _mm512_cvtepi32_ps(
-            _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(grp + 64 + 16 * s))));
-        const __m512 mn = _mm512_cvtepi32_ps(
-            _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(grp + 192 + 16 * s))));
-        __m512 dsc = _mm512_mul_ps(d, sc);
-        const __m512 mmin = _mm512_mul_ps(dmin, mn);
-        __asm__("" : "+v"(dsc)); /* (d sc) s, not d (sc s): see blk_opaque */
+        __m512i mn[4];
+        for (int q = 0; q < 4; q++)
+            mn[q] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(grp + 192 + 32 * q)));
         for (int m = 0; m < 16; m++) {
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[m])),
-                                     _mm512_mul_ps(dsc, _mm512_set1_ps(xs[m])), acc[m]);
-            acc[m] = _mm512_fnmadd_ps(mmin, _mm512_set1_ps(t1f[m]), acc[m]);
+            __m512i msum = _mm512_setzero_si512();
+            for (int q = 0; q < 4; q++)
+                msum = kq_dot16_zmm(msum, mn[q], _mm512_set1_epi32(pairs[32 * q + m]));
+            const __m512 x = _mm512_set1_ps(xs[m]);
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(d, x), acc[m]);
+            acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, x), acc[m]);
+            isum[m] = _mm512_setzero_si512();
         }
     }
 #else  /* gemm_blk_tile_c's steps, one element at a time (the emulation's builds) */
@@ -174,9 +180,19 @@ static inline __attribute__((always_inline)) void amxb_block(
                 const int32_t idot = sa * (c[m][i] - t1i[m]) + sb * (chi[m][i] - t2[m]);
                 *a = __builtin_fmaf((float)idot, d * xs[m], *a);
             } else {
-                const float dsc = blk_opaque(d * (float)grp[64 + 16 * s + i]);
-                const float mmin = q41_half(grp + 32 + 2 * i) * (float)grp[192 + 16 * s + i];
-                *a = __builtin_fmaf(-mmin, t1f[m], __builtin_fmaf((float)c[m][i], dsc * xs[m], *a));
+                int32_t *is = &isum[m].v[i];
+                *is += (int32_t)grp[64 + 16 * s + i] * c[m][i];
+                if (s < 7) continue;
+                int32_t msum = 0;
+                for (int q = 0; q < 8; q++) {
+                    const int32_t pair = pairs[32 * (q / 2) + m];
+                    const int32_t sx = q % 2 ? pair >> 16 : (int16_t)(pair & 0xFFFF);
+                    msum += (int32_t)grp[blk_min_at(q, i)] * sx;
+                }
+                const float dmin = q41_half(grp + 32 + 2 * i);
+                *a = __builtin_fmaf(-(float)msum, dmin * xs[m],
+                                    __builtin_fmaf((float)*is, d * xs[m], *a));
+                *is = 0;
             }
         }
 #endif
@@ -204,14 +220,16 @@ static inline void amxb_write(float *restrict y, int64_t ldy, const amxb_acc acc
     } while (0)
 
 /* 16-row tile t of x against the range's np panels (w: the first; their blocks unpacked at
- * `codes`, 512 bytes a block): acc [np][16] accumulators. Blocks outside, panels inside: x's
- * A tile is loaded once per block for every panel. */
+ * `codes`, 512 bytes a block): acc [np][16] accumulators (isum [np][16] the K-quants'
+ * group sums). Blocks outside, panels inside: x's A tile is loaded once per block for every
+ * panel. */
 static inline __attribute__((always_inline)) void amxb_rows(
     const int F, const int hw, const amxb_rows_t *t, const int8_t *xq0, int64_t xrow,
     const uint8_t *w, int64_t panel_bytes, int64_t np, const uint8_t *codes, int64_t nb,
-    int32_t cbuf[3][16][16], amxb_acc *acc) {
+    int32_t cbuf[3][16][16], amxb_acc *acc, amxb_iacc *isum) {
     const int64_t gw = gemm_block_weights(F) / 32, gb = gemm_group_bytes(F);
     memset(acc, 0, (size_t)np * 16 * sizeof(amxb_acc));
+    memset(isum, 0, (size_t)np * 16 * sizeof(amxb_iacc));
     for (int64_t b = 0; b < nb; b++) {
         const int8_t *a = xq0 + 32 * b;
         const uint8_t *bt = codes + 512 * b;
@@ -229,7 +247,7 @@ static inline __attribute__((always_inline)) void amxb_rows(
                 AMX_DPBSUD(hw, AMXB_C1, AMXB_A1, AMXB_B1);
                 AMX_STORE(hw, AMXB_C0, cbuf[0], 64);
                 AMX_STORE(hw, AMXB_C1, cbuf[1], 64);
-                amxb_block(F, acc + 16 * p, (const int32_t(*)[16])cbuf[0],
+                amxb_block(F, acc + 16 * p, isum + 16 * p, (const int32_t(*)[16])cbuf[0],
                            (const int32_t(*)[16])cbuf[1], w + p * panel_bytes + g, s, t, b);
             }
             continue;
@@ -242,7 +260,8 @@ static inline __attribute__((always_inline)) void amxb_rows(
             if (q > 1) AMXB_DOT(hw, AMXB_B1, AMXB_C1, pc + nb * 512, cbuf[1]);
             if (q > 2) AMXB_DOT(hw, AMXB_B2, AMXB_C2, pc + 2 * nb * 512, cbuf[2]);
             for (int64_t i = 0; i < q; i++)
-                amxb_block(F, acc + 16 * (p + i), (const int32_t(*)[16])cbuf[i], NULL,
+                amxb_block(F, acc + 16 * (p + i), isum + 16 * (p + i),
+                           (const int32_t(*)[16])cbuf[i], NULL,
                            w + (p + i) * panel_bytes + g, s, t, b);
         }
     }
@@ -255,12 +274,13 @@ static inline __attribute__((always_inline)) void amxb_range(
     const int64_t nb = k / 32, xrow = q41_x_row_bytes(k), np = p_hi - p_lo;
     const int64_t gw = gemm_block_weights(F) / 32, gb = gemm_group_bytes(F);
     const int64_t code_bytes = np * nb * 512, acc_bytes = np * 16 * (int64_t)sizeof(amxb_acc);
-    uint8_t *codes = amxb_scratch(code_bytes + acc_bytes + 3 * nb * 64);
+    const int64_t isum_bytes = np * 16 * (int64_t)sizeof(amxb_iacc);
+    uint8_t *codes = amxb_scratch(code_bytes + acc_bytes + isum_bytes + 3 * nb * 64);
     if (codes == NULL) abort();
     amxb_acc *acc = (amxb_acc *)(codes + code_bytes);
-    char *tab = (char *)codes + code_bytes + acc_bytes;
-    const amxb_rows_t t = {(float *)tab, (int32_t *)(tab + nb * 64), (int32_t *)(tab + nb * 128),
-                           (float *)(tab + nb * 64)};
+    amxb_iacc *isum = (amxb_iacc *)(codes + code_bytes + acc_bytes);
+    char *tab = (char *)codes + code_bytes + acc_bytes + isum_bytes;
+    const amxb_rows_t t = {(float *)tab, (int32_t *)(tab + nb * 64), (int32_t *)(tab + nb * 128)};
     for (int64_t p = 0; p < np; p++)
         for (int64_t b = 0; b < nb; b++)
             amxb_unpack(F, w + (p_lo + p) * panel_bytes + (b / gw) * gb, b % gw,
@@ -280,7 +300,7 @@ static inline __attribute__((always_inline)) void amxb_range(
         for (int m = 0; m < 16; m++) rows[m] = xq + (m0 + (m < r ? m : r - 1)) * xrow;
         amxb_tables(F, &t, rows, nb);
         amxb_rows(F, hw, &t, q41_x_quants(rows[0], nb, 0), xrow, w + p_lo * panel_bytes,
-                  panel_bytes, np, codes, nb, cbuf, acc);
+                  panel_bytes, np, codes, nb, cbuf, acc, isum);
         for (int64_t p = 0; p < np; p++)
             amxb_write(y + m0 * ldy, ldy, acc + 16 * p, r, (p_lo + p) * GEMM_NR, n, bias);
     }

@@ -8,17 +8,22 @@
  * in one 32-bit lane, low halves weights 0..15, high halves 16..31), byte chunks (Q8_0,
  * q + 128), bit planes for the bits above the nibble (Q5_K, Q6_K).
  *
- * x is quantized per 32-block to int8 (q4_1.h's q41_prepare_x: scale s, sum sx of the 32
- * values, sum sx16 of the first 16). Per output element (column c, row r), per 32-block b
- * in order, with dot = sum_j q_j qx_j (and dot16 over the first 16) exact int32:
+ * x is quantized to int8 per 32 (Q8_0, Q4_0) or per 256 (the K-quants; q4_1.h's
+ * q41_prepare_x: scale s, per 32-block the sum sx of its values and sx16 of its first 16).
+ * Per output element (column c, row r), with dot = sum_j q_j qx_j over a 32-block (and
+ * dot16 over its first 16) exact int32, per 32-block b in order:
  *
  *   Q8_0:      acc = fma((float)(dot - 128 sx), d s, acc)
  *   Q4_0:      acc = fma((float)(dot - 8 sx), d s, acc)
- *   Q4_K/Q5_K: acc = fma(-(dmin mn), s sx, fma((float)dot, (d sc) s, acc))
- *              (d sc and dmin mn exact in float32: 11-bit by 6-bit products)
  *   Q6_K:      acc = fma((float)(sc_a (dot16 - 32 sx16) + sc_b (dot - dot16 - 32 (sx - sx16))),
  *                        d s, acc)   (sc_a, sc_b the 16-weight halves' int8 scales; the
  *                                     integer is within 2^24, so exact as a float)
+ *
+ * and per 256-group in order (Q4_K, Q5_K: the integers summed over its eight 32-blocks, as
+ * ggml's q4_K x q8_K, within 2^31):
+ *
+ *   isum = sum_s sc_s dot_s,  msum = sum_s mn_s sx_s
+ *   acc = fma(-(float)msum, dmin s, fma((float)isum, d s, acc))
  *
  * every product such as d s rounded to float32 once, then y = acc (+ bias): one sequence of
  * roundings whatever M, the tile, the thread or the build. Integer sums are exact, so the
@@ -64,12 +69,8 @@ static inline int32_t blk_code(int fmt, const uint8_t *codes, int i, int w) {
     return q;
 }
 
-/* v as a value the compiler cannot see into: -fassociative-math otherwise lets GCC turn
- * (d sc) s into d (sc s) (the baseline build did), another rounding than the header's. */
-static inline float blk_opaque(float v) {
-    __asm__("" : "+m"(v));
-    return v;
-}
+/* Where sub-block s's min of column i sits in a Q4_K/Q5_K group (cpu_blocks.py). */
+static inline int64_t blk_min_at(int64_t s, int i) { return 192 + 32 * (s / 2) + 2 * i + s % 2; }
 
 /* The plain C tile: rows [0, mr) of x (prepared) against np panels from w, columns
  * [c0, c0 + 16 np) of y, those below n stored; the header's arithmetic per element. */
@@ -83,6 +84,7 @@ static void gemm_blk_tile_c(int fmt, float *restrict y, int64_t ldy, const uint8
             for (int i = 0; i < GEMM_NR && c0 + GEMM_NR * p + i < n; i++) {
                 const uint8_t *row = xq + m * xrow;
                 float acc = 0.0f;
+                int32_t isum = 0, msum = 0; /* Q4_K/Q5_K: the group's sums */
                 for (int64_t b = 0; b < nb; b++) {
                     const uint8_t *g = w + p * panel_bytes + (b / gw) * gb;
                     const int64_t s = b % gw;
@@ -106,10 +108,14 @@ static void gemm_blk_tile_c(int fmt, float *restrict y, int64_t ldy, const uint8
                                              sb * (dot - dot16 - 32 * (sx - sx16));
                         acc = __builtin_fmaf((float)idot, d * xs, acc);
                     } else {
-                        const float dsc = blk_opaque(d * (float)g[64 + 16 * s + i]);
-                        const float mmin = q41_half(g + 32 + 2 * i) * (float)g[192 + 16 * s + i];
-                        acc = __builtin_fmaf(-mmin, xs * (float)sx,
-                                             __builtin_fmaf((float)dot, dsc * xs, acc));
+                        isum += (int32_t)g[64 + 16 * s + i] * dot;
+                        msum += (int32_t)g[blk_min_at(s, i)] * sx;
+                        if (s == 7) {
+                            const float dmin = q41_half(g + 32 + 2 * i);
+                            acc = __builtin_fmaf(-(float)msum, dmin * xs,
+                                                 __builtin_fmaf((float)isum, d * xs, acc));
+                            isum = msum = 0;
+                        }
                     }
                 }
                 const int64_t c = c0 + GEMM_NR * p + i;

@@ -12,9 +12,10 @@
  * byte belongs to the low nibble's weight and bit 2 j + 1 to the high one's; Q6_K: bits
  * 2 j, 2 j + 1 of the low or the high half's plane), moved into place by one 16-bit shift
  * and a byte mask (the mask drops every bit that crossed a byte). Then, per
- * column, the sub-block's float steps: Q4_K/Q5_K fma((float)dot, (d sc) s, acc) and
- * fma(-(dmin mn), s sx, .); Q6_K the integer sc_a (dot16 - 32 sx16) + sc_b (...) then one
- * fma with d s. Every product is formed in the order the plain C tile forms it, so each
+ * column: Q4_K/Q5_K sc dot added to the group's integer sum (its mins' sum mn sx formed
+ * once per group, a column's two mins an int16 pair against x's two block sums), then the
+ * group's two fmas; Q6_K the integer sc_a (dot16 - 32 sx16) + sc_b (...) and one fma with
+ * d s per sub-block. Every product is formed in the order the plain C tile forms it, so each
  * element gets the C tile's roundings whatever the tile, M or the build.
  *
  * int16 bounds without VNNI: a maddubs pair is at most 2 x 63 x 127 = 16002, so at most two
@@ -45,7 +46,14 @@ static inline int64_t kq_codes(int fmt, int s) {
     return fmt == GEMM_Q4KP ? 320 + 256 * s : fmt == GEMM_Q5KP ? 320 + 320 * s : 288 + 384 * s;
 }
 
+/* The sums of x's 32-blocks b and b + 1 (each within +-4064) as an int16 pair, broadcast. */
+static inline int32_t kq_sum_pair_i(const uint8_t *row, int64_t nb, int64_t b) {
+    return (int32_t)(((uint32_t)q41_x_sum(row, nb, b) & 0xFFFFu) |
+                     ((uint32_t)q41_x_sum(row, nb, b + 1) << 16));
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+#define kq_sum_pair(row, nb, b) _mm512_set1_epi32(kq_sum_pair_i(row, nb, b))
 
 /* int32-lane vectors between uses (see gemm_q4_1.h's q41_v16i: GCC keeps an array of them
  * in registers, not an array of __m512i). */
@@ -77,6 +85,16 @@ static inline __attribute__((always_inline)) kq_v16i kq_dot2_zmm(kq_v16i acc, __
     const __m512i t = _mm512_add_epi16(_mm512_maddubs_epi16(lo, xlo),
                                        _mm512_maddubs_epi16(hi, xhi));
     return (kq_v16i)_mm512_add_epi32((__m512i)acc, _mm512_madd_epi16(t, _mm512_set1_epi16(1)));
+#endif
+}
+
+/* acc += per lane, the products of its two int16 of a and of b, summed. */
+static inline __attribute__((always_inline)) __m512i kq_dot16_zmm(__m512i acc, __m512i a,
+                                                                  __m512i b) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
 #endif
 }
 
@@ -114,7 +132,10 @@ static inline __attribute__((always_inline)) void gemm_kq_tile_zmm(
     for (int m = 0; m < MR; m++)
         for (int p = 0; p < P; p++) acc[m][p] = _mm512_setzero_ps();
     kq_v16i dlo[MR][P], dhi[MR][P]; /* one sub-block's sums (Q6_K: its halves apart) */
-    for (int64_t g = 0; g < nb / 8; g++)
+    kq_v16i isum[MR][P];             /* Q4_K/Q5_K: a group's sum of sc dot */
+    for (int64_t g = 0; g < nb / 8; g++) {
+        for (int m = 0; m < MR; m++)
+            for (int p = 0; p < P; p++) isum[m][p] = (kq_v16i){0};
         for (int s = 0; s < 8; s++) {
             const int64_t b = 8 * g + s;
             for (int m = 0; m < MR; m++)
@@ -137,8 +158,8 @@ static inline __attribute__((always_inline)) void gemm_kq_tile_zmm(
                 }
             for (int p = 0; p < P; p++) {
                 const uint8_t *grp = w + p * panel_bytes + g * gb;
-                const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)grp));
                 if (F == GEMM_Q6KP) {
+                    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)grp));
                     const __m512i sa = _mm512_cvtepi8_epi32(
                         _mm_loadu_si128((const __m128i *)(grp + 32 + 32 * s)));
                     const __m512i sb = _mm512_cvtepi8_epi32(
@@ -156,27 +177,35 @@ static inline __attribute__((always_inline)) void gemm_kq_tile_zmm(
                                                     ds, acc[m][p]);
                     }
                 } else {
-                    const __m512 dmin = _mm512_cvtph_ps(
-                        _mm256_loadu_si256((const __m256i *)(grp + 32)));
-                    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                        _mm_loadu_si128((const __m128i *)(grp + 64 + 16 * s))));
-                    const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                        _mm_loadu_si128((const __m128i *)(grp + 192 + 16 * s))));
-                    __m512 dsc = _mm512_mul_ps(d, sc);
-                    const __m512 mmin = _mm512_mul_ps(dmin, mn);
-                    __asm__("" : "+v"(dsc)); /* (d sc) s, not d (sc s): see blk_opaque */
-                    for (int m = 0; m < MR; m++) {
-                        const uint8_t *row = xq + m * xrow;
-                        const float xs = q41_x_scale(row, b);
-                        const float sm = xs * (float)q41_x_sum(row, nb, b);
-                        const __m512 dotf = _mm512_cvtepi32_ps((__m512i)dlo[m][p]);
-                        acc[m][p] = _mm512_fmadd_ps(dotf, _mm512_mul_ps(dsc, _mm512_set1_ps(xs)),
-                                                    acc[m][p]);
-                        acc[m][p] = _mm512_fnmadd_ps(mmin, _mm512_set1_ps(sm), acc[m][p]);
-                    }
+                    const __m512i sc = _mm512_cvtepu8_epi32(
+                        _mm_loadu_si128((const __m128i *)(grp + 64 + 16 * s)));
+                    for (int m = 0; m < MR; m++)
+                        isum[m][p] = (kq_v16i)_mm512_add_epi32(
+                            (__m512i)isum[m][p], _mm512_mullo_epi32(sc, (__m512i)dlo[m][p]));
                 }
             }
         }
+        if (F == GEMM_Q6KP) continue;
+        for (int p = 0; p < P; p++) {
+            const uint8_t *grp = w + p * panel_bytes + g * gb;
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)grp));
+            const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(grp + 32)));
+            __m512i mn[4]; /* sub-blocks 2 t, 2 t + 1's mins of a column as an int16 pair */
+            for (int t = 0; t < 4; t++)
+                mn[t] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(grp + 192 + 32 * t)));
+            for (int m = 0; m < MR; m++) {
+                const uint8_t *row = xq + m * xrow;
+                __m512i msum = _mm512_setzero_si512();
+                for (int t = 0; t < 4; t++)
+                    msum = kq_dot16_zmm(msum, mn[t], kq_sum_pair(row, nb, 8 * g + 2 * t));
+                const __m512 xs = _mm512_set1_ps(q41_x_scale(row, 8 * g));
+                acc[m][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps((__m512i)isum[m][p]),
+                                            _mm512_mul_ps(d, xs), acc[m][p]);
+                acc[m][p] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, xs),
+                                             acc[m][p]);
+            }
+        }
+    }
     for (int m = 0; m < MR; m++)
         for (int p = 0; p < P; p++) {
             float lanes[16] __attribute__((aligned(64)));
@@ -188,7 +217,8 @@ static inline __attribute__((always_inline)) void gemm_kq_tile_zmm(
         }
 }
 
-/* Panels per tile by rows: accumulators (2 MR P registers; Q6_K's halves 3 MR P) within
+/* Panels per tile by rows: accumulators (2 MR P registers, 3 MR P with Q4_K/Q5_K's group
+ * sums and Q6_K's halves: the compiler keeps the group sums in the stack where short) within
  * about 24 of the 32 zmm; each divides gemm_tile_panels(mr), so a claim's panels split into
  * whole tiles. */
 static inline int gemm_kq_tile_panels(int fmt, int64_t mr) {
@@ -291,13 +321,28 @@ static inline __attribute__((always_inline)) void gemm_kq_tile_ymm(
     __m256 acc[MR][H];
     for (int m = 0; m < MR; m++)
         for (int h = 0; h < H; h++) acc[m][h] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < nb / 8; g++)
+    /* Q4_K/Q5_K: the group's sum of sc dot (each widening madd multiplies by the column's
+     * sc, an int16 pair per lane); Q6_K: a 32-block's sums, its halves apart */
+    __m256i dlo[MR][H], dhi[MR][H];
+    for (int64_t g = 0; g < nb / 8; g++) {
+        for (int m = 0; m < MR; m++)
+            for (int h = 0; h < H; h++) dlo[m][h] = dhi[m][h] = _mm256_setzero_si256();
         for (int s = 0; s < 8; s++) {
             const int64_t b = 8 * g + s;
-            __m256i lo16[MR][H], hi16[MR][H], dlo[MR][H], dhi[MR][H];
-            for (int m = 0; m < MR; m++)
-                for (int h = 0; h < H; h++)
-                    lo16[m][h] = hi16[m][h] = dlo[m][h] = dhi[m][h] = _mm256_setzero_si256();
+            __m256i lo16[MR][H], hi16[MR][H], wide[H];
+            for (int h = 0; h < H; h++) {
+                if (F == GEMM_Q6KP) {
+                    wide[h] = ones;
+                } else {
+                    const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                        (const __m128i *)(panel[h] + g * gb + 64 + 16 * s + 8 * second[h])));
+                    wide[h] = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
+                }
+                for (int m = 0; m < MR; m++) {
+                    lo16[m][h] = hi16[m][h] = _mm256_setzero_si256();
+                    if (F == GEMM_Q6KP) dlo[m][h] = dhi[m][h] = _mm256_setzero_si256();
+                }
+            }
             for (int j = 0; j < 4; j++)
                 for (int h = 0; h < H; h++) {
                     __m256i lo, hi;
@@ -317,7 +362,7 @@ static inline __attribute__((always_inline)) void gemm_kq_tile_ymm(
                         }
                         if ((j + 1) % widen == 0) {
                             dlo[m][h] = _mm256_add_epi32(dlo[m][h],
-                                                         _mm256_madd_epi16(lo16[m][h], ones));
+                                                         _mm256_madd_epi16(lo16[m][h], wide[h]));
                             if (F == GEMM_Q6KP)
                                 dhi[m][h] = _mm256_add_epi32(dhi[m][h],
                                                              _mm256_madd_epi16(hi16[m][h], ones));
@@ -325,48 +370,52 @@ static inline __attribute__((always_inline)) void gemm_kq_tile_ymm(
                         }
                     }
                 }
+            if (F != GEMM_Q6KP) continue;
             for (int h = 0; h < H; h++) {
                 const uint8_t *grp = panel[h] + g * gb;
                 const int64_t f16 = 16 * second[h], f8 = 8 * second[h];
                 const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(grp + f16)));
-                if (F == GEMM_Q6KP) {
-                    const __m256i sa = _mm256_cvtepi8_epi32(
-                        _mm_loadl_epi64((const __m128i *)(grp + 32 + 32 * s + f8)));
-                    const __m256i sb = _mm256_cvtepi8_epi32(
-                        _mm_loadl_epi64((const __m128i *)(grp + 48 + 32 * s + f8)));
-                    for (int m = 0; m < MR; m++) {
-                        const uint8_t *row = xq + m * xrow;
-                        const int32_t sx = q41_x_sum(row, nb, b), sx16 = q41_x_half_sum(row, nb, b);
-                        const __m256i ia = _mm256_mullo_epi32(
-                            sa, _mm256_sub_epi32(dlo[m][h], _mm256_set1_epi32(32 * sx16)));
-                        const __m256i ib = _mm256_mullo_epi32(
-                            sb, _mm256_sub_epi32(dhi[m][h], _mm256_set1_epi32(32 * (sx - sx16))));
-                        const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(q41_x_scale(row, b)));
-                        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(ia, ib)),
-                                                    ds, acc[m][h]);
-                    }
-                } else {
-                    const __m256 dmin = _mm256_cvtph_ps(
-                        _mm_loadu_si128((const __m128i *)(grp + 32 + f16)));
-                    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                        _mm_loadl_epi64((const __m128i *)(grp + 64 + 16 * s + f8))));
-                    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                        _mm_loadl_epi64((const __m128i *)(grp + 192 + 16 * s + f8))));
-                    __m256 dsc = _mm256_mul_ps(d, sc);
-                    const __m256 mmin = _mm256_mul_ps(dmin, mn);
-                    __asm__("" : "+x"(dsc)); /* (d sc) s, not d (sc s): see blk_opaque */
-                    for (int m = 0; m < MR; m++) {
-                        const uint8_t *row = xq + m * xrow;
-                        const float xs = q41_x_scale(row, b);
-                        const float sm = xs * (float)q41_x_sum(row, nb, b);
-                        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo[m][h]),
-                                                    _mm256_mul_ps(dsc, _mm256_set1_ps(xs)),
-                                                    acc[m][h]);
-                        acc[m][h] = _mm256_fnmadd_ps(mmin, _mm256_set1_ps(sm), acc[m][h]);
-                    }
+                const __m256i sa = _mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64((const __m128i *)(grp + 32 + 32 * s + f8)));
+                const __m256i sb = _mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64((const __m128i *)(grp + 48 + 32 * s + f8)));
+                for (int m = 0; m < MR; m++) {
+                    const uint8_t *row = xq + m * xrow;
+                    const int32_t sx = q41_x_sum(row, nb, b), sx16 = q41_x_half_sum(row, nb, b);
+                    const __m256i ia = _mm256_mullo_epi32(
+                        sa, _mm256_sub_epi32(dlo[m][h], _mm256_set1_epi32(32 * sx16)));
+                    const __m256i ib = _mm256_mullo_epi32(
+                        sb, _mm256_sub_epi32(dhi[m][h], _mm256_set1_epi32(32 * (sx - sx16))));
+                    const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(q41_x_scale(row, b)));
+                    acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(ia, ib)),
+                                                ds, acc[m][h]);
                 }
             }
         }
+        if (F == GEMM_Q6KP) continue;
+        for (int h = 0; h < H; h++) { /* the group's float steps */
+            const uint8_t *grp = panel[h] + g * gb;
+            const int64_t f16 = 16 * second[h];
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(grp + f16)));
+            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(grp + 32 + f16)));
+            __m256i mn[4];
+            for (int t = 0; t < 4; t++)
+                mn[t] = _mm256_cvtepu8_epi16(
+                    _mm_loadu_si128((const __m128i *)(grp + 192 + 32 * t + f16)));
+            for (int m = 0; m < MR; m++) {
+                const uint8_t *row = xq + m * xrow;
+                __m256i msum = _mm256_setzero_si256();
+                for (int t = 0; t < 4; t++)
+                    msum = _mm256_add_epi32(msum, _mm256_madd_epi16(
+                        mn[t], _mm256_set1_epi32(kq_sum_pair_i(row, nb, 8 * g + 2 * t))));
+                const __m256 xs = _mm256_set1_ps(q41_x_scale(row, 8 * g));
+                acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo[m][h]), _mm256_mul_ps(d, xs),
+                                            acc[m][h]);
+                acc[m][h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, xs),
+                                             acc[m][h]);
+            }
+        }
+    }
     for (int m = 0; m < MR; m++)
         for (int h = 0; h < H; h++) {
             float lanes[8];

@@ -29,10 +29,12 @@
 static inline int proj_format_known(int fmt) { return gemm_is_packed(fmt); }
 
 /* The form in which format fmt reads x: 0 float32 rows, 1 bf16 pairs (the AVX512-BF16
- * build's bf16), 2 int8 per 32-block (every GGUF block format, q41_prepare_x), 3 int8 per
- * row (W8A8). The parts of one weight share it: x is prepared once per projection. */
+ * build's bf16), 2 int8 per 32-block (Q4_1, Q8_0, Q4_0: q41_prepare_x), 3 int8 per row
+ * (W8A8), 4 int8 per 256 (the K-quants). The parts of one weight share it: x is prepared
+ * once per projection. */
 static inline int proj_x_form(int fmt) {
     if (gemm_x_is_pairs(fmt)) return 1;
+    if (gemm_is_kquant(fmt)) return 4;
     if (gemm_is_block(fmt)) return 2;
     return fmt == GEMM_W8A8P ? 3 : 0;
 }
@@ -68,7 +70,7 @@ static inline int64_t proj_buffer_floats(int fmt, int64_t M, int64_t k) {
 
 /* x [M, k] in the form W's parts read (proj_x_form), in buf (proj_buffer_floats) where it
  * differs from x: bf16 pairs where the AVX512-BF16 build's dot-product instruction or AMX
- * tiles read them, quantized per 32-block for the GGUF block formats (q4_1.h) and per row for W8A8
+ * tiles read them, quantized per 32 or 256 for the GGUF block formats (q4_1.h) and per row for W8A8
  * panels (w8a8.h); else the rows themselves. */
 static inline const float *proj_prepare_x(float *restrict buf, const float *restrict x,
                                           int64_t M, int64_t k, const proj_weight *W) {
@@ -77,7 +79,10 @@ static inline const float *proj_prepare_x(float *restrict buf, const float *rest
         gemm_x_pairs((uint32_t *)buf, x, M, k);
         return buf;
     case 2:
-        q41_prepare_x(buf, x, M, k);
+        q41_prepare_x(buf, x, M, k, 32);
+        return buf;
+    case 4:
+        q41_prepare_x(buf, x, M, k, 256);
         return buf;
     case 3:
         w8_prepare_x(buf, x, M, k);
@@ -92,7 +97,7 @@ static inline const float *proj_prepare_x(float *restrict buf, const float *rest
 static inline int64_t proj_x_row_bytes(const proj_weight *W, int64_t k) {
     switch (proj_x_form(W->parts[0].fmt)) {
     case 1: return 4 * gemm_x_pair_stride(k);
-    case 2: return q41_x_row_bytes(k);
+    case 2: case 4: return q41_x_row_bytes(k);
     case 3: return w8_x_row_bytes(k);
     default: return 4 * k;
     }

@@ -66,10 +66,10 @@ def _packed(block_type: str, blocks: torch.Tensor, k: int):
 
 
 def _float64_bound(x: torch.Tensor, blocks: torch.Tensor, block_type: str, bias: torch.Tensor):
-    """The float64 product of x quantized per 32-block and the dequantized weights, and the
+    """The float64 product of x quantized per group (x_group) and the dequantized weights, and the
     tolerance: 4 (k / 32 + 2) float32 eps of sum_j |x_j w_j| (each block adds a term with
     one or two roundings of a few ulps of that block's absolute sum, then the bias's add)."""
-    xq = quantize_dequantize_blocks(x).double()
+    xq = quantize_dequantize_blocks(x, cpu_blocks.x_group(block_type)).double()
     w = cpu_blocks.dequantize_blocks(blocks, block_type).double()
     ref = xq @ w.t() + bias.double()
     eps = torch.finfo(torch.float32).eps

@@ -97,14 +97,14 @@ def _magnitude_weight(blocks: torch.Tensor, block_type: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("block_type", KQUANTS)
 def test_kquant_gemm_matches_float64(variant: str, block_type: str) -> None:
-    """Every build against float64 over the dequantized weights with x quantized per
-    32-block: within (2 k / 32 + 4) float32 epsilons of the sum of the terms' magnitudes
+    """Every build against float64 over the dequantized weights with x quantized per 256
+    (x_group): within (2 k / 32 + 4) float32 epsilons of the sum of the terms' magnitudes
     (each 32-block's one or two fused multiply-adds and a rounded scale product)."""
     n, k = 200, 2048
     blocks, data, layout = _weight(n, k, block_type, seed=3)
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(4)) * 3
     bias = torch.randn(n)
-    xq = quantize_dequantize_blocks(x).double()
+    xq = quantize_dequantize_blocks(x, cpu_blocks.x_group(block_type)).double()
     ref = xq @ cpu_blocks.dequantize_blocks(blocks, block_type).double().t() + bias.double()
     scale = xq.abs() @ _magnitude_weight(blocks, block_type).double().t() + bias.double().abs()
     bound = (2 * k / 32 + 4) * torch.finfo(torch.float32).eps * scale
