@@ -163,20 +163,26 @@ def test_every_build_gives_the_same_bits(block_type: str, every_build) -> None:
             assert torch.equal(a, b), (block_type, name, VARIANTS[0], m)
 
 
-def test_parts_equal_their_concatenation(variant: str) -> None:
-    """A Q4_K_M-style fused weight: 32 Q4_K rows then 20 Q6_K rows in one buffer."""
+@pytest.mark.parametrize("first,second", [("q4_k", "q6_k"), ("q4_0", "q5_k"), ("q6_k", "q8_0")])
+def test_parts_equal_their_concatenation(variant: str, first: str, second: str) -> None:
+    """A fused weight of 32 rows of one type then 20 of another in one buffer: a Q4_K_M
+    q/k/v (both K-quants: one x quantized per 256), or K-quants beside 32-block formats
+    (x quantized per 256 for one part, per 32 for the other: one call per kind)."""
     k = 512
-    a, b = _blocks("q4_k", 32, k, seed=4), _blocks("q6_k", 20, k, seed=5)
-    layout = cpu_blocks.layout_for([("q4_k", 32), ("q6_k", 20)], k)
-    data = torch.cat((cpu_blocks.pack_blocks(a, "q4_k"), cpu_blocks.pack_blocks(b, "q6_k")))
-    assert data.numel() == layout.nbytes and layout.storage == "mixed:q4_k+q6_k"
+    a, b = _blocks(first, 32, k, seed=4), _blocks(second, 20, k, seed=5)
+    layout = cpu_blocks.layout_for([(first, 32), (second, 20)], k)
+    data = torch.cat((cpu_blocks.pack_blocks(a, first), cpu_blocks.pack_blocks(b, second)))
+    assert data.numel() == layout.nbytes
+    assert layout.storage == "mixed:" + "+".join(sorted((first, second)))
     x, bias = torch.randn(7, k), torch.randn(52)
     y = cpu_blocks.gemm(x, data, layout, bias)
-    ya = cpu_blocks.gemm(x, *_packed("q4_k", a, k), bias[:32])
-    yb = cpu_blocks.gemm(x, *_packed("q6_k", b, k), bias[32:])
+    ya = cpu_blocks.gemm(x, *_packed(first, a, k), bias[:32])
+    yb = cpu_blocks.gemm(x, *_packed(second, b, k), bias[32:])
     assert torch.equal(y, torch.cat((ya, yb), dim=1))
-    w = torch.cat((cpu_blocks.dequantize_blocks(a, "q4_k"), cpu_blocks.dequantize_blocks(b, "q6_k")))
+    w = torch.cat((cpu_blocks.dequantize_blocks(a, first), cpu_blocks.dequantize_blocks(b, second)))
     assert torch.equal(cpu_blocks.dequantize_weight(data, layout), w)
+    ref = cpu_blocks.reference_linear(x, data, layout, bias)
+    assert torch.allclose(y, ref, rtol=1e-4, atol=1e-3)
 
 
 def test_gather_rows_equals_the_dequantized_rows() -> None:

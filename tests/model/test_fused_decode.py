@@ -194,7 +194,9 @@ def test_llama_decode_computes_nothing_for_a_weight_it_does_not_read() -> None:
     assert run(down=_one_part(14, 31)) == -2  # rows != hidden
     mixed = _one_part(12, 32)
     mixed.num_parts, mixed.parts[1].data, mixed.parts[1].rows = 2, 1, 32
-    mixed.parts[1].fmt = 5  # float32 x beside a block format's per-32-block x
+    mixed.parts[1].fmt = 5  # float32 x beside a block format's per-256 x
+    assert run(qkv=mixed) == -2
+    mixed.parts[1].fmt = 11  # Q4_0's per-32 x beside Q4_K's per-256 x
     assert run(qkv=mixed) == -2
     too_many = _one_part(12, 16)
     too_many.num_parts = 4
@@ -244,6 +246,10 @@ def test_decode_layer_table_declines_what_the_kernel_cannot_read() -> None:
     mixed = cpu_decode.DecodeProjection(
         (cpu_decode.DecodePart(packed.data_ptr(), 5, 16), cpu_decode.DecodePart(1, 12, 4)),
         (packed,))
+    assert cpu_decode.decode_layer_table([{**row, "qkv": mixed}]) is None
+    # A K-quant beside a 32-block format: x per 256 for one, per 32 for the other.
+    mixed = cpu_decode.DecodeProjection(
+        (cpu_decode.DecodePart(1, 12, 16), cpu_decode.DecodePart(1, 11, 4)), (packed,))
     assert cpu_decode.decode_layer_table([{**row, "qkv": mixed}]) is None
     # A key the layer struct lacks, or one missing: the caller's mistake, not a decline.
     with pytest.raises(ValueError, match="unknown keys"):
