@@ -8,7 +8,8 @@ does the same with llama-server (`-t T -np 8 -c CTX`): A B A B, never both at on
 has the cores and memory to itself and drifts in the machine's speed hit both. Per start:
 ready time (spawn to the first /health 200: run 0 is the first start, later runs find the
 file and our start-up cache warm), single-stream TPOT (a 128-token prompt, 64 tokens out,
-EOS ignored, greedy, streamed: (last token - first token) / 63), total generated tok/s of 8
+EOS ignored, greedy, streamed: (last token - first token) / 63; the median of three such
+streams in turn), total generated tok/s of 8
 concurrent such streams, prefill tok/s (a 512-token prompt, max_tokens 1, not streamed:
 prompt tokens / time to the answer), and at the end RSS and peak RSS (VmRSS, VmHWM of the
 server and its children). Prompts are token ids (both servers take them), drawn afresh for
@@ -36,6 +37,9 @@ import numpy as np
 DEFAULT_LLAMA_SERVER = ("/work/peers/src/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/"
                         "llama-server")
 PROMPT_LEN, OUTPUT_LEN, CONCURRENCY, PREFILL_LEN = 128, 64, 8, 512
+# Single streams per start, one after another: TPOT is their median (one 64-token stream
+# varied +-10% from start to start on a 2-core VM).
+SINGLE_STREAMS = 3
 TOKEN_RANGE = (1000, 40000)  # ordinary tokens of the SmolLM2 vocabulary every shape keeps
 # Higher is better for these; lower for the rest (seconds, bytes).
 HIGHER_IS_BETTER = ("concurrent_tok_s", "prefill_tok_s")
@@ -153,15 +157,18 @@ async def stream_completion(session: aiohttp.ClientSession, base: str, prompt: l
             "total_s": last - start}
 
 
-async def measure(base: str, rng: np.random.Generator, timeout: float) -> dict[str, float]:
-    """The three workloads on a ready server (one warm-up request first, not timed)."""
+async def measure(base: str, rng: np.random.Generator, timeout: float) -> dict[str, Any]:
+    """The three workloads on a ready server (one warm-up request first, not timed): single
+    streams in turn (TPOT their median, each in tpot_runs_ms), CONCURRENCY streams at once,
+    one long prompt's prefill."""
     t = aiohttp.ClientTimeout(total=timeout)
     # A new connection per request: llama-server closes a streamed answer's connection,
     # and a pooled one it closed fails the next request.
     connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(timeout=t, connector=connector) as session:
         await stream_completion(session, base, prompt_ids(rng, PROMPT_LEN), 8)
-        one = await stream_completion(session, base, prompt_ids(rng, PROMPT_LEN), OUTPUT_LEN)
+        singles = [await stream_completion(session, base, prompt_ids(rng, PROMPT_LEN),
+                                           OUTPUT_LEN) for _ in range(SINGLE_STREAMS)]
         start = time.perf_counter()
         many = await asyncio.gather(*(stream_completion(
             session, base, prompt_ids(rng, PROMPT_LEN), OUTPUT_LEN) for _ in range(CONCURRENCY)))
@@ -173,15 +180,17 @@ async def measure(base: str, rng: np.random.Generator, timeout: float) -> dict[s
             answer = await r.json()
         prefill_s = time.perf_counter() - start
     prompt_tokens = int((answer.get("usage") or {}).get("prompt_tokens", PREFILL_LEN))
-    return {"tpot_ms": 1000 * one["decode_s"] / max(1, one["tokens"] - 1),
-            "ttft_128_ms": 1000 * one["ttft_s"],
+    tpots = [1000 * s["decode_s"] / max(1, s["tokens"] - 1) for s in singles]
+    one = singles[0]
+    return {"tpot_ms": statistics.median(tpots), "tpot_runs_ms": tpots,
+            "ttft_128_ms": statistics.median(1000 * s["ttft_s"] for s in singles),
             "concurrent_tok_s": sum(m["tokens"] for m in many) / wall,
             "prefill_tok_s": prompt_tokens / prefill_s,
             "single_tokens": one["tokens"], "prefill_prompt_tokens": prompt_tokens}
 
 
 def run_server(command: list[str], port: int, cfg: BenchConfig, rng: np.random.Generator,
-               log: Path) -> dict[str, float]:
+               log: Path) -> dict[str, Any]:
     """Starts `command`, measures it, reads its memory, stops it; its output goes to `log`."""
     base = f"http://127.0.0.1:{port}"
     with open(log, "ab") as out:
@@ -189,7 +198,7 @@ def run_server(command: list[str], port: int, cfg: BenchConfig, rng: np.random.G
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
         try:
             asyncio.run(wait_ready(base, proc, cfg.ready_timeout_s))
-            result: dict[str, float] = {"ready_s": time.perf_counter() - start}
+            result: dict[str, Any] = {"ready_s": time.perf_counter() - start}
             result.update(asyncio.run(measure(base, rng, cfg.request_timeout_s)))
             mem = memory_kib(proc.pid)
             result.update(rss_mib=mem["VmRSS"] / 1024, peak_rss_mib=mem["VmHWM"] / 1024)
@@ -207,7 +216,7 @@ def run_bench(cfg: BenchConfig, log_dir: Path) -> dict[str, Any]:
     servers = {"aioengine": our_command}
     if cfg.llama_server:
         servers["llama-server"] = llama_command
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
     for i in range(cfg.runs):
         for name, command in servers.items():
             port = free_port()
@@ -215,7 +224,8 @@ def run_bench(cfg: BenchConfig, log_dir: Path) -> dict[str, Any]:
             print(f"run {i}: {name}", file=sys.stderr, flush=True)
             runs[name].append(run_server(command(cfg, port), port, cfg, rng,
                                          log_dir / f"{name}.log"))
-    medians = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+    medians = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]
+                      if not isinstance(rs[0][k], list)}
                for name, rs in runs.items()}
     return {"runs": runs, "median": medians}
 
