@@ -60,6 +60,12 @@ static inline int gemm_is_block(int fmt) {
 /* A block format's weights per panel group and bytes per group (16 columns' block). */
 static inline int64_t gemm_block_weights(int fmt) { return fmt >= GEMM_Q4KP ? 256 : 32; }
 
+/* Where sub-block s's min of column c sits in a Q4_K/Q5_K group: [4 pairs of sub-blocks]
+ * [16 columns][2], a column's two mins one int16 lane once widened (cpu_blocks.py). */
+static inline int64_t gemm_kquant_min_at(int64_t s, int64_t c) {
+    return 192 + 32 * (s / 2) + 2 * c + s % 2;
+}
+
 static inline int64_t gemm_group_bytes(int fmt) {
     switch (fmt) {
     case GEMM_Q41P: return 320;

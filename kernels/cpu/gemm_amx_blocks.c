@@ -150,14 +150,16 @@ static inline __attribute__((always_inline)) void amxb_block(
             acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia, ib)), ds, acc[m]);
         }
     } else {  /* Q4_K, Q5_K */
-        const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(grp + 64 + 16 * s)));
+        const __m512i sc =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(grp + 64 + 16 * s)));
         for (int m = 0; m < 16; m++)
             isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(sc, _mm512_load_si512(c[m])));
         if (s < 7) return;
         const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(grp + 32)));
         __m512i mn[4];
         for (int q = 0; q < 4; q++)
-            mn[q] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(grp + 192 + 32 * q)));
+            mn[q] = _mm512_cvtepu8_epi16(
+                _mm256_loadu_si256((const __m256i *)(grp + 192 + 32 * q)));
         for (int m = 0; m < 16; m++) {
             __m512i msum = _mm512_setzero_si512();
             for (int q = 0; q < 4; q++)
@@ -187,7 +189,7 @@ static inline __attribute__((always_inline)) void amxb_block(
                 for (int q = 0; q < 8; q++) {
                     const int32_t pair = pairs[32 * (q / 2) + m];
                     const int32_t sx = q % 2 ? pair >> 16 : (int16_t)(pair & 0xFFFF);
-                    msum += (int32_t)grp[blk_min_at(q, i)] * sx;
+                    msum += (int32_t)grp[gemm_kquant_min_at(q, i)] * sx;
                 }
                 const float dmin = q41_half(grp + 32 + 2 * i);
                 *a = __builtin_fmaf(-(float)msum, dmin * xs[m],

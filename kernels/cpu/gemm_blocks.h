@@ -69,8 +69,6 @@ static inline int32_t blk_code(int fmt, const uint8_t *codes, int i, int w) {
     return q;
 }
 
-/* Where sub-block s's min of column i sits in a Q4_K/Q5_K group (cpu_blocks.py). */
-static inline int64_t blk_min_at(int64_t s, int i) { return 192 + 32 * (s / 2) + 2 * i + s % 2; }
 
 /* The plain C tile: rows [0, mr) of x (prepared) against np panels from w, columns
  * [c0, c0 + 16 np) of y, those below n stored; the header's arithmetic per element. */
@@ -109,7 +107,7 @@ static void gemm_blk_tile_c(int fmt, float *restrict y, int64_t ldy, const uint8
                         acc = __builtin_fmaf((float)idot, d * xs, acc);
                     } else {
                         isum += (int32_t)g[64 + 16 * s + i] * dot;
-                        msum += (int32_t)g[blk_min_at(s, i)] * sx;
+                        msum += (int32_t)g[gemm_kquant_min_at(s, i)] * sx;
                         if (s == 7) {
                             const float dmin = q41_half(g + 32 + 2 * i);
                             acc = __builtin_fmaf(-(float)msum, dmin * xs,

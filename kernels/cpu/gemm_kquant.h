@@ -192,7 +192,8 @@ static inline __attribute__((always_inline)) void gemm_kq_tile_zmm(
             const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(grp + 32)));
             __m512i mn[4]; /* sub-blocks 2 t, 2 t + 1's mins of a column as an int16 pair */
             for (int t = 0; t < 4; t++)
-                mn[t] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(grp + 192 + 32 * t)));
+                mn[t] = _mm512_cvtepu8_epi16(
+                    _mm256_loadu_si256((const __m256i *)(grp + 192 + 32 * t)));
             for (int m = 0; m < MR; m++) {
                 const uint8_t *row = xq + m * xrow;
                 __m512i msum = _mm512_setzero_si512();
@@ -276,7 +277,8 @@ static void gemm_kq_tile_any(int fmt, float *restrict y, int64_t ldy, const uint
  * planes 32 bytes on for the second half, fp16 fields 16 bytes on, byte fields 8). u8 x s8
  * pairs into int16, summed in int16 over the chunks that fit (Q4_K: all four, 8 x 2 x 15 x
  * 127; Q5_K: two, 4 x 2 x 31 x 127; Q6_K: two per half, 2 x 2 x 63 x 127), then pairs of
- * int16 into int32. */
+ * int16 into int32 (Q4_K/Q5_K: each pair times the column's sc <= 63, so a group's sum stays
+ * within 8 x 2 x 31496 x 63 < 2^31). */
 
 static inline __attribute__((always_inline)) __m256i kq_shift_ymm(__m256i v, const int S) {
     return S >= 0 ? _mm256_slli_epi16(v, S) : _mm256_srli_epi16(v, -S);

@@ -68,12 +68,8 @@ static void legacy_column(int fmt, const uint8_t *b, uint8_t *g, int c, uint8_t 
     }
 }
 
-/* Where sub-block s's min of column c goes in a Q4_K / Q5_K group: [4 pairs of
- * sub-blocks][16 columns][2] (a column's two mins one int16 lane apart once widened). */
-static inline int64_t kquant_min_at(int s, int c) { return 192 + 32 * (s / 2) + 2 * c + s % 2; }
-
 /* A Q4_K / Q5_K block of column c: d, dmin, the 6-bit scales and mins unpacked to bytes
- * (scales [8 sub-blocks][16 columns], mins as kquant_min_at), codes to q (sub-block s:
+ * (scales [8 sub-blocks][16 columns], mins as gemm_kquant_min_at), codes to q (sub-block s:
  * nibble half s & 1 of qs's 32-byte piece s / 2; Q5_K's bit 4 is bit s of qh[l]). */
 static void kquant_column(int fmt, const uint8_t *b, uint8_t *g, int c, uint8_t *q) {
     put_half(g, 0, c, b);
@@ -81,9 +77,9 @@ static void kquant_column(int fmt, const uint8_t *b, uint8_t *g, int c, uint8_t 
     const uint8_t *s = b + 4;
     for (int w = 0; w < 4; w++) {
         g[64 + 16 * w + c] = s[w] & 63;
-        g[kquant_min_at(w, c)] = s[4 + w] & 63;
+        g[gemm_kquant_min_at(w, c)] = s[4 + w] & 63;
         g[64 + 16 * (4 + w) + c] = (uint8_t)((s[8 + w] & 0x0F) | ((s[w] >> 6) << 4));
-        g[kquant_min_at(4 + w, c)] = (uint8_t)((s[8 + w] >> 4) | ((s[4 + w] >> 6) << 4));
+        g[gemm_kquant_min_at(4 + w, c)] = (uint8_t)((s[8 + w] >> 4) | ((s[4 + w] >> 6) << 4));
     }
     const int five = fmt == GEMM_Q5KP;
     const uint8_t *qs = b + (five ? 48 : 16), *qh = b + 16;
