@@ -89,6 +89,8 @@ static inline __attribute__((always_inline)) void gemm_leg_tile_zmm(
     for (int64_t b = 0; b < nb; b++) {
         for (int m = 0; m < MR; m++)
             for (int p = 0; p < P; p++) dot[m][p] = (q41_v16i){0};
+        if (MR <= GEMM_PREFETCH_MAX_ROWS)
+            gemm_prefetch_panels(w, panel_bytes, P, b * gb, gb, GEMM_PREFETCH_BLOCKS * gb);
         for (int j = 0; j < 4; j++)
             for (int p = 0; p < P; p++) {
                 const uint8_t *codes = w + p * panel_bytes + b * gb + LEG_CODES;
@@ -217,6 +219,9 @@ static inline __attribute__((always_inline)) void gemm_leg_tile_ymm(
         __m256i dot[MR][H];
         for (int m = 0; m < MR; m++)
             for (int h = 0; h < H; h++) dot[m][h] = _mm256_setzero_si256();
+        if (MR <= GEMM_PREFETCH_MAX_ROWS)
+            gemm_prefetch_panels(panel[0], panel_bytes, (H + 1) / 2, b * gb, gb,
+                                 GEMM_PREFETCH_BLOCKS * gb);
         for (int j = 0; j < 4; j++)
             for (int h = 0; h < H; h++) {
                 const uint8_t *codes = panel[h] + b * gb + LEG_CODES + 32 * second[h];

@@ -89,6 +89,9 @@ static inline __attribute__((always_inline)) void gemm_q41_tile_zmm(
     for (int64_t b = 0; b < nb; b++) {
         for (int m = 0; m < MR; m++)
             for (int p = 0; p < P; p++) dot[m][p] = (q41_v16i){0};
+        if (MR <= GEMM_PREFETCH_MAX_ROWS)
+            gemm_prefetch_panels(w, panel_bytes, P, b * Q41_GROUP_BYTES, Q41_GROUP_BYTES,
+                                 GEMM_PREFETCH_BLOCKS * Q41_GROUP_BYTES);
         for (int j = 0; j < 4; j++)
             for (int p = 0; p < P; p++) {
                 const __m512i raw = _mm512_loadu_si512(w + p * panel_bytes +
@@ -186,6 +189,9 @@ static inline __attribute__((always_inline)) void gemm_q41_tile_ymm(
         __m256i dot[MR][H];
         for (int m = 0; m < MR; m++)
             for (int h = 0; h < H; h++) dot[m][h] = _mm256_setzero_si256();
+        if (MR <= GEMM_PREFETCH_MAX_ROWS)
+            gemm_prefetch_panels(panel[0], panel_bytes, (H + 1) / 2, b * Q41_GROUP_BYTES,
+                                 Q41_GROUP_BYTES, GEMM_PREFETCH_BLOCKS * Q41_GROUP_BYTES);
         for (int j = 0; j < 4; j++)
             for (int h = 0; h < H; h++) {
                 const uint8_t *chunk =
