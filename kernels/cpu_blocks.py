@@ -52,6 +52,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from torch import Tensor
 
 from aioengine.kernels import cpu_build, cpu_layout
+from aioengine.kernels.block_fields import CODE_BITS, Fields, file_blocks, file_fields
 from aioengine.kernels.int8_rows import quantize_dequantize_blocks
 
 PANEL = 16
@@ -116,103 +117,6 @@ def packed_nbytes(n: int, k: int, block_type: str) -> int:
     return -(-n // PANEL) * (k // f.block_weights) * f.group_bytes
 
 
-# ---- the codes and fields of a file's blocks ------------------------------------------
-# `_Fields`: q [n, k] uint8 (unsigned codes), and per format its per-block fields: fp16 ones
-# as raw bytes [n, nb, 2], unpacked scales as uint8/int8 [n, nb, S].
-
-_Fields = dict[str, Tensor]
-
-
-def _nibbles32(qs: Tensor) -> Tensor:
-    """[..., 16] bytes of a 32-block (byte i: weight i low, i + 16 high) -> [..., 32]."""
-    return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
-
-
-def _kquant_scales(scales: Tensor) -> tuple[Tensor, Tensor]:
-    """Q4_K/Q5_K's 12 bytes of 6-bit scales and mins [..., 12] -> sc, mn [..., 8]."""
-    s = scales.to(torch.int32)
-    lo_sc, lo_mn = s[..., 0:4] & 63, s[..., 4:8] & 63
-    hi_sc = (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)
-    hi_mn = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
-    return (torch.cat((lo_sc, hi_sc), -1).to(torch.uint8),
-            torch.cat((lo_mn, hi_mn), -1).to(torch.uint8))
-
-
-def _pack_kquant_scales(sc: Tensor, mn: Tensor) -> Tensor:
-    """`_kquant_scales` undone: sc, mn [..., 8] (6-bit) -> [..., 12]."""
-    sc, mn = sc.to(torch.int32), mn.to(torch.int32)
-    first = (sc[..., 0:4] & 63) | ((sc[..., 4:8] >> 4) << 6)
-    second = (mn[..., 0:4] & 63) | ((mn[..., 4:8] >> 4) << 6)
-    third = (sc[..., 4:8] & 0x0F) | ((mn[..., 4:8] & 0x0F) << 4)
-    return torch.cat((first, second, third), -1).to(torch.uint8)
-
-
-def _file_fields(blocks: Tensor, f: BlockFormat) -> _Fields:
-    """A file's blocks [n, row_bytes] -> codes and fields."""
-    n = blocks.shape[0]
-    b = blocks.reshape(n, -1, f.block_bytes)
-    if f.name in ("q4_0", "q4_1", "q8_0"):
-        start = 4 if f.name == "q4_1" else 2
-        raw = b[..., start:]
-        q = _nibbles32(raw) if f.name != "q8_0" else raw ^ 0x80
-        fields = {"q": q.reshape(n, -1), "d": b[..., 0:2]}
-        if f.name == "q4_1":
-            fields["m"] = b[..., 2:4]
-        return fields
-    if f.name in ("q4_k", "q5_k"):
-        sc, mn = _kquant_scales(b[..., 4:16])
-        qs = b[..., -128:].reshape(n, -1, 4, 32)  # 64-weight pieces: sub-block 2i low, 2i + 1 high
-        q = torch.stack((qs & 0x0F, qs >> 4), dim=3)  # [n, nb, 4, 2, 32]
-        if f.name == "q5_k":
-            qh = b[..., 16:48]  # bit 2i (2i + 1) of byte l: sub-block 2i (2i + 1), weight l
-            bits = torch.stack([(qh >> s) & 1 for s in range(8)], dim=2)  # [n, nb, 8, 32]
-            q = q | (bits.view(n, -1, 4, 2, 32) << 4)
-        return {"q": q.reshape(n, -1), "d": b[..., 0:2], "dmin": b[..., 2:4], "sc": sc,
-                "mn": mn}
-    return _q6_k_fields(b)
-
-
-def _q6_k_fields(b: Tensor) -> _Fields:
-    """Q6_K blocks [n, nb, 210]: ql [128], qh [64], scales int8 [16], d fp16."""
-    n, nb = b.shape[0], b.shape[1]
-    ql, qh = b[..., 0:128].reshape(n, nb, 2, 64), b[..., 128:192].reshape(n, nb, 2, 32)
-    # Per 128-weight half: weights [0, 32) low nibbles of ql[0:32], [32, 64) of ql[32:64],
-    # [64, 96) high nibbles of ql[0:32], [96, 128) of ql[32:64]; qh bits 2i, 2i + 1: piece i.
-    low = torch.cat((ql[..., 0:32] & 0x0F, ql[..., 32:64] & 0x0F, ql[..., 0:32] >> 4,
-                     ql[..., 32:64] >> 4), dim=-1)  # [n, nb, 2, 128]
-    high = torch.cat([(qh >> (2 * i)) & 3 for i in range(4)], dim=-1)
-    q = low | (high << 4)
-    return {"q": q.reshape(n, -1), "d": b[..., 208:210], "sc": b[..., 192:208]}
-
-
-def _file_blocks(fields: _Fields, f: BlockFormat) -> Tensor:
-    """`_file_fields` undone: codes and fields -> the file's blocks [n, row_bytes]."""
-    q = fields["q"]
-    n = q.shape[0]
-    if f.name in ("q4_0", "q4_1", "q8_0"):
-        q32 = q.reshape(n, -1, 32)
-        codes = q32 ^ 0x80 if f.name == "q8_0" else q32[..., :16] | (q32[..., 16:] << 4)
-        heads = [fields["d"]] + ([fields["m"]] if f.name == "q4_1" else [])
-        return torch.cat((*heads, codes), dim=-1).reshape(n, -1)
-    if f.name in ("q4_k", "q5_k"):
-        q5 = q.reshape(n, -1, 4, 2, 32)
-        qs = (q5[:, :, :, 0] & 0x0F) | ((q5[:, :, :, 1] & 0x0F) << 4)  # [n, nb, 4, 32]
-        parts = [fields["d"], fields["dmin"], _pack_kquant_scales(fields["sc"], fields["mn"])]
-        if f.name == "q5_k":
-            bits = (q5 >> 4).reshape(n, -1, 8, 32).to(torch.int32)
-            qh = sum(bits[:, :, s] << s for s in range(8)).to(torch.uint8)
-            parts.append(qh)
-        return torch.cat((*parts, qs.reshape(n, -1, 128)), dim=-1).reshape(n, -1)
-    q6 = q.reshape(n, -1, 2, 4, 32)  # [n, nb, half, piece, 32]
-    ql = torch.cat(((q6[:, :, :, 0] & 0x0F) | ((q6[:, :, :, 2] & 0x0F) << 4),
-                    (q6[:, :, :, 1] & 0x0F) | ((q6[:, :, :, 3] & 0x0F) << 4)), dim=-1)
-    hi = (q6 >> 4).to(torch.int32)
-    qh = sum(hi[:, :, :, i] << (2 * i) for i in range(4)).to(torch.uint8)  # [n, nb, 2, 32]
-    nb = q6.shape[1]
-    return torch.cat((ql.reshape(n, nb, 128), qh.reshape(n, nb, 64), fields["sc"], fields["d"]),
-                     dim=-1).reshape(n, -1)
-
-
 # ---- panels ----------------------------------------------------------------------------
 
 def _code_bytes(q32: Tensor, bits: int) -> Tensor:
@@ -260,7 +164,6 @@ def _codes_from_bytes(raw: Tensor, bits: int) -> Tensor:
     return torch.cat((lo.reshape(p, g, PANEL, 16), hi.reshape(p, g, PANEL, 16)), dim=-1)
 
 
-_BITS = {"q4_0": 4, "q4_1": 4, "q8_0": 8, "q4_k": 4, "q5_k": 5, "q6_k": 6}
 # Per-column fields of a group, in order, with their bytes per column.
 _HEADS = {"q4_0": (("d", 2),), "q4_1": (("d", 2), ("m", 2)), "q8_0": (("d", 2),),
           "q4_k": (("d", 2), ("dmin", 2), ("sc", 8), ("mn", 8)),
@@ -268,7 +171,7 @@ _HEADS = {"q4_0": (("d", 2),), "q4_1": (("d", 2), ("m", 2)), "q8_0": (("d", 2),)
           "q6_k": (("d", 2), ("sc", 16))}
 
 
-def _to_panels(fields: _Fields, f: BlockFormat) -> Tensor:
+def _to_panels(fields: Fields, f: BlockFormat) -> Tensor:
     """Codes and fields of [n, k] (n a multiple of 16) -> panels [P, groups, group_bytes]."""
     q = fields["q"]
     n, k = q.shape
@@ -283,11 +186,11 @@ def _to_panels(fields: _Fields, f: BlockFormat) -> Tensor:
             v = fields[name].reshape(p, PANEL, groups, 2).permute(0, 2, 1, 3)
         heads.append(v.reshape(p, groups, PANEL * width))
     q32 = q.reshape(p, PANEL, groups * sub, 32).transpose(1, 2)  # [P, G32, column, 32]
-    codes = _code_bytes(q32, _BITS[f.name]).reshape(p, groups, -1)
+    codes = _code_bytes(q32, CODE_BITS[f.name]).reshape(p, groups, -1)
     return torch.cat((*heads, codes), dim=-1)
 
 
-def _from_panels(panels: Tensor, f: BlockFormat) -> _Fields:
+def _from_panels(panels: Tensor, f: BlockFormat) -> Fields:
     """`_to_panels` undone: [P, groups, group_bytes] -> codes and fields of [16 P, k]."""
     p, groups, _ = panels.shape
     sub, at, fields = f.block_weights // 32, 0, {}
@@ -301,7 +204,7 @@ def _from_panels(panels: Tensor, f: BlockFormat) -> _Fields:
         else:
             v = raw.reshape(p, groups, PANEL, 2).permute(0, 2, 1, 3)
         fields[name] = v.reshape(p * PANEL, groups, width).contiguous()
-    codes = _codes_from_bytes(panels[..., at:].reshape(p, groups * sub, -1), _BITS[f.name])
+    codes = _codes_from_bytes(panels[..., at:].reshape(p, groups * sub, -1), CODE_BITS[f.name])
     fields["q"] = codes.transpose(1, 2).reshape(p * PANEL, groups * sub * 32)
     return fields
 
@@ -336,7 +239,7 @@ def _pack_reference(blocks: Tensor, f: BlockFormat) -> Tensor:
     padded_n = -(-n // PANEL) * PANEL
     if padded_n != n:
         blocks = torch.cat((blocks, blocks.new_zeros(padded_n - n, blocks.shape[1])))
-    return _to_panels(_file_fields(blocks, f), f).reshape(-1)
+    return _to_panels(file_fields(blocks, f), f).reshape(-1)
 
 
 def pack_blocks(blocks: Tensor, block_type: str, out: Tensor | None = None,
@@ -373,7 +276,7 @@ def unpack_blocks(packed: Tensor, block_type: str, n: int, k: int) -> Tensor:
     """`pack_blocks` undone: the file's blocks [n, row_bytes] (a copy)."""
     f = BLOCK_TYPES[block_type]
     panels = packed.reshape(-(-n // PANEL), k // f.block_weights, f.group_bytes)
-    return _file_blocks(_from_panels(panels, f), f)[:n].contiguous()
+    return file_blocks(_from_panels(panels, f), f)[:n].contiguous()
 
 
 def dequantize_blocks(blocks: Tensor, block_type: str) -> Tensor:
@@ -454,7 +357,7 @@ def gather_rows(data: Tensor, layout: BlockLayout, rows: Tensor) -> Tensor:
             f = BLOCK_TYPES[p.block_type]
             groups = layout.k // f.block_weights
             panels = _part_data(data, p).view(-1, groups, f.group_bytes)[local // PANEL]
-            blocks = _file_blocks(_from_panels(panels, f), f)  # [T * 16, row_bytes]
+            blocks = file_blocks(_from_panels(panels, f), f)  # [T * 16, row_bytes]
             picked = blocks.view(-1, PANEL, blocks.shape[1])[torch.arange(local.shape[0]),
                                                              local % PANEL]
             out[mine] = dequantize_blocks(picked, p.block_type)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aioengine.kernels import cpu_blocks, cpu_build
+from aioengine.kernels import block_fields, cpu_blocks, cpu_build
 from tests.model.test_block_gemm import _blocks, _float64_bound
 
 pytestmark = pytest.mark.skipif(cpu_build.load() is None, reason="CPU kernels not built")
@@ -70,8 +70,8 @@ def test_every_code_value(block_type: str) -> None:
     n, k = 96, _k(block_type, 4)
     raw = _every_code(block_type, n, k)
     f = cpu_blocks.BLOCK_TYPES[block_type]
-    codes = cpu_blocks._file_fields(raw, f)["q"]
-    assert codes.unique().numel() == 2 ** cpu_blocks._BITS[block_type]  # the test's premise
+    codes = block_fields.file_fields(raw, f)["q"]
+    assert codes.unique().numel() == 2 ** block_fields.CODE_BITS[block_type]  # the test's premise
     ours, ref = _c_and_reference(raw, block_type)
     assert torch.equal(ours, ref), (block_type, _first_difference(ours, ref, block_type))
     assert torch.equal(cpu_blocks.unpack_blocks(ours, block_type, n, k), raw)
