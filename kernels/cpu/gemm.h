@@ -98,15 +98,17 @@ static inline int64_t gemm_panel_bytes(int fmt, int64_t k) {
 
 /* Software prefetch ahead of a tile's panel streams. A tile of at most
  * GEMM_PREFETCH_MAX_ROWS rows reading bytes [at, at + len) of each of its P panels asks
- * for the bytes GEMM_PREFETCH_BLOCKS 32-weight blocks further on (`ahead`), past a panel's
- * end those of the next tile's panels (w + P panel_bytes on: a claim's panels are
- * consecutive), into L2. The cores' own prefetchers kept too few reads in flight for these
- * streams: a weight streamed from memory at one to four rows reads 1.1-1.3x faster for
- * Q4_K and Q6_K and Q4_0 with it, up to 1.8x at four rows (docs/benchmarks.md). Taller
- * tiles are the second and later row blocks of a pass, whose panels are already in cache,
- * or prefill's, which are bound by arithmetic. A prefetch never faults, so asking past a
- * weight's end is harmless; it changes no result. */
+ * for the bytes `ahead` further on (GEMM_PREFETCH_BLOCKS 32-weight blocks of a block format,
+ * GEMM_PREFETCH_BYTES of a bf16 panel), past a panel's end those of the next tile's panels
+ * (w + P panel_bytes on: a claim's panels are consecutive), into L2. The cores' own
+ * prefetchers keep too few reads in flight for a short tile's several streams, so it read
+ * the memory below its bandwidth while the same tile ran 3-4x faster from L3
+ * (docs/benchmarks.md, "Block formats' reads from memory"). Taller tiles are the second and
+ * later row blocks of a pass, whose panels are already in cache, or prefill's, which are
+ * bound by arithmetic. A prefetch never faults, so asking past a weight's end is harmless;
+ * it changes no result. */
 #define GEMM_PREFETCH_BLOCKS 16
+#define GEMM_PREFETCH_BYTES 4096
 #define GEMM_PREFETCH_MAX_ROWS 4
 
 static inline __attribute__((always_inline)) void gemm_prefetch_panels(
