@@ -16,6 +16,8 @@
 #include "q4_1.h"
 #include "w8a8.h"
 
+_Thread_local int gemm_first_row_block = 1;
+
 #if !defined(__AVX512BF16__)
 /* gemm.h's gemm_x_pairs without the instruction (the AMX emulation's x in the other
  * builds): round to nearest even, a NaN kept a quiet NaN. */
@@ -134,6 +136,7 @@ void gemm_range(float *restrict y, int64_t ldy, const float *restrict x,
                 int64_t m0, mr;
                 gemm_row_block(rows, b, &m0, &mr);
                 const int64_t tp = gemm_tile_panels(mr);
+                gemm_first_row_block = b == 0;
                 for (int64_t p = g; p < g_end; p += tp) {
                     const int64_t np = g_end - p < tp ? g_end - p : tp;
                     gemm_tile_any(y + (r0 + m0) * ldy, ldy, x + (r0 + m0) * x_stride,
@@ -143,5 +146,6 @@ void gemm_range(float *restrict y, int64_t ldy, const float *restrict x,
             }
         }
     }
+    gemm_first_row_block = 1;
 }
 
