@@ -96,22 +96,23 @@ static inline int64_t gemm_panel_bytes(int fmt, int64_t k) {
     return gemm_elem_bytes(fmt) * GEMM_NR * k;
 }
 
-/* Software prefetch ahead of a tile's panel streams. A tile reading a panel group from
- * memory (gemm_first_row_block) asks, while it reads bytes [at, at + len) of each of its P
- * panels, for the bytes `ahead` further on (GEMM_PREFETCH_BLOCKS 32-weight blocks of a
- * block format, GEMM_PREFETCH_BYTES of a bf16 panel), past a panel's end those of the next
+/* Software prefetch ahead of a block-format tile's panel streams. A tile of at most
+ * GEMM_PREFETCH_MAX_ROWS rows reading a panel group from memory (gemm_first_row_block) asks,
+ * while it reads bytes [at, at + len) of each of its P panels, for the bytes `ahead`
+ * (GEMM_PREFETCH_BLOCKS 32-weight blocks) further on, past a panel's end those of the next
  * tile's panels (w + P panel_bytes on: a claim's panels are consecutive), into L2. The
- * cores' own prefetchers keep too few reads in flight for a tile's several streams, so it
- * read the memory below its bandwidth while the same tile ran 3-4x faster from L3
- * (docs/benchmarks.md, "Block formats' reads from memory"). A prefetch never faults, so
- * asking past a weight's end is harmless; it changes no result. */
+ * cores' own prefetchers keep too few reads in flight for a short tile's several streams,
+ * so it read the memory below its bandwidth while the same tile ran 3-4x faster from L3
+ * (docs/benchmarks.md, "Block formats' reads from memory"). Taller tiles, and the bf16
+ * tile, leave the code out: there it slowed the steps whose weights are in cache (prefill's
+ * and a small model's), prefetching or not. A prefetch never faults, so asking past a
+ * weight's end is harmless; it changes no result. */
 #define GEMM_PREFETCH_BLOCKS 16
-#define GEMM_PREFETCH_BYTES 4096
+#define GEMM_PREFETCH_MAX_ROWS 4
 /* Set by gemm_range around the tiles it runs: 1 for its passes' first row blocks, the tiles
- * that read a panel group from memory, 0 for the later ones, which find it in cache. Only
- * those first tiles prefetch (every tile prefetching slowed prefill-sized steps, where the
- * later row blocks' prefetches only cost instructions). Thread-local (each thread runs its
- * own claims); 1 for a tile run by any other caller. */
+ * that read a panel group from memory, 0 for the later ones, which find it in cache (a
+ * step of 8 rows is two blocks of 4). Thread-local (each thread runs its own claims); 1 for
+ * a tile run by any other caller. */
 extern _Thread_local int gemm_first_row_block;
 
 static inline __attribute__((always_inline)) void gemm_prefetch_panels(

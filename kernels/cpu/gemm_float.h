@@ -184,7 +184,6 @@ static inline __attribute__((always_inline)) void gemm_tile_dpbf16(
     int64_t panel_bytes, int64_t k, int64_t c0, int64_t n, const float *restrict bias,
     const int MR, const int P) {
     const int64_t xs = gemm_x_pair_stride(k);  /* x's row stride in pairs */
-    const int prefetch = gemm_first_row_block; /* gemm.h: read once, thread-local */
     const __m512i idx = _mm512_load_si512(gemm_pair_index);
     __m512 acc[MR][P];
     for (int m = 0; m < MR; m++)
@@ -192,15 +191,11 @@ static inline __attribute__((always_inline)) void gemm_tile_dpbf16(
     /* Whole pairs with plain loads (a masked load in this loop cost 1.5-2.5x), then the
      * last row of an odd k as a pair whose second row is zeros (masked: the bytes after
      * it are the next panel's, or past the end). */
-    for (int64_t d2 = 0; d2 < k / 2; d2++) {
-        if (prefetch)
-            gemm_prefetch_panels((const uint8_t *)w, panel_bytes, P, d2 * 64, 64,
-                                 GEMM_PREFETCH_BYTES);
+    for (int64_t d2 = 0; d2 < k / 2; d2++)
         for (int p = 0; p < P; p++) {
             const __m512i raw = _mm512_loadu_si512(w + p * panel_bytes + d2 * 64);
             GEMM_DP_STEP(raw);
         }
-    }
     if (k % 2) {
         const int64_t d2 = k / 2;
         for (int p = 0; p < P; p++) {

@@ -142,7 +142,7 @@ static inline __attribute__((always_inline)) void gemm_kq_tile_zmm(
             const int64_t b = 8 * g + s;
             for (int m = 0; m < MR; m++)
                 for (int p = 0; p < P; p++) dlo[m][p] = dhi[m][p] = (kq_v16i){0};
-            if (prefetch)
+            if (MR <= GEMM_PREFETCH_MAX_ROWS && prefetch)
                 gemm_prefetch_panels(w, panel_bytes, P, g * gb + s * gb / 8, gb / 8,
                                      GEMM_PREFETCH_BLOCKS * gb / 8);
             for (int j = 0; j < 4; j++)
@@ -338,7 +338,7 @@ static inline __attribute__((always_inline)) void gemm_kq_tile_ymm(
         for (int s = 0; s < 8; s++) {
             const int64_t b = 8 * g + s;
             __m256i lo16[MR][H], hi16[MR][H], wide[H];
-            if (prefetch)
+            if (MR <= GEMM_PREFETCH_MAX_ROWS && prefetch)
                 gemm_prefetch_panels(panel[0], panel_bytes, (H + 1) / 2, g * gb + s * gb / 8,
                                      gb / 8, GEMM_PREFETCH_BLOCKS * gb / 8);
             for (int h = 0; h < H; h++) {

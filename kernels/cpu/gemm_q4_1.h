@@ -90,7 +90,7 @@ static inline __attribute__((always_inline)) void gemm_q41_tile_zmm(
     for (int64_t b = 0; b < nb; b++) {
         for (int m = 0; m < MR; m++)
             for (int p = 0; p < P; p++) dot[m][p] = (q41_v16i){0};
-        if (prefetch)
+        if (MR <= GEMM_PREFETCH_MAX_ROWS && prefetch)
             gemm_prefetch_panels(w, panel_bytes, P, b * Q41_GROUP_BYTES, Q41_GROUP_BYTES,
                                  GEMM_PREFETCH_BLOCKS * Q41_GROUP_BYTES);
         for (int j = 0; j < 4; j++)
@@ -191,7 +191,7 @@ static inline __attribute__((always_inline)) void gemm_q41_tile_ymm(
         __m256i dot[MR][H];
         for (int m = 0; m < MR; m++)
             for (int h = 0; h < H; h++) dot[m][h] = _mm256_setzero_si256();
-        if (prefetch)
+        if (MR <= GEMM_PREFETCH_MAX_ROWS && prefetch)
             gemm_prefetch_panels(panel[0], panel_bytes, (H + 1) / 2, b * Q41_GROUP_BYTES,
                                  Q41_GROUP_BYTES, GEMM_PREFETCH_BLOCKS * Q41_GROUP_BYTES);
         for (int j = 0; j < 4; j++)
