@@ -31,7 +31,6 @@
 #include "gemm.h"
 #include "q4_1.h"
 
-
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
