@@ -9,13 +9,10 @@ each ("sc", "mn") [n, nb, S]. A block's weight is the format's function of them
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as GT
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from aioengine.kernels.cpu_blocks import BlockFormat
 
 Fields = dict[str, Tensor]
 
@@ -48,23 +45,23 @@ def pack_kquant_scales(sc: Tensor, mn: Tensor) -> Tensor:
     return torch.cat((first, second, third), -1).to(torch.uint8)
 
 
-def file_fields(blocks: Tensor, f: BlockFormat) -> Fields:
+def file_fields(blocks: Tensor, block_type: str) -> Fields:
     """A file's blocks [n, row_bytes] -> codes and fields."""
     n = blocks.shape[0]
-    b = blocks.reshape(n, -1, f.block_bytes)
-    if f.name in ("q4_0", "q4_1", "q8_0"):
-        start = 4 if f.name == "q4_1" else 2
+    b = blocks.reshape(n, -1, GGML_QUANT_SIZES[GT[block_type.upper()]][1])
+    if block_type in ("q4_0", "q4_1", "q8_0"):
+        start = 4 if block_type == "q4_1" else 2
         raw = b[..., start:]
-        q = nibbles32(raw) if f.name != "q8_0" else raw ^ 0x80
+        q = nibbles32(raw) if block_type != "q8_0" else raw ^ 0x80
         fields = {"q": q.reshape(n, -1), "d": b[..., 0:2]}
-        if f.name == "q4_1":
+        if block_type == "q4_1":
             fields["m"] = b[..., 2:4]
         return fields
-    if f.name in ("q4_k", "q5_k"):
+    if block_type in ("q4_k", "q5_k"):
         sc, mn = kquant_scales(b[..., 4:16])
         qs = b[..., -128:].reshape(n, -1, 4, 32)  # 64-weight pieces: sub-block 2i low, 2i + 1 high
         q = torch.stack((qs & 0x0F, qs >> 4), dim=3)  # [n, nb, 4, 2, 32]
-        if f.name == "q5_k":
+        if block_type == "q5_k":
             qh = b[..., 16:48]  # bit 2i (2i + 1) of byte l: sub-block 2i (2i + 1), weight l
             bits = torch.stack([(qh >> s) & 1 for s in range(8)], dim=2)  # [n, nb, 8, 32]
             q = q | (bits.view(n, -1, 4, 2, 32) << 4)
@@ -86,20 +83,20 @@ def q6_k_fields(b: Tensor) -> Fields:
     return {"q": q.reshape(n, -1), "d": b[..., 208:210], "sc": b[..., 192:208]}
 
 
-def file_blocks(fields: Fields, f: BlockFormat) -> Tensor:
+def file_blocks(fields: Fields, block_type: str) -> Tensor:
     """`file_fields` undone: codes and fields -> the file's blocks [n, row_bytes]."""
     q = fields["q"]
     n = q.shape[0]
-    if f.name in ("q4_0", "q4_1", "q8_0"):
+    if block_type in ("q4_0", "q4_1", "q8_0"):
         q32 = q.reshape(n, -1, 32)
-        codes = q32 ^ 0x80 if f.name == "q8_0" else q32[..., :16] | (q32[..., 16:] << 4)
-        heads = [fields["d"]] + ([fields["m"]] if f.name == "q4_1" else [])
+        codes = q32 ^ 0x80 if block_type == "q8_0" else q32[..., :16] | (q32[..., 16:] << 4)
+        heads = [fields["d"]] + ([fields["m"]] if block_type == "q4_1" else [])
         return torch.cat((*heads, codes), dim=-1).reshape(n, -1)
-    if f.name in ("q4_k", "q5_k"):
+    if block_type in ("q4_k", "q5_k"):
         q5 = q.reshape(n, -1, 4, 2, 32)
         qs = (q5[:, :, :, 0] & 0x0F) | ((q5[:, :, :, 1] & 0x0F) << 4)  # [n, nb, 4, 32]
         parts = [fields["d"], fields["dmin"], pack_kquant_scales(fields["sc"], fields["mn"])]
-        if f.name == "q5_k":
+        if block_type == "q5_k":
             bits = (q5 >> 4).reshape(n, -1, 8, 32).to(torch.int32)
             qh = sum(bits[:, :, s] << s for s in range(8)).to(torch.uint8)
             parts.append(qh)

@@ -239,7 +239,7 @@ def _pack_reference(blocks: Tensor, f: BlockFormat) -> Tensor:
     padded_n = -(-n // PANEL) * PANEL
     if padded_n != n:
         blocks = torch.cat((blocks, blocks.new_zeros(padded_n - n, blocks.shape[1])))
-    return _to_panels(file_fields(blocks, f), f).reshape(-1)
+    return _to_panels(file_fields(blocks, f.name), f).reshape(-1)
 
 
 def pack_blocks(blocks: Tensor, block_type: str, out: Tensor | None = None,
@@ -276,7 +276,7 @@ def unpack_blocks(packed: Tensor, block_type: str, n: int, k: int) -> Tensor:
     """`pack_blocks` undone: the file's blocks [n, row_bytes] (a copy)."""
     f = BLOCK_TYPES[block_type]
     panels = packed.reshape(-(-n // PANEL), k // f.block_weights, f.group_bytes)
-    return file_blocks(_from_panels(panels, f), f)[:n].contiguous()
+    return file_blocks(_from_panels(panels, f), f.name)[:n].contiguous()
 
 
 def dequantize_blocks(blocks: Tensor, block_type: str) -> Tensor:
@@ -357,7 +357,7 @@ def gather_rows(data: Tensor, layout: BlockLayout, rows: Tensor) -> Tensor:
             f = BLOCK_TYPES[p.block_type]
             groups = layout.k // f.block_weights
             panels = _part_data(data, p).view(-1, groups, f.group_bytes)[local // PANEL]
-            blocks = file_blocks(_from_panels(panels, f), f)  # [T * 16, row_bytes]
+            blocks = file_blocks(_from_panels(panels, f), f.name)  # [T * 16, row_bytes]
             picked = blocks.view(-1, PANEL, blocks.shape[1])[torch.arange(local.shape[0]),
                                                              local % PANEL]
             out[mine] = dequantize_blocks(picked, p.block_type)

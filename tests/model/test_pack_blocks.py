@@ -69,8 +69,7 @@ def test_every_code_value(block_type: str) -> None:
     """Every code value (Q8_0's 256, Q6_K's 64, Q5_K's 32, ...) and every scale byte."""
     n, k = 96, _k(block_type, 4)
     raw = _every_code(block_type, n, k)
-    f = cpu_blocks.BLOCK_TYPES[block_type]
-    codes = block_fields.file_fields(raw, f)["q"]
+    codes = block_fields.file_fields(raw, block_type)["q"]
     assert codes.unique().numel() == 2 ** block_fields.CODE_BITS[block_type]  # the test's premise
     ours, ref = _c_and_reference(raw, block_type)
     assert torch.equal(ours, ref), (block_type, _first_difference(ours, ref, block_type))
