@@ -20,13 +20,12 @@ Fields = dict[str, Tensor]
 CODE_BITS = {"q4_0": 4, "q4_1": 4, "q8_0": 8, "q4_k": 4, "q5_k": 5, "q6_k": 6}
 
 
-
-def nibbles32(qs: Tensor) -> Tensor:
+def _nibbles32(qs: Tensor) -> Tensor:
     """[..., 16] bytes of a 32-block (byte i: weight i low, i + 16 high) -> [..., 32]."""
     return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
 
 
-def kquant_scales(scales: Tensor) -> tuple[Tensor, Tensor]:
+def _kquant_scales(scales: Tensor) -> tuple[Tensor, Tensor]:
     """Q4_K/Q5_K's 12 bytes of 6-bit scales and mins [..., 12] -> sc, mn [..., 8]."""
     s = scales.to(torch.int32)
     lo_sc, lo_mn = s[..., 0:4] & 63, s[..., 4:8] & 63
@@ -36,8 +35,8 @@ def kquant_scales(scales: Tensor) -> tuple[Tensor, Tensor]:
             torch.cat((lo_mn, hi_mn), -1).to(torch.uint8))
 
 
-def pack_kquant_scales(sc: Tensor, mn: Tensor) -> Tensor:
-    """`kquant_scales` undone: sc, mn [..., 8] (6-bit) -> [..., 12]."""
+def _pack_kquant_scales(sc: Tensor, mn: Tensor) -> Tensor:
+    """`_kquant_scales` undone: sc, mn [..., 8] (6-bit) -> [..., 12]."""
     sc, mn = sc.to(torch.int32), mn.to(torch.int32)
     first = (sc[..., 0:4] & 63) | ((sc[..., 4:8] >> 4) << 6)
     second = (mn[..., 0:4] & 63) | ((mn[..., 4:8] >> 4) << 6)
@@ -52,13 +51,13 @@ def file_fields(blocks: Tensor, block_type: str) -> Fields:
     if block_type in ("q4_0", "q4_1", "q8_0"):
         start = 4 if block_type == "q4_1" else 2
         raw = b[..., start:]
-        q = nibbles32(raw) if block_type != "q8_0" else raw ^ 0x80
+        q = _nibbles32(raw) if block_type != "q8_0" else raw ^ 0x80
         fields = {"q": q.reshape(n, -1), "d": b[..., 0:2]}
         if block_type == "q4_1":
             fields["m"] = b[..., 2:4]
         return fields
     if block_type in ("q4_k", "q5_k"):
-        sc, mn = kquant_scales(b[..., 4:16])
+        sc, mn = _kquant_scales(b[..., 4:16])
         qs = b[..., -128:].reshape(n, -1, 4, 32)  # 64-weight pieces: sub-block 2i low, 2i + 1 high
         q = torch.stack((qs & 0x0F, qs >> 4), dim=3)  # [n, nb, 4, 2, 32]
         if block_type == "q5_k":
@@ -67,10 +66,10 @@ def file_fields(blocks: Tensor, block_type: str) -> Fields:
             q = q | (bits.view(n, -1, 4, 2, 32) << 4)
         return {"q": q.reshape(n, -1), "d": b[..., 0:2], "dmin": b[..., 2:4], "sc": sc,
                 "mn": mn}
-    return q6_k_fields(b)
+    return _q6_k_fields(b)
 
 
-def q6_k_fields(b: Tensor) -> Fields:
+def _q6_k_fields(b: Tensor) -> Fields:
     """Q6_K blocks [n, nb, 210]: ql [128], qh [64], scales int8 [16], d fp16."""
     n, nb = b.shape[0], b.shape[1]
     ql, qh = b[..., 0:128].reshape(n, nb, 2, 64), b[..., 128:192].reshape(n, nb, 2, 32)
@@ -95,7 +94,7 @@ def file_blocks(fields: Fields, block_type: str) -> Tensor:
     if block_type in ("q4_k", "q5_k"):
         q5 = q.reshape(n, -1, 4, 2, 32)
         qs = (q5[:, :, :, 0] & 0x0F) | ((q5[:, :, :, 1] & 0x0F) << 4)  # [n, nb, 4, 32]
-        parts = [fields["d"], fields["dmin"], pack_kquant_scales(fields["sc"], fields["mn"])]
+        parts = [fields["d"], fields["dmin"], _pack_kquant_scales(fields["sc"], fields["mn"])]
         if block_type == "q5_k":
             bits = (q5 >> 4).reshape(n, -1, 8, 32).to(torch.int32)
             qh = sum(bits[:, :, s] << s for s in range(8)).to(torch.uint8)

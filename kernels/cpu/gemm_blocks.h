@@ -69,7 +69,6 @@ static inline int32_t blk_code(int fmt, const uint8_t *codes, int i, int w) {
     return q;
 }
 
-
 /* The plain C tile: rows [0, mr) of x (prepared) against np panels from w, columns
  * [c0, c0 + 16 np) of y, those below n stored; the header's arithmetic per element. */
 static void gemm_blk_tile_c(int fmt, float *restrict y, int64_t ldy, const uint8_t *restrict xq,
