@@ -39,15 +39,17 @@ static inline float max_f32(const float *restrict s, int64_t n) {
     return mx;
 }
 
-/* Each row's scores to e^(s - max) in place; max, sum and o = 0 into its out. */
+/* Each row's scores of query heads h_lo .. h_hi - 1 to e^(s - max) in place; their max, sum
+ * and o = 0 into its out. */
 static inline __attribute__((always_inline)) void attend_softmax(
     float *const *restrict outs, const int64_t *restrict begins, const int64_t *restrict ends,
-    int64_t R, int64_t num_heads, const int64_t head_dim, float *restrict scores, int64_t P) {
+    int64_t R, int64_t num_heads, int64_t h_lo, int64_t h_hi, const int64_t head_dim,
+    float *restrict scores, int64_t P) {
     for (int64_t i = 0; i < R; i++) {
         if (outs[i] == NULL) continue;
         const int64_t len = ends[i] > begins[i] ? ends[i] - begins[i] : 0;
         float *o = outs[i], *max = o + num_heads * head_dim, *sum = max + num_heads;
-        for (int64_t h = 0; h < num_heads; h++) {
+        for (int64_t h = h_lo; h < h_hi; h++) {
             float *s = scores + (i * num_heads + h) * P;
             const float mx = max_f32(s, len);
             float total = 0.0f;
@@ -73,8 +75,8 @@ static inline __attribute__((always_inline)) void attend_values(
     float *const *restrict outs, const void *restrict v_cache, const int kv_bf16,
     const int32_t *restrict table, const int64_t *restrict begins,
     const int64_t *restrict ends, int64_t R, int64_t lo, int64_t hi, int64_t num_heads,
-    int64_t group, const int64_t head_dim, int64_t block_size, int64_t block_stride,
-    const float *restrict scores, int64_t P) {
+    int64_t group, int64_t kv_lo, int64_t kv_hi, const int64_t head_dim, int64_t block_size,
+    int64_t block_stride, const float *restrict scores, int64_t P) {
     const int64_t num_kv = num_heads / group, slot_stride = num_kv * head_dim;
     float vrows[16 * head_dim];
     int64_t slots[16];
@@ -82,7 +84,7 @@ static inline __attribute__((always_inline)) void attend_values(
         const int64_t pn = hi - p0 < 16 ? hi - p0 : 16, first = p0 < lo ? lo - p0 : 0;
         kv_slots(slots + first, table, p0 + first, pn - first, block_size, block_stride,
                  slot_stride);
-        for (int64_t g = 0; g < num_kv; g++) {
+        for (int64_t g = kv_lo; g < kv_hi; g++) {
             for (int64_t t = first; t < pn; t++)
                 for (int64_t d = 0; d < head_dim; d++)
                     vrows[t * head_dim + d] = kv_at(v_cache, slots[t] + g * head_dim + d,
@@ -123,14 +125,19 @@ static inline __attribute__((always_inline)) void attend_values(
  *
  * `scores` holds R * num_heads * P floats (P >= every row's range). Always inlined with
  * head_dim a constant (64, 128) so the dot products and value sums compile to straight
- * vector code. Query head h uses KV head h / group. */
+ * vector code. Query head h uses KV head h / group.
+ *
+ * Only the query heads of KV heads kv_lo .. kv_hi - 1 are computed (every other head of
+ * outs is left as it was): heads never mix, so a task may take some of them and another
+ * task the rest, each head's bits the same as with all of them in one call (a lone decode
+ * row's attention then spreads over the threads, llama_decode.c). */
 static inline __attribute__((always_inline)) void attend_rows(
     float *const *restrict outs, const float *restrict q, int64_t q_stride,
     const void *restrict k_cache, const void *restrict v_cache, const int kv_bf16,
     const int32_t *restrict table, const int64_t *restrict begins,
-    const int64_t *restrict ends, int64_t R, int64_t num_heads, int64_t group,
-    const int64_t head_dim, int64_t block_size, int64_t block_stride, float scale,
-    float *restrict scores, int64_t P) {
+    const int64_t *restrict ends, int64_t R, int64_t num_heads, int64_t group, int64_t kv_lo,
+    int64_t kv_hi, const int64_t head_dim, int64_t block_size, int64_t block_stride,
+    float scale, float *restrict scores, int64_t P) {
     int64_t lo = INT64_MAX, hi = 0;  /* the positions any row sees */
     for (int64_t i = 0; i < R; i++)
         if (outs[i] != NULL && begins[i] < ends[i]) {
@@ -140,16 +147,17 @@ static inline __attribute__((always_inline)) void attend_rows(
 #if defined(__AVX512F__)
     if (head_dim % 16 == 0 && head_dim <= 256)
         attend_scores_x16(outs, q, q_stride, k_cache, v_cache, kv_bf16, table, begins, ends,
-                          R, lo, hi, num_heads, group, head_dim, block_size, block_stride,
-                          scale, scores, P);
+                          R, lo, hi, num_heads, group, kv_lo, kv_hi, head_dim, block_size,
+                          block_stride, scale, scores, P);
     else
 #endif
         attend_scores(outs, q, q_stride, k_cache, v_cache, kv_bf16, table, begins, ends, R,
-                      lo, hi, num_heads, group, head_dim, block_size, block_stride, scale,
-                      scores, P);
-    attend_softmax(outs, begins, ends, R, num_heads, head_dim, scores, P);
+                      lo, hi, num_heads, group, kv_lo, kv_hi, head_dim, block_size,
+                      block_stride, scale, scores, P);
+    attend_softmax(outs, begins, ends, R, num_heads, kv_lo * group, kv_hi * group, head_dim,
+                   scores, P);
     attend_values(outs, v_cache, kv_bf16, table, begins, ends, R, lo, hi, num_heads, group,
-                  head_dim, block_size, block_stride, scores, P);
+                  kv_lo, kv_hi, head_dim, block_size, block_stride, scores, P);
 }
 
 /* attend_rows() for one cache element type, the common head sizes compiled as constants. */
@@ -157,16 +165,16 @@ static inline __attribute__((always_inline)) void attend_rows(
     do {                                                                                   \
         if (head_dim == 64)                                                                \
             attend_rows(outs, q, q_stride, k_cache, v_cache, KV_BF16, table, begins, ends, \
-                        R, num_heads, group, 64, block_size, block_stride, scale, scores,  \
-                        P);                                                                \
+                        R, num_heads, group, kv_lo, kv_hi, 64, block_size, block_stride,   \
+                        scale, scores, P);                                                 \
         else if (head_dim == 128)                                                          \
             attend_rows(outs, q, q_stride, k_cache, v_cache, KV_BF16, table, begins, ends, \
-                        R, num_heads, group, 128, block_size, block_stride, scale, scores, \
-                        P);                                                                \
+                        R, num_heads, group, kv_lo, kv_hi, 128, block_size, block_stride,  \
+                        scale, scores, P);                                                 \
         else                                                                               \
             attend_rows(outs, q, q_stride, k_cache, v_cache, KV_BF16, table, begins, ends, \
-                        R, num_heads, group, head_dim, block_size, block_stride, scale,    \
-                        scores, P);                                                        \
+                        R, num_heads, group, kv_lo, kv_hi, head_dim, block_size,           \
+                        block_stride, scale, scores, P);                                   \
     } while (0)
 
 /* attend_rows() with the cache's element type and the common head sizes as constants. */
@@ -176,7 +184,8 @@ static inline void attend_request_rows(float *const *restrict outs, const float 
                                        const int32_t *restrict table,
                                        const int64_t *restrict begins,
                                        const int64_t *restrict ends, int64_t R,
-                                       int64_t num_heads, int64_t group, int64_t head_dim,
+                                       int64_t num_heads, int64_t group, int64_t kv_lo,
+                                       int64_t kv_hi, int64_t head_dim,
                                        int64_t block_size, int64_t block_stride, float scale,
                                        float *restrict scores, int64_t P) {
     if (kv_bf16)
@@ -260,15 +269,17 @@ static inline int64_t attn_part_floats(int64_t num_heads, int64_t head_dim) {
 
 /* Part j of R <= ATTN_ROW_BLOCK rows of one request (queries q + i * q_stride, seq_lens[i],
  * under a sliding window of `window` positions, 0: none) into parts_of[i], NULL for a row
- * without a part j. `scores` holds R * num_heads * attn_part_len(block_size) floats. Every
- * row's bits are those of attn_compute_part on it alone. */
+ * without a part j, the query heads of KV heads kv_lo .. kv_hi - 1 (attend_rows). `scores`
+ * holds R * num_heads * attn_part_len(block_size) floats. Every row's bits are those of
+ * attn_compute_part on it alone. */
 void attn_compute_rows_part(float *const *restrict parts_of, const float *restrict q,
                             int64_t q_stride, const void *restrict k_cache,
                             const void *restrict v_cache, int kv_bf16,
                             const int32_t *restrict table, const int32_t *restrict seq_lens,
                             int64_t R, int64_t window, int64_t j, int64_t num_heads,
-                            int64_t group, int64_t head_dim, int64_t block_size,
-                            int64_t block_stride, float scale, float *restrict scores);
+                            int64_t group, int64_t kv_lo, int64_t kv_hi, int64_t head_dim,
+                            int64_t block_size, int64_t block_stride, float scale,
+                            float *restrict scores);
 
 /* Part j of one token (query q, its request's block table, its seq_len) into `part`
  * (attn_part_floats): attend_rows over the part's positions, K/V of the cache's element type

@@ -13,14 +13,15 @@
 #include "kv_access.h"
 
 /* attend_rows' scores: s_hp = (q_h . k_p) * scale for each row's positions, into its
- * [num_heads, P] block of `scores`; each position's K head widened once for every row. */
+ * [num_heads, P] block of `scores` (the query heads of KV heads kv_lo .. kv_hi - 1 only);
+ * each position's K head widened once for every row. */
 static inline __attribute__((always_inline)) void attend_scores(
     float *const *restrict outs, const float *restrict q, int64_t q_stride,
     const void *restrict k_cache, const void *restrict v_cache, const int kv_bf16,
     const int32_t *restrict table, const int64_t *restrict begins,
     const int64_t *restrict ends, int64_t R, int64_t lo, int64_t hi, int64_t num_heads,
-    int64_t group, const int64_t head_dim, int64_t block_size, int64_t block_stride,
-    float scale, float *restrict scores, int64_t P) {
+    int64_t group, int64_t kv_lo, int64_t kv_hi, const int64_t head_dim, int64_t block_size,
+    int64_t block_stride, float scale, float *restrict scores, int64_t P) {
     const int64_t num_kv = num_heads / group, slot_stride = num_kv * head_dim;
     float row[head_dim];  /* a K head widened to float32, for every row that sees it */
     int64_t slots[32];    /* positions p0 .. p0 + 31: this group's and the next's */
@@ -33,7 +34,7 @@ static inline __attribute__((always_inline)) void attend_scores(
         if (p + 16 < hi)  /* K 16 positions ahead, this V for attend_values */
             kv_prefetch(k_cache, slots[t + 16], slot_stride, kv_bf16, 3);
         kv_prefetch(v_cache, slot, slot_stride, kv_bf16, 2);
-        for (int64_t g = 0; g < num_kv; g++) {
+        for (int64_t g = kv_lo; g < kv_hi; g++) {
             for (int64_t d = 0; d < head_dim; d++)
                 row[d] = kv_at(k_cache, slot + g * head_dim + d, kv_bf16);
             for (int64_t i = 0; i < R; i++) {
@@ -84,8 +85,8 @@ static inline __attribute__((always_inline)) void attend_scores_x16(
     const void *restrict k_cache, const void *restrict v_cache, const int kv_bf16,
     const int32_t *restrict table, const int64_t *restrict begins,
     const int64_t *restrict ends, int64_t R, int64_t lo, int64_t hi, int64_t num_heads,
-    int64_t group, const int64_t head_dim, int64_t block_size, int64_t block_stride,
-    float scale, float *restrict scores, int64_t P) {
+    int64_t group, int64_t kv_lo, int64_t kv_hi, const int64_t head_dim, int64_t block_size,
+    int64_t block_stride, float scale, float *restrict scores, int64_t P) {
     const int64_t num_kv = num_heads / group, slot_stride = num_kv * head_dim;
     const int64_t chunks = head_dim / 16;
     float krows[16 * head_dim];
@@ -95,7 +96,7 @@ static inline __attribute__((always_inline)) void attend_scores_x16(
         const int64_t pn = hi - p0 < 16 ? hi - p0 : 16;
         kv_slots(slots, table, p0, hi - p0 < 32 ? hi - p0 : 32, block_size, block_stride,
                  slot_stride);
-        for (int64_t g = 0; g < num_kv; g++) {
+        for (int64_t g = kv_lo; g < kv_hi; g++) {
             for (int64_t t = 0; t < pn; t++) {  /* the K heads widened */
                 const int64_t slot = slots[t] + g * head_dim;
                 /* K 16 positions ahead into L1, this V into L2 for attend_values */

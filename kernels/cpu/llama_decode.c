@@ -17,7 +17,8 @@
  * thread on its own copy of the residual stream, which is cheaper than a barrier.
  * Attention splits every token's context into parts at fixed absolute positions
  * (attention.h), shares the tasks (a part of a token, or of a run of one request's
- * consecutive tokens, which reads each position's K/V once) over the threads and every
+ * consecutive tokens, which reads each position's K/V once; or some of its KV heads, where
+ * there are too few parts to go round) over the threads and every
  * thread combines
  * each token's parts in order on its own copy, with the very functions of the layerwise kernel
  * (paged_attention.c): a token's arithmetic depends on its seq_len alone, not on
@@ -122,9 +123,10 @@ static void copy_kv_slot(const decode_layer *layer, const attention_step *s, int
 }
 
 /* A task of the step's attention: part `part` of `rows` consecutive tokens of one request
- * from `token` on (a verification's rows, or a lone decode token), attended together. */
+ * from `token` on (a verification's rows, or a lone decode token), attended together, in
+ * the query heads of KV heads kv_lo .. kv_hi - 1. */
 typedef struct {
-    int64_t token, rows, part;
+    int64_t token, rows, part, kv_lo, kv_hi;
 } attn_task;
 
 /* Whether token t continues token t - 1's request: the next position, and the same block
@@ -140,8 +142,11 @@ static int continues_request(const int32_t *seq_lens, const int32_t *tables,
 }
 
 /* The step's tasks into `tasks` (NULL: only counted) for runs of at most `most` tokens of
- * one request, runs in token order, each run's parts in order; returns how many. */
-static int64_t plan_tasks(attn_task *tasks, const decode_step *d, int64_t most) {
+ * one request, runs in token order, each run's parts in order, each part's KV heads in
+ * `splits` equal ranges (splits divides num_kv_heads); returns how many. */
+static int64_t plan_tasks(attn_task *tasks, const decode_step *d, int64_t most,
+                          int64_t splits) {
+    const int64_t per = d->num_kv_heads / splits;
     int64_t n = 0;
     for (int64_t t = 0, end; t < d->num_tokens; t = end) {
         for (end = t + 1; end < d->num_tokens && end - t < most &&
@@ -150,23 +155,43 @@ static int64_t plan_tasks(attn_task *tasks, const decode_step *d, int64_t most) 
              end++) {
         }
         const int64_t parts = attn_num_parts(d->seq_lens[end - 1], d->block_size);
-        for (int64_t j = 0; j < parts; j++, n++)
-            if (tasks != NULL) tasks[n] = (attn_task){t, end - t, j};
+        for (int64_t j = 0; j < parts; j++)
+            for (int64_t g = 0; g < splits; g++, n++)
+                if (tasks != NULL) tasks[n] = (attn_task){t, end - t, j, g * per, g * per + per};
     }
     return n;
 }
 
+/* How many ranges to split each (run, part)'s KV heads into, of the divisors of
+ * num_kv_heads: the fewest whose busiest thread gets the least, counted in whole (run,
+ * part)s, for n of them over the threads (a lone decode token's one part, all its heads
+ * on one thread while the other waited at the barrier, was 5% of a 1B model's step). */
+static int64_t head_splits(const decode_step *d, int64_t n) {
+    const int64_t num_kv = d->num_kv_heads, nt = d->num_threads;
+    int64_t best = 1;
+    double best_load = (double)((n + nt - 1) / nt);
+    for (int64_t g = 2; g <= num_kv; g++) {
+        if (num_kv % g != 0) continue;
+        const double load = (double)((n * g + nt - 1) / nt) / (double)g;
+        if (load < best_load) best = g, best_load = load;
+    }
+    return best;
+}
+
 /* The step's attention tasks: a request's consecutive tokens (a verification's k + 1 rows)
  * in runs of up to ATTN_ROW_BLOCK that read each position's K/V once (attend_rows; one
- * row per task read a long context's K/V once per row), halved while there are fewer
- * tasks than threads. Runs change no token's bits (attn_compute_rows_part). NULL when out
- * of memory; *num_tasks set. */
+ * row per task read a long context's K/V once per row), their KV heads split where that
+ * spreads the work better (head_splits), runs halved while there are still fewer tasks
+ * than threads. Neither changes a token's bits (attn_compute_rows_part). NULL when out of
+ * memory; *num_tasks set. */
 static attn_task *step_tasks(const decode_step *d, int64_t *num_tasks) {
     int64_t most = ATTN_ROW_BLOCK;
-    while (most > 1 && plan_tasks(NULL, d, most) < d->num_threads) most = (most + 1) / 2;
-    *num_tasks = plan_tasks(NULL, d, most);
+    const int64_t splits = head_splits(d, plan_tasks(NULL, d, most, 1));
+    while (most > 1 && plan_tasks(NULL, d, most, splits) < d->num_threads)
+        most = (most + 1) / 2;
+    *num_tasks = plan_tasks(NULL, d, most, splits);
     attn_task *tasks = malloc(sizeof(attn_task) * (size_t)(*num_tasks + 1));
-    if (tasks != NULL) plan_tasks(tasks, d, most);
+    if (tasks != NULL) plan_tasks(tasks, d, most, splits);
     return tasks;
 }
 
@@ -190,8 +215,9 @@ static void attend_task(float *restrict attn, const int64_t *part_first, int64_t
     attn_compute_rows_part(parts_of, q, s->q_size, k_cache, v_cache, s->kv_bf16,
                            s->block_tables + task.token * s->table_stride,
                            s->seq_lens + task.token, task.rows, 0, task.part, s->num_heads,
-                           s->num_heads / s->num_kv_heads, s->head_dim, s->block_size,
-                           s->block_size * s->kv_size, s->scale, scores);
+                           s->num_heads / s->num_kv_heads, task.kv_lo, task.kv_hi,
+                           s->head_dim, s->block_size, s->block_size * s->kv_size, s->scale,
+                           scores);
 }
 
 /* An EAGLE-3 draft layer's input row (decode_layer.h): h [2 hidden] = [rms(emb) *
@@ -452,7 +478,7 @@ static void copy_tree_slots(const decode_ctx *c, int64_t l) {
 static void attention(const decode_ctx *c, const decode_thread *ts, int64_t l) {
     const decode_layer *layer = c->d->layers + l;
     const int64_t qkv_size = c->qkv_size, q_size = c->q_size;
-    attn_task prepared = {-1, 0, 0}; /* the run whose q is in ts->q */
+    attn_task prepared = {-1, 0, 0, 0, 0}; /* the run whose q is in ts->q */
 #pragma omp for schedule(static)
     for (int64_t k = 0; k < c->num_tasks; k++) {
         if (!ts->ok) continue;

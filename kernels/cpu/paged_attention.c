@@ -49,8 +49,9 @@ void attn_compute_rows_part(float *const *restrict parts_of, const float *restri
                             const void *restrict v_cache, int kv_bf16,
                             const int32_t *restrict table, const int32_t *restrict seq_lens,
                             int64_t R, int64_t window, int64_t j, int64_t num_heads,
-                            int64_t group, int64_t head_dim, int64_t block_size,
-                            int64_t block_stride, float scale, float *restrict scores) {
+                            int64_t group, int64_t kv_lo, int64_t kv_hi, int64_t head_dim,
+                            int64_t block_size, int64_t block_stride, float scale,
+                            float *restrict scores) {
     const int64_t P = attn_part_len(block_size);
     int64_t begins[ATTN_ROW_BLOCK], ends[ATTN_ROW_BLOCK];
     for (int64_t i = 0; i < R; i++) {
@@ -59,8 +60,8 @@ void attn_compute_rows_part(float *const *restrict parts_of, const float *restri
         ends[i] = j * P + P < seq_lens[i] ? j * P + P : seq_lens[i];
     }
     attend_request_rows(parts_of, q, q_stride, k_cache, v_cache, kv_bf16, table, begins, ends,
-                        R, num_heads, group, head_dim, block_size, block_stride, scale, scores,
-                        P);
+                        R, num_heads, group, kv_lo, kv_hi, head_dim, block_size, block_stride,
+                        scale, scores, P);
 }
 
 void attn_compute_window_part(float *restrict part, const float *restrict q,
@@ -72,8 +73,8 @@ void attn_compute_window_part(float *restrict part, const float *restrict q,
     const int32_t len = (int32_t)seq_len;
     float *const parts_of[1] = {part};
     attn_compute_rows_part(parts_of, q, num_heads * head_dim, k_cache, v_cache, kv_bf16, table,
-                           &len, 1, window, j, num_heads, group, head_dim, block_size,
-                           block_stride, scale, scores);
+                           &len, 1, window, j, num_heads, group, 0, num_heads / group,
+                           head_dim, block_size, block_stride, scale, scores);
 }
 
 void attn_compute_part(float *restrict part, const float *restrict q,
@@ -229,8 +230,8 @@ int paged_attention_f32(float *restrict out, const float *restrict q,
                 attn_compute_rows_part(parts_of, q + row * q_size, q_size, k_cache, v_cache,
                                        kv_bf16, block_tables + row_to_req[row] * table_stride,
                                        seq_lens + row, tasks[t].rows, window, tasks[t].part,
-                                       num_heads, group, head_dim, block_size, block_stride,
-                                       scale, scores);
+                                       num_heads, group, 0, num_heads / group, head_dim,
+                                       block_size, block_stride, scale, scores);
             } /* implicit barrier: the group's parts complete */
 #pragma omp for schedule(static)
             for (int64_t r = r0; r < r1; r++)
