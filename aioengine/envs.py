@@ -38,6 +38,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # (vLLM's VLLM_CPU_KVCACHE_SPACE; default 2, at most a quarter of free memory:
     # worker/gpu_memory.cpu_kv_cache_memory validates it).
     "AIOENGINE_CPU_KVCACHE_SPACE": lambda: os.getenv("AIOENGINE_CPU_KVCACHE_SPACE") or None,
+    # 1: every page of the KV caches written at start-up (as vLLM's and llama.cpp's are),
+    # not left for the kernel to zero on first touch (model/hugepages.zeros). A fresh page
+    # can cost ~3 ms a huge page in a VM (the host backs it then): a step whose requests
+    # first reach a new 2 MB of every layer's cache stalls ~100 ms. Start-up pays ~1.3 s a
+    # GiB of KV there instead; the benches that compare steps turn it on.
+    "AIOENGINE_CPU_KV_PREFAULT": lambda: os.getenv("AIOENGINE_CPU_KV_PREFAULT", "0") == "1",
     # The start-up cache's root (model/weight_cache.py: parsed GGUFs, tokenizers; bench's
     # HF exports), default user_cache_dir(): see cache_root().
     "AIOENGINE_CACHE_DIR": lambda: os.getenv("AIOENGINE_CACHE_DIR") or None,

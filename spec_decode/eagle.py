@@ -29,11 +29,11 @@ pytorch_model.bin (read with torch.load(weights_only=True): tensors only, no cod
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 from torch import Tensor, nn
 
+from aioengine import envs
 from aioengine.model import hugepages, layers
 from aioengine.model.arch import ModelArchConfig
 from aioengine.model.attention import AttentionMetadata, TorchAttentionBackend
@@ -106,13 +106,10 @@ class EagleHead(nn.Module):
         as llama.make_kv_caches makes them, for the same reason: on the CPU a fresh mapping
         whose pages the kernel zeroes on first touch. Zeroed here, it was resident at once
         (781 MiB in float32 beside the bundled model's default 31,798 blocks, doubling a
-        server's RSS at start-up)."""
+        server's RSS at start-up); written at once with AIOENGINE_CPU_KV_PREFAULT=1."""
         shape = (2, num_blocks, block_size, self.arch.num_key_value_heads, self.arch.head_dim)
         dtype = dtype or self.dtype
-        cache = hugepages.empty(shape, dtype, self.device)
-        if hugepages.maps_fresh(math.prod(shape) * dtype.itemsize, self.device):
-            return cache
-        return cache.zero_()
+        return hugepages.zeros(shape, dtype, self.device, envs.AIOENGINE_CPU_KV_PREFAULT)
 
     def forward(self, input_ids: Tensor, hidden: Tensor, positions: Tensor, kv_cache: Tensor,
                 attn_metadata: AttentionMetadata, embed: Linear) -> tuple[Tensor, Tensor]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -266,6 +267,9 @@ def spec_main(args: argparse.Namespace) -> int:
         print(f"aioengine bench spec: error: {e}", file=sys.stderr)
         return 2
     set_threads(None)
+    # Every KV page written at start-up: a step that first reaches fresh pages can stall
+    # ~100 ms in a VM (envs.py), in whichever configuration happens to get there first.
+    os.environ.setdefault("AIOENGINE_CPU_KV_PREFAULT", "1")
     warm_prompts: list[list[dict]] | None = None
     prompts: list[str] | list[list[dict]]
     if args.prompts in AGENTIC_SETS:
@@ -277,6 +281,7 @@ def spec_main(args: argparse.Namespace) -> int:
                                   engine_kwargs(args), warm_prompts))
     report = {"mode": "spec", "environment": environment_info(), "model": args.model,
               "config": run_config(args), "prompts": args.prompts,
+              "kv_prefault": os.environ["AIOENGINE_CPU_KV_PREFAULT"],
               "num_prompts": len(prompts),
               "output_len": args.output_len,
               "num_speculative_tokens": result["num_speculative_tokens"],

@@ -53,3 +53,14 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> T
     except OSError:  # THP not compiled in: ordinary pages, still a valid tensor
         pass
     return raw[start:start + nbytes].view(dtype).view(shape)
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+          touch: bool = False) -> Tensor:
+    """A zero tensor from `empty`: a fresh mapping's pages are left to the kernel, which
+    zero-fills each on first touch (nothing written now, nothing resident until used),
+    unless `touch`, which writes them all now; anything else is zeroed here."""
+    tensor = empty(shape, dtype, device)
+    if touch or not maps_fresh(math.prod(shape) * dtype.itemsize, device):
+        tensor.zero_()
+    return tensor

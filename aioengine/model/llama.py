@@ -16,7 +16,6 @@ which fuses them into our layout. The layer itself is `decoder_layer.py`.
 """
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
@@ -24,6 +23,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from aioengine import envs
 from aioengine.kernels import cpu_blocks, cpu_decode
 from aioengine.model import hugepages
 from aioengine.model.arch import ModelArchConfig, UnsupportedModelError
@@ -476,16 +476,15 @@ def make_kv_caches(arch: ModelArchConfig, num_blocks: int | Sequence[int], block
     pages like the weights: decode attention streams the context's K/V), which the kernel
     fills with zeros page by page on first touch, so nothing is written at start-up and a
     page becomes resident only once a request writes K/V into it (issue 27: zeroing 4.3 GB
-    took 12 s). Anything else (a GPU, a small cache, another OS) is zeroed here.
+    took 12 s). Anything else (a GPU, a small cache, another OS) is zeroed here, and with
+    AIOENGINE_CPU_KV_PREFAULT=1 the fresh pages too (first touch can stall a step, envs.py).
     """
     counts = ([num_blocks] * arch.num_hidden_layers if isinstance(num_blocks, int)
               else list(num_blocks))
     caches = []
     for n in counts:
         shape = (2, n, block_size, arch.num_key_value_heads, arch.head_dim)
-        cache = hugepages.empty(shape, dtype, device)
-        zero_pages = hugepages.maps_fresh(math.prod(shape) * dtype.itemsize, device)
-        caches.append(cache if zero_pages else cache.zero_())
+        caches.append(hugepages.zeros(shape, dtype, device, envs.AIOENGINE_CPU_KV_PREFAULT))
     return caches
 
 

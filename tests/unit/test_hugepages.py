@@ -1,4 +1,5 @@
-"""hugepages.empty: large CPU tensors start on a 2 MB boundary and ask for huge pages."""
+"""hugepages.empty: large CPU tensors start on a 2 MB boundary and ask for huge pages;
+hugepages.zeros: their pages left for the kernel to zero on first touch, unless touched."""
 from __future__ import annotations
 
 import gc
@@ -21,15 +22,15 @@ def _thp_mode() -> str | None:
         return None
 
 
-def _anon_huge_kb(address: int) -> int:
-    """AnonHugePages of the mapping that holds `address`, from /proc/self/smaps."""
+def _mapping_kb(address: int, field: str = "AnonHugePages") -> int:
+    """`field` (kB) of the mapping that holds `address`, from /proc/self/smaps."""
     with open("/proc/self/smaps") as f:
         inside = False
         for line in f:
             m = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
             if m:
                 inside = int(m.group(1), 16) <= address < int(m.group(2), 16)
-            elif inside and line.startswith("AnonHugePages:"):
+            elif inside and line.startswith(field + ":"):
                 return int(line.split()[1])
     return 0
 
@@ -66,4 +67,21 @@ def test_large_tensors_get_huge_pages() -> None:
         torch.empty(30 << 18).fill_(0)
     t = hugepages.empty((4 << 20,), torch.float32, CPU)  # 16 MB
     t.fill_(1)
-    assert _anon_huge_kb(t.data_ptr()) >= 8 * 1024
+    assert _mapping_kb(t.data_ptr()) >= 8 * 1024
+
+
+@pytest.mark.parametrize("shape", [(100, 100), (8 << 20,)])
+def test_zeros_are_zero_touched_or_not(shape) -> None:
+    for touch in (False, True):
+        t = hugepages.zeros(shape, torch.float32, CPU, touch=touch)
+        assert t.shape == shape and not bool(t.any())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_zeros_are_resident_only_when_touched() -> None:
+    """A 32 MB KV-sized tensor costs no memory until used; touched, all of it at once
+    (AIOENGINE_CPU_KV_PREFAULT)."""
+    lazy = hugepages.zeros((8 << 20,), torch.float32, CPU)
+    eager = hugepages.zeros((8 << 20,), torch.float32, CPU, touch=True)
+    assert _mapping_kb(lazy.data_ptr(), "Rss") < 1024
+    assert _mapping_kb(eager.data_ptr(), "Rss") >= 32 * 1024
