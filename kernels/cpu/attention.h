@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "attention_bf16.h"
 #include "attention_scores.h"
 #include "kv_access.h"
 #include "vec_math.h"
@@ -144,6 +145,20 @@ static inline __attribute__((always_inline)) void attend_rows(
             lo = begins[i] < lo ? begins[i] : lo;
             hi = ends[i] > hi ? ends[i] : hi;
         }
+#if defined(__AVX512BF16__)
+    if (kv_bf16 && head_dim % 32 == 0 && head_dim <= 256) {
+        attend_scores_dp(outs, q, q_stride, (const uint16_t *)k_cache,
+                         (const uint16_t *)v_cache, table, begins, ends, R, lo, hi, num_heads,
+                         group, kv_lo, kv_hi, head_dim, block_size, block_stride, scale,
+                         scores, P);
+        attend_softmax(outs, begins, ends, R, num_heads, kv_lo * group, kv_hi * group,
+                       head_dim, scores, P);
+        attend_values_dp(outs, (const uint16_t *)v_cache, table, begins, ends, R, lo, hi,
+                         num_heads, group, kv_lo, kv_hi, head_dim, block_size, block_stride,
+                         scores, P);
+        return;
+    }
+#endif
 #if defined(__AVX512F__)
     if (head_dim % 16 == 0 && head_dim <= 256)
         attend_scores_x16(outs, q, q_stride, k_cache, v_cache, kv_bf16, table, begins, ends,
