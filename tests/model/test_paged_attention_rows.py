@@ -71,8 +71,9 @@ def test_rows_match_the_torch_backend(query_lens, seq_lens, heads, kv_heads, hea
                                       block_size, kv_dtype, window) -> None:
     """A bf16 cache: the kernel widens each element exactly, so the reference is the torch
     backend over the same cache in float32; in the AVX512-BF16 builds it rounds q and the
-    softmax weights to bf16 instead (the reference takes the same q). With a window, the table entries before every
-    row's window point at a block of huge values (released blocks): never read."""
+    softmax weights to bf16 instead (the reference takes the same q). With a window, the
+    table entries before every row's window point at a block of huge values (released
+    blocks): never read."""
     cache, tables = _cache(seq_lens, kv_heads, head_dim, block_size, dtype=kv_dtype)
     if window is not None:
         poison = cache.shape[1] - 1  # _cache leaves its last 3 blocks unused
