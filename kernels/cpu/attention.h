@@ -91,9 +91,8 @@ static inline __attribute__((always_inline)) void attend_values(
                     vrows[t * head_dim + d] = kv_at(v_cache, slots[t] + g * head_dim + d,
                                                     kv_bf16);
             for (int64_t i = 0; i < R; i++) {
-                const int64_t a = p0 > begins[i] ? p0 : begins[i];
-                const int64_t b = p0 + pn < ends[i] ? p0 + pn : ends[i];
-                if (outs[i] == NULL || a >= b) continue;
+                int64_t a, b;
+                if (!attn_row_span(outs, begins, ends, i, p0, pn, &a, &b)) continue;
                 for (int64_t h = g * group; h < (g + 1) * group; h++) {
                     const float *w = scores + (i * num_heads + h) * P - begins[i];
                     float *oh = outs[i] + h * head_dim, acc[head_dim];

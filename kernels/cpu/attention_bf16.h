@@ -59,11 +59,9 @@ static inline __attribute__((always_inline)) void attend_scores_dp(
                 if (t < pn) kv_prefetch(v_cache, slots[t] + g * head_dim, head_dim, 1, 2);
             }
             for (int64_t i = 0; i < R; i++) {
-                const int64_t a = p0 > begins[i] ? p0 : begins[i];
-                const int64_t b = p0 + pn < ends[i] ? p0 + pn : ends[i];
-                if (outs[i] == NULL || a >= b) continue;
-                const __mmask16 keep = (__mmask16)(((1u << (b - p0)) - 1)
-                                                   & ~((1u << (a - p0)) - 1));
+                int64_t a, b;
+                if (!attn_row_span(outs, begins, ends, i, p0, pn, &a, &b)) continue;
+                const __mmask16 keep = attn_span_lanes(a, b, p0);
                 for (int64_t h = g * group; h < (g + 1) * group; h++) {
                     const float *qh = q + i * q_stride + h * head_dim;
                     __m512bh qc[ATTN_DP_MAX_CHUNKS / 2];
@@ -135,11 +133,9 @@ static inline __attribute__((always_inline)) void attend_values_dp(
         for (int64_t g = kv_lo; g < kv_hi; g++) {
             attn_v_pairs(pairs, v_cache, slots, first, pn, g, head_dim);
             for (int64_t i = 0; i < R; i++) {
-                const int64_t a = p0 > begins[i] ? p0 : begins[i];
-                const int64_t b = p0 + pn < ends[i] ? p0 + pn : ends[i];
-                if (outs[i] == NULL || a >= b) continue;
-                const __mmask16 keep = (__mmask16)(((1u << (b - p0)) - 1)
-                                                   & ~((1u << (a - p0)) - 1));
+                int64_t a, b;
+                if (!attn_row_span(outs, begins, ends, i, p0, pn, &a, &b)) continue;
+                const __mmask16 keep = attn_span_lanes(a, b, p0);
                 const int64_t j_lo = (a - p0) / 2, j_hi = (b - p0 + 1) / 2;
                 for (int64_t h = g * group; h < (g + 1) * group; h++) {
                     const float *w = scores + (i * num_heads + h) * P - begins[i] + p0;

@@ -12,6 +12,16 @@
 
 #include "kv_access.h"
 
+/* Row i's positions in the group of pn positions from p0, [*a, *b) (the part of its range
+ * [begins[i], ends[i]) there); whether it has any and an output to take them. */
+static inline int attn_row_span(float *const *restrict outs, const int64_t *restrict begins,
+                                const int64_t *restrict ends, int64_t i, int64_t p0, int64_t pn,
+                                int64_t *a, int64_t *b) {
+    *a = p0 > begins[i] ? p0 : begins[i];
+    *b = p0 + pn < ends[i] ? p0 + pn : ends[i];
+    return outs[i] != NULL && *a < *b;
+}
+
 /* attend_rows' scores: s_hp = (q_h . k_p) * scale for each row's positions, into its
  * [num_heads, P] block of `scores` (the query heads of KV heads kv_lo .. kv_hi - 1 only);
  * each position's K head widened once for every row. */
@@ -52,6 +62,11 @@ static inline __attribute__((always_inline)) void attend_scores(
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+
+/* The lanes of positions [a, b) in a 16-position group from p0: a - p0 .. b - p0 - 1. */
+static inline __mmask16 attn_span_lanes(int64_t a, int64_t b, int64_t p0) {
+    return (__mmask16)(((1u << (b - p0)) - 1) & ~((1u << (a - p0)) - 1));
+}
 
 /* Lane t of the result = the sum of a[t]'s 16 lanes, for 16 vectors at once: pairs within
  * each 128-bit lane (unpacks), then the lanes (f32x4 shuffles). Every vector's sum is the
@@ -109,12 +124,9 @@ static inline __attribute__((always_inline)) void attend_scores_x16(
             for (int64_t t = pn; t < 16; t++)  /* past hi: zeros, their scores unused */
                 for (int64_t d = 0; d < head_dim; d++) krows[t * head_dim + d] = 0.0f;
             for (int64_t i = 0; i < R; i++) {
-                const int64_t a = p0 > begins[i] ? p0 : begins[i];
-                const int64_t b = p0 + pn < ends[i] ? p0 + pn : ends[i];
-                if (outs[i] == NULL || a >= b) continue;
-                /* the row's positions of the block: lanes a - p0 .. b - p0 - 1 */
-                const __mmask16 keep = (__mmask16)(((1u << (b - p0)) - 1)
-                                                   & ~((1u << (a - p0)) - 1));
+                int64_t a, b;
+                if (!attn_row_span(outs, begins, ends, i, p0, pn, &a, &b)) continue;
+                const __mmask16 keep = attn_span_lanes(a, b, p0);
                 for (int64_t h = g * group; h < (g + 1) * group; h++) {
                     const float *qh = q + i * q_stride + h * head_dim;
                     __m512 qc[16], dots[16];
