@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from aioengine.bench.agentic import AGENTIC_SETS, TIMED_SEED, WARMUP_SEED, chat_set
@@ -256,6 +258,22 @@ def _prompt_texts(source: str) -> list[str]:
     return load_prompt_texts(GROUNDED_FILE) if source == "grounded" else split_prompts()[1]
 
 
+@contextlib.contextmanager
+def _kv_prefault() -> Iterator[str]:
+    """AIOENGINE_CPU_KV_PREFAULT=1 unless the caller set it, for the engines of this run
+    only (an in-process caller's later engines keep their own setting): a step that first
+    reaches fresh KV pages can stall ~100 ms in a VM (envs.py), in whichever configuration
+    happens to get there first. Yields the value in force."""
+    key = "AIOENGINE_CPU_KV_PREFAULT"
+    before = os.environ.get(key)
+    os.environ[key] = before if before is not None else "1"
+    try:
+        yield os.environ[key]
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+
+
 def spec_main(args: argparse.Namespace) -> int:
     from aioengine.bench.common import emit, run_config, set_threads
     from aioengine.bench.report import environment_info
@@ -267,9 +285,6 @@ def spec_main(args: argparse.Namespace) -> int:
         print(f"aioengine bench spec: error: {e}", file=sys.stderr)
         return 2
     set_threads(None)
-    # Every KV page written at start-up: a step that first reaches fresh pages can stall
-    # ~100 ms in a VM (envs.py), in whichever configuration happens to get there first.
-    os.environ.setdefault("AIOENGINE_CPU_KV_PREFAULT", "1")
     warm_prompts: list[list[dict]] | None = None
     prompts: list[str] | list[list[dict]]
     if args.prompts in AGENTIC_SETS:
@@ -277,11 +292,12 @@ def spec_main(args: argparse.Namespace) -> int:
         warm_prompts = chat_set(args.prompts, args.warmup, WARMUP_SEED)
     else:
         prompts = _prompt_texts(args.prompts)[:args.num_prompts]
-    result = asyncio.run(run_spec(args.model, specs, prompts, args.output_len, args.warmup,
-                                  engine_kwargs(args), warm_prompts))
+    with _kv_prefault() as prefault:
+        result = asyncio.run(run_spec(args.model, specs, prompts, args.output_len, args.warmup,
+                                      engine_kwargs(args), warm_prompts))
     report = {"mode": "spec", "environment": environment_info(), "model": args.model,
               "config": run_config(args), "prompts": args.prompts,
-              "kv_prefault": os.environ["AIOENGINE_CPU_KV_PREFAULT"],
+              "kv_prefault": prefault,
               "num_prompts": len(prompts),
               "output_len": args.output_len,
               "num_speculative_tokens": result["num_speculative_tokens"],
