@@ -42,7 +42,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # not left for the kernel to zero on first touch (model/hugepages.zeros). A fresh page
     # can cost ~3 ms a huge page in a VM (the host backs it then): a step whose requests
     # first reach a new 2 MB of every layer's cache stalls ~100 ms. Start-up pays ~1.3 s a
-    # GiB of KV there instead; the benches that compare steps turn it on.
+    # GiB of KV there instead; `bench spec` turns it on for its own engines.
     "AIOENGINE_CPU_KV_PREFAULT": lambda: os.getenv("AIOENGINE_CPU_KV_PREFAULT", "0") == "1",
     # The start-up cache's root (model/weight_cache.py: parsed GGUFs, tokenizers; bench's
     # HF exports), default user_cache_dir(): see cache_root().

@@ -115,6 +115,12 @@ static inline int64_t gemm_panel_bytes(int fmt, int64_t k) {
  * a tile run by any other caller. */
 extern _Thread_local int gemm_first_row_block;
 
+/* Whether a block-format tile of MR rows (a constant) prefetches: read once per tile (a
+ * thread-local); a constant 0 for taller tiles, so they compile no prefetch code at all. */
+static inline __attribute__((always_inline)) int gemm_tile_prefetches(const int MR) {
+    return MR <= GEMM_PREFETCH_MAX_ROWS && gemm_first_row_block;
+}
+
 static inline __attribute__((always_inline)) void gemm_prefetch_panels(
     const uint8_t *w, int64_t panel_bytes, int P, int64_t at, int64_t len, int64_t ahead) {
     int64_t t = at + ahead, next = 0;

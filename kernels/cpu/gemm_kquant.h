@@ -128,7 +128,7 @@ static inline __attribute__((always_inline)) void gemm_kq_tile_zmm(
     int64_t panel_bytes, int64_t k, int64_t c0, int64_t n, const float *restrict bias,
     const int MR, const int P, const int F) {
     const int64_t nb = k / 32, xrow = q41_x_row_bytes(k), gb = gemm_group_bytes(F);
-    const int prefetch = gemm_first_row_block; /* gemm.h: read once, thread-local */
+    const int prefetch = gemm_tile_prefetches(MR);
     __m512 acc[MR][P];
     for (int m = 0; m < MR; m++)
         for (int p = 0; p < P; p++) acc[m][p] = _mm512_setzero_ps();
@@ -141,7 +141,7 @@ static inline __attribute__((always_inline)) void gemm_kq_tile_zmm(
             const int64_t b = 8 * g + s;
             for (int m = 0; m < MR; m++)
                 for (int p = 0; p < P; p++) dlo[m][p] = dhi[m][p] = (kq_v16i){0};
-            if (MR <= GEMM_PREFETCH_MAX_ROWS && prefetch)
+            if (prefetch)
                 gemm_prefetch_panels(w, panel_bytes, P, g * gb + s * gb / 8, gb / 8,
                                      GEMM_PREFETCH_BLOCKS * gb / 8);
             for (int j = 0; j < 4; j++)
@@ -316,7 +316,7 @@ static inline __attribute__((always_inline)) void gemm_kq_tile_ymm(
     int64_t h0, int64_t panel_bytes, int64_t k, int64_t c0, int64_t n,
     const float *restrict bias, const int MR, const int H, const int F) {
     const int64_t nb = k / 32, xrow = q41_x_row_bytes(k), gb = gemm_group_bytes(F);
-    const int prefetch = gemm_first_row_block; /* gemm.h: read once, thread-local */
+    const int prefetch = gemm_tile_prefetches(MR);
     const int widen = F == GEMM_Q4KP ? 4 : 2; /* chunks summed in int16 */
     const __m256i ones = _mm256_set1_epi16(1);
     const uint8_t *panel[H];
@@ -337,7 +337,7 @@ static inline __attribute__((always_inline)) void gemm_kq_tile_ymm(
         for (int s = 0; s < 8; s++) {
             const int64_t b = 8 * g + s;
             __m256i lo16[MR][H], hi16[MR][H], wide[H];
-            if (MR <= GEMM_PREFETCH_MAX_ROWS && prefetch)
+            if (prefetch)
                 gemm_prefetch_panels(panel[0], panel_bytes, (H + 1) / 2, g * gb + s * gb / 8,
                                      gb / 8, GEMM_PREFETCH_BLOCKS * gb / 8);
             for (int h = 0; h < H; h++) {

@@ -81,7 +81,7 @@ static inline __attribute__((always_inline)) void gemm_leg_tile_zmm(
     const int64_t nb = k / 32, xrow = q41_x_row_bytes(k);
     const int64_t gb = F == GEMM_Q80P ? LEG_Q80_GROUP_BYTES : LEG_Q40_GROUP_BYTES;
     const int32_t off = F == GEMM_Q80P ? LEG_Q80_ZMM_OFFSET : 8;
-    const int prefetch = gemm_first_row_block; /* gemm.h: read once, thread-local */
+    const int prefetch = gemm_tile_prefetches(MR);
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[MR][P];
     for (int m = 0; m < MR; m++)
@@ -90,7 +90,7 @@ static inline __attribute__((always_inline)) void gemm_leg_tile_zmm(
     for (int64_t b = 0; b < nb; b++) {
         for (int m = 0; m < MR; m++)
             for (int p = 0; p < P; p++) dot[m][p] = (q41_v16i){0};
-        if (MR <= GEMM_PREFETCH_MAX_ROWS && prefetch)
+        if (prefetch)
             gemm_prefetch_panels(w, panel_bytes, P, b * gb, gb, GEMM_PREFETCH_BLOCKS * gb);
         for (int j = 0; j < 4; j++)
             for (int p = 0; p < P; p++) {
@@ -205,7 +205,7 @@ static inline __attribute__((always_inline)) void gemm_leg_tile_ymm(
     const int64_t nb = k / 32, xrow = q41_x_row_bytes(k);
     const int64_t gb = F == GEMM_Q80P ? LEG_Q80_GROUP_BYTES : LEG_Q40_GROUP_BYTES;
     const int32_t off = F == GEMM_Q80P ? 0 : 8;
-    const int prefetch = gemm_first_row_block; /* gemm.h: read once, thread-local */
+    const int prefetch = gemm_tile_prefetches(MR);
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const __m256i bias8 = _mm256_set1_epi8((char)0x80);
     const uint8_t *panel[H];
@@ -221,7 +221,7 @@ static inline __attribute__((always_inline)) void gemm_leg_tile_ymm(
         __m256i dot[MR][H];
         for (int m = 0; m < MR; m++)
             for (int h = 0; h < H; h++) dot[m][h] = _mm256_setzero_si256();
-        if (MR <= GEMM_PREFETCH_MAX_ROWS && prefetch)
+        if (prefetch)
             gemm_prefetch_panels(panel[0], panel_bytes, (H + 1) / 2, b * gb, gb,
                                  GEMM_PREFETCH_BLOCKS * gb);
         for (int j = 0; j < 4; j++)

@@ -81,7 +81,7 @@ static inline __attribute__((always_inline)) void gemm_q41_tile_zmm(
     int64_t panel_bytes, int64_t k, int64_t c0, int64_t n, const float *restrict bias,
     const int MR, const int P) {
     const int64_t nb = k / 32, xrow = q41_x_row_bytes(k);
-    const int prefetch = gemm_first_row_block; /* gemm.h: read once, thread-local */
+    const int prefetch = gemm_tile_prefetches(MR);
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[MR][P];
     for (int m = 0; m < MR; m++)
@@ -90,7 +90,7 @@ static inline __attribute__((always_inline)) void gemm_q41_tile_zmm(
     for (int64_t b = 0; b < nb; b++) {
         for (int m = 0; m < MR; m++)
             for (int p = 0; p < P; p++) dot[m][p] = (q41_v16i){0};
-        if (MR <= GEMM_PREFETCH_MAX_ROWS && prefetch)
+        if (prefetch)
             gemm_prefetch_panels(w, panel_bytes, P, b * Q41_GROUP_BYTES, Q41_GROUP_BYTES,
                                  GEMM_PREFETCH_BLOCKS * Q41_GROUP_BYTES);
         for (int j = 0; j < 4; j++)
@@ -176,7 +176,7 @@ static inline __attribute__((always_inline)) void gemm_q41_tile_ymm(
     int64_t h0, int64_t panel_bytes, int64_t k, int64_t c0, int64_t n,
     const float *restrict bias, const int MR, const int H) {
     const int64_t nb = k / 32, xrow = q41_x_row_bytes(k);
-    const int prefetch = gemm_first_row_block; /* gemm.h: read once, thread-local */
+    const int prefetch = gemm_tile_prefetches(MR);
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const uint8_t *panel[H];
     int64_t second[H]; /* 1 for a panel's second half */
@@ -191,7 +191,7 @@ static inline __attribute__((always_inline)) void gemm_q41_tile_ymm(
         __m256i dot[MR][H];
         for (int m = 0; m < MR; m++)
             for (int h = 0; h < H; h++) dot[m][h] = _mm256_setzero_si256();
-        if (MR <= GEMM_PREFETCH_MAX_ROWS && prefetch)
+        if (prefetch)
             gemm_prefetch_panels(panel[0], panel_bytes, (H + 1) / 2, b * Q41_GROUP_BYTES,
                                  Q41_GROUP_BYTES, GEMM_PREFETCH_BLOCKS * Q41_GROUP_BYTES);
         for (int j = 0; j < 4; j++)

@@ -2,9 +2,6 @@
 runner's copy_blocks (worker/step_layout.py)."""
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
@@ -173,17 +170,13 @@ def test_copy_blocks_copies_every_layer_and_nothing_else() -> None:
         copy_blocks(caches, [1], [])
 
 
-def _small_arch() -> ModelArchConfig:
-    return ModelArchConfig(
+def test_kv_cache_shapes_and_bytes() -> None:
+    arch = ModelArchConfig(
         architecture="LlamaForCausalLM", vocab_size=100, hidden_size=64, intermediate_size=128,
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling=None, max_position_embeddings=64,
         tie_word_embeddings=True, attention_bias=False, qk_norm=False, bos_token_id=1,
         eos_token_ids=[2])
-
-
-def test_kv_cache_shapes_and_bytes() -> None:
-    arch = _small_arch()
     caches = make_kv_caches(arch, num_blocks=10, block_size=8, dtype=torch.float32, device=CPU)
     assert len(caches) == 3
     assert all(c.shape == (2, 10, 8, 2, 16) and c.dtype == torch.float32 for c in caches)
@@ -191,21 +184,3 @@ def test_kv_cache_shapes_and_bytes() -> None:
     assert per_block == 2 * 8 * 2 * 16 * 4 * 3
     assert per_block * 10 == sum(c.numel() * c.element_size() for c in caches)
     assert kv_cache_bytes_per_block(arch, 8, torch.bfloat16) == per_block // 2
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
-def test_kv_prefault_makes_the_cache_resident_at_once(monkeypatch) -> None:
-    """AIOENGINE_CPU_KV_PREFAULT=1: every page written at start-up (no step pays for first
-    touch); unset, 3 x 8 MiB of cache cost no memory until written."""
-    def resident_mib() -> float:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-    for prefault, low, high in (("0", -1.0, 2.0), ("1", 23.0, float("inf"))):
-        monkeypatch.setenv("AIOENGINE_CPU_KV_PREFAULT", prefault)
-        before = resident_mib()
-        caches = make_kv_caches(_small_arch(), num_blocks=1024, block_size=64,
-                                dtype=torch.float32, device=CPU)  # 8 MiB a layer
-        assert low < resident_mib() - before < high
-        assert not any(bool(c.any()) for c in caches)
-        del caches

@@ -172,10 +172,11 @@ def _rss() -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="Linux only")
-def test_kv_cache_is_zero_without_being_written() -> None:
+def test_kv_cache_is_zero_without_being_written(monkeypatch) -> None:
     """The CPU KV cache reads as zeros everywhere (padded reads of slots no request wrote
     must not meet a NaN), yet allocating it writes no page: 4 layers x 32 MiB leave the
     resident memory where it was. Memory freed just before, full of NaNs, is not reused."""
+    monkeypatch.delenv("AIOENGINE_CPU_KV_PREFAULT", raising=False)
     junk = [torch.full((8 << 20,), float("nan")) for _ in range(4)]
     del junk
     arch = _arch(4)
@@ -193,3 +194,15 @@ def test_kv_cache_is_zero_without_being_written() -> None:
     small = make_kv_caches(arch, 2, block_size, torch.float32, torch.device("cpu"))
     assert all(torch.count_nonzero(c) == 0 for c in small)
     assert math.prod(small[0].shape) * 4 < 1 << 20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="Linux only")
+def test_kv_prefault_makes_the_cache_resident_at_once(monkeypatch) -> None:
+    """AIOENGINE_CPU_KV_PREFAULT=1: every page written at start-up, so no step pays for a
+    fresh page's first touch; the cache still reads as zeros."""
+    monkeypatch.setenv("AIOENGINE_CPU_KV_PREFAULT", "1")
+    before = _rss()
+    caches = make_kv_caches(_arch(4), 8192, 16, torch.float32, torch.device("cpu"))
+    nbytes = sum(c.numel() * c.element_size() for c in caches)
+    assert _rss() - before >= nbytes * 7 // 8
+    assert all(torch.count_nonzero(c) == 0 for c in caches)
